@@ -1,0 +1,109 @@
+// CPU compute backend: GEMM through CBLAS (OpenBLAS), strided-batched GEMM,
+// the thread count of OpenBLAS, and the elementwise kernels layers share.
+// Layer-specific kernels with their own math live beside the layer in nn/.
+#pragma once
+
+#include <cblas.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <string>
+
+#include "whale/tensor/tensor.hpp"
+
+extern "C" void openblas_set_num_threads(int);
+extern "C" int openblas_get_num_threads(void);
+
+namespace whale::cpu {
+
+enum class trans : bool { no = false, yes = true };
+
+/// C(M,N) = alpha * op(A) * op(B) + beta * C, row-major, op(A) is (M,K), op(B) is (K,N).
+/// lda/ldb/ldc are the row strides of A, B, C as stored.
+inline void gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A,
+                 index_t lda, const float* B, index_t ldb, float beta, float* C, index_t ldc) {
+  if (M == 0 || N == 0) return;
+  cblas_sgemm(CblasRowMajor, ta == trans::yes ? CblasTrans : CblasNoTrans,
+              tb == trans::yes ? CblasTrans : CblasNoTrans, static_cast<int>(M),
+              static_cast<int>(N), static_cast<int>(K), alpha, A, static_cast<int>(lda), B,
+              static_cast<int>(ldb), beta, C, static_cast<int>(ldc));
+}
+
+/// Contiguous GEMM: lda/ldb/ldc follow from the stored shapes.
+inline void gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A,
+                 const float* B, float beta, float* C) {
+  gemm(ta, tb, M, N, K, alpha, A, ta == trans::yes ? M : K, B, tb == trans::yes ? K : N, beta, C,
+       N);
+}
+
+/// `count` GEMMs whose operands are `strideA/B/C` elements apart (attention heads).
+inline void gemm_strided_batched(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha,
+                                 const float* A, index_t lda, index_t strideA, const float* B,
+                                 index_t ldb, index_t strideB, float beta, float* C, index_t ldc,
+                                 index_t strideC, index_t count) {
+  for (index_t i = 0; i < count; ++i)
+    gemm(ta, tb, M, N, K, alpha, A + i * strideA, lda, B + i * strideB, ldb, beta, C + i * strideC,
+         ldc);
+}
+
+/// OpenBLAS threads for this process. Default 1 (one rank per core); WHALE_THREADS overrides.
+inline void set_threads(int n) { openblas_set_num_threads(n < 1 ? 1 : n); }
+inline int threads() { return openblas_get_num_threads(); }
+inline int default_threads() {
+  if (const char* e = std::getenv("WHALE_THREADS")) {
+    int n = std::atoi(e);
+    if (n >= 1) return n;
+  }
+  return 1;
+}
+
+// ---- elementwise kernels shared by layers (written to vectorize) ----
+
+/// y[r, :] += b for each of `rows` rows of width `cols`.
+inline void add_row_bias(float* __restrict y, const float* __restrict b, index_t rows,
+                         index_t cols) {
+  for (index_t r = 0; r < rows; ++r) {
+    float* yr = y + r * cols;
+    for (index_t c = 0; c < cols; ++c) yr[c] += b[c];
+  }
+}
+
+/// db[c] (+)= sum over rows of dy[r, c].
+inline void sum_rows(const float* __restrict dy, float* __restrict db, index_t rows, index_t cols,
+                     bool accumulate) {
+  if (!accumulate)
+    for (index_t c = 0; c < cols; ++c) db[c] = 0.f;
+  for (index_t r = 0; r < rows; ++r) {
+    const float* d = dy + r * cols;
+    for (index_t c = 0; c < cols; ++c) db[c] += d[c];
+  }
+}
+
+inline void axpy(index_t n, float a, const float* __restrict x, float* __restrict y) {
+  for (index_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+inline void scale(index_t n, float a, float* __restrict x) {
+  for (index_t i = 0; i < n; ++i) x[i] *= a;
+}
+
+inline double sum_squares(index_t n, const float* __restrict x) {
+  // Blocked float partial sums, accumulated in double: vectorizes and stays accurate.
+  double total = 0.0;
+  constexpr index_t block = 4096;
+  for (index_t i0 = 0; i0 < n; i0 += block) {
+    const index_t e = i0 + block < n ? i0 + block : n;
+    float s = 0.f;
+    for (index_t i = i0; i < e; ++i) s += x[i] * x[i];
+    total += s;
+  }
+  return total;
+}
+
+inline bool all_finite(index_t n, const float* x) {
+  float acc = 0.f;
+  for (index_t i = 0; i < n; ++i) acc += x[i] * 0.f;  // NaN/Inf propagate, finite gives 0
+  return acc == 0.f;
+}
+
+}  // namespace whale::cpu

@@ -1,0 +1,160 @@
+// The `Layer` concept and what every layer shares: the per-pass context
+// (`step_ctx`), parameter binding into one flat buffer (`param_binder`),
+// per-micro-batch activation slots, and constexpr cost metadata.
+// Concrete layers live in their own headers beside this one.
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <functional>
+#include <ostream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "whale/tensor/random.hpp"
+#include "whale/tensor/tensor.hpp"
+
+namespace whale {
+
+/// Feature size of a layer that keeps whatever width it is given (relu, gelu, ...).
+inline constexpr index_t any_features = -1;
+
+/// Cost of a layer per row (a sample, or a token for sequence models).
+struct cost_info {
+  double fwd_flops = 0;    ///< forward FLOPs per row
+  double bwd_flops = 0;    ///< backward FLOPs per row (input and parameter gradients)
+  index_t params = 0;      ///< parameter count
+  double act_bytes = 0;    ///< bytes kept for backward per row
+  double seq_flops = 0;    ///< extra forward FLOPs per row per token of context (attention)
+  bool per_feature = false;  ///< flops and bytes are per feature: scale by the width
+  constexpr cost_info& operator+=(const cost_info& o) {
+    fwd_flops += o.fwd_flops;
+    bwd_flops += o.bwd_flops;
+    params += o.params;
+    act_bytes += o.act_bytes;
+    seq_flops += o.seq_flops;
+    return *this;
+  }
+  constexpr cost_info scaled(double width) const {
+    cost_info r = *this;
+    if (per_feature) {
+      r.fwd_flops *= width;
+      r.bwd_flops *= width;
+      r.act_bytes *= width;
+      r.per_feature = false;
+    }
+    return r;
+  }
+  constexpr index_t param_bytes() const { return params * 4; }
+};
+
+/// What one forward/backward pass needs to know at run time.
+struct step_ctx {
+  index_t batch = 0;        ///< sequences (or samples) on this rank in this pass
+  index_t seq = 1;          ///< tokens per sequence; 1 for non-sequence models
+  index_t global_rows = 0;  ///< loss terms in the global batch (the loss is their mean)
+  int slot = 0;             ///< activation slot: which in-flight micro-batch this is
+  bool accumulate = false;  ///< add to parameter gradients instead of overwriting them
+  bool need_input_grad = true;  ///< whether the caller needs d(input) from backward
+  /// Called during backward when every gradient at flat offset >= `offset` is final.
+  std::function<void(index_t offset)> grads_ready;
+  index_t rows() const noexcept { return batch * seq; }
+};
+
+/// Hands out consecutive slices of the flat parameter and gradient buffers.
+class param_binder {
+ public:
+  struct slot {
+    view<float> value;
+    view<float> grad;
+    index_t offset = 0;
+  };
+  param_binder(float* params, float* grads, index_t capacity)
+      : params_(params), grads_(grads), capacity_(capacity) {}
+  slot take(shape s) {
+    const index_t n = s.numel();
+    if (offset_ + n > capacity_)
+      throw std::logic_error("whale::param_binder: layers asked for more parameters (" +
+                             std::to_string(offset_ + n) + ") than were counted (" +
+                             std::to_string(capacity_) + ")");
+    slot r{view<float>(params_ + offset_, s), view<float>(grads_ + offset_, s), offset_};
+    offset_ += n;
+    return r;
+  }
+  index_t offset() const noexcept { return offset_; }
+
+ private:
+  float* params_;
+  float* grads_;
+  index_t capacity_;
+  index_t offset_ = 0;
+};
+
+/// Per-slot activation state of a layer (one per in-flight micro-batch).
+template <class State>
+class slots {
+ public:
+  State& operator()(int slot) {
+    if (slot < 0) throw std::out_of_range("whale::slots: negative activation slot");
+    if (static_cast<std::size_t>(slot) >= s_.size()) s_.resize(static_cast<std::size_t>(slot) + 1);
+    return s_[static_cast<std::size_t>(slot)];
+  }
+  std::size_t size() const noexcept { return s_.size(); }
+
+ private:
+  std::vector<State> s_;
+};
+
+/// A layer: typed features, parameters bound into flat buffers, forward and
+/// backward on row-major activations of shape (rows, features).
+template <class L>
+concept Layer = requires(L& l, step_ctx& c, param_binder& b, const counter_rng& r,
+                         cview<typename L::input_type> x, cview<float> dy) {
+  typename L::input_type;
+  { L::in_features } -> std::convertible_to<index_t>;
+  { L::out_features } -> std::convertible_to<index_t>;
+  { L::cost() } -> std::same_as<cost_info>;
+  { l.param_count() } -> std::convertible_to<index_t>;
+  l.bind(b);
+  l.init(r);
+  { l.forward(c, x) } -> std::same_as<view<float>>;
+  { l.backward(c, dy) } -> std::same_as<view<float>>;
+};
+
+/// A loss: consumes logits and integer labels, returns the loss summed over
+/// local rows and divided by `global_rows`, and produces d(logits).
+template <class L>
+concept Loss = requires(L& l, step_ctx& c, cview<typename L::input_type> x,
+                        cview<std::int32_t> labels) {
+  typename L::input_type;
+  { L::in_features } -> std::convertible_to<index_t>;
+  { L::cost() } -> std::same_as<cost_info>;
+  { l.param_count() } -> std::convertible_to<index_t>;
+  { l.forward_loss(c, x, labels) } -> std::convertible_to<double>;
+  { l.backward_loss(c) } -> std::same_as<view<float>>;
+};
+
+/// A readable name for a layer type: L::name() when it has one.
+template <class L> std::string layer_name() {
+  if constexpr (requires { L::name(); }) return L::name();
+  else return "layer";
+}
+
+/// Layers without parameters get these members by inheriting.
+struct stateless_params {
+  static constexpr index_t param_count() noexcept { return 0; }
+  static void bind(param_binder&) noexcept {}
+  static void init(const counter_rng&) noexcept {}
+};
+
+namespace detail {
+/// Ensure a slot buffer has shape s (reallocates only when it grows).
+inline view<float> ensure(tensor<float>& t, shape s, mem_kind k = mem_kind::activations) {
+  if (t.capacity() == 0) t.set_kind(k);
+  t.resize(s);
+  return t.v();
+}
+}  // namespace detail
+
+}  // namespace whale

@@ -1,0 +1,85 @@
+// `linear<In, Out>`: y = x W^T + b with W of shape (Out, In), as in PyTorch.
+// The unsplit layer only; its column- and row-parallel forms are in strategy/.
+#pragma once
+
+#include <cmath>
+#include <string>
+
+#include "whale/backend/cpu.hpp"
+#include "whale/nn/layer.hpp"
+
+namespace whale {
+
+/// Fully connected layer. Parameters: W (Out, In), then b (Out). Init as
+/// PyTorch: uniform(-1/sqrt(In), 1/sqrt(In)), element i of the flat (W, b)
+/// drawn from the layer's stream at index i, so any slice can be made alone.
+template <index_t In, index_t Out>
+struct linear {
+  static_assert(In > 0 && Out > 0, "whale::linear: In and Out must be positive feature counts");
+  using input_type = float;
+  static constexpr index_t in_features = In;
+  static constexpr index_t out_features = Out;
+
+  static std::string name() { return "linear<" + std::to_string(In) + ", " + std::to_string(Out) + ">"; }
+  static constexpr cost_info cost() {
+    cost_info c;
+    c.fwd_flops = 2.0 * In * Out;
+    c.bwd_flops = 4.0 * In * Out;
+    c.params = In * Out + Out;
+    c.act_bytes = 4.0 * (In + Out);  // saved input and the output buffer
+    return c;
+  }
+  static constexpr index_t param_count() noexcept { return In * Out + Out; }
+
+  void bind(param_binder& b) {
+    auto w = b.take({Out, In});
+    auto bias = b.take({Out});
+    w_ = w.value;
+    dw_ = w.grad;
+    b_ = bias.value;
+    db_ = bias.grad;
+  }
+  void init(const counter_rng& r) {
+    const double k = 1.0 / std::sqrt(static_cast<double>(In));
+    for (index_t i = 0; i < In * Out; ++i) w_[i] = static_cast<float>((2 * r.uniform(i) - 1) * k);
+    for (index_t o = 0; o < Out; ++o)
+      b_[o] = static_cast<float>((2 * r.uniform(In * Out + o) - 1) * k);
+  }
+
+  // x: (R, In) -> y: (R, Out)
+  view<float> forward(step_ctx& c, cview<float> x) {
+    auto& s = st_(c.slot);
+    const index_t R = x.numel() / In;
+    s.x = x;
+    auto y = detail::ensure(s.y, {R, Out});
+    for (index_t r = 0; r < R; ++r) std::memcpy(y.data() + r * Out, b_.data(), Out * sizeof(float));
+    cpu::gemm(cpu::trans::no, cpu::trans::yes, R, Out, In, 1.f, x.data(), w_.data(), 1.f, y.data());
+    return y;
+  }
+  // dy: (R, Out) -> dx: (R, In)
+  view<float> backward(step_ctx& c, cview<float> dy) {
+    auto& s = st_(c.slot);
+    const index_t R = dy.numel() / Out;
+    const float beta = c.accumulate ? 1.f : 0.f;
+    cpu::gemm(cpu::trans::yes, cpu::trans::no, Out, In, R, 1.f, dy.data(), s.x.data(), beta,
+              dw_.data());
+    cpu::sum_rows(dy.data(), db_.data(), R, Out, c.accumulate);
+    if (!c.need_input_grad) return {};
+    auto dx = detail::ensure(s.dx, {R, In});
+    cpu::gemm(cpu::trans::no, cpu::trans::no, R, In, Out, 1.f, dy.data(), w_.data(), 0.f, dx.data());
+    return dx;
+  }
+
+  view<float> weight() const noexcept { return w_; }
+  view<float> bias() const noexcept { return b_; }
+
+ private:
+  struct state {
+    cview<float> x;
+    tensor<float> y, dx;
+  };
+  view<float> w_, dw_, b_, db_;
+  slots<state> st_;
+};
+
+}  // namespace whale

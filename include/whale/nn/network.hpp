@@ -1,0 +1,66 @@
+// `network<M>`: a model M (a Loss, e.g. a sequential ending in
+// softmax_cross_entropy) with its parameters and gradients in two flat,
+// huge-page buffers, initialised from a seed. No parallelism here: the
+// strategies in strategy/ decide what each rank holds and communicates.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+
+#include "whale/nn/layer.hpp"
+
+namespace whale {
+
+/// A model bound to flat parameter/gradient storage.
+template <class M>
+class network {
+  static_assert(Loss<M>,
+                "whale::network: the model must end in a loss (e.g. sequential<..., "
+                "softmax_cross_entropy>) so that it can be trained");
+
+ public:
+  using model_type = M;
+  using input_type = typename M::input_type;
+
+  explicit network(seed s) {
+    const index_t n = model_.param_count();
+    params_ = tensor<float>({n}, mem_kind::params);
+    grads_ = tensor<float>({n}, mem_kind::grads);
+    param_binder b(params_.data(), grads_.data(), n);
+    model_.bind(b);
+    model_.init(counter_rng(s));
+  }
+  network(const network&) = delete;
+  network& operator=(const network&) = delete;
+
+  /// One forward and backward pass; returns this rank's share of the loss.
+  double train_step(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) {
+    const double loss = model_.forward_loss(c, x, labels);
+    c.need_input_grad = false;
+    model_.backward_loss(c);
+    return loss;
+  }
+  /// Forward only; returns this rank's share of the loss.
+  double evaluate(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) {
+    return model_.forward_loss(c, x, labels);
+  }
+
+  M& model() noexcept { return model_; }
+  const M& model() const noexcept { return model_; }
+  view<float> params() const noexcept { return params_.v(); }
+  view<float> grads() const noexcept { return grads_.v(); }
+  index_t param_count() const noexcept { return params_.numel(); }
+
+  friend std::ostream& operator<<(std::ostream& os, const network& n) {
+    os << "network: " << n.param_count() << " parameters ("
+       << static_cast<double>(n.param_count()) * 4 / 1048576.0 << " MiB)\n";
+    M::print_structure(os, 2, M::in_features);
+    return os;
+  }
+
+ private:
+  M model_;
+  tensor<float> params_, grads_;
+};
+
+}  // namespace whale

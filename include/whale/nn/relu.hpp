@@ -1,0 +1,52 @@
+// `relu`: y = max(x, 0), elementwise, any width. Keeps its output for backward.
+#pragma once
+
+#include <string>
+
+#include "whale/nn/layer.hpp"
+
+namespace whale {
+
+/// Rectified linear unit; keeps the feature width it is given.
+struct relu : stateless_params {
+  using input_type = float;
+  static constexpr index_t in_features = any_features;
+  static constexpr index_t out_features = any_features;
+  static std::string name() { return "relu"; }
+  static constexpr cost_info cost() {
+    cost_info c;
+    c.fwd_flops = 1;
+    c.bwd_flops = 1;
+    c.act_bytes = 8;  // output and input-gradient buffers
+    c.per_feature = true;
+    return c;
+  }
+
+  view<float> forward(step_ctx& c, cview<float> x) {
+    auto& s = st_(c.slot);
+    auto y = detail::ensure(s.y, x.shape());
+    const index_t n = x.numel();
+    const float* __restrict xp = x.data();
+    float* __restrict yp = y.data();
+    for (index_t i = 0; i < n; ++i) yp[i] = xp[i] > 0.f ? xp[i] : 0.f;
+    return y;
+  }
+  view<float> backward(step_ctx& c, cview<float> dy) {
+    auto& s = st_(c.slot);
+    auto dx = detail::ensure(s.dx, dy.shape());
+    const index_t n = dy.numel();
+    const float* __restrict yp = s.y.data();
+    const float* __restrict g = dy.data();
+    float* __restrict d = dx.data();
+    for (index_t i = 0; i < n; ++i) d[i] = yp[i] > 0.f ? g[i] : 0.f;
+    return dx;
+  }
+
+ private:
+  struct state {
+    tensor<float> y, dx;
+  };
+  slots<state> st_;
+};
+
+}  // namespace whale

@@ -1,0 +1,226 @@
+// `sequential<L...>`: layers applied in order, checked at compile time (each
+// layer's in_features equals the width the previous one produces). When the
+// last element is a Loss, the sequential is itself a Loss.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <ostream>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#include "whale/nn/layer.hpp"
+
+namespace whale {
+
+namespace detail {
+
+/// Named in the compiler's error when two neighbouring layers disagree on a width:
+/// Producer makes `Produced` features, Consumer expects `Expected`.
+template <class Producer, class Consumer, index_t Produced, index_t Expected>
+struct feature_mismatch {
+  static_assert(Produced == Expected,
+                "whale::sequential: a layer's in_features must equal the out_features of the "
+                "layer before it; the two layers and their sizes are in "
+                "'feature_mismatch<Producer, Consumer, produced, expected>' below. Change one of "
+                "them so the sizes agree");
+  static constexpr bool value = true;
+};
+
+template <class L> constexpr bool is_layer_or_loss = Layer<L> || Loss<L>;
+
+template <class... L> struct widths {
+  static constexpr std::size_t n = sizeof...(L);
+  static constexpr std::array<index_t, n> ins{L::in_features...};
+  static constexpr std::array<index_t, n> outs{L::out_features...};
+  // width flowing into layer i (any_features if not yet known), and who produced it
+  static constexpr std::array<index_t, n + 1> in_width = [] {
+    std::array<index_t, n + 1> w{};
+    index_t cur = any_features;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (cur == any_features) cur = ins[i];
+      w[i] = cur;
+      if (outs[i] != any_features) cur = outs[i];
+    }
+    w[n] = cur;
+    return w;
+  }();
+  static constexpr std::array<std::size_t, n + 1> producer = [] {
+    std::array<std::size_t, n + 1> p{};
+    std::size_t cur = n;  // n: none yet
+    for (std::size_t i = 0; i < n; ++i) {
+      p[i] = cur;
+      if (outs[i] != any_features) cur = i;
+    }
+    p[n] = cur;
+    return p;
+  }();
+};
+
+template <class Tuple, class W, std::size_t... I>
+constexpr bool check_features(std::index_sequence<I...>) {
+  // For each layer with a fixed in_features and a known producer, instantiate the check.
+  auto one = []<std::size_t J>(std::integral_constant<std::size_t, J>) {
+    if constexpr (std::tuple_element_t<J, Tuple>::in_features != any_features &&
+                  W::producer[J] < W::n) {
+      using P = std::tuple_element_t<W::producer[J], Tuple>;
+      using C = std::tuple_element_t<J, Tuple>;
+      return feature_mismatch<P, C, P::out_features, C::in_features>::value;
+    } else {
+      return true;
+    }
+  };
+  return (one(std::integral_constant<std::size_t, I>{}) && ...);
+}
+
+template <class L> void print_layer(std::ostream& os, int indent, index_t width) {
+  if constexpr (requires { L::print_structure(os, indent, width); }) {
+    L::print_structure(os, indent, width);
+  } else {
+    const auto c = L::cost().scaled(static_cast<double>(width));
+    os << std::string(static_cast<std::size_t>(indent), ' ') << layer_name<L>();
+    if (c.params) os << "  [" << c.params << " params]";
+    os << '\n';
+  }
+}
+
+}  // namespace detail
+
+/// Layers applied in order. The last element may be a Loss (then this is a Loss).
+template <class... L>
+class sequential {
+  static_assert(sizeof...(L) > 0, "whale::sequential: a sequential needs at least one layer");
+
+ public:
+  using tuple_type = std::tuple<L...>;
+  static constexpr std::size_t size = sizeof...(L);
+  using first = std::tuple_element_t<0, tuple_type>;
+  using last = std::tuple_element_t<size - 1, tuple_type>;
+  static constexpr bool has_loss = Loss<last>;
+  static constexpr std::size_t n_layers = has_loss ? size - 1 : size;
+
+ private:
+  static_assert((detail::is_layer_or_loss<L> && ...),
+                "whale::sequential: every element must model whale::Layer (or whale::Loss for "
+                "the last one); check the concept's requirements for the offending type");
+  template <std::size_t... I>
+  static constexpr bool all_but_last_are_layers(std::index_sequence<I...>) {
+    return (Layer<std::tuple_element_t<I, tuple_type>> && ...);
+  }
+  static_assert(all_but_last_are_layers(std::make_index_sequence<n_layers>{}),
+                "whale::sequential: a Loss (softmax_cross_entropy, or a sequential ending in "
+                "one) may only be the last element; move it to the end");
+  using W = detail::widths<L...>;
+  static constexpr bool features_ok =
+      detail::check_features<tuple_type, W>(std::make_index_sequence<size>{});
+  static_assert(features_ok, "whale::sequential: feature sizes of neighbouring layers disagree");
+
+ public:
+  using input_type = typename first::input_type;
+  static constexpr index_t in_features = W::in_width[0];
+  static constexpr index_t out_features = has_loss ? 1 : W::in_width[size];
+
+  static std::string name() {
+    std::string s = "sequential<";
+    std::size_t i = 0;
+    ((s += (i++ ? ", " : "") + layer_name<L>()), ...);
+    return s + ">";
+  }
+
+  /// Sum of the layers' costs, elementwise layers scaled by the width they see.
+  static constexpr cost_info cost() {
+    cost_info c;
+    std::size_t i = 0;
+    ((c += L::cost().scaled(W::in_width[i] == any_features ? 0.0
+                                                           : static_cast<double>(W::in_width[i])),
+      ++i),
+     ...);
+    return c;
+  }
+  static void print_structure(std::ostream& os, int indent, index_t) {
+    std::size_t i = 0;
+    ((detail::print_layer<L>(os, indent, W::in_width[i]), ++i), ...);
+  }
+
+  index_t param_count() const {
+    return std::apply([](const auto&... l) { return (index_t{0} + ... + l.param_count()); },
+                      layers_);
+  }
+  void bind(param_binder& b) {
+    bind_each(b, std::make_index_sequence<size>{});
+  }
+  void init(const counter_rng& r) {
+    init_each(r, std::make_index_sequence<size>{});
+  }
+
+  /// Through every layer (all but the loss, if there is one).
+  view<float> forward(step_ctx& c, cview<input_type> x)
+    requires(n_layers > 0)
+  {
+    return fwd<0>(c, x);
+  }
+  /// Backward through every layer (all but the loss); returns d(input) if asked for.
+  view<float> backward(step_ctx& c, cview<float> dy)
+    requires(n_layers > 0)
+  {
+    return bwd<n_layers - 1>(c, dy);
+  }
+
+  /// Forward through the layers and the loss; returns this rank's share of the loss.
+  double forward_loss(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels)
+    requires has_loss
+  {
+    if constexpr (n_layers == 0) {
+      return std::get<size - 1>(layers_).forward_loss(c, x, labels);
+    } else {
+      auto y = fwd<0>(c, x);
+      return std::get<size - 1>(layers_).forward_loss(c, cview<float>(y), labels);
+    }
+  }
+  /// Backward from the loss through every layer; returns d(input) if asked for.
+  view<float> backward_loss(step_ctx& c)
+    requires has_loss
+  {
+    const bool outer = c.need_input_grad;
+    c.need_input_grad = n_layers > 0 || outer;
+    auto d = std::get<size - 1>(layers_).backward_loss(c);
+    c.need_input_grad = outer;
+    if (c.grads_ready) c.grads_ready(offset_[size - 1]);
+    if constexpr (n_layers == 0) return d;
+    else return bwd<n_layers - 1>(c, d);
+  }
+
+  template <std::size_t I> auto& get() noexcept { return std::get<I>(layers_); }
+  template <std::size_t I> const auto& get() const noexcept { return std::get<I>(layers_); }
+  /// Flat parameter offset of element I (valid after bind).
+  index_t offset(std::size_t i) const noexcept { return offset_[i]; }
+
+ private:
+  template <std::size_t... I> void bind_each(param_binder& b, std::index_sequence<I...>) {
+    ((offset_[I] = b.offset(), std::get<I>(layers_).bind(b)), ...);
+  }
+  template <std::size_t... I> void init_each(const counter_rng& r, std::index_sequence<I...>) {
+    (std::get<I>(layers_).init(r.child(I)), ...);
+  }
+  template <std::size_t I, class X> view<float> fwd(step_ctx& c, X x) {
+    auto y = std::get<I>(layers_).forward(c, x);
+    if constexpr (I + 1 < n_layers) return fwd<I + 1>(c, cview<float>(y));
+    else return y;
+  }
+  template <std::size_t I> view<float> bwd(step_ctx& c, cview<float> dy) {
+    const bool outer = c.need_input_grad;
+    c.need_input_grad = I > 0 || outer;
+    auto dx = std::get<I>(layers_).backward(c, dy);
+    c.need_input_grad = outer;
+    if (c.grads_ready) c.grads_ready(offset_[I]);
+    if constexpr (I > 0) return bwd<I - 1>(c, cview<float>(dx));
+    else return dx;
+  }
+
+  tuple_type layers_;
+  std::array<index_t, size> offset_{};
+};
+
+}  // namespace whale

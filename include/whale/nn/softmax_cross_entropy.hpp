@@ -1,0 +1,73 @@
+// `softmax_cross_entropy`: fused, numerically stable softmax + negative
+// log-likelihood over integer labels. The unsplit loss; the class-split form
+// (distributed max and sum) is in strategy/.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "whale/nn/layer.hpp"
+
+namespace whale {
+
+/// Mean cross-entropy over the global batch. forward_loss returns this rank's
+/// rows' share (sum of their losses / global_rows), so shares add up to the mean.
+struct softmax_cross_entropy : stateless_params {
+  using input_type = float;
+  static constexpr index_t in_features = any_features;
+  static constexpr index_t out_features = 1;
+  static std::string name() { return "softmax_cross_entropy"; }
+  static constexpr cost_info cost() {
+    cost_info c;
+    c.fwd_flops = 4;
+    c.bwd_flops = 2;
+    c.act_bytes = 4;  // the probabilities, reused as the gradient
+    c.per_feature = true;
+    return c;
+  }
+
+  // logits: (R, C), labels: (R) -> loss share; d(logits) kept for backward_loss.
+  double forward_loss(step_ctx& c, cview<float> logits, cview<std::int32_t> labels) {
+    const index_t R = labels.numel();
+    if (R == 0) return 0.0;
+    const index_t C = logits.numel() / R;
+    if (C * R != logits.numel())
+      throw std::invalid_argument("whale::softmax_cross_entropy: " + std::to_string(logits.numel()) +
+                                  " logits do not form " + std::to_string(R) + " rows");
+    auto& s = st_(c.slot);
+    auto p = detail::ensure(s.grad, {R, C});
+    const double inv = c.global_rows > 0 ? 1.0 / static_cast<double>(c.global_rows) : 1.0 / R;
+    double total = 0.0;
+    for (index_t r = 0; r < R; ++r) {
+      const float* __restrict z = logits.data() + r * C;
+      float* __restrict q = p.data() + r * C;
+      const std::int32_t y = labels[r];
+      if (y < 0 || y >= C)
+        throw std::out_of_range("whale::softmax_cross_entropy: label " + std::to_string(y) +
+                                " out of range for " + std::to_string(C) + " classes");
+      float m = z[0];
+      for (index_t j = 1; j < C; ++j) m = z[j] > m ? z[j] : m;
+      float sum = 0.f;
+      for (index_t j = 0; j < C; ++j) {
+        q[j] = std::exp(z[j] - m);
+        sum += q[j];
+      }
+      total += std::log(static_cast<double>(sum)) + m - z[y];
+      const float scale = static_cast<float>(inv) / sum;
+      for (index_t j = 0; j < C; ++j) q[j] *= scale;
+      q[y] -= static_cast<float>(inv);
+    }
+    return total * inv;
+  }
+  view<float> backward_loss(step_ctx& c) { return st_(c.slot).grad.v(); }
+
+ private:
+  struct state {
+    tensor<float> grad;
+  };
+  slots<state> st_;
+};
+
+}  // namespace whale

@@ -1,0 +1,36 @@
+// The `Optimizer` concept (an update rule on a flat slice of parameters with
+// its own state) and gradient clipping by global norm. Rules: sgd.hpp, adamw.hpp.
+#pragma once
+
+#include <cmath>
+#include <concepts>
+#include <cstdint>
+
+#include "whale/backend/cpu.hpp"
+#include "whale/tensor/tensor.hpp"
+
+namespace whale {
+
+/// An update rule: `make_state(n)` for n parameters, `update(state, p, g)` once per step.
+template <class O>
+concept Optimizer = requires(const O& o, typename O::state& s, view<float> p, cview<float> g) {
+  typename O::state;
+  { o.make_state(index_t{}) } -> std::same_as<typename O::state>;
+  o.update(s, p, g);
+};
+
+/// Scale factor that brings a gradient of global norm `norm` to at most `max_norm`.
+inline float clip_coefficient(double norm, double max_norm) {
+  if (max_norm <= 0 || norm <= max_norm) return 1.f;
+  return static_cast<float>(max_norm / (norm + 1e-6));
+}
+
+/// Clip gradients in place by their norm (single process); returns the norm before clipping.
+inline double clip_grad_norm(view<float> g, double max_norm) {
+  const double norm = std::sqrt(cpu::sum_squares(g.numel(), g.data()));
+  const float k = clip_coefficient(norm, max_norm);
+  if (k != 1.f) cpu::scale(g.numel(), k, g.data());
+  return norm;
+}
+
+}  // namespace whale
