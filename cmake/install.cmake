@@ -1,21 +1,32 @@
-# Installation and package config so that find_package(whale) works.
+# Install rules and the package config, so that find_package(whale) works.
+# One export set per target: whale::whale always; whale::mpi and whale::cuda
+# only when they were configured here. The config finds each backend's
+# dependencies and makes the backend target only when they are found, so
+# `find_package(whale COMPONENTS mpi)` fails cleanly where MPI is missing.
 include(CMakePackageConfigHelpers)
-set(_whale_targets whale)
+set(_whale_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/whale)
+
+install(TARGETS whale EXPORT whaleTargets)
+install(EXPORT whaleTargets NAMESPACE whale:: DESTINATION ${_whale_cmake_dir})
+set(WHALE_EXPORTED_COMPONENTS "")
 if(TARGET whale_mpi)
-  list(APPEND _whale_targets whale_mpi)
+  install(TARGETS whale_mpi EXPORT whaleMpiTargets)
+  install(EXPORT whaleMpiTargets NAMESPACE whale:: DESTINATION ${_whale_cmake_dir})
+  list(APPEND WHALE_EXPORTED_COMPONENTS mpi)
 endif()
 if(TARGET whale_cuda)
-  list(APPEND _whale_targets whale_cuda)
+  install(TARGETS whale_cuda EXPORT whaleCudaTargets)
+  install(EXPORT whaleCudaTargets NAMESPACE whale:: DESTINATION ${_whale_cmake_dir})
+  list(APPEND WHALE_EXPORTED_COMPONENTS cuda)
 endif()
-install(TARGETS ${_whale_targets} EXPORT whaleTargets)
-install(DIRECTORY include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-install(EXPORT whaleTargets NAMESPACE whale:: DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/whale)
-configure_package_config_file(cmake/whaleConfig.cmake.in
+
+install(DIRECTORY ${CMAKE_CURRENT_LIST_DIR}/../include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+configure_package_config_file(${CMAKE_CURRENT_LIST_DIR}/whaleConfig.cmake.in
   ${CMAKE_CURRENT_BINARY_DIR}/whaleConfig.cmake
-  INSTALL_DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/whale)
+  INSTALL_DESTINATION ${_whale_cmake_dir})
 write_basic_package_version_file(${CMAKE_CURRENT_BINARY_DIR}/whaleConfigVersion.cmake
   COMPATIBILITY SameMinorVersion ARCH_INDEPENDENT)
 install(FILES ${CMAKE_CURRENT_BINARY_DIR}/whaleConfig.cmake
   ${CMAKE_CURRENT_BINARY_DIR}/whaleConfigVersion.cmake
-  cmake/FindOpenBLAS.cmake cmake/FindNCCL.cmake
-  DESTINATION ${CMAKE_INSTALL_LIBDIR}/cmake/whale)
+  ${CMAKE_CURRENT_LIST_DIR}/FindOpenBLAS.cmake ${CMAKE_CURRENT_LIST_DIR}/FindNCCL.cmake
+  DESTINATION ${_whale_cmake_dir})

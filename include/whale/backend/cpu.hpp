@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 #include "whale/tensor/tensor.hpp"
 
@@ -18,11 +19,28 @@ namespace whale::cpu {
 
 enum class trans : bool { no = false, yes = true };
 
+/// One GEMM as issued: transposes and sizes. Benchmarks record a step's GEMMs
+/// (set_gemm_log) and time them alone to measure the compute limit.
+struct gemm_call {
+  bool ta = false, tb = false;
+  index_t M = 0, N = 0, K = 0;
+  double flops() const noexcept { return 2.0 * static_cast<double>(M) * N * K; }
+};
+namespace detail {
+inline std::vector<gemm_call>*& gemm_log() noexcept {
+  static std::vector<gemm_call>* log = nullptr;
+  return log;
+}
+}  // namespace detail
+/// Record every GEMM into `log` until called with nullptr.
+inline void set_gemm_log(std::vector<gemm_call>* log) noexcept { detail::gemm_log() = log; }
+
 /// C(M,N) = alpha * op(A) * op(B) + beta * C, row-major, op(A) is (M,K), op(B) is (K,N).
 /// lda/ldb/ldc are the row strides of A, B, C as stored.
 inline void gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A,
                  index_t lda, const float* B, index_t ldb, float beta, float* C, index_t ldc) {
   if (M == 0 || N == 0) return;
+  if (auto* log = detail::gemm_log()) log->push_back({ta == trans::yes, tb == trans::yes, M, N, K});
   cblas_sgemm(CblasRowMajor, ta == trans::yes ? CblasTrans : CblasNoTrans,
               tb == trans::yes ? CblasTrans : CblasNoTrans, static_cast<int>(M),
               static_cast<int>(N), static_cast<int>(K), alpha, A, static_cast<int>(lda), B,

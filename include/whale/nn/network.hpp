@@ -7,6 +7,10 @@
 #include <cstdint>
 #include <ostream>
 
+#include <cmath>
+#include <utility>
+
+#include "whale/backend/cpu.hpp"
 #include "whale/nn/layer.hpp"
 
 namespace whale {
@@ -43,6 +47,21 @@ class network {
   /// Forward only; returns this rank's share of the loss.
   double evaluate(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) {
     return model_.forward_loss(c, x, labels);
+  }
+
+  // ---- Trainable (single process): the whole batch, no communication ----
+  std::pair<index_t, index_t> local_batch(index_t global_batch) const { return {0, global_batch}; }
+  double reduce_loss(double share) const noexcept { return share; }
+  double grad_norm() const { return std::sqrt(cpu::sum_squares(grads_.numel(), grads_.data())); }
+  int rank() const noexcept { return 0; }
+  int world_size() const noexcept { return 1; }
+  template <class O> typename O::state make_optimizer_state(const O& opt) const {
+    return opt.make_state(param_count());
+  }
+  /// Scale gradients by `grad_scale` (clipping) and apply one optimizer step.
+  template <class O> void apply_optimizer(const O& opt, typename O::state& s, float grad_scale) {
+    if (grad_scale != 1.f) cpu::scale(grads_.numel(), grad_scale, grads_.data());
+    opt.update(s, params_.v(), grads_.v());
   }
 
   M& model() noexcept { return model_; }

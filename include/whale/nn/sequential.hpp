@@ -23,9 +23,9 @@ template <class Producer, class Consumer, index_t Produced, index_t Expected>
 struct feature_mismatch {
   static_assert(Produced == Expected,
                 "whale::sequential: a layer's in_features must equal the out_features of the "
-                "layer before it; the two layers and their sizes are in "
-                "'feature_mismatch<Producer, Consumer, produced, expected>' below. Change one of "
-                "them so the sizes agree");
+                "layer before it; the two layers and their sizes are named in "
+                "'feature_mismatch<Producer, Consumer, produced, expected>' in the compiler's "
+                "instantiation notes. Change one of them so the sizes agree");
   static constexpr bool value = true;
 };
 

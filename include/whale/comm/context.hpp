@@ -1,0 +1,236 @@
+// whale::context: process start-up and shut-down. Initializes MPI when built
+// with whale::mpi (else a world of one local rank), reads and removes whale's
+// flags (--mesh, --threads), builds the mesh, installs failure handling.
+#pragma once
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+
+#include "whale/backend/cpu.hpp"
+#include "whale/comm/collectives.hpp"
+#include "whale/comm/failure.hpp"
+#include "whale/comm/local_comm.hpp"
+#include "whale/comm/mesh.hpp"
+#ifdef WHALE_HAS_MPI
+#include "whale/comm/mpi_comm.hpp"
+#endif
+
+namespace whale {
+
+/// The communicator of the world: mpi_comm with whale::mpi, else local_comm.
+#ifdef WHALE_HAS_MPI
+using world_comm = mpi_comm;
+#else
+using world_comm = local_comm;
+#endif
+using mesh = basic_mesh<world_comm>;
+
+namespace detail {
+/// whale's own command-line flags, removed from argv by context::init.
+struct context_flags {
+  std::optional<std::string> mesh;     // --mesh SPEC | --mesh=SPEC
+  std::optional<std::string> threads;  // --threads N | --threads=N
+};
+
+/// Remove whale's flags from argv (argv[argc] stays nullptr), returning them.
+/// Throws mesh_error for a flag without its value.
+inline context_flags take_flags(int& argc, char** argv) {
+  context_flags f;
+  int out = argc > 0 ? 1 : 0;
+  for (int i = out; i < argc; ++i) {
+    std::string_view a = argv[i];
+    auto take = [&](std::string_view flag, std::optional<std::string>& into) {
+      if (a == flag) {
+        if (i + 1 >= argc)
+          throw mesh_error("whale: " + std::string(flag) + " needs a value (e.g. " +
+                           (flag == "--mesh" ? "--mesh data=2,model=2" : "--threads 4") + ")");
+        into = argv[++i];
+        return true;
+      }
+      if (a.size() > flag.size() && a.substr(0, flag.size()) == flag && a[flag.size()] == '=') {
+        into = std::string(a.substr(flag.size() + 1));
+        return true;
+      }
+      return false;
+    };
+    if (take("--mesh", f.mesh) || take("--threads", f.threads)) continue;
+    argv[out++] = argv[i];
+  }
+  argc = out;
+  if (argv) argv[argc] = nullptr;
+  return f;
+}
+
+inline int parse_threads(const std::string& v, std::string_view origin) {
+  char* end = nullptr;
+  long n = std::strtol(v.c_str(), &end, 10);
+  if (v.empty() || *end != '\0' || n < 1 || n > 4096)
+    throw mesh_error("whale: " + std::string(origin) + " " + v +
+                     ": the thread count must be a positive integer");
+  return static_cast<int>(n);
+}
+}  // namespace detail
+
+/// The running job as one rank sees it.
+///
+///     auto ctx = whale::context::init(argc, argv);
+///     whale::run_guarded(ctx, [&] { ... });
+///
+/// init: MPI_Init (unless MPI is already initialized; then the caller keeps
+/// ownership and finalizes), removes `--mesh SPEC` and `--threads N` from argv
+/// (else WHALE_MESH / WHALE_THREADS; threads default 1, see cpu::set_threads),
+/// builds the mesh (default: every rank on `data`) and installs a terminate
+/// handler that reports "whale: rank R: <message>" and aborts the job.
+/// A bad mesh or flag: every rank prints "whale: rank R: <why>" and the job
+/// exits with status 2 before any work (when whale owns MPI; else init throws
+/// mesh_error). Non-copyable, movable; the destructor finalizes MPI.
+class context {
+  struct state {
+    bool owns_mpi = false;
+    int threads = 1;
+    world_comm world;
+    whale::mesh mesh;
+    state(bool owns, int t, world_comm w, mesh_shape s)
+        : owns_mpi(owns), threads(t), world(std::move(w)), mesh(world, s) {}
+  };
+
+ public:
+  static context init(int& argc, char**& argv) { return init_impl(&argc, &argv); }
+  /// Without a command line: WHALE_MESH and WHALE_THREADS only.
+  static context init() { return init_impl(nullptr, nullptr); }
+
+  context(context&&) noexcept = default;
+  context& operator=(context&& o) noexcept {
+    if (this != &o) {
+      shut_down();
+      s_ = std::move(o.s_);
+    }
+    return *this;
+  }
+  context(const context&) = delete;
+  context& operator=(const context&) = delete;
+  ~context() { shut_down(); }
+
+  int rank() const noexcept { return s_->world.rank(); }
+  int size() const noexcept { return s_->world.size(); }
+  int threads() const noexcept { return s_->threads; }
+  world_comm& world() const noexcept { return s_->world; }
+  whale::mesh& mesh() const noexcept { return s_->mesh; }
+
+  /// Run f(); an exception from it reports "whale: rank R: <what()>" on stderr
+  /// and aborts the whole job (MPI_Abort), so no other rank waits forever.
+  template <class F> decltype(auto) guard(F&& f) const {
+    try {
+      return std::forward<F>(f)();
+    } catch (const std::exception& e) {
+      detail::fatal(e.what());
+    } catch (...) {
+      detail::fatal("unknown exception (not derived from std::exception)");
+    }
+  }
+
+ private:
+  explicit context(std::unique_ptr<state> s) : s_(std::move(s)) {}
+
+  static context init_impl(int* argc, char*** argv) {
+    bool owns = false;
+#ifdef WHALE_HAS_MPI
+    int inited = 0;
+    MPI_Initialized(&inited);
+    if (!inited) {
+      // FUNNELED: only the main thread calls MPI (the watchdog thread never does).
+      int provided = 0;
+      if (argc) MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided);
+      else MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided);
+      owns = true;
+    }
+#endif
+    detail::install_terminate_handler();
+    world_comm world =
+#ifdef WHALE_HAS_MPI
+        mpi_comm::world();
+#else
+        local_comm("world");
+#endif
+    // Validate everything before any work; every rank learns whether any failed.
+    std::string error;
+    mesh_shape shape;
+    int threads = 1;
+    try {
+      detail::context_flags f;
+      if (argc && argv) f = detail::take_flags(*argc, *argv);
+      threads = f.threads ? detail::parse_threads(*f.threads, "--threads")
+                          : (std::getenv("WHALE_THREADS")
+                                 ? detail::parse_threads(std::getenv("WHALE_THREADS"), "WHALE_THREADS")
+                                 : 1);
+      std::string origin = "--mesh";
+      std::string spec;
+      if (f.mesh) spec = *f.mesh;
+      else if (const char* e = std::getenv("WHALE_MESH")) spec = e, origin = "WHALE_MESH";
+      shape = mesh_shape::parse(spec, world.size(), origin);
+    } catch (const mesh_error& e) {
+      error = e.what();
+#ifndef WHALE_HAS_MPI
+      if (error.find("but the job has 1 ") != std::string::npos)
+        error += " (this program was built without MPI; link whale::mpi to run on several ranks)";
+#endif
+    }
+    int bad = error.empty() ? 0 : 1;
+#ifdef WHALE_HAS_MPI
+    int any = 0;
+    MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, world.native());
+    if (any && !bad) error = "whale: another rank rejected the mesh or flags; see its message";
+    bad = any;
+#endif
+    if (bad) {
+      if (!owns) throw mesh_error(error);
+      // "whale: rank R: whale: ..." reads badly; drop the inner prefix.
+      std::string_view msg = error;
+      if (msg.substr(0, 7) == "whale: ") msg.remove_prefix(7);
+      detail::report(msg);
+      std::fflush(stdout);
+      { world_comm gone = std::move(world); }
+#ifdef WHALE_HAS_MPI
+      MPI_Finalize();
+#endif
+      std::exit(2);
+    }
+    cpu::set_threads(threads);
+    return context(std::make_unique<state>(owns, threads, std::move(world), shape));
+  }
+
+  void shut_down() noexcept {
+    if (!s_) return;
+    if (std::uncaught_exceptions() > 0) {
+#ifdef WHALE_HAS_MPI
+      // Finalizing while peers may wait in a collective would hang them.
+      detail::fatal("whale::context destroyed while an exception propagates; aborting the job "
+                    "(catch it inside whale::run_guarded to see its message)");
+#endif
+    }
+    const bool owns = s_->owns_mpi;
+    s_.reset();
+#ifdef WHALE_HAS_MPI
+    if (owns && detail::mpi_active()) MPI_Finalize();
+#else
+    (void)owns;
+#endif
+  }
+
+  std::unique_ptr<state> s_;
+};
+
+/// Run f() under ctx's failure handling (see context::guard).
+template <class F> decltype(auto) run_guarded(const context& ctx, F&& f) {
+  return ctx.guard(std::forward<F>(f));
+}
+
+}  // namespace whale

@@ -1,0 +1,122 @@
+// Failure handling shared by every communicator: the watchdog timeout, the
+// "whale: rank R: <message>" report and the job abort (MPI_Abort under MPI,
+// _Exit otherwise), and the std::terminate handler. No communication here.
+#pragma once
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <string>
+#include <string_view>
+
+#ifdef WHALE_HAS_MPI
+#include <mpi.h>
+#endif
+
+namespace whale {
+
+namespace detail {
+inline double watchdog_from_env() noexcept {
+  if (const char* e = std::getenv("WHALE_WATCHDOG_S")) {
+    char* end = nullptr;
+    double s = std::strtod(e, &end);
+    if (end != e) return s;
+  }
+  return 300.0;
+}
+inline std::atomic<double>& watchdog_seconds() noexcept {
+  static std::atomic<double> s{watchdog_from_env()};
+  return s;
+}
+}  // namespace detail
+
+/// Seconds a blocking operation (or request::wait) may take before the
+/// watchdog reports it and aborts the job. Default 300, or WHALE_WATCHDOG_S.
+/// 0 (or less) disables the watchdog; mpi_comm's blocking operations then call
+/// the blocking MPI functions directly.
+inline double watchdog_timeout() noexcept { return detail::watchdog_seconds().load(); }
+inline void set_watchdog_timeout(double seconds) noexcept { detail::watchdog_seconds().store(seconds); }
+
+namespace detail {
+
+inline bool mpi_active() noexcept {
+#ifdef WHALE_HAS_MPI
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  return init && !fin;
+#else
+  return false;
+#endif
+}
+
+/// This process's rank in the world (0 without MPI or before MPI_Init). Cached
+/// once known, so that the watchdog thread never calls MPI.
+inline int world_rank() noexcept {
+  static std::atomic<int> cached{-1};
+  if (int r = cached.load(); r >= 0) return r;
+#ifdef WHALE_HAS_MPI
+  if (mpi_active()) {
+    int r = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &r);
+    cached.store(r);
+    return r;
+  }
+#endif
+  return 0;
+}
+
+/// Print "whale: rank R: <message>" to stderr as one write.
+inline void report(std::string_view message) noexcept {
+  std::string line = "whale: rank " + std::to_string(world_rank()) + ": ";
+  line.append(message);
+  if (line.empty() || line.back() != '\n') line.push_back('\n');
+  std::fwrite(line.data(), 1, line.size(), stderr);
+  std::fflush(stderr);
+}
+
+/// End the whole job now: MPI_Abort on the world (so no rank hangs), else _Exit.
+[[noreturn]] inline void abort_job(int code = 1) noexcept {
+  std::fflush(stdout);
+#ifdef WHALE_HAS_MPI
+  if (mpi_active()) MPI_Abort(MPI_COMM_WORLD, code);
+#endif
+  std::_Exit(code);
+}
+
+/// Report `message` and abort the job.
+[[noreturn]] inline void fatal(std::string_view message, int code = 1) noexcept {
+  report(message);
+  abort_job(code);
+}
+
+/// The message of the exception in flight, for reports.
+inline std::string current_exception_message() {
+  auto e = std::current_exception();
+  if (!e) return "std::terminate called without an active exception";
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& x) {
+    return x.what();
+  } catch (...) {
+    return "unknown exception (not derived from std::exception)";
+  }
+}
+
+inline void terminate_handler() noexcept {
+  std::string m;
+  try {
+    m = current_exception_message();
+  } catch (...) {
+    m = "unknown exception";
+  }
+  fatal(m);
+}
+
+/// Installed by context::init: an exception escaping main (or a noexcept
+/// function) reports on stderr and aborts the job instead of leaving peers hanging.
+inline void install_terminate_handler() noexcept { std::set_terminate(&terminate_handler); }
+
+}  // namespace detail
+}  // namespace whale

@@ -1,0 +1,636 @@
+// mpi_comm: the Communicator over Open MPI (host buffers). Typed calls come
+// from collectives.hpp; this is the type-erased core (void*, count, dtype),
+// traffic counters and the watchdog. Include only when WHALE_HAS_MPI is defined.
+#pragma once
+
+#ifndef WHALE_HAS_MPI
+#error "whale/comm/mpi_comm.hpp needs MPI: link whale::mpi (it defines WHALE_HAS_MPI), or use whale::local_comm"
+#endif
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "whale/comm/communicator.hpp"
+#include "whale/comm/detail/cost.hpp"
+#include "whale/comm/detail/watchdog.hpp"
+#include "whale/comm/failure.hpp"
+
+namespace whale {
+
+namespace detail {
+
+/// Collectives are numbered per communicator; the watchdog compares numbers.
+enum class coll : std::int64_t { none, all_reduce, all_gather, all_gather_v, reduce_scatter,
+                                 reduce_scatter_v, broadcast, barrier, split, send, recv };
+inline const char* to_string(coll c) noexcept {
+  constexpr const char* names[] = {"none", "all_reduce", "all_gather", "all_gather_v",
+                                   "reduce_scatter", "reduce_scatter_v", "broadcast", "barrier",
+                                   "split", "send", "recv"};
+  auto i = static_cast<std::size_t>(c);
+  return i < std::size(names) ? names[i] : "?";
+}
+
+inline MPI_Datatype mpi_type(dtype t) noexcept {
+  switch (t) {
+    case dtype::f32: return MPI_FLOAT;
+    case dtype::f64: return MPI_DOUBLE;
+    case dtype::i32: return MPI_INT32_T;
+    case dtype::i64: return MPI_INT64_T;
+    case dtype::u8: return MPI_UINT8_T;
+  }
+  return MPI_DATATYPE_NULL;
+}
+inline MPI_Op mpi_op(reduce_op op) noexcept {
+  switch (op) {
+    case reduce_op::sum: case reduce_op::avg: return MPI_SUM;
+    case reduce_op::max: return MPI_MAX;
+    case reduce_op::min: return MPI_MIN;
+  }
+  return MPI_OP_NULL;
+}
+
+/// Divide n elements of type t by p in place (avg = sum / p).
+inline void divide(void* buf, index_t n, dtype t, int p) noexcept {
+  if (p <= 1) return;
+  auto run = [&](auto* x) {
+    using T = std::remove_pointer_t<decltype(x)>;
+    if constexpr (std::is_floating_point_v<T>) {
+      const T s = T(1) / static_cast<T>(p);
+      for (index_t i = 0; i < n; ++i) x[i] *= s;
+    } else {
+      for (index_t i = 0; i < n; ++i) x[i] = static_cast<T>(x[i] / p);
+    }
+  };
+  switch (t) {
+    case dtype::f32: run(static_cast<float*>(buf)); break;
+    case dtype::f64: run(static_cast<double*>(buf)); break;
+    case dtype::i32: run(static_cast<std::int32_t*>(buf)); break;
+    case dtype::i64: run(static_cast<std::int64_t*>(buf)); break;
+    case dtype::u8: run(static_cast<std::uint8_t*>(buf)); break;
+  }
+}
+
+inline std::string mpi_error_text(int rc) {
+  char s[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, s, &len);
+  return std::string(s, static_cast<std::size_t>(len));
+}
+
+/// One communicator's state; its address is stable (requests point to it).
+struct mpi_comm_state {
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rank = 0, size = 0;
+  std::string name;
+  std::vector<int> world_ranks;  // world rank of each member, for messages
+  MPI_Comm node = MPI_COMM_NULL;  // the members on this node, for the shared window
+  MPI_Win win = MPI_WIN_NULL;     // node-shared: every local member's `slot`
+  std::int64_t* slot = nullptr;   // [0]: number of collectives entered, [1]: the last one (coll)
+  std::vector<std::int64_t*> peer_slot;  // by rank in comm; nullptr: on another node
+  std::int64_t seq = 0;
+  comm_stats stats{};
+
+  mpi_comm_state(MPI_Comm c, std::string n) : comm(c), name(std::move(n)) {
+    (void)world_rank();  // cache it for the watchdog thread
+    MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm, &rank);
+    MPI_Comm_size(comm, &size);
+    MPI_Group g, wg;
+    MPI_Comm_group(comm, &g);
+    MPI_Comm_group(MPI_COMM_WORLD, &wg);
+    std::vector<int> local(static_cast<std::size_t>(size));
+    for (int i = 0; i < size; ++i) local[static_cast<std::size_t>(i)] = i;
+    world_ranks.resize(static_cast<std::size_t>(size));
+    MPI_Group_translate_ranks(g, size, local.data(), wg, world_ranks.data());
+    MPI_Group_free(&g);
+    MPI_Group_free(&wg);
+    // Two words per rank in node-shared memory (MPI_Win_allocate_shared on the
+    // ranks of this communicator that share a node), so that a timed-out rank can
+    // read how far its peers got without their help. Ranks on other nodes: unknown.
+    peer_slot.assign(static_cast<std::size_t>(size), nullptr);
+    if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node) != MPI_SUCCESS)
+      node = MPI_COMM_NULL;
+    void* base = nullptr;
+    if (node != MPI_COMM_NULL &&
+        MPI_Win_allocate_shared(2 * sizeof(std::int64_t), sizeof(std::int64_t), MPI_INFO_NULL, node,
+                                &base, &win) == MPI_SUCCESS) {
+      slot = static_cast<std::int64_t*>(base);
+      slot[0] = slot[1] = 0;
+      int nsize = 0;
+      MPI_Comm_size(node, &nsize);
+      MPI_Group ng, cg;
+      MPI_Comm_group(node, &ng);
+      MPI_Comm_group(comm, &cg);
+      std::vector<int> nl(static_cast<std::size_t>(nsize)), cl(static_cast<std::size_t>(nsize));
+      for (int i = 0; i < nsize; ++i) nl[static_cast<std::size_t>(i)] = i;
+      MPI_Group_translate_ranks(ng, nsize, nl.data(), cg, cl.data());
+      MPI_Group_free(&ng);
+      MPI_Group_free(&cg);
+      for (int i = 0; i < nsize; ++i) {
+        MPI_Aint sz = 0;
+        int unit = 0;
+        void* p = nullptr;
+        if (MPI_Win_shared_query(win, i, &sz, &unit, &p) == MPI_SUCCESS && p)
+          peer_slot[static_cast<std::size_t>(cl[static_cast<std::size_t>(i)])] = static_cast<std::int64_t*>(p);
+      }
+    } else {
+      win = MPI_WIN_NULL;
+    }
+  }
+  mpi_comm_state(const mpi_comm_state&) = delete;
+  mpi_comm_state& operator=(const mpi_comm_state&) = delete;
+  ~mpi_comm_state() {
+    // Freeing is collective; during unwinding (a failing rank) leave it to the abort.
+    if (comm == MPI_COMM_NULL || !mpi_active() || std::uncaught_exceptions() > 0) return;
+    if (win != MPI_WIN_NULL) MPI_Win_free(&win);
+    if (node != MPI_COMM_NULL) MPI_Comm_free(&node);
+    MPI_Comm_free(&comm);
+  }
+
+  /// Number the next collective and publish it to the window.
+  std::int64_t enter(coll c) noexcept {
+    ++seq;
+    if (slot) {
+      std::atomic_ref<std::int64_t>(slot[1]).store(static_cast<std::int64_t>(c), std::memory_order_relaxed);
+      std::atomic_ref<std::int64_t>(slot[0]).store(seq, std::memory_order_release);
+    }
+    return seq;
+  }
+  void check(int rc, const char* call) const {
+    if (rc != MPI_SUCCESS)
+      throw std::runtime_error("whale::mpi_comm '" + name + "': " + call + " failed: " +
+                               mpi_error_text(rc));
+  }
+  int to_int(index_t n, const char* op) const {
+    if (n < 0 || n > INT_MAX)
+      throw std::length_error(std::string("whale::") + op + " on '" + name + "': " +
+                              std::to_string(n) +
+                              " elements exceed MPI's int count; split the operation into chunks");
+    return static_cast<int>(n);
+  }
+  std::string members() const {
+    std::string s = "(world ranks ";
+    for (std::size_t i = 0; i < world_ranks.size(); ++i) {
+      if (i) s += ',';
+      s += std::to_string(world_ranks[i]);
+    }
+    return s + ")";
+  }
+};
+
+}  // namespace detail
+
+/// A communicator over Open MPI: owns an MPI communicator (a duplicate, so
+/// whale's traffic never matches the user's), counts traffic (comm_stats) and
+/// runs every blocking call under the watchdog. Blocking operations call the
+/// blocking MPI functions (Open MPI's tuned algorithms, several times faster
+/// than its non-blocking ones for big buffers); i-operations return a request.
+/// Move-only; destroying it is collective (MPI_Comm_free, MPI_Win_free), so
+/// every rank destroys the same communicators in the same order, as SPMD code does.
+class mpi_comm {
+ public:
+  using space = host;
+
+  /// A pending operation. test() polls; wait() blocks in MPI_Wait under the
+  /// watchdog. Destroying an unfinished request waits for it, except while an
+  /// exception unwinds (the job is about to be aborted then).
+  class request {
+   public:
+    request() = default;
+    request(request&& o) noexcept { swap(o); }
+    request& operator=(request&& o) noexcept {
+      if (this != &o) {
+        request t(std::move(o));
+        swap(t);
+      }
+      return *this;
+    }
+    ~request() {
+      if (active_ && std::uncaught_exceptions() == 0) wait();
+    }
+
+    bool test() {
+      if (!active_) return true;
+      int flag = 0;
+      c_->check(MPI_Test(&r_, &flag, MPI_STATUS_IGNORE), "MPI_Test");
+      if (flag) finish();
+      return flag != 0;
+    }
+    void wait() {
+      if (!active_) return;
+      guarded([&] { return MPI_Wait(&r_, MPI_STATUS_IGNORE); }, "MPI_Wait");
+    }
+
+   private:
+    friend class mpi_comm;
+    void swap(request& o) noexcept {
+      std::swap(r_, o.r_);
+      std::swap(c_, o.c_);
+      std::swap(active_, o.active_);
+      std::swap(op_, o.op_);
+      std::swap(seq_, o.seq_);
+      std::swap(count_, o.count_);
+      std::swap(type_, o.type_);
+      std::swap(rop_, o.rop_);
+      std::swap(peer_, o.peer_);
+      std::swap(tag_, o.tag_);
+      std::swap(avg_buf_, o.avg_buf_);
+      std::swap(avg_n_, o.avg_n_);
+      std::swap(counts_, o.counts_);
+      std::swap(displs_, o.displs_);
+    }
+    /// Run one blocking MPI call under the watchdog, then finish.
+    template <class F> void guarded(F&& call, const char* name) {
+      int rc;
+      {
+        detail::watchdog::scope w({this, &describe}, watchdog_timeout());
+        rc = call();
+      }
+      c_->check(rc, name);
+      finish();
+    }
+    void finish() {
+      active_ = false;
+      if (avg_buf_) detail::divide(avg_buf_, avg_n_, type_, c_->size);
+      avg_buf_ = nullptr;
+    }
+    static std::string describe(const void* self, double seconds) {
+      return static_cast<const request*>(self)->message(seconds);
+    }
+    std::string message(double seconds) const;
+
+    MPI_Request r_ = MPI_REQUEST_NULL;
+    detail::mpi_comm_state* c_ = nullptr;
+    bool active_ = false;
+    detail::coll op_ = detail::coll::none;
+    std::int64_t seq_ = 0;
+    index_t count_ = 0;
+    dtype type_ = dtype::f32;
+    reduce_op rop_ = reduce_op::sum;
+    int peer_ = -1, tag_ = 0;
+    void* avg_buf_ = nullptr;  // avg: divide after completion
+    index_t avg_n_ = 0;
+    std::vector<int> counts_, displs_;  // v-collectives: MPI reads them until completion
+  };
+
+  mpi_comm() = default;  ///< a null communicator (valid() is false)
+  /// Adopt `c` (whale frees it). Collective over `c`.
+  mpi_comm(MPI_Comm c, std::string name)
+      : s_(std::make_unique<detail::mpi_comm_state>(c, std::move(name))) {}
+
+  /// A duplicate of MPI_COMM_WORLD named "world". Collective; MPI must be initialized.
+  static mpi_comm world() {
+    if (!detail::mpi_active())
+      throw std::logic_error("whale::mpi_comm::world: MPI is not initialized; create a whale::context first");
+    MPI_Comm c;
+    MPI_Comm_dup(MPI_COMM_WORLD, &c);
+    return mpi_comm(c, "world");
+  }
+
+  bool valid() const noexcept { return s_ != nullptr; }
+  int rank() const noexcept { return s_ ? s_->rank : -1; }
+  int size() const noexcept { return s_ ? s_->size : 0; }
+  const std::string& name() const noexcept {
+    static const std::string null_name = "null";
+    return s_ ? s_->name : null_name;
+  }
+  /// World rank of member `r`.
+  int world_rank(int r) const { return state().world_ranks.at(static_cast<std::size_t>(r)); }
+  const std::vector<int>& world_ranks() const { return state().world_ranks; }
+  MPI_Comm native() const noexcept { return s_ ? s_->comm : MPI_COMM_NULL; }
+  comm_stats stats() const noexcept { return s_ ? s_->stats : comm_stats{}; }
+  void reset_stats() noexcept {
+    if (s_) s_->stats = {};
+  }
+
+  // ---- the type-erased core: non-blocking (Communicator) and blocking ----
+  request iall_reduce(void* buf, index_t n, dtype t, reduce_op op) { return do_all_reduce<false>(buf, n, t, op); }
+  void all_reduce(void* buf, index_t n, dtype t, reduce_op op) { do_all_reduce<true>(buf, n, t, op); }
+  request iall_gather(const void* in, void* out, index_t n, dtype t) { return do_all_gather<false>(in, out, n, t); }
+  void all_gather(const void* in, void* out, index_t n, dtype t) { do_all_gather<true>(in, out, n, t); }
+  request iall_gather_v(const void* in, void* out, std::span<const index_t> counts, dtype t) {
+    return do_all_gather_v<false>(in, out, counts, t);
+  }
+  void all_gather_v(const void* in, void* out, std::span<const index_t> counts, dtype t) {
+    do_all_gather_v<true>(in, out, counts, t);
+  }
+  request ireduce_scatter(const void* in, void* out, index_t n, dtype t, reduce_op op) {
+    return do_reduce_scatter<false>(in, out, n, t, op);
+  }
+  void reduce_scatter(const void* in, void* out, index_t n, dtype t, reduce_op op) {
+    do_reduce_scatter<true>(in, out, n, t, op);
+  }
+  request ireduce_scatter_v(const void* in, void* out, std::span<const index_t> counts, dtype t, reduce_op op) {
+    return do_reduce_scatter_v<false>(in, out, counts, t, op);
+  }
+  void reduce_scatter_v(const void* in, void* out, std::span<const index_t> counts, dtype t, reduce_op op) {
+    do_reduce_scatter_v<true>(in, out, counts, t, op);
+  }
+  request ibroadcast(void* buf, index_t n, dtype t, int root) { return do_broadcast<false>(buf, n, t, root); }
+  void broadcast(void* buf, index_t n, dtype t, int root) { do_broadcast<true>(buf, n, t, root); }
+  request ibarrier() { return do_barrier<false>(); }
+  void barrier() { do_barrier<true>(); }
+  request isend(const void* buf, index_t n, dtype t, int dst, int tag) { return do_send<false>(buf, n, t, dst, tag); }
+  void send(const void* buf, index_t n, dtype t, int dst, int tag) { do_send<true>(buf, n, t, dst, tag); }
+  request irecv(void* buf, index_t n, dtype t, int src, int tag) { return do_recv<false>(buf, n, t, src, tag); }
+  void recv(void* buf, index_t n, dtype t, int src, int tag) { do_recv<true>(buf, n, t, src, tag); }
+
+  /// Collective: the ranks of equal `color` form a new communicator, ordered by
+  /// `key` (then by rank). A negative color gives a null communicator.
+  mpi_comm split(int color, int key = 0) { return split(color, key, name() + "/" + std::to_string(color)); }
+  mpi_comm split(int color, int key, std::string name) {
+    auto& s = state();
+    s.enter(detail::coll::split);
+    MPI_Comm c = MPI_COMM_NULL;
+    s.check(MPI_Comm_split(s.comm, color < 0 ? MPI_UNDEFINED : color, key, &c), "MPI_Comm_split");
+    if (c == MPI_COMM_NULL) return {};
+    return mpi_comm(c, std::move(name));
+  }
+
+ private:
+  // Each operation once: Blocking picks the blocking MPI call under the watchdog,
+  // else the non-blocking one, returning its request.
+  template <bool Blocking, class B, class NB>
+  request run(request r, B&& blocking, NB&& nonblocking, const char* bname, const char* nbname) {
+    if constexpr (Blocking) {
+      r.guarded(std::forward<B>(blocking), bname);
+    } else {
+      r.c_->check(nonblocking(&r.r_), nbname);
+    }
+    return r;
+  }
+
+  template <bool Blocking> request do_all_reduce(void* buf, index_t n, dtype t, reduce_op op) {
+    auto& s = state();
+    auto r = start(detail::coll::all_reduce, n, t);
+    r.rop_ = op;
+    const int cn = s.to_int(n, "all_reduce");
+    detail::add(s.stats, detail::all_reduce_traffic(n * static_cast<index_t>(size_of(t)), s.size));
+    if (op == reduce_op::avg) r.avg_buf_ = buf, r.avg_n_ = n;
+    const auto T = detail::mpi_type(t);
+    const auto O = detail::mpi_op(op);
+    return run<Blocking>(
+        std::move(r), [&] { return MPI_Allreduce(MPI_IN_PLACE, buf, cn, T, O, s.comm); },
+        [&](MPI_Request* q) { return MPI_Iallreduce(MPI_IN_PLACE, buf, cn, T, O, s.comm, q); },
+        "MPI_Allreduce", "MPI_Iallreduce");
+  }
+
+  template <bool Blocking> request do_all_gather(const void* in, void* out, index_t n, dtype t) {
+    auto& s = state();
+    auto r = start(detail::coll::all_gather, n, t);
+    const auto eb = static_cast<index_t>(size_of(t));
+    s.to_int(n * s.size, "all_gather");
+    const int cn = s.to_int(n, "all_gather");
+    detail::add(s.stats, detail::all_gather_traffic(n * eb, s.size));
+    const void* src = in == static_cast<const char*>(out) + s.rank * n * eb ? MPI_IN_PLACE : in;
+    const auto T = detail::mpi_type(t);
+    return run<Blocking>(
+        std::move(r), [&] { return MPI_Allgather(src, cn, T, out, cn, T, s.comm); },
+        [&](MPI_Request* q) { return MPI_Iallgather(src, cn, T, out, cn, T, s.comm, q); },
+        "MPI_Allgather", "MPI_Iallgather");
+  }
+
+  template <bool Blocking>
+  request do_all_gather_v(const void* in, void* out, std::span<const index_t> counts, dtype t) {
+    auto& s = state();
+    check_counts(counts, "all_gather_v");
+    const auto me = static_cast<std::size_t>(s.rank);
+    auto r = start(detail::coll::all_gather_v, counts[me], t);
+    const auto eb = static_cast<index_t>(size_of(t));
+    fill_v(r, counts, "all_gather_v");
+    detail::add(s.stats, detail::all_gather_traffic(counts, s.rank, s.size, eb));
+    const void* src = in == static_cast<const char*>(out) + index_t{r.displs_[me]} * eb ? MPI_IN_PLACE : in;
+    const auto T = detail::mpi_type(t);
+    const int* rc = r.counts_.data();
+    const int* rd = r.displs_.data();
+    const int mine = r.counts_[me];
+    return run<Blocking>(
+        std::move(r), [&] { return MPI_Allgatherv(src, mine, T, out, rc, rd, T, s.comm); },
+        [&](MPI_Request* q) { return MPI_Iallgatherv(src, mine, T, out, rc, rd, T, s.comm, q); },
+        "MPI_Allgatherv", "MPI_Iallgatherv");
+  }
+
+  template <bool Blocking>
+  request do_reduce_scatter(const void* in, void* out, index_t n, dtype t, reduce_op op) {
+    auto& s = state();
+    auto r = start(detail::coll::reduce_scatter, n, t);
+    r.rop_ = op;
+    s.to_int(n * s.size, "reduce_scatter");
+    const int cn = s.to_int(n, "reduce_scatter");
+    detail::add(s.stats, detail::reduce_scatter_traffic(n * static_cast<index_t>(size_of(t)), s.size));
+    if (op == reduce_op::avg) r.avg_buf_ = out, r.avg_n_ = n;
+    const void* src = in == out ? MPI_IN_PLACE : in;
+    const auto T = detail::mpi_type(t);
+    const auto O = detail::mpi_op(op);
+    return run<Blocking>(
+        std::move(r), [&] { return MPI_Reduce_scatter_block(src, out, cn, T, O, s.comm); },
+        [&](MPI_Request* q) { return MPI_Ireduce_scatter_block(src, out, cn, T, O, s.comm, q); },
+        "MPI_Reduce_scatter_block", "MPI_Ireduce_scatter_block");
+  }
+
+  template <bool Blocking>
+  request do_reduce_scatter_v(const void* in, void* out, std::span<const index_t> counts, dtype t,
+                              reduce_op op) {
+    auto& s = state();
+    check_counts(counts, "reduce_scatter_v");
+    const auto me = static_cast<std::size_t>(s.rank);
+    auto r = start(detail::coll::reduce_scatter_v, counts[me], t);
+    r.rop_ = op;
+    fill_v(r, counts, "reduce_scatter_v");
+    detail::add(s.stats, detail::reduce_scatter_traffic(counts, s.rank, s.size, static_cast<index_t>(size_of(t))));
+    if (op == reduce_op::avg) r.avg_buf_ = out, r.avg_n_ = counts[me];
+    const void* src = in == out ? MPI_IN_PLACE : in;
+    const auto T = detail::mpi_type(t);
+    const auto O = detail::mpi_op(op);
+    const int* rc = r.counts_.data();
+    return run<Blocking>(
+        std::move(r), [&] { return MPI_Reduce_scatter(src, out, rc, T, O, s.comm); },
+        [&](MPI_Request* q) { return MPI_Ireduce_scatter(src, out, rc, T, O, s.comm, q); },
+        "MPI_Reduce_scatter", "MPI_Ireduce_scatter");
+  }
+
+  template <bool Blocking> request do_broadcast(void* buf, index_t n, dtype t, int root) {
+    auto& s = state();
+    check_rank(root, "broadcast");
+    auto r = start(detail::coll::broadcast, n, t);
+    r.peer_ = root;
+    const int cn = s.to_int(n, "broadcast");
+    detail::add(s.stats, detail::broadcast_traffic(n * static_cast<index_t>(size_of(t)), s.rank, root, s.size));
+    const auto T = detail::mpi_type(t);
+    return run<Blocking>(
+        std::move(r), [&] { return MPI_Bcast(buf, cn, T, root, s.comm); },
+        [&](MPI_Request* q) { return MPI_Ibcast(buf, cn, T, root, s.comm, q); }, "MPI_Bcast", "MPI_Ibcast");
+  }
+
+  template <bool Blocking> request do_barrier() {
+    auto& s = state();
+    auto r = start(detail::coll::barrier, 0, dtype::u8);
+    detail::add(s.stats, {});
+    return run<Blocking>(
+        std::move(r), [&] { return MPI_Barrier(s.comm); },
+        [&](MPI_Request* q) { return MPI_Ibarrier(s.comm, q); }, "MPI_Barrier", "MPI_Ibarrier");
+  }
+
+  template <bool Blocking> request do_send(const void* buf, index_t n, dtype t, int dst, int tag) {
+    auto& s = state();
+    check_rank(dst, "send");
+    auto r = p2p(detail::coll::send, n, t, dst, tag);
+    const int cn = s.to_int(n, "send");
+    detail::add(s.stats, {n * static_cast<index_t>(size_of(t)), 0});
+    const auto T = detail::mpi_type(t);
+    return run<Blocking>(
+        std::move(r), [&] { return MPI_Send(buf, cn, T, dst, tag, s.comm); },
+        [&](MPI_Request* q) { return MPI_Isend(buf, cn, T, dst, tag, s.comm, q); }, "MPI_Send", "MPI_Isend");
+  }
+
+  template <bool Blocking> request do_recv(void* buf, index_t n, dtype t, int src, int tag) {
+    auto& s = state();
+    check_rank(src, "recv");
+    auto r = p2p(detail::coll::recv, n, t, src, tag);
+    const int cn = s.to_int(n, "recv");
+    detail::add(s.stats, {0, n * static_cast<index_t>(size_of(t))});
+    const auto T = detail::mpi_type(t);
+    return run<Blocking>(
+        std::move(r), [&] { return MPI_Recv(buf, cn, T, src, tag, s.comm, MPI_STATUS_IGNORE); },
+        [&](MPI_Request* q) { return MPI_Irecv(buf, cn, T, src, tag, s.comm, q); }, "MPI_Recv", "MPI_Irecv");
+  }
+
+  detail::mpi_comm_state& state() const {
+    if (!s_) throw std::logic_error("whale::mpi_comm: operation on a null communicator");
+    return *s_;
+  }
+  request start(detail::coll op, index_t n, dtype t) {
+    request r;
+    r.c_ = s_.get();
+    r.active_ = true;
+    r.op_ = op;
+    r.count_ = n;
+    r.type_ = t;
+    r.seq_ = s_->enter(op);
+    return r;
+  }
+  request p2p(detail::coll op, index_t n, dtype t, int peer, int tag) {
+    request r;
+    r.c_ = s_.get();
+    r.active_ = true;
+    r.op_ = op;
+    r.count_ = n;
+    r.type_ = t;
+    r.peer_ = peer;
+    r.tag_ = tag;
+    return r;
+  }
+  void check_rank(int r, const char* op) const {
+    if (r < 0 || r >= s_->size)
+      throw std::invalid_argument(std::string("whale::") + op + ": rank " + std::to_string(r) +
+                                  " is not in communicator '" + s_->name + "' of " +
+                                  std::to_string(s_->size) + " ranks");
+  }
+  void check_counts(std::span<const index_t> counts, const char* op) const {
+    if (static_cast<int>(counts.size()) != s_->size)
+      throw std::invalid_argument(std::string("whale::") + op + ": " + std::to_string(counts.size()) +
+                                  " counts for communicator '" + s_->name + "' of " +
+                                  std::to_string(s_->size) + " ranks; give one count per rank");
+  }
+  void fill_v(request& r, std::span<const index_t> counts, const char* op) const {
+    r.counts_.resize(counts.size());
+    r.displs_.resize(counts.size());
+    index_t at = 0;
+    for (std::size_t i = 0; i < counts.size(); ++i) {
+      r.counts_[i] = s_->to_int(counts[i], op);
+      r.displs_[i] = s_->to_int(at, op);
+      at += counts[i];
+    }
+    s_->to_int(at, op);
+  }
+
+  std::unique_ptr<detail::mpi_comm_state> s_;
+};
+
+/// The watchdog's report. For a collective numbered #k on a communicator, it
+/// reads every peer's count of collectives entered there (from node-shared
+/// memory: no help from the peer needed) and names the ranks with a count
+/// below k: those have not arrived. Ranks on other nodes cannot be read and are
+/// listed as "progress could not be read".
+/// For send/recv it names the peer whose matching operation has not come.
+inline std::string mpi_comm::request::message(double limit) const {
+  using detail::to_string;
+  const auto& s = *c_;
+  auto wr = [&](int r) { return std::to_string(s.world_ranks[static_cast<std::size_t>(r)]); };
+  std::string m = "watchdog: " + std::string(to_string(op_)) + " (";
+  if (op_ == detail::coll::all_reduce || op_ == detail::coll::reduce_scatter ||
+      op_ == detail::coll::reduce_scatter_v)
+    m += std::string(whale::to_string(rop_)) + ", ";
+  if (op_ != detail::coll::barrier)
+    m += std::to_string(count_) + " × " + whale::to_string(type_);
+  if (op_ == detail::coll::broadcast) m += ", root rank " + wr(peer_);
+  if (op_ == detail::coll::send || op_ == detail::coll::recv) m += ", tag " + std::to_string(tag_);
+  m += ") on communicator '" + s.name + "' " + s.members();
+  char secs[32];
+  std::snprintf(secs, sizeof secs, "%g", limit);
+  m += " has not completed after " + std::string(secs) + " s";
+
+  if (op_ == detail::coll::send || op_ == detail::coll::recv) {
+    m += op_ == detail::coll::send ? "; rank " + wr(peer_) + " has not received it (no matching recv)"
+                                   : "; the matching send from rank " + wr(peer_) + " has not arrived";
+    m += "; ranks that did not arrive: " + wr(peer_);
+  } else {
+    std::vector<std::int64_t> v(2 * static_cast<std::size_t>(s.size), -1);
+    std::vector<int> got(static_cast<std::size_t>(s.size), 0);
+    for (int i = 0; i < s.size; ++i) {
+      auto k = static_cast<std::size_t>(i);
+      if (std::int64_t* p = s.peer_slot[k]) {
+        v[2 * k] = std::atomic_ref<std::int64_t>(p[0]).load(std::memory_order_acquire);
+        v[2 * k + 1] = std::atomic_ref<std::int64_t>(p[1]).load(std::memory_order_relaxed);
+        got[k] = 1;
+      }
+    }
+    std::string missing, other, unknown;
+    auto item = [](std::string& list, const std::string& x) {
+      if (!list.empty()) list += ", ";
+      list += x;
+    };
+    for (int i = 0; i < s.size; ++i) {
+      auto k = static_cast<std::size_t>(i);
+      if (i == s.rank) continue;
+      if (got[k] != 1) {
+        item(unknown, wr(i));
+        continue;
+      }
+      const auto seq = v[2 * k];
+      const auto last = static_cast<detail::coll>(v[2 * k + 1]);
+      if (seq < seq_)
+        item(missing, wr(i) + (seq ? " (its last collective there is #" + std::to_string(seq) + ", a " +
+                                         to_string(last) + ")"
+                                   : std::string(" (no collective there yet)")));
+      else if (seq == seq_ && last != op_)
+        item(other, wr(i) + " (its collective #" + std::to_string(seq) + " there is a " +
+                        to_string(last) + ")");
+    }
+    m += " (it is collective #" + std::to_string(seq_) + " on that communicator)";
+    m += "; ranks that did not arrive: " + (missing.empty() ? std::string("none known") : missing);
+    if (!other.empty()) m += "; ranks that entered a different collective: " + other;
+    if (!unknown.empty()) m += "; ranks whose progress could not be read: " + unknown;
+    if (missing.empty() && other.empty() && unknown.empty())
+      m += " (every rank entered it; the transport is stuck or the ranks disagree on sizes)";
+  }
+  m += "; aborting the job";
+  return m;
+}
+
+static_assert(Communicator<mpi_comm>);
+
+}  // namespace whale

@@ -1,0 +1,47 @@
+// Declarations of whale's public names, for headers that only mention them.
+// Definitions are in the headers listed in whale.hpp.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace whale {
+using index_t = std::int64_t;
+
+// tensor/
+struct host;
+struct cuda;
+class shape;
+template <class T, class Space> class view;
+template <class T, class Space> class tensor;
+struct seed;
+class counter_rng;
+
+// nn/
+struct step_ctx;
+struct cost_info;
+class param_binder;
+template <index_t In, index_t Out> struct linear;
+struct relu;
+struct gelu;
+template <index_t D> struct layer_norm;
+template <index_t Vocab, index_t D> struct embedding;
+template <index_t MaxSeq, index_t D> struct position_embedding;
+template <index_t D, index_t Heads> struct causal_self_attention;
+struct softmax_cross_entropy;
+template <class... L> class sequential;
+template <class M> class network;
+
+// optim/
+struct sgd;
+struct adamw;
+
+// strategy/
+template <class M> struct replicate;
+template <class M> class data_parallel;
+
+// train/
+class teacher_data;
+class markov_data;
+struct steps;
+}  // namespace whale

@@ -1,0 +1,202 @@
+// `causal_self_attention<D, Heads>`: multi-head self-attention with a causal
+// mask, fused QKV projection and output projection, on (B*T, D) rows. No
+// dropout, no KV cache, no cross-attention; the head-split form is in strategy/.
+#pragma once
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "whale/backend/cpu.hpp"
+#include "whale/nn/detail/vmath.hpp"
+#include "whale/nn/layer.hpp"
+
+namespace whale {
+
+/// y = softmax(mask(Q K^T / sqrt(hd))) V, per sequence and head, then y Wo^T + bo,
+/// with [Q K V] = x Wqkv^T + bqkv. Rows are B sequences of T tokens
+/// (B = step_ctx::batch, T = step_ctx::seq); a row count other than B*T throws.
+/// Parameters, in order: Wqkv (3D, D), bqkv (3D), Wo (D, D), bo (D); element i
+/// of that flat block is uniform(-1/sqrt(D), 1/sqrt(D)) from the layer's stream
+/// at index i (as linear). Legend: B sequences, T tokens, H heads, hd = D/H.
+template <index_t D, index_t Heads>
+struct causal_self_attention {
+  static_assert(D > 0 && Heads > 0,
+                "whale::causal_self_attention: D and Heads must be positive");
+  static_assert(D % Heads == 0,
+                "whale::causal_self_attention: D must be divisible by Heads (each head gets D / "
+                "Heads features); choose a head count that divides D");
+  using input_type = float;
+  static constexpr index_t in_features = D;
+  static constexpr index_t out_features = D;
+  static constexpr index_t heads = Heads;
+  static constexpr index_t head_dim = D / Heads;
+
+  static std::string name() {
+    return "causal_self_attention<" + std::to_string(D) + ", " + std::to_string(Heads) + ">";
+  }
+  /// Per token: projections 8 D^2 forward, 16 D^2 backward; Q K^T and P V are
+  /// 4 D FLOPs per token of context (seq_flops; backward is twice that; the
+  /// full T x T scores are computed, the mask is applied after). act_bytes
+  /// leaves out the probabilities, H * T floats per token.
+  static constexpr cost_info cost() {
+    cost_info c;
+    c.fwd_flops = 8.0 * D * D;
+    c.bwd_flops = 16.0 * D * D;
+    c.params = 4 * D * D + 4 * D;
+    c.act_bytes = 4.0 * 10 * D;  // qkv, heads' output, y; and in backward d(att), d(qkv), dx
+    c.seq_flops = 4.0 * D;
+    return c;
+  }
+  static constexpr index_t param_count() noexcept { return 4 * D * D + 4 * D; }
+
+  void bind(param_binder& b) {
+    auto wqkv = b.take({3 * D, D});
+    auto bqkv = b.take({3 * D});
+    auto wo = b.take({D, D});
+    auto bo = b.take({D});
+    wqkv_ = wqkv.value;
+    dwqkv_ = wqkv.grad;
+    bqkv_ = bqkv.value;
+    dbqkv_ = bqkv.grad;
+    wo_ = wo.value;
+    dwo_ = wo.grad;
+    bo_ = bo.value;
+    dbo_ = bo.grad;
+  }
+  void init(const counter_rng& r) {
+    const double k = 1.0 / std::sqrt(static_cast<double>(D));
+    auto fill = [&](view<float> p, index_t base) {
+      for (index_t i = 0; i < p.numel(); ++i)
+        p[i] = static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(base + i)) - 1) * k);
+    };
+    fill(wqkv_, 0);
+    fill(bqkv_, 3 * D * D);
+    fill(wo_, 3 * D * D + 3 * D);
+    fill(bo_, 4 * D * D + 3 * D);
+  }
+
+  // x: (B*T, D) -> y: (B*T, D)
+  view<float> forward(step_ctx& c, cview<float> x) {
+    const index_t B = c.batch, T = c.seq, R = check(c, x.numel());
+    auto& s = st_(c.slot);
+    s.x = x;
+    auto qkv = detail::ensure(s.qkv, {R, 3 * D});        // (B*T, 3D): [Q | K | V], heads side by side
+    auto p = detail::ensure(s.p, {B, Heads, T, T});     // (B, H, T, T) probabilities
+    auto att = detail::ensure(s.att, {R, D});            // (B*T, D): heads' outputs side by side
+    auto y = detail::ensure(s.y, {R, D});                // (B*T, D)
+    fill_rows(qkv.data(), bqkv_.data(), R, 3 * D);
+    cpu::gemm(cpu::trans::no, cpu::trans::yes, R, 3 * D, D, 1.f, x.data(), wqkv_.data(), 1.f,
+              qkv.data());
+    const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+    for (index_t b = 0; b < B; ++b) {
+      const float* q = qkv.data() + b * T * 3 * D;  // (T, hd) per head, row stride 3D
+      const float* k = q + D;
+      const float* v = q + 2 * D;
+      float* pb = p.data() + b * Heads * T * T;     // (H, T, T)
+      // S = Q K^T / sqrt(hd), all heads of sequence b
+      cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::yes, T, T, hd, scale, q, 3 * D, hd, k,
+                                3 * D, hd, 0.f, pb, T, T * T, Heads);
+      for (index_t i = 0; i < Heads * T; ++i) softmax_causal_row(pb + i * T, i % T, T);
+      // att = P V
+      cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::no, T, hd, T, 1.f, pb, T, T * T, v,
+                                3 * D, hd, 0.f, att.data() + b * T * D, D, hd, Heads);
+    }
+    fill_rows(y.data(), bo_.data(), R, D);
+    cpu::gemm(cpu::trans::no, cpu::trans::yes, R, D, D, 1.f, att.data(), wo_.data(), 1.f, y.data());
+    return y;
+  }
+
+  // dy: (B*T, D) -> dx: (B*T, D)
+  view<float> backward(step_ctx& c, cview<float> dy) {
+    const index_t B = c.batch, T = c.seq, R = check(c, dy.numel());
+    auto& s = st_(c.slot);
+    const float beta = c.accumulate ? 1.f : 0.f;
+    auto datt = detail::ensure(s.datt, {R, D});          // (B*T, D)
+    auto dqkv = detail::ensure(s.dqkv, {R, 3 * D});      // (B*T, 3D)
+    auto ds = detail::ensure(s.ds, {Heads, T, T});       // (H, T, T) scratch: dP, then dS
+    // output projection
+    cpu::gemm(cpu::trans::no, cpu::trans::no, R, D, D, 1.f, dy.data(), wo_.data(), 0.f, datt.data());
+    cpu::gemm(cpu::trans::yes, cpu::trans::no, D, D, R, 1.f, dy.data(), s.att.data(), beta,
+              dwo_.data());
+    cpu::sum_rows(dy.data(), dbo_.data(), R, D, c.accumulate);
+    const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+    for (index_t b = 0; b < B; ++b) {
+      const float* q = s.qkv.data() + b * T * 3 * D;
+      const float* k = q + D;
+      const float* v = q + 2 * D;
+      const float* pb = s.p.data() + b * Heads * T * T;
+      const float* da = datt.data() + b * T * D;
+      float* dq = dqkv.data() + b * T * 3 * D;
+      float* dk = dq + D;
+      float* dv = dq + 2 * D;
+      // dP = d(att) V^T ; dV = P^T d(att)
+      cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::yes, T, T, hd, 1.f, da, D, hd, v,
+                                3 * D, hd, 0.f, ds.data(), T, T * T, Heads);
+      cpu::gemm_strided_batched(cpu::trans::yes, cpu::trans::no, T, hd, T, 1.f, pb, T, T * T, da,
+                                D, hd, 0.f, dv, 3 * D, hd, Heads);
+      // dS = P * (dP - rowsum(dP * P))
+      for (index_t i = 0; i < Heads * T; ++i)
+        softmax_backward_row(pb + i * T, ds.data() + i * T, i % T, T);
+      // dQ = dS K / sqrt(hd) ; dK = dS^T Q / sqrt(hd)
+      cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::no, T, hd, T, scale, ds.data(), T,
+                                T * T, k, 3 * D, hd, 0.f, dq, 3 * D, hd, Heads);
+      cpu::gemm_strided_batched(cpu::trans::yes, cpu::trans::no, T, hd, T, scale, ds.data(), T,
+                                T * T, q, 3 * D, hd, 0.f, dk, 3 * D, hd, Heads);
+    }
+    // QKV projection
+    cpu::gemm(cpu::trans::yes, cpu::trans::no, 3 * D, D, R, 1.f, dqkv.data(), s.x.data(), beta,
+              dwqkv_.data());
+    cpu::sum_rows(dqkv.data(), dbqkv_.data(), R, 3 * D, c.accumulate);
+    if (!c.need_input_grad) return {};
+    auto dx = detail::ensure(s.dx, {R, D});
+    cpu::gemm(cpu::trans::no, cpu::trans::no, R, D, 3 * D, 1.f, dqkv.data(), wqkv_.data(), 0.f,
+              dx.data());
+    return dx;
+  }
+
+  view<float> qkv_weight() const noexcept { return wqkv_; }
+  view<float> out_weight() const noexcept { return wo_; }
+
+ private:
+  static constexpr index_t hd = D / Heads;
+
+  static index_t check(const step_ctx& c, index_t n) {
+    if (c.batch < 1 || c.seq < 1 || c.batch * c.seq * D != n)
+      throw std::invalid_argument(
+          "whale::causal_self_attention: " + std::to_string(n) + " inputs are not step_ctx::batch (" +
+          std::to_string(c.batch) + ") x seq (" + std::to_string(c.seq) + ") rows of " +
+          std::to_string(D) + "; set batch and seq in the step context");
+    return c.batch * c.seq;
+  }
+  static void fill_rows(float* __restrict y, const float* __restrict b, index_t rows, index_t cols) {
+    for (index_t r = 0; r < rows; ++r) std::memcpy(y + r * cols, b, static_cast<std::size_t>(cols) * sizeof(float));
+  }
+  // Row i of the scores: softmax over columns 0..i, zeros after (the causal mask).
+  static void softmax_causal_row(float* __restrict row, index_t i, index_t T) {
+    const index_t n = i + 1;
+    const float m = detail::vmax(row, n);
+    for (index_t j = 0; j < n; ++j) row[j] = detail::vexp(row[j] - m);
+    const float inv = 1.f / detail::vsum(row, n);
+    for (index_t j = 0; j < n; ++j) row[j] *= inv;
+    for (index_t j = n; j < T; ++j) row[j] = 0.f;
+  }
+  // dS = P (dP - <dP, P>) on columns 0..i; masked columns get no gradient.
+  static void softmax_backward_row(const float* __restrict p, float* __restrict d, index_t i,
+                                   index_t T) {
+    const index_t n = i + 1;
+    const float dot = detail::vdot(p, d, n);
+    for (index_t j = 0; j < n; ++j) d[j] = p[j] * (d[j] - dot);
+    for (index_t j = n; j < T; ++j) d[j] = 0.f;
+  }
+
+  struct state {
+    cview<float> x;
+    tensor<float> qkv, p, att, y, datt, dqkv, ds, dx;
+  };
+  view<float> wqkv_, dwqkv_, bqkv_, dbqkv_, wo_, dwo_, bo_, dbo_;
+  slots<state> st_;
+};
+
+}  // namespace whale

@@ -1,0 +1,182 @@
+// `embedding<Vocab, D>` (token lookup, the first layer of a language model)
+// and `position_embedding<MaxSeq, D>` (adds a learned (T, D) table). Tied
+// input/output embeddings and vocabulary-split forms are not here.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "whale/nn/layer.hpp"
+
+namespace whale {
+
+/// Token embedding: input (B, T) int32 tokens, output (B*T, D) rows of the
+/// table. Parameter: table (Vocab, D), init N(0, 0.02) with element i drawn
+/// from the layer's stream at index i. A token outside [0, Vocab) throws
+/// std::out_of_range naming the token and the vocabulary size. No input gradient.
+template <index_t Vocab, index_t D>
+struct embedding {
+  static_assert(Vocab > 0 && D > 0, "whale::embedding: Vocab and D must be positive");
+  using input_type = std::int32_t;
+  static constexpr index_t in_features = 1;  // one token id per row
+  static constexpr index_t out_features = D;
+
+  static std::string name() {
+    return "embedding<" + std::to_string(Vocab) + ", " + std::to_string(D) + ">";
+  }
+  static constexpr cost_info cost() {
+    cost_info c;
+    c.fwd_flops = 0;  // a lookup
+    c.bwd_flops = D;  // scatter-add of the row gradient
+    c.params = Vocab * D;
+    c.act_bytes = 4.0 * D + 4;  // output row and the token
+    return c;
+  }
+  static constexpr index_t param_count() noexcept { return Vocab * D; }
+
+  void bind(param_binder& b) {
+    auto t = b.take({Vocab, D});
+    w_ = t.value;
+    dw_ = t.grad;
+  }
+  void init(const counter_rng& r) {
+    for (index_t i = 0; i < Vocab * D; ++i)
+      w_[i] = static_cast<float>(0.02 * r.normal(static_cast<std::uint64_t>(i)));
+  }
+
+  // tokens: (B, T) -> y: (B*T, D)
+  view<float> forward(step_ctx& c, cview<std::int32_t> tokens) {
+    auto& s = st_(c.slot);
+    const index_t R = tokens.numel();
+    for (index_t r = 0; r < R; ++r) check(tokens[r]);
+    s.tokens = tokens;
+    auto y = detail::ensure(s.y, {R, D});
+    for (index_t r = 0; r < R; ++r)
+      std::memcpy(y.data() + r * D, w_.data() + static_cast<index_t>(tokens[r]) * D,
+                  D * sizeof(float));
+    return y;
+  }
+  // dy: (B*T, D) -> no input gradient (tokens are not differentiable); returns an empty view.
+  view<float> backward(step_ctx& c, cview<float> dy) {
+    auto& s = st_(c.slot);
+    if (!c.accumulate) std::memset(dw_.data(), 0, dw_.bytes());
+    const index_t R = s.tokens.numel();
+    if (dy.numel() != R * D)
+      throw std::invalid_argument("whale::embedding: the output gradient has " +
+                                  std::to_string(dy.numel()) + " elements, expected " +
+                                  std::to_string(R * D));
+    for (index_t r = 0; r < R; ++r) {
+      float* __restrict d = dw_.data() + static_cast<index_t>(s.tokens[r]) * D;
+      const float* __restrict g = dy.data() + r * D;
+      for (index_t j = 0; j < D; ++j) d[j] += g[j];
+    }
+    return {};
+  }
+
+  view<float> table() const noexcept { return w_; }
+
+ private:
+  static void check(std::int32_t tok) {
+    if (tok < 0 || tok >= Vocab)
+      throw std::out_of_range("whale::embedding: token " + std::to_string(tok) +
+                              " is outside the vocabulary of " + std::to_string(Vocab) +
+                              " (valid tokens are 0.." + std::to_string(Vocab - 1) + ")");
+  }
+  struct state {
+    cview<std::int32_t> tokens;
+    tensor<float> y;
+  };
+  view<float> w_, dw_;
+  slots<state> st_;
+};
+
+/// Learned positions: y[b*T + t, :] = x[b*T + t, :] + table[t, :] for input
+/// (B*T, D) with T = step_ctx::seq. Parameter: table (MaxSeq, D), init
+/// N(0, 0.02) by flat index. T outside [1, MaxSeq], or rows not a multiple
+/// of T, throws std::invalid_argument.
+template <index_t MaxSeq, index_t D>
+struct position_embedding {
+  static_assert(MaxSeq > 0 && D > 0, "whale::position_embedding: MaxSeq and D must be positive");
+  using input_type = float;
+  static constexpr index_t in_features = D;
+  static constexpr index_t out_features = D;
+
+  static std::string name() {
+    return "position_embedding<" + std::to_string(MaxSeq) + ", " + std::to_string(D) + ">";
+  }
+  static constexpr cost_info cost() {
+    cost_info c;
+    c.fwd_flops = D;
+    c.bwd_flops = D;  // d(table) sums over the batch; d(input) is a copy
+    c.params = MaxSeq * D;
+    c.act_bytes = 8.0 * D;  // output and input-gradient rows
+    return c;
+  }
+  static constexpr index_t param_count() noexcept { return MaxSeq * D; }
+
+  void bind(param_binder& b) {
+    auto t = b.take({MaxSeq, D});
+    p_ = t.value;
+    dp_ = t.grad;
+  }
+  void init(const counter_rng& r) {
+    for (index_t i = 0; i < MaxSeq * D; ++i)
+      p_[i] = static_cast<float>(0.02 * r.normal(static_cast<std::uint64_t>(i)));
+  }
+
+  // x: (B*T, D) -> y: (B*T, D)
+  view<float> forward(step_ctx& c, cview<float> x) {
+    const index_t R = x.numel() / D;
+    const index_t T = check(c, x.numel());
+    auto& s = st_(c.slot);
+    auto y = detail::ensure(s.y, {R, D});
+    for (index_t r = 0; r < R; ++r) {
+      const float* __restrict xr = x.data() + r * D;
+      const float* __restrict pr = p_.data() + (r % T) * D;
+      float* __restrict yr = y.data() + r * D;
+      for (index_t j = 0; j < D; ++j) yr[j] = xr[j] + pr[j];
+    }
+    return y;
+  }
+  // dy: (B*T, D) -> dx = dy: (B*T, D)
+  view<float> backward(step_ctx& c, cview<float> dy) {
+    const index_t R = dy.numel() / D;
+    const index_t T = check(c, dy.numel());
+    auto& s = st_(c.slot);
+    if (!c.accumulate) std::memset(dp_.data(), 0, dp_.bytes());
+    for (index_t r = 0; r < R; ++r) {
+      float* __restrict d = dp_.data() + (r % T) * D;
+      const float* __restrict g = dy.data() + r * D;
+      for (index_t j = 0; j < D; ++j) d[j] += g[j];
+    }
+    if (!c.need_input_grad) return {};
+    auto dx = detail::ensure(s.dx, {R, D});
+    copy(dy, dx);
+    return dx;
+  }
+
+  view<float> table() const noexcept { return p_; }
+
+ private:
+  static index_t check(const step_ctx& c, index_t n) {
+    const index_t T = c.seq;
+    if (T < 1 || T > MaxSeq)
+      throw std::invalid_argument("whale::position_embedding: sequence length " + std::to_string(T) +
+                                  " is outside 1.." + std::to_string(MaxSeq) +
+                                  " (MaxSeq); raise MaxSeq or shorten the sequences");
+    if (n % (T * D) != 0)
+      throw std::invalid_argument("whale::position_embedding: " + std::to_string(n) +
+                                  " inputs do not form sequences of " + std::to_string(T) +
+                                  " rows of " + std::to_string(D));
+    return T;
+  }
+  struct state {
+    tensor<float> y, dx;
+  };
+  view<float> p_, dp_;
+  slots<state> st_;
+};
+
+}  // namespace whale

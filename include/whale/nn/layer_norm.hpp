@@ -1,0 +1,127 @@
+// `layer_norm<D>`: LayerNorm over the last dimension with a learned gain and
+// bias (eps 1e-5), as torch.nn.LayerNorm(D). No RMSNorm, no other axes.
+#pragma once
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "whale/nn/detail/vmath.hpp"
+#include "whale/nn/layer.hpp"
+
+namespace whale {
+
+/// y = (x - mean) / sqrt(var + 1e-5) * gain + bias, per row of width D.
+/// Parameters: gain (D) init 1, then bias (D) init 0. Keeps the normalized
+/// input and 1/std per row for backward.
+template <index_t D>
+struct layer_norm {
+  static_assert(D > 0, "whale::layer_norm: D must be a positive feature count");
+  using input_type = float;
+  static constexpr index_t in_features = D;
+  static constexpr index_t out_features = D;
+  static constexpr float eps = 1e-5f;
+
+  static std::string name() { return "layer_norm<" + std::to_string(D) + ">"; }
+  static constexpr cost_info cost() {
+    cost_info c;
+    c.fwd_flops = 8.0 * D;   // mean, variance, normalize, scale and shift
+    c.bwd_flops = 12.0 * D;  // two row reductions, dx, d(gain), d(bias)
+    c.params = 2 * D;
+    c.act_bytes = 4.0 * (3 * D + 1);  // x-hat, output, input gradient, 1/std
+    return c;
+  }
+  static constexpr index_t param_count() noexcept { return 2 * D; }
+
+  void bind(param_binder& b) {
+    auto g = b.take({D});
+    auto bias = b.take({D});
+    g_ = g.value;
+    dg_ = g.grad;
+    b_ = bias.value;
+    db_ = bias.grad;
+  }
+  /// Constant init (gain 1, bias 0): trivially a pure function of the index.
+  void init(const counter_rng&) {
+    for (index_t i = 0; i < D; ++i) {
+      g_[i] = 1.f;
+      b_[i] = 0.f;
+    }
+  }
+
+  // x: (R, D) -> y: (R, D)
+  view<float> forward(step_ctx& c, cview<float> x) {
+    if (x.numel() % D != 0)
+      throw std::invalid_argument("whale::layer_norm: " + std::to_string(x.numel()) +
+                                  " inputs do not form rows of " + std::to_string(D));
+    auto& s = st_(c.slot);
+    const index_t R = x.numel() / D;
+    auto y = detail::ensure(s.y, {R, D});
+    auto xh = detail::ensure(s.xhat, {R, D});
+    auto rs = detail::ensure(s.rstd, {R});
+    const float* __restrict g = g_.data();
+    const float* __restrict bb = b_.data();
+    for (index_t r = 0; r < R; ++r) {
+      const float* __restrict xr = x.data() + r * D;
+      float* __restrict hr = xh.data() + r * D;
+      float* __restrict yr = y.data() + r * D;
+      const float mean = detail::vsum(xr, D) / static_cast<float>(D);
+      for (index_t j = 0; j < D; ++j) hr[j] = xr[j] - mean;
+      const float var = detail::vdot(hr, hr, D) / static_cast<float>(D);
+      const float rstd = 1.f / std::sqrt(var + eps);
+      rs[r] = rstd;
+      for (index_t j = 0; j < D; ++j) {
+        hr[j] *= rstd;
+        yr[j] = hr[j] * g[j] + bb[j];
+      }
+    }
+    return y;
+  }
+
+  // dy: (R, D) -> dx: (R, D);  dx = rstd (dxh - mean(dxh) - xh mean(dxh xh)), dxh = dy gain
+  view<float> backward(step_ctx& c, cview<float> dy) {
+    auto& s = st_(c.slot);
+    const index_t R = dy.numel() / D;
+    float* __restrict dg = dg_.data();
+    float* __restrict db = db_.data();
+    if (!c.accumulate) {
+      std::memset(dg, 0, D * sizeof(float));
+      std::memset(db, 0, D * sizeof(float));
+    }
+    for (index_t r = 0; r < R; ++r) {
+      const float* __restrict gr = dy.data() + r * D;
+      const float* __restrict hr = s.xhat.data() + r * D;
+      for (index_t j = 0; j < D; ++j) {
+        dg[j] += gr[j] * hr[j];
+        db[j] += gr[j];
+      }
+    }
+    if (!c.need_input_grad) return {};
+    auto dx = detail::ensure(s.dx, {R, D});
+    const float* __restrict g = g_.data();
+    for (index_t r = 0; r < R; ++r) {
+      const float* __restrict gr = dy.data() + r * D;
+      const float* __restrict hr = s.xhat.data() + r * D;
+      float* __restrict dr = dx.data() + r * D;
+      for (index_t j = 0; j < D; ++j) dr[j] = gr[j] * g[j];  // d(x-hat), staged in dx
+      const float m1 = detail::vsum(dr, D) / static_cast<float>(D);
+      const float m2 = detail::vdot(dr, hr, D) / static_cast<float>(D);
+      const float rstd = s.rstd[r];
+      for (index_t j = 0; j < D; ++j) dr[j] = rstd * (dr[j] - m1 - hr[j] * m2);
+    }
+    return dx;
+  }
+
+  view<float> gain() const noexcept { return g_; }
+  view<float> bias() const noexcept { return b_; }
+
+ private:
+  struct state {
+    tensor<float> y, xhat, rstd, dx;
+  };
+  view<float> g_, dg_, b_, db_;
+  slots<state> st_;
+};
+
+}  // namespace whale

@@ -1,0 +1,96 @@
+// `repeat<N, Block>`: N copies of a width-preserving block applied in order
+// (a transformer's layer stack). Each copy has its own parameters and init
+// stream. Where a pipeline cuts the stack is decided in strategy/, not here.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <ostream>
+#include <string>
+#include <type_traits>
+
+#include "whale/nn/layer.hpp"
+
+namespace whale {
+
+/// N copies of Block in sequence, equivalent to sequential<Block, ..., Block>
+/// (N times): copy i is bound after copy i-1 and initialised from stream
+/// child(i), exactly as sequential does for its i-th element.
+template <std::size_t N, class Block>
+class repeat {
+  static_assert(N > 0, "whale::repeat: N must be at least 1");
+  static_assert(Layer<Block>, "whale::repeat: Block must model whale::Layer (a loss cannot be repeated)");
+  static_assert(Block::in_features == Block::out_features,
+                "whale::repeat: Block must keep the feature width (in_features == out_features) "
+                "so that its copies can follow each other");
+  static_assert(std::is_same_v<typename Block::input_type, float>,
+                "whale::repeat: Block must take float activations");
+
+ public:
+  using block_type = Block;
+  using input_type = float;
+  static constexpr std::size_t count = N;
+  static constexpr index_t in_features = Block::in_features;
+  static constexpr index_t out_features = Block::out_features;
+
+  static std::string name() { return "repeat<" + std::to_string(N) + ", " + layer_name<Block>() + ">"; }
+  static constexpr cost_info cost() {
+    cost_info c = Block::cost();
+    const cost_info one = c;
+    for (std::size_t i = 1; i < N; ++i) c += one;
+    return c;
+  }
+  static void print_structure(std::ostream& os, int indent, index_t width) {
+    os << std::string(static_cast<std::size_t>(indent), ' ') << N << " x " << layer_name<Block>()
+       << "  [" << Block::cost().params << " params each]\n";
+    if constexpr (requires { Block::print_structure(os, indent, width); })
+      Block::print_structure(os, indent + 2, width);
+  }
+
+  index_t param_count() const {
+    index_t n = 0;
+    for (const auto& b : blocks_) n += b.param_count();
+    return n;
+  }
+  void bind(param_binder& b) {
+    for (std::size_t i = 0; i < N; ++i) {
+      offset_[i] = b.offset();
+      blocks_[i].bind(b);
+    }
+  }
+  void init(const counter_rng& r) {
+    for (std::size_t i = 0; i < N; ++i) blocks_[i].init(r.child(i));
+  }
+
+  // x: (R, F) -> y: (R, F), through copies 0..N-1
+  view<float> forward(step_ctx& c, cview<float> x) {
+    view<float> y = blocks_[0].forward(c, x);
+    for (std::size_t i = 1; i < N; ++i) y = blocks_[i].forward(c, cview<float>(y));
+    return y;
+  }
+  // dy: (R, F) -> dx: (R, F), through copies N-1..0; reports grads_ready after each copy
+  view<float> backward(step_ctx& c, cview<float> dy) {
+    const bool outer = c.need_input_grad;
+    view<float> d;
+    cview<float> g = dy;
+    for (std::size_t k = N; k-- > 0;) {
+      c.need_input_grad = k > 0 || outer;
+      d = blocks_[k].backward(c, g);
+      c.need_input_grad = outer;
+      if (c.grads_ready) c.grads_ready(offset_[k]);
+      g = d;
+    }
+    return d;
+  }
+
+  Block& block(std::size_t i) { return blocks_.at(i); }
+  const Block& block(std::size_t i) const { return blocks_.at(i); }
+  /// Flat parameter offset of copy i (valid after bind).
+  index_t offset(std::size_t i) const { return offset_.at(i); }
+
+ private:
+  std::array<Block, N> blocks_{};
+  std::array<index_t, N> offset_{};
+};
+
+}  // namespace whale

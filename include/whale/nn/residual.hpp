@@ -1,0 +1,125 @@
+// `residual<Inner...>`: y = x + inner(x), where inner is sequential<Inner...>
+// and keeps the feature width. No scaling, gating or dropout on the branch.
+#pragma once
+
+#include <ostream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "whale/nn/layer.hpp"
+#include "whale/nn/sequential.hpp"
+
+namespace whale {
+
+namespace detail {
+/// Named in the compiler's error when a residual branch changes the width.
+template <class Inner, index_t In, index_t Out>
+struct residual_width_mismatch {
+  static_assert(In == any_features || In == Out,
+                "whale::residual: the inner layers must keep the feature width (in_features == "
+                "out_features) so that x + inner(x) is defined; the inner sequential and its "
+                "widths are named in 'residual_width_mismatch<Inner, in, out>' in the compiler's "
+                "notes. Make the last inner layer produce in_features");
+  static constexpr bool value = true;
+};
+}  // namespace detail
+
+/// Residual connection around sequential<Inner...>. Parameters are the inner
+/// layers', in order; init gives the inner sequential the residual's stream.
+/// Backward: dx = dy + inner'(dy). A branch whose output size differs from
+/// its input at run time throws std::invalid_argument.
+template <class... Inner>
+class residual {
+ public:
+  using inner_type = sequential<Inner...>;
+
+ private:
+  static_assert(!inner_type::has_loss,
+                "whale::residual: the inner layers may not end in a loss; put the loss after the "
+                "residual");
+  static_assert(std::is_same_v<typename inner_type::input_type, float>,
+                "whale::residual: the inner layers must take float activations (an embedding "
+                "cannot be inside a residual)");
+  static_assert(detail::residual_width_mismatch<inner_type, inner_type::in_features,
+                                                inner_type::out_features>::value,
+                "whale::residual: the inner layers must keep the feature width");
+
+ public:
+  using input_type = float;
+  static constexpr index_t in_features = inner_type::in_features;
+  static constexpr index_t out_features = inner_type::in_features;
+
+  static std::string name() {
+    std::string s = "residual<";
+    std::size_t i = 0;
+    ((s += (i++ ? ", " : "") + layer_name<Inner>()), ...);
+    return s + ">";
+  }
+  /// The inner layers' cost plus the addition (1 FLOP per feature each way).
+  static constexpr cost_info cost() {
+    cost_info c = inner_type::cost();
+    if constexpr (in_features == any_features) {
+      c.fwd_flops += 1;
+      c.bwd_flops += 1;
+      c.act_bytes += 8;
+      c.per_feature = true;
+    } else {
+      c.fwd_flops += static_cast<double>(in_features);
+      c.bwd_flops += static_cast<double>(in_features);
+      c.act_bytes += 8.0 * static_cast<double>(in_features);  // output and input gradient
+    }
+    return c;
+  }
+  static void print_structure(std::ostream& os, int indent, index_t width) {
+    os << std::string(static_cast<std::size_t>(indent), ' ') << "residual (x + ...)\n";
+    inner_type::print_structure(os, indent + 2, width);
+  }
+
+  index_t param_count() const { return inner_.param_count(); }
+  void bind(param_binder& b) { inner_.bind(b); }
+  void init(const counter_rng& r) { inner_.init(r); }
+
+  // x: (R, F) -> y = x + inner(x): (R, F)
+  view<float> forward(step_ctx& c, cview<float> x) {
+    auto h = inner_.forward(c, x);
+    if (h.numel() != x.numel())
+      throw std::invalid_argument("whale::residual: the inner layers turned " +
+                                  std::to_string(x.numel()) + " inputs into " +
+                                  std::to_string(h.numel()) +
+                                  " outputs; a residual branch must keep the width");
+    auto& s = st_(c.slot);
+    auto y = detail::ensure(s.y, x.shape());
+    const index_t n = x.numel();
+    const float* __restrict xp = x.data();
+    const float* __restrict hp = h.data();
+    float* __restrict yp = y.data();
+    for (index_t i = 0; i < n; ++i) yp[i] = xp[i] + hp[i];
+    return y;
+  }
+  // dy: (R, F) -> dx = dy + inner'(dy): (R, F)
+  view<float> backward(step_ctx& c, cview<float> dy) {
+    auto dh = inner_.backward(c, dy);  // parameter gradients; d(input) only if asked
+    if (!c.need_input_grad) return {};
+    auto& s = st_(c.slot);
+    auto dx = detail::ensure(s.dx, dy.shape());
+    const index_t n = dy.numel();
+    const float* __restrict g = dy.data();
+    const float* __restrict hp = dh.data();
+    float* __restrict d = dx.data();
+    for (index_t i = 0; i < n; ++i) d[i] = g[i] + hp[i];
+    return dx;
+  }
+
+  inner_type& inner() noexcept { return inner_; }
+  const inner_type& inner() const noexcept { return inner_; }
+
+ private:
+  struct state {
+    tensor<float> y, dx;
+  };
+  inner_type inner_;
+  slots<state> st_;
+};
+
+}  // namespace whale

@@ -1,0 +1,158 @@
+// The runtime of `replicate<M>`: data parallelism over the mesh's `data` axis.
+// Each rank holds all of M's parameters, feeds its rows of the global batch,
+// and sums gradients with bucketed, non-blocking all-reduces launched during
+// backward as soon as a bucket's last gradient is final. No layouts here.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <ostream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "whale/comm/collectives.hpp"
+#include "whale/comm/context.hpp"
+#include "whale/nn/network.hpp"
+#include "whale/strategy/replicate.hpp"
+
+namespace whale {
+
+/// Options of data parallelism, as DDP users expect them.
+struct dp_options {
+  double bucket_mib = 25.0;  ///< gradient bucket size (MiB); WHALE_BUCKET_MIB overrides the default
+  bool overlap = true;       ///< launch buckets during backward; false: all after backward
+  static dp_options from_env() {
+    dp_options o;
+    if (const char* e = std::getenv("WHALE_BUCKET_MIB")) o.bucket_mib = std::atof(e);
+    if (const char* e = std::getenv("WHALE_DP_OVERLAP")) o.overlap = std::string(e) != "0";
+    return o;
+  }
+};
+
+/// Rows [begin, begin + count) of a global batch of `global` rows that part
+/// `part` of `parts` feeds: as even as possible, the first global % parts get one more.
+inline std::pair<index_t, index_t> even_slice(index_t global, int parts, int part) {
+  const index_t q = global / parts, r = global % parts;
+  const index_t begin = part * q + std::min<index_t>(part, r);
+  return {begin, q + (part < r ? 1 : 0)};
+}
+
+/// A network trained with data parallelism over `ctx.mesh()`'s data axis.
+template <class M>
+class data_parallel {
+  static_assert(is_replicate_v<M>,
+                "whale::data_parallel: the model must be replicate<...> (data parallel); wrap it "
+                "in whale::replicate");
+
+ public:
+  using model_type = M;
+  using input_type = typename M::input_type;
+
+  data_parallel(const context& ctx, seed s, dp_options o = dp_options::from_env())
+      : ctx_(&ctx), comm_(&ctx.mesh().comm(axis::data)), net_(s), o_(o) {
+    const auto& shape = ctx.mesh().shape();
+    if (shape.size(axis::pipe) != 1 || shape.size(axis::model) != 1)
+      throw std::invalid_argument(
+          "whale::replicate: this plan uses only the data axis, but the mesh is " + shape.spec() +
+          "; launch with --mesh data=" + std::to_string(ctx.size()) +
+          " (or add split/pipeline strategies that use the other axes)");
+    if (o_.bucket_mib <= 0)
+      throw std::invalid_argument("whale::replicate: bucket size must be positive (got " +
+                                  std::to_string(o_.bucket_mib) + " MiB)");
+    // Identical start on every rank: rank 0's parameters win.
+    broadcast(*comm_, net_.params(), 0);
+    make_buckets();
+  }
+  data_parallel(const data_parallel&) = delete;
+  data_parallel& operator=(const data_parallel&) = delete;
+
+  // ---- Trainable ----
+  std::pair<index_t, index_t> local_batch(index_t global_batch) const {
+    if (global_batch < comm_->size())
+      throw std::invalid_argument("whale::replicate: the global batch (" + std::to_string(global_batch) +
+                                  ") is smaller than the data-parallel degree (" +
+                                  std::to_string(comm_->size()) + "); every rank needs at least one sample");
+    return even_slice(global_batch, comm_->size(), comm_->rank());
+  }
+
+  /// Forward and backward on this rank's rows; gradients summed over the data
+  /// axis when it returns. Returns this rank's share of the loss.
+  double train_step(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) {
+    next_ = 0;
+    if (o_.overlap && comm_->size() > 1) c.grads_ready = [this](index_t offset) { on_ready(offset); };
+    const double share = net_.train_step(c, x, labels);
+    c.grads_ready = nullptr;
+    if (comm_->size() > 1) {
+      on_ready(0);  // launch what is left
+      for (auto& b : buckets_) b.req->wait();
+    }
+    return share;
+  }
+  double reduce_loss(double share) {
+    double v = share;
+    all_reduce(*comm_, view<double>(&v, {1}));
+    return v;
+  }
+  /// Gradients are identical on every rank after the all-reduce: a local norm.
+  double grad_norm() const { return net_.grad_norm(); }
+  int rank() const noexcept { return ctx_->rank(); }
+  int world_size() const noexcept { return ctx_->size(); }
+  template <class O> typename O::state make_optimizer_state(const O& opt) const {
+    return net_.make_optimizer_state(opt);
+  }
+  template <class O> void apply_optimizer(const O& opt, typename O::state& s, float grad_scale) {
+    net_.apply_optimizer(opt, s, grad_scale);
+  }
+
+  network<M>& local() noexcept { return net_; }
+  view<float> params() const noexcept { return net_.params(); }
+  view<float> grads() const noexcept { return net_.grads(); }
+  index_t param_count() const noexcept { return net_.param_count(); }
+  std::size_t bucket_count() const noexcept { return buckets_.size(); }
+  const dp_options& options() const noexcept { return o_; }
+
+  friend std::ostream& operator<<(std::ostream& os, const data_parallel& d) {
+    os << "plan: " << layer_name<M>() << " over " << d.ctx_->mesh().shape() << "\n"
+       << "  data parallel: batch split<0> over data:" << d.comm_->size()
+       << ", gradients all-reduced in " << d.buckets_.size() << " bucket(s) of <= "
+       << d.o_.bucket_mib << " MiB" << (d.o_.overlap ? ", overlapped with backward" : "") << "\n"
+       << d.net_;
+    return os;
+  }
+
+ private:
+  struct bucket {
+    index_t begin = 0, end = 0;  // flat gradient range
+    std::optional<typename world_comm::request> req;
+  };
+
+  // Buckets cover the flat gradient buffer from its end (the last layer's
+  // gradients are final first) to its start.
+  void make_buckets() {
+    const index_t n = net_.param_count();
+    const auto per = std::max<index_t>(1, static_cast<index_t>(o_.bucket_mib * 1048576.0 / sizeof(float)));
+    for (index_t end = n; end > 0; end -= per) buckets_.push_back({std::max<index_t>(0, end - per), end, {}});
+  }
+
+  // Every gradient at flat index >= offset is final: launch the buckets it completes.
+  void on_ready(index_t offset) {
+    while (next_ < buckets_.size() && buckets_[next_].begin >= offset) {
+      auto& b = buckets_[next_++];
+      auto g = net_.grads();
+      b.req.emplace(comm_->iall_reduce(g.data() + b.begin, b.end - b.begin, dtype::f32, reduce_op::sum));
+    }
+    for (std::size_t i = 0; i < next_; ++i) buckets_[i].req->test();  // drive progress
+  }
+
+  const context* ctx_;
+  world_comm* comm_;
+  network<M> net_;
+  dp_options o_;
+  std::vector<bucket> buckets_;
+  std::size_t next_ = 0;
+};
+
+}  // namespace whale

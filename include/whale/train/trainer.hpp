@@ -1,0 +1,142 @@
+// `trainer`: the training loop over any `Trainable` network (single process or
+// a parallel plan) — data slicing, forward/backward, gradient clipping, the
+// optimizer step, NaN/Inf checks and the progress line. It holds no model.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <concepts>
+#include <cstdint>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "whale/nn/layer.hpp"
+#include "whale/optim/optimizer.hpp"
+#include "whale/train/data.hpp"
+#include "whale/train/progress.hpp"
+
+namespace whale {
+
+/// Number of training steps, as users write it: `steps{100}`.
+struct steps {
+  std::int64_t value = 0;
+};
+
+/// A network the trainer can drive: it says which rows of a global batch this
+/// rank feeds, runs forward+backward (with whatever communication its plan
+/// needs), combines loss shares across ranks, and applies an optimizer.
+template <class N>
+concept Trainable = requires(N& n, const N& cn, step_ctx& c, index_t g, double d,
+                             cview<typename N::input_type> x, cview<std::int32_t> y) {
+  typename N::model_type;
+  { cn.local_batch(g) } -> std::same_as<std::pair<index_t, index_t>>;
+  { n.train_step(c, x, y) } -> std::convertible_to<double>;
+  { n.reduce_loss(d) } -> std::convertible_to<double>;
+  { n.grad_norm() } -> std::convertible_to<double>;
+  { cn.rank() } -> std::convertible_to<int>;
+  { cn.world_size() } -> std::convertible_to<int>;
+};
+
+struct trainer_options {
+  double max_grad_norm = 0;      ///< clip gradients to this global norm (0: no clipping)
+  bool progress = true;          ///< print the progress line (rank 0 only)
+  std::FILE* out = stderr;       ///< where the progress line goes
+  int plain_every = 10;          ///< without a terminal, print every this many steps
+  std::int64_t first_step = 0;   ///< data step of the first step (for resuming)
+};
+
+/// What a run did.
+struct train_result {
+  std::vector<double> losses;       ///< mean loss over the global batch, per step
+  std::vector<double> step_seconds; ///< wall time per step
+  double loss_first() const { return losses.empty() ? 0 : losses.front(); }
+  double loss_last() const { return losses.empty() ? 0 : losses.back(); }
+  /// Median step time, skipping `warmup` steps.
+  double median_step_s(std::size_t warmup = 2) const {
+    std::vector<double> s(step_seconds.begin() + static_cast<std::ptrdiff_t>(std::min(warmup, step_seconds.size())),
+                          step_seconds.end());
+    if (s.empty()) s = step_seconds;
+    if (s.empty()) return 0;
+    std::nth_element(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(s.size() / 2), s.end());
+    return s[s.size() / 2];
+  }
+};
+
+/// Model FLOPs of one step over `rows` rows (samples, or tokens) in sequences of `seq`.
+template <class M> constexpr double model_flops(index_t rows, index_t seq) {
+  const auto c = M::cost();
+  return (c.fwd_flops + c.bwd_flops) * static_cast<double>(rows) +
+         3.0 * c.seq_flops * static_cast<double>(rows) * static_cast<double>(seq);
+}
+
+/// Drives a Trainable network with an optimizer over a data source.
+template <Trainable Net, Optimizer Opt>
+class trainer {
+ public:
+  trainer(Net& net, Opt opt, trainer_options o = {})
+      : net_(net), opt_(std::move(opt)), o_(o), state_(net.make_optimizer_state(opt_)) {}
+
+  /// This rank's rows of data step `step` (no training).
+  template <class Data> auto fetch(Data& data, std::int64_t step) {
+    const auto [begin, count] = net_.local_batch(data.global_batch());
+    return data.get(step, begin, count);
+  }
+
+  /// One step on data step `step`; returns the global mean loss.
+  template <class Data> double step(Data& data, std::int64_t step) {
+    return step_on(fetch(data, step), data.global_batch(), step);
+  }
+
+  /// One step on a fetched batch (this rank's rows of a global batch of
+  /// `global_batch` sequences); returns the global mean loss.
+  template <class In> double step_on(const batch_view<In>& b, index_t global_batch, std::int64_t step) {
+    step_ctx c;
+    c.batch = b.sequences;
+    c.seq = b.seq;
+    c.global_rows = global_batch * b.seq;
+    const double share = net_.train_step(c, b.inputs, b.labels);
+    const double loss = net_.reduce_loss(share);
+    if (!std::isfinite(loss))
+      throw std::runtime_error("whale::trainer: the loss is " + std::string(std::isnan(loss) ? "NaN" : "infinite") +
+                               " at step " + std::to_string(step) +
+                               "; lower the learning rate, clip gradients (max_grad_norm) or check the data");
+    float scale = 1.f;
+    if (o_.max_grad_norm > 0) scale = clip_coefficient(net_.grad_norm(), o_.max_grad_norm);
+    net_.apply_optimizer(opt_, state_, scale);
+    return loss;
+  }
+
+  /// Train for `n` steps; prints progress on rank 0.
+  template <class Data> train_result run(Data& data, steps n) {
+    train_result r;
+    r.losses.reserve(static_cast<std::size_t>(n.value));
+    r.step_seconds.reserve(static_cast<std::size_t>(n.value));
+    const bool seqs = data.seq() > 1;
+    const index_t rows = data.global_batch() * data.seq();
+    const double flops = model_flops<typename Net::model_type>(rows, data.seq());
+    progress_line line(n.value, seqs, (o_.progress && net_.rank() == 0) ? o_.out : nullptr, o_.plain_every);
+    for (std::int64_t s = 0; s < n.value; ++s) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const double loss = step(data, o_.first_step + s);
+      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      r.losses.push_back(loss);
+      r.step_seconds.push_back(dt);
+      line.update(s + 1, loss, dt, static_cast<double>(rows), flops / static_cast<double>(net_.world_size()));
+    }
+    return r;
+  }
+
+  typename Opt::state& optimizer_state() noexcept { return state_; }
+
+ private:
+  Net& net_;
+  Opt opt_;
+  trainer_options o_;
+  typename Opt::state state_;
+};
+
+}  // namespace whale

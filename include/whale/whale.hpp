@@ -1,0 +1,63 @@
+// The umbrella header: everything a user of whale needs. Backends that need
+// optional dependencies are included only when their target is linked
+// (whale::mpi defines WHALE_HAS_MPI, whale::cuda defines WHALE_HAS_CUDA).
+#pragma once
+
+#include "whale/fwd.hpp"
+
+// tensor/
+#include "whale/tensor/memory.hpp"
+#include "whale/tensor/random.hpp"
+#include "whale/tensor/tensor.hpp"
+
+// backend/
+#include "whale/backend/cpu.hpp"
+
+// comm/
+#include "whale/comm/collectives.hpp"
+#include "whale/comm/communicator.hpp"
+#include "whale/comm/context.hpp"
+#include "whale/comm/failure.hpp"
+#include "whale/comm/local_comm.hpp"
+#include "whale/comm/mesh.hpp"
+#ifdef WHALE_HAS_MPI
+#include "whale/comm/mpi_comm.hpp"
+#endif
+#ifdef WHALE_HAS_CUDA
+#include "whale/comm/nccl_comm.hpp"
+#endif
+
+// nn/
+#include "whale/nn/causal_self_attention.hpp"
+#include "whale/nn/embedding.hpp"
+#include "whale/nn/gelu.hpp"
+#include "whale/nn/layer.hpp"
+#include "whale/nn/layer_norm.hpp"
+#include "whale/nn/linear.hpp"
+#include "whale/nn/network.hpp"
+#include "whale/nn/relu.hpp"
+#include "whale/nn/repeat.hpp"
+#include "whale/nn/residual.hpp"
+#include "whale/nn/sequential.hpp"
+#include "whale/nn/softmax_cross_entropy.hpp"
+#include "whale/nn/transformer_block.hpp"
+
+// optim/
+#include "whale/optim/adamw.hpp"
+#include "whale/optim/optimizer.hpp"
+#include "whale/optim/sgd.hpp"
+
+// strategy/
+#include "whale/strategy/data_parallel.hpp"
+#include "whale/strategy/make.hpp"
+#include "whale/strategy/replicate.hpp"
+
+// train/
+#include "whale/train/data.hpp"
+#include "whale/train/progress.hpp"
+#include "whale/train/trainer.hpp"
+
+// the reference workloads
+#include "whale/models/gpt.hpp"
+#include "whale/models/mlp.hpp"
+#include "whale/models/xc.hpp"

@@ -1,0 +1,22 @@
+# Run a command that must fail: exit non-zero, within LIMIT seconds, printing
+# every regex of EXPECT. -DCMD=a|b|c -DEXPECT=re1@@re2 -DLIMIT=seconds
+string(REPLACE "|" ";" _cmd "${CMD}")
+string(REPLACE "@@" ";" _expect "${EXPECT}")
+string(TIMESTAMP _t0 "%s")
+execute_process(COMMAND ${_cmd} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err
+                TIMEOUT ${LIMIT})
+string(TIMESTAMP _t1 "%s")
+math(EXPR _secs "${_t1} - ${_t0}")
+message("${out}${err}")
+message("exit: ${rc} after ${_secs} s")
+if(rc STREQUAL "0")
+  message(FATAL_ERROR "expected a non-zero exit, got 0")
+endif()
+if(NOT rc MATCHES "^[0-9]+$")
+  message(FATAL_ERROR "the job did not exit by itself: ${rc}")
+endif()
+foreach(re IN LISTS _expect)
+  if(NOT "${out}${err}" MATCHES "${re}")
+    message(FATAL_ERROR "expected output matching: ${re}")
+  endif()
+endforeach()

@@ -1,0 +1,121 @@
+// replicate<M> (data parallelism) against single-process training on the same
+// global batches: parameters after 5 steps agree to a stated tolerance, with
+// gradient overlap on and off, at whatever world size mpirun gives (1, 2, 4).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "whale/comm/context.hpp"
+#include "whale/models/gpt.hpp"
+#include "whale/models/mlp.hpp"
+#include "whale/nn/relu.hpp"
+#include "whale/optim/sgd.hpp"
+#include "whale/strategy/make.hpp"
+#include "whale/train/trainer.hpp"
+
+using namespace whale;
+
+namespace {
+
+trainer_options quiet() {
+  trainer_options o;
+  o.progress = false;
+  return o;
+}
+
+// Tolerance: |p_dp - p_single| <= atol + rtol * |p_single| elementwise, fp32.
+// Data parallelism changes only the order of float sums (per-rank GEMMs over
+// fewer rows, then the all-reduce), so differences stay at rounding level.
+constexpr double atol = 2e-6, rtol = 1e-4;
+
+struct diff {
+  double max_abs = 0;
+  index_t bad = 0;
+};
+diff compare(cview<float> a, cview<float> b) {
+  diff d;
+  for (index_t i = 0; i < a.numel(); ++i) {
+    const double e = std::abs(static_cast<double>(a[i]) - b[i]);
+    d.max_abs = std::max(d.max_abs, e);
+    if (e > atol + rtol * std::abs(static_cast<double>(b[i]))) ++d.bad;
+  }
+  return d;
+}
+
+template <class Model, class MakeData>
+void check_against_single(const context& ctx, MakeData make_data, bool overlap, double bucket_mib) {
+  constexpr int n_steps = 5;
+  const auto opt = sgd{.lr = 0.01f, .momentum = 0.9f};
+  dp_options o;
+  o.overlap = overlap;
+  o.bucket_mib = bucket_mib;
+  data_parallel<replicate<Model>> dp(ctx, seed{42}, o);
+  {
+    auto data = make_data();
+    trainer t(dp, opt, quiet());
+    t.run(data, steps{n_steps});
+  }
+  // every rank holds the same parameters
+  tensor<float> mine({dp.param_count()});
+  copy<float>(dp.params(), mine);
+  tensor<float> root({dp.param_count()});
+  copy<float>(dp.params(), root);
+  broadcast(ctx.world(), root.v(), 0);
+  CHECK(compare(mine, root).max_abs == 0.0);
+
+  // the single-process run of the same global batches, on rank 0
+  if (ctx.rank() == 0) {
+    network<Model> single(seed{42});
+    auto data = make_data();
+    trainer t(single, opt, quiet());
+    t.run(data, steps{n_steps});
+    const auto d = compare(dp.params(), single.params());
+    MESSAGE("ranks " << ctx.size() << " overlap " << overlap << " buckets " << dp.bucket_count()
+                     << ": max |dp - single| = " << d.max_abs);
+    CHECK(d.bad == 0);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("replicate<mlp> equals single-process training (global batch 32, 5 steps)") {
+  auto ctx = context::init();
+  auto data = [] { return models::mlp_data(seed{7}, 32); };
+  SUBCASE("overlap on, 4 MiB buckets") { check_against_single<models::mlp>(ctx, data, true, 4.0); }
+  SUBCASE("overlap off, 25 MiB buckets") { check_against_single<models::mlp>(ctx, data, false, 25.0); }
+}
+
+TEST_CASE("replicate<gpt> equals single-process training (8 sequences, 5 steps)") {
+  auto ctx = context::init();
+  auto data = [] { return models::gpt_data(seed{7}, 8); };
+  SUBCASE("overlap on, 1 MiB buckets") { check_against_single<models::gpt>(ctx, data, true, 1.0); }
+  SUBCASE("overlap off") { check_against_single<models::gpt>(ctx, data, false, 25.0); }
+}
+
+TEST_CASE("replicate<replicate<M>> trains exactly as replicate<M>") {
+  auto ctx = context::init();
+  using small = sequential<linear<16, 32>, relu, linear<32, 8>, softmax_cross_entropy>;
+  data_parallel<replicate<small>> one(ctx, seed{3});
+  data_parallel<replicate<replicate<small>>> two(ctx, seed{3});
+  teacher_data d1(seed{4}, 16, 8, 12), d2(seed{4}, 16, 8, 12);
+  trainer t1(one, sgd{.lr = 0.1f}, quiet());
+  trainer t2(two, sgd{.lr = 0.1f}, quiet());
+  t1.run(d1, steps{3});
+  t2.run(d2, steps{3});
+  CHECK(compare(one.params(), two.params()).max_abs == 0.0);
+}
+
+TEST_CASE("replicate: a global batch smaller than the data degree is a clear error") {
+  auto ctx = context::init();
+  using small = sequential<linear<4, 4>, softmax_cross_entropy>;
+  data_parallel<replicate<small>> dp(ctx, seed{1});
+  if (ctx.size() > 1) {
+    CHECK_THROWS_WITH_AS(dp.local_batch(ctx.size() - 1), doctest::Contains("smaller than the data-parallel degree"),
+                         std::invalid_argument);
+  }
+  const auto [b, n] = dp.local_batch(10);
+  CHECK(n >= 10 / ctx.size());
+  CHECK(b + n <= 10);
+}

@@ -1,0 +1,364 @@
+// Finite-difference checks of every layer's backward (inputs and parameters),
+// the causal mask, runtime errors of the new layers, and the Layer concept.
+//
+// Method: central differences in fp32 on the scalar L = sum(w * y) for fixed
+// random w (for losses, L is the loss itself), accumulated in double; step h =
+// 1e-2 on inputs and parameters of scale ~1. Tolerance: for each gradient
+// tensor, max_i |fd_i - analytic_i| / max(max_i |analytic_i|, 1e-3) < 1e-2,
+// i.e. the worst error relative to the largest entry; the analytic gradient
+// must also be non-trivial (largest entry > 1e-3). fp32 rounding noise of
+// (L(+h) - L(-h)) / 2h is ~1e-4 of that scale, truncation O(h^2) ~1e-4; a wrong
+// term in a backward gives errors of order 1 (the test "checker detects a
+// wrong backward" keeps that property checked).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "whale/nn/causal_self_attention.hpp"
+#include "whale/nn/embedding.hpp"
+#include "whale/nn/gelu.hpp"
+#include "whale/nn/layer_norm.hpp"
+#include "whale/nn/linear.hpp"
+#include "whale/nn/relu.hpp"
+#include "whale/nn/repeat.hpp"
+#include "whale/nn/residual.hpp"
+#include "whale/nn/sequential.hpp"
+#include "whale/nn/softmax_cross_entropy.hpp"
+#include "whale/nn/transformer_block.hpp"
+
+using namespace whale;
+
+// ---- the Layer concept, checked at compile time ----
+static_assert(Layer<gelu>);
+static_assert(Layer<layer_norm<8>>);
+static_assert(Layer<embedding<10, 4>>);
+static_assert(Layer<position_embedding<6, 4>>);
+static_assert(Layer<causal_self_attention<8, 2>>);
+static_assert(Layer<residual<layer_norm<8>, linear<8, 8>>>);
+static_assert(Layer<transformer_block<8, 2, 16>>);
+static_assert(Layer<repeat<3, transformer_block<8, 2, 16>>>);
+static_assert(Loss<softmax_cross_entropy>);
+static_assert(transformer_block<8, 2, 16>::in_features == 8 &&
+              transformer_block<8, 2, 16>::out_features == 8);
+static_assert(causal_self_attention<256, 4>::cost().seq_flops == 4.0 * 256);
+static_assert(transformer_block<256, 4, 1024>::cost().params == 789760);
+
+namespace {
+
+constexpr double fd_step = 1e-2;
+constexpr double fd_tol = 1e-2;
+
+/// Worst |fd - an| relative to the largest |an|; fails the check when above fd_tol
+/// or when the analytic gradient is trivially zero.
+double rel_error(const std::vector<double>& an, const std::vector<double>& fd) {
+  double amax = 0, emax = 0;
+  for (std::size_t i = 0; i < an.size(); ++i) {
+    amax = std::max(amax, std::abs(an[i]));
+    emax = std::max(emax, std::abs(an[i] - fd[i]));
+  }
+  return emax / std::max(amax, 1e-3);
+}
+double max_abs(const std::vector<double>& v) {
+  double m = 0;
+  for (double x : v) m = std::max(m, std::abs(x));
+  return m;
+}
+
+void check_close(const std::vector<double>& an, const std::vector<double>& fd, const std::string& what) {
+  INFO(what);
+  CHECK(an.size() == fd.size());
+  CHECK(max_abs(an) > 1e-3);
+  const double e = rel_error(an, fd);
+  INFO("relative error " << e);
+  CHECK(e < fd_tol);
+}
+
+void fill_normal(view<float> v, std::uint64_t stream, float scale = 1.f) {
+  counter_rng r(seed{1234}, stream);
+  for (index_t i = 0; i < v.numel(); ++i) v[i] = static_cast<float>(scale * r.normal(static_cast<std::uint64_t>(i)));
+}
+
+/// A layer bound to its own parameter and gradient buffers, initialised from a seed.
+template <class L>
+struct bound {
+  L layer;
+  tensor<float> params, grads;
+  explicit bound(std::uint64_t s = 5) {
+    const index_t n = std::max<index_t>(layer.param_count(), 1);
+    params = tensor<float>({n}, mem_kind::params);
+    grads = tensor<float>({n}, mem_kind::grads);
+    param_binder b(params.data(), grads.data(), n);
+    layer.bind(b);
+    layer.init(counter_rng(seed{s}));
+  }
+  index_t count() const { return layer.param_count(); }
+};
+
+struct result {
+  std::vector<double> an_x, fd_x, an_p, fd_p;
+};
+
+/// Gradients of L = sum(w * layer(x)) by backward and by central differences.
+/// `x` is float (checked) or int tokens (only parameters checked). Parameters
+/// are perturbed in place in the flat buffer. Every `stride`-th parameter is checked.
+template <class L, class In>
+result gradients(bound<L>& m, step_ctx c, view<In> x, index_t out_width, index_t stride = 1) {
+  const index_t rows = c.rows();
+  tensor<float> w({rows, out_width});
+  fill_normal(w.v(), 99);
+  auto loss = [&] {
+    auto y = m.layer.forward(c, cview<In>(x));
+    REQUIRE(y.numel() == w.numel());
+    double s = 0;
+    for (index_t i = 0; i < y.numel(); ++i) s += static_cast<double>(w[i]) * y[i];
+    return s;
+  };
+  result r;
+  loss();
+  c.accumulate = false;
+  c.need_input_grad = std::is_same_v<In, float>;
+  auto dx = m.layer.backward(c, cview<float>(w.v()));
+  if constexpr (std::is_same_v<In, float>) {
+    REQUIRE(dx.numel() == x.numel());
+    for (index_t i = 0; i < dx.numel(); ++i) r.an_x.push_back(dx[i]);
+  } else {
+    CHECK(dx.empty());
+  }
+  for (index_t i = 0; i < m.count(); i += stride) r.an_p.push_back(m.grads[i]);
+
+  auto central = [&](float& v) {
+    const float saved = v;
+    v = static_cast<float>(saved + fd_step);
+    const double lp = loss();
+    v = static_cast<float>(saved - fd_step);
+    const double lm = loss();
+    v = saved;
+    return (lp - lm) / (2 * fd_step);
+  };
+  if constexpr (std::is_same_v<In, float>)
+    for (index_t i = 0; i < x.numel(); ++i) r.fd_x.push_back(central(x[i]));
+  for (index_t i = 0; i < m.count(); i += stride) r.fd_p.push_back(central(m.params[i]));
+  return r;
+}
+
+step_ctx ctx(index_t batch, index_t seq) {
+  step_ctx c;
+  c.batch = batch;
+  c.seq = seq;
+  c.global_rows = batch * seq;
+  return c;
+}
+
+/// Full check of a float layer: inputs (R, in) ~ N(0,1), outputs (R, out).
+template <class L>
+void check_layer(const std::string& what, index_t batch, index_t seq, index_t in, index_t out,
+                 index_t stride = 1) {
+  bound<L> m;
+  auto c = ctx(batch, seq);
+  tensor<float> x({c.rows(), in});
+  fill_normal(x.v(), 7);
+  auto r = gradients(m, c, x.v(), out, stride);
+  check_close(r.an_x, r.fd_x, what + ": d(input)");
+  if (m.count() > 0) check_close(r.an_p, r.fd_p, what + ": d(parameters)");
+}
+
+/// A deliberately wrong layer: y = x^2, backward claims 2.2 x. The checker must reject it.
+struct wrong_square : stateless_params {
+  using input_type = float;
+  static constexpr index_t in_features = any_features;
+  static constexpr index_t out_features = any_features;
+  static constexpr cost_info cost() { return {}; }
+  view<float> forward(step_ctx&, cview<float> x) {
+    x_ = x;
+    y_.resize(x.shape());
+    for (index_t i = 0; i < x.numel(); ++i) y_[i] = x[i] * x[i];
+    return y_.v();
+  }
+  view<float> backward(step_ctx&, cview<float> dy) {
+    dx_.resize(dy.shape());
+    for (index_t i = 0; i < dy.numel(); ++i) dx_[i] = dy[i] * 2.2f * x_[i];
+    return dx_.v();
+  }
+  cview<float> x_;
+  tensor<float> y_, dx_;
+};
+
+}  // namespace
+
+TEST_CASE("the gradient checker detects a wrong backward") {
+  bound<wrong_square> m;
+  auto c = ctx(3, 1);
+  tensor<float> x({3, 4});
+  fill_normal(x.v(), 7);
+  auto r = gradients(m, c, x.v(), 4);
+  CHECK(rel_error(r.an_x, r.fd_x) > 5 * fd_tol);  // 10% off: rejected with margin
+}
+
+TEST_CASE("linear: backward matches finite differences") {
+  check_layer<linear<5, 3>>("linear<5, 3>", 4, 1, 5, 3);
+}
+
+TEST_CASE("relu: backward matches finite differences away from the kink") {
+  bound<relu> m;
+  auto c = ctx(3, 1);
+  tensor<float> x({3, 6});
+  fill_normal(x.v(), 7);
+  for (auto& v : x) v = v < 0 ? v - 0.1f : v + 0.1f;  // |x| > h: no kink inside [x-h, x+h]
+  auto r = gradients(m, c, x.v(), 6);
+  check_close(r.an_x, r.fd_x, "relu: d(input)");
+}
+
+TEST_CASE("gelu: backward matches finite differences, values match the tanh form") {
+  check_layer<gelu>("gelu", 3, 1, 7, 7);
+  bound<gelu> m;
+  auto c = ctx(1, 1);
+  tensor<float> x({1, 9});
+  for (index_t i = 0; i < 9; ++i) x[i] = -6.f + 1.5f * static_cast<float>(i);
+  auto y = m.layer.forward(c, x);
+  for (index_t i = 0; i < 9; ++i) {
+    const double v = x[i];
+    const double ref = 0.5 * v * (1 + std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)));
+    CHECK(y[i] == doctest::Approx(ref).epsilon(1e-5).scale(1.0));
+  }
+}
+
+TEST_CASE("layer_norm: backward matches finite differences; output rows are normalized") {
+  // Perturb gain and bias away from (1, 0) so that their gradients are generic.
+  bound<layer_norm<6>> m;
+  for (index_t i = 0; i < m.count(); ++i) m.params[i] += 0.3f * static_cast<float>(i % 5) - 0.5f;
+  auto c = ctx(4, 1);
+  tensor<float> x({4, 6});
+  fill_normal(x.v(), 7, 2.f);
+  auto r = gradients(m, c, x.v(), 6);
+  check_close(r.an_x, r.fd_x, "layer_norm: d(input)");
+  check_close(r.an_p, r.fd_p, "layer_norm: d(gain, bias)");
+
+  bound<layer_norm<6>> fresh;  // gain 1, bias 0: rows have mean 0, variance 1
+  auto y = fresh.layer.forward(c, x);
+  for (index_t rr = 0; rr < 4; ++rr) {
+    double mean = 0, var = 0;
+    for (index_t j = 0; j < 6; ++j) mean += y[rr * 6 + j] / 6.0;
+    for (index_t j = 0; j < 6; ++j) var += (y[rr * 6 + j] - mean) * (y[rr * 6 + j] - mean) / 6.0;
+    CHECK(mean == doctest::Approx(0).scale(1.0).epsilon(1e-5));
+    CHECK(var == doctest::Approx(1).epsilon(1e-3));
+  }
+}
+
+TEST_CASE("embedding: parameter gradient matches finite differences, repeated tokens add up") {
+  bound<embedding<10, 4>> m;
+  auto c = ctx(2, 5);
+  tensor<std::int32_t> tok({2, 5});
+  const std::int32_t ids[] = {3, 7, 3, 0, 9, 7, 7, 1, 3, 2};  // repeats: 3 x3, 7 x3
+  for (index_t i = 0; i < 10; ++i) tok[i] = ids[i];
+  auto r = gradients(m, c, tok.v(), 4);
+  check_close(r.an_p, r.fd_p, "embedding: d(table)");
+
+  // accumulate: a second backward adds the same gradient again
+  std::vector<float> once(m.grads.begin(), m.grads.begin() + m.count());
+  tensor<float> w({10, 4});
+  fill_normal(w.v(), 99);
+  c.accumulate = true;
+  m.layer.forward(c, tok.v());
+  m.layer.backward(c, w.v());
+  for (index_t i = 0; i < m.count(); ++i) CHECK(m.grads[i] == doctest::Approx(2 * once[static_cast<std::size_t>(i)]));
+}
+
+TEST_CASE("embedding: an out-of-range token names the token and the vocabulary") {
+  bound<embedding<10, 4>> m;
+  auto c = ctx(1, 3);
+  tensor<std::int32_t> tok({1, 3});
+  tok[0] = 1;
+  tok[1] = 10;
+  tok[2] = 2;
+  CHECK_THROWS_WITH_AS(m.layer.forward(c, tok.v()), doctest::Contains("token 10"), std::out_of_range);
+  CHECK_THROWS_WITH_AS(m.layer.forward(c, tok.v()), doctest::Contains("vocabulary of 10"), std::out_of_range);
+  tok[1] = -1;
+  CHECK_THROWS_AS(m.layer.forward(c, tok.v()), std::out_of_range);
+}
+
+TEST_CASE("position_embedding: backward matches finite differences; T checked against MaxSeq") {
+  check_layer<position_embedding<6, 4>>("position_embedding<6, 4>", 3, 5, 4, 4);
+  bound<position_embedding<6, 4>> m;
+  auto c = ctx(1, 7);
+  tensor<float> x({7, 4});
+  CHECK_THROWS_WITH_AS(m.layer.forward(c, x.v()), doctest::Contains("sequence length 7"),
+                       std::invalid_argument);
+}
+
+TEST_CASE("causal_self_attention: backward matches finite differences") {
+  check_layer<causal_self_attention<8, 2>>("causal_self_attention<8, 2>", 2, 5, 8, 8);
+  check_layer<causal_self_attention<6, 3>>("causal_self_attention<6, 3>", 3, 4, 6, 6);
+  check_layer<causal_self_attention<4, 1>>("causal_self_attention<4, 1>", 1, 1, 4, 4);
+}
+
+TEST_CASE("causal_self_attention: a later token does not change earlier outputs") {
+  bound<causal_self_attention<8, 2>> m;
+  auto c = ctx(2, 6);
+  tensor<float> x({12, 8});
+  fill_normal(x.v(), 7);
+  auto y0 = m.layer.forward(c, x.v());
+  std::vector<float> before(y0.begin(), y0.end());
+  for (index_t j = 0; j < 8; ++j) x[4 * 8 + j] += 1.f;  // sequence 0, token 4
+  auto y1 = m.layer.forward(c, x.v());
+  for (index_t r = 0; r < 12; ++r) {
+    float diff = 0;
+    for (index_t j = 0; j < 8; ++j) diff = std::max(diff, std::abs(y1[r * 8 + j] - before[static_cast<std::size_t>(r * 8 + j)]));
+    INFO("row " << r);
+    if (r < 4 || r >= 6) CHECK(diff == 0.f);  // earlier tokens and the other sequence
+    else CHECK(diff > 1e-4f);                  // token 4 itself and token 5 see the change
+  }
+}
+
+TEST_CASE("causal_self_attention: rows that are not batch x seq throw") {
+  bound<causal_self_attention<8, 2>> m;
+  auto c = ctx(2, 3);
+  tensor<float> x({5, 8});
+  CHECK_THROWS_WITH_AS(m.layer.forward(c, x.v()), doctest::Contains("step_ctx::batch"),
+                       std::invalid_argument);
+}
+
+TEST_CASE("residual: backward matches finite differences") {
+  check_layer<residual<layer_norm<6>, linear<6, 6>>>("residual<layer_norm, linear>", 4, 1, 6, 6);
+  check_layer<residual<gelu>>("residual<gelu>", 2, 1, 5, 5);
+}
+
+TEST_CASE("transformer_block: backward matches finite differences") {
+  check_layer<transformer_block<8, 2, 16>>("transformer_block<8, 2, 16>", 2, 4, 8, 8);
+}
+
+TEST_CASE("repeat: backward matches finite differences") {
+  check_layer<repeat<2, transformer_block<4, 2, 8>>>("repeat<2, transformer_block<4, 2, 8>>", 2, 3, 4, 4);
+}
+
+TEST_CASE("sequential: backward matches finite differences") {
+  check_layer<sequential<linear<5, 8>, gelu, layer_norm<8>, linear<8, 3>, relu, linear<3, 4>>>(
+      "sequential<linear, gelu, layer_norm, linear, relu, linear>", 4, 1, 5, 4);
+}
+
+TEST_CASE("softmax_cross_entropy: d(logits) matches finite differences") {
+  softmax_cross_entropy loss;
+  auto c = ctx(5, 1);
+  c.global_rows = 8;  // this rank's share of a larger batch
+  tensor<float> z({5, 7});
+  fill_normal(z.v(), 7, 2.f);
+  tensor<std::int32_t> y({5});
+  for (index_t i = 0; i < 5; ++i) y[i] = static_cast<std::int32_t>((3 * i + 1) % 7);
+  loss.forward_loss(c, z.v(), y.v());
+  auto d = loss.backward_loss(c);
+  std::vector<double> an(d.begin(), d.end()), fd;
+  for (index_t i = 0; i < z.numel(); ++i) {
+    const float saved = z[i];
+    z[i] = static_cast<float>(saved + fd_step);
+    const double lp = loss.forward_loss(c, z.v(), y.v());
+    z[i] = static_cast<float>(saved - fd_step);
+    const double lm = loss.forward_loss(c, z.v(), y.v());
+    z[i] = saved;
+    fd.push_back((lp - lm) / (2 * fd_step));
+  }
+  check_close(an, fd, "softmax_cross_entropy: d(logits)");
+}
