@@ -49,6 +49,8 @@ struct cost_info {
   constexpr index_t param_bytes() const { return params * 4; }
 };
 
+struct layer_hooks;
+
 /// What one forward/backward pass needs to know at run time.
 struct step_ctx {
   index_t batch = 0;        ///< sequences (or samples) on this rank in this pass
@@ -59,6 +61,8 @@ struct step_ctx {
   bool need_input_grad = true;  ///< whether the caller needs d(input) from backward
   /// Called during backward when every gradient at flat offset >= `offset` is final.
   std::function<void(index_t offset)> grads_ready;
+  /// Called around every leaf layer (not containers); null: none.
+  layer_hooks* hooks = nullptr;
   index_t rows() const noexcept { return batch * seq; }
 };
 
@@ -72,13 +76,17 @@ class param_binder {
   };
   param_binder(float* params, float* grads, index_t capacity)
       : params_(params), grads_(grads), capacity_(capacity) {}
+  /// Storage that holds flat elements [start, capacity): params[0] is element `start`.
+  param_binder(float* params, float* grads, index_t capacity, index_t start)
+      : params_(params), grads_(grads), capacity_(capacity), offset_(start), start_(start) {}
   slot take(shape s) {
     const index_t n = s.numel();
     if (offset_ + n > capacity_)
       throw std::logic_error("whale::param_binder: layers asked for more parameters (" +
                              std::to_string(offset_ + n) + ") than were counted (" +
                              std::to_string(capacity_) + ")");
-    slot r{view<float>(params_ + offset_, s), view<float>(grads_ + offset_, s), offset_};
+    const index_t at = offset_ - start_;
+    slot r{view<float>(params_ ? params_ + at : nullptr, s), view<float>(grads_ ? grads_ + at : nullptr, s), offset_};
     offset_ += n;
     return r;
   }
@@ -89,6 +97,7 @@ class param_binder {
   float* grads_;
   index_t capacity_;
   index_t offset_ = 0;
+  index_t start_ = 0;
 };
 
 /// Per-slot activation state of a layer (one per in-flight micro-batch).
@@ -147,6 +156,96 @@ struct stateless_params {
   static void bind(param_binder&) noexcept {}
   static void init(const counter_rng&) noexcept {}
 };
+
+/// Containers (sequential, repeat, residual, ...) declare `static constexpr
+/// bool is_container = true`; everything else is a leaf layer.
+template <class L> inline constexpr bool is_container = requires { requires L::is_container; };
+
+/// A leaf layer as plan hooks see it: its flat parameter range, and a way to
+/// point its parameters and gradients at other storage (e.g. a ZeRO-3 gather buffer).
+struct leaf_ref {
+  index_t offset = 0;  ///< first flat parameter index
+  index_t count = 0;   ///< parameter count
+  void* layer = nullptr;
+  void (*rebind_fn)(void*, float*, float*, index_t, index_t) = nullptr;
+  /// Bind the layer's parameters to params[0, count) and gradients to grads[0, count).
+  void rebind(float* params, float* grads) const { rebind_fn(layer, params, grads, offset, count); }
+};
+template <class L> leaf_ref make_leaf_ref(L& l, index_t offset) {
+  leaf_ref r;
+  r.offset = offset;
+  r.count = l.param_count();
+  r.layer = &l;
+  r.rebind_fn = [](void* p, float* params, float* grads, index_t off, index_t n) {
+    param_binder b(params, grads, off + n, off);
+    static_cast<L*>(p)->bind(b);
+  };
+  return r;
+}
+
+/// What a plan may do around each leaf layer: gather parameters before use
+/// (ZeRO-3), free them after, record a trace. Default: nothing.
+struct layer_hooks {
+  virtual ~layer_hooks() = default;
+  virtual void before_forward(const leaf_ref&) {}
+  virtual void after_forward(const leaf_ref&) {}
+  virtual void before_backward(const leaf_ref&) {}
+  virtual void after_backward(const leaf_ref&) {}
+};
+
+/// Run element `l` (at flat offset `offset`) forward, with hooks around leaves.
+template <class L, class X> view<float> run_forward(L& l, step_ctx& c, X x, index_t offset) {
+  if constexpr (is_container<L>) {
+    return l.forward(c, x);
+  } else {
+    if (!c.hooks) return l.forward(c, x);
+    const auto ref = make_leaf_ref(l, offset);
+    c.hooks->before_forward(ref);
+    auto y = l.forward(c, x);
+    c.hooks->after_forward(ref);
+    return y;
+  }
+}
+/// Run element `l` backward, with hooks around leaves.
+template <class L> view<float> run_backward(L& l, step_ctx& c, cview<float> dy, index_t offset) {
+  if constexpr (is_container<L>) {
+    return l.backward(c, dy);
+  } else {
+    if (!c.hooks) return l.backward(c, dy);
+    const auto ref = make_leaf_ref(l, offset);
+    c.hooks->before_backward(ref);
+    auto dx = l.backward(c, dy);
+    c.hooks->after_backward(ref);
+    return dx;
+  }
+}
+/// The loss's forward, with hooks when it is a leaf.
+template <class L, class X>
+double run_forward_loss(L& l, step_ctx& c, X x, cview<std::int32_t> labels, index_t offset) {
+  if constexpr (is_container<L>) {
+    return l.forward_loss(c, x, labels);
+  } else {
+    if (!c.hooks) return l.forward_loss(c, x, labels);
+    const auto ref = make_leaf_ref(l, offset);
+    c.hooks->before_forward(ref);
+    const double v = l.forward_loss(c, x, labels);
+    c.hooks->after_forward(ref);
+    return v;
+  }
+}
+/// The loss's backward, with hooks when it is a leaf.
+template <class L> view<float> run_backward_loss(L& l, step_ctx& c, index_t offset) {
+  if constexpr (is_container<L>) {
+    return l.backward_loss(c);
+  } else {
+    if (!c.hooks) return l.backward_loss(c);
+    const auto ref = make_leaf_ref(l, offset);
+    c.hooks->before_backward(ref);
+    auto d = l.backward_loss(c);
+    c.hooks->after_backward(ref);
+    return d;
+  }
+}
 
 namespace detail {
 /// Ensure a slot buffer has shape s (reallocates only when it grows).

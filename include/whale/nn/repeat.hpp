@@ -29,6 +29,7 @@ class repeat {
  public:
   using block_type = Block;
   using input_type = float;
+  static constexpr bool is_container = true;
   static constexpr std::size_t count = N;
   static constexpr index_t in_features = Block::in_features;
   static constexpr index_t out_features = Block::out_features;
@@ -64,8 +65,8 @@ class repeat {
 
   // x: (R, F) -> y: (R, F), through copies 0..N-1
   view<float> forward(step_ctx& c, cview<float> x) {
-    view<float> y = blocks_[0].forward(c, x);
-    for (std::size_t i = 1; i < N; ++i) y = blocks_[i].forward(c, cview<float>(y));
+    view<float> y = run_forward(blocks_[0], c, x, offset_[0]);
+    for (std::size_t i = 1; i < N; ++i) y = run_forward(blocks_[i], c, cview<float>(y), offset_[i]);
     return y;
   }
   // dy: (R, F) -> dx: (R, F), through copies N-1..0; reports grads_ready after each copy
@@ -75,7 +76,7 @@ class repeat {
     cview<float> g = dy;
     for (std::size_t k = N; k-- > 0;) {
       c.need_input_grad = k > 0 || outer;
-      d = blocks_[k].backward(c, g);
+      d = run_backward(blocks_[k], c, g, offset_[k]);
       c.need_input_grad = outer;
       if (c.grads_ready) c.grads_ready(offset_[k]);
       g = d;

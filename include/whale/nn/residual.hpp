@@ -47,6 +47,7 @@ class residual {
 
  public:
   using input_type = float;
+  static constexpr bool is_container = true;
   static constexpr index_t in_features = inner_type::in_features;
   static constexpr index_t out_features = inner_type::in_features;
 

@@ -119,6 +119,7 @@ class sequential {
 
  public:
   using input_type = typename first::input_type;
+  static constexpr bool is_container = true;
   static constexpr index_t in_features = W::in_width[0];
   static constexpr index_t out_features = has_loss ? 1 : W::in_width[size];
 
@@ -173,10 +174,10 @@ class sequential {
     requires has_loss
   {
     if constexpr (n_layers == 0) {
-      return std::get<size - 1>(layers_).forward_loss(c, x, labels);
+      return run_forward_loss(std::get<size - 1>(layers_), c, x, labels, offset_[size - 1]);
     } else {
       auto y = fwd<0>(c, x);
-      return std::get<size - 1>(layers_).forward_loss(c, cview<float>(y), labels);
+      return run_forward_loss(std::get<size - 1>(layers_), c, cview<float>(y), labels, offset_[size - 1]);
     }
   }
   /// Backward from the loss through every layer; returns d(input) if asked for.
@@ -185,7 +186,7 @@ class sequential {
   {
     const bool outer = c.need_input_grad;
     c.need_input_grad = n_layers > 0 || outer;
-    auto d = std::get<size - 1>(layers_).backward_loss(c);
+    auto d = run_backward_loss(std::get<size - 1>(layers_), c, offset_[size - 1]);
     c.need_input_grad = outer;
     if (c.grads_ready) c.grads_ready(offset_[size - 1]);
     if constexpr (n_layers == 0) return d;
@@ -205,14 +206,14 @@ class sequential {
     (std::get<I>(layers_).init(r.child(I)), ...);
   }
   template <std::size_t I, class X> view<float> fwd(step_ctx& c, X x) {
-    auto y = std::get<I>(layers_).forward(c, x);
+    auto y = run_forward(std::get<I>(layers_), c, x, offset_[I]);
     if constexpr (I + 1 < n_layers) return fwd<I + 1>(c, cview<float>(y));
     else return y;
   }
   template <std::size_t I> view<float> bwd(step_ctx& c, cview<float> dy) {
     const bool outer = c.need_input_grad;
     c.need_input_grad = I > 0 || outer;
-    auto dx = std::get<I>(layers_).backward(c, dy);
+    auto dx = run_backward(std::get<I>(layers_), c, dy, offset_[I]);
     c.need_input_grad = outer;
     if (c.grads_ready) c.grads_ready(offset_[I]);
     if constexpr (I > 0) return bwd<I - 1>(c, cview<float>(dx));
