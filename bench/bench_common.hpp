@@ -1,5 +1,7 @@
-// Shared pieces of whale's benchmarks: a flat JSON line writer, peak RSS, and
-// the GEMM-alone measurement (the compute limit) at a step's own GEMM shapes.
+// Shared pieces of whale's benchmarks: a flat JSON line writer, peak RSS, the
+// GEMM-alone measurement (the compute limit) at a step's own GEMM shapes, and
+// the plumbing of bench_workloads' plans (config, plan options, workloads, table
+// entries). No plan lives here: each is a header of bench/plans/.
 #pragma once
 
 #include <sys/resource.h>
@@ -10,12 +12,20 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <stdexcept>
+#include <string_view>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "whale/backend/cpu.hpp"
+#include "whale/comm/context.hpp"
+#include "whale/models/gpt.hpp"
+#include "whale/models/mlp.hpp"
+#include "whale/models/xc.hpp"
 #include "whale/tensor/memory.hpp"
 #include "whale/tensor/tensor.hpp"
+#include "whale/train/trainer.hpp"
 
 namespace bench {
 
@@ -117,6 +127,169 @@ inline gemm_limit time_gemms(const std::vector<whale::cpu::gemm_call>& calls, in
     r.flops += 2.0 * static_cast<double>(M) * N * K * n;
   }
   return r;
+}
+
+// ---------------------------------------------------------------------------
+// Plans: configuration, plan options, workloads, the table entry.
+// ---------------------------------------------------------------------------
+
+/// A user error (bad option, unsupported plan): the same on every rank, reported
+/// once by rank 0, exit status 2, before any communication of the plan.
+struct usage_error : std::invalid_argument {
+  using std::invalid_argument::invalid_argument;
+};
+
+/// The plan's own options (`--bucket-mib 25`, `--no-overlap`, ...): whatever the
+/// common parser did not take. A plan reads them with value()/flag(); done()
+/// rejects any it did not read, so a typo is an error, not a silent default.
+class plan_args {
+ public:
+  plan_args() = default;
+  explicit plan_args(std::vector<std::string> a) : a_(std::move(a)), used_(a_.size(), false) {}
+
+  /// `--name V`: V parsed as double; `dflt` when absent.
+  double value(const std::string& name, double dflt) {
+    for (std::size_t i = 0; i < a_.size(); ++i)
+      if (a_[i] == name) {
+        if (i + 1 >= a_.size()) throw usage_error("bench: " + name + " needs a value");
+        used_[i] = used_[i + 1] = true;
+        char* end = nullptr;
+        const double v = std::strtod(a_[i + 1].c_str(), &end);
+        if (a_[i + 1].empty() || *end) throw usage_error("bench: " + name + " " + a_[i + 1] + ": not a number");
+        return v;
+      }
+    return dflt;
+  }
+  /// `--name V` as a string.
+  std::string text(const std::string& name, const std::string& dflt) {
+    for (std::size_t i = 0; i < a_.size(); ++i)
+      if (a_[i] == name) {
+        if (i + 1 >= a_.size()) throw usage_error("bench: " + name + " needs a value");
+        used_[i] = used_[i + 1] = true;
+        return a_[i + 1];
+      }
+    return dflt;
+  }
+  /// `--name` present?
+  bool flag(const std::string& name) {
+    for (std::size_t i = 0; i < a_.size(); ++i)
+      if (a_[i] == name) return used_[i] = true;
+    return false;
+  }
+  /// Every option read? Call once the plan has read its options, before any work.
+  void done(std::string_view plan) const {
+    for (std::size_t i = 0; i < a_.size(); ++i)
+      if (!used_[i])
+        throw usage_error("bench: option " + a_[i] + " is not understood by plan '" + std::string(plan) + "'");
+  }
+
+ private:
+  std::vector<std::string> a_;
+  std::vector<bool> used_;
+};
+
+/// What every plan gets.
+struct config {
+  whale::context* ctx = nullptr;
+  std::string workload, plan;
+  int steps = 7;  ///< 2 warm-up steps + the timed ones
+  plan_args args;
+  int rank() const { return ctx->rank(); }
+  int ranks() const { return ctx->size(); }
+};
+
+// The reference workloads (shared/workloads.md): the model type, its data and
+// its global batch for a given data-parallel degree.
+struct mlp_workload {
+  using model = whale::models::mlp;
+  static constexpr const char* name = "mlp";
+  static constexpr bool tokens = false;
+  static whale::index_t global_batch(int /*data_ranks*/) { return whale::models::mlp_global_batch; }
+  static auto data(whale::index_t global) { return whale::models::mlp_data(whale::seed{7}, global); }
+};
+struct xc_workload {
+  using model = whale::models::xc;
+  static constexpr const char* name = "xc";
+  static constexpr bool tokens = false;
+  static whale::index_t global_batch(int data_ranks) { return whale::models::xc_batch_per_rank * data_ranks; }
+  static auto data(whale::index_t global) { return whale::models::xc_data(whale::seed{7}, global); }
+};
+struct gpt_workload {
+  using model = whale::models::gpt;
+  static constexpr const char* name = "gpt";
+  static constexpr bool tokens = true;
+  static whale::index_t global_batch(int /*data_ranks*/) { return whale::models::gpt_global_batch; }
+  static auto data(whale::index_t global) { return whale::models::gpt_data(whale::seed{7}, global); }
+};
+
+/// Model FLOPs of one step of workload W on a global batch (workloads.md).
+template <class W> double model_flops_per_step(whale::index_t global_batch, whale::index_t seq) {
+  return whale::model_flops<typename W::model>(global_batch * seq, seq);
+}
+
+/// The fields every plan reports first, in workloads.md's order.
+template <class W>
+json_line& head_fields(json_line& j, const std::string& plan, int ranks, double step_s,
+                       whale::index_t global_batch, whale::index_t seq) {
+  const double samples = static_cast<double>(global_batch);
+  const double mf = model_flops_per_step<W>(global_batch, seq);
+  j.add("workload", W::name).add("plan", plan).add("ranks", ranks).add("threads_per_rank", whale::cpu::threads());
+  j.add("step_s", step_s).add("samples_per_s", samples / step_s);
+  if (W::tokens) j.add("tokens_per_s", samples * static_cast<double>(seq) / step_s);
+  j.add("model_flops_per_step", mf).add("achieved_gflops_per_rank", mf / step_s / 1e9 / ranks);
+  return j;
+}
+
+/// Max of `v` over the world (every rank gets it).
+inline double max_over_ranks(whale::context& ctx, double v) {
+  whale::all_reduce(ctx.world(), whale::view<double>(&v, {1}), whale::reduce_op::max);
+  return v;
+}
+
+/// Seconds of f() on the slowest rank, all ranks starting together (barrier first).
+template <class F> double timed(whale::context& ctx, F&& f) {
+  whale::barrier(ctx.world());
+  const auto t0 = std::chrono::steady_clock::now();
+  f();
+  return max_over_ranks(ctx, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
+/// Memory by category of the rank with the most, per category (max over ranks).
+inline whale::memory_stats max_memory(whale::context& ctx) {
+  auto m = whale::memory_snapshot();
+  std::vector<double> peak(m.peak.begin(), m.peak.end());
+  whale::all_reduce(ctx.world(), whale::view<double>(peak.data(), {static_cast<whale::index_t>(peak.size())}),
+                    whale::reduce_op::max);
+  for (std::size_t i = 0; i < peak.size(); ++i) m.peak[i] = static_cast<std::int64_t>(peak[i]);
+  return m;
+}
+
+/// One row of bench_workloads' plan table: the name users pass to --plan, a
+/// line of help, and the function that runs it for the configured workload.
+struct plan_entry {
+  const char* name;
+  const char* help;
+  void (*run)(config&);
+};
+
+/// The table entry of plan P. P is a struct with
+///   static constexpr const char* name, help;
+///   template <class W> static constexpr bool supports;   // for mlp/xc/gpt_workload
+///   template <class W> static void run(config&);          // prints rank 0's JSON line
+/// A workload P does not support is a usage_error (P::run<W> is not even instantiated).
+template <class P> plan_entry plan() {
+  return {P::name, P::help, [](config& c) {
+            auto go = [&]<class W>(W) {
+              if constexpr (P::template supports<W>) P::template run<W>(c);
+              else
+                throw usage_error(std::string("bench: plan '") + P::name + "' does not support workload '" + W::name +
+                                  "'");
+            };
+            if (c.workload == "mlp") go(mlp_workload{});
+            else if (c.workload == "xc") go(xc_workload{});
+            else if (c.workload == "gpt") go(gpt_workload{});
+            else throw usage_error("bench: unknown workload '" + c.workload + "' (have: mlp, xc, gpt)");
+          }};
 }
 
 }  // namespace bench

@@ -45,12 +45,14 @@ diff compare(cview<float> a, cview<float> b) {
 }
 
 template <class Model, class MakeData>
-void check_against_single(const context& ctx, MakeData make_data, bool overlap, double bucket_mib) {
+void check_against_single(const context& ctx, MakeData make_data, bool overlap, double bucket_mib,
+                          bool blocking = true) {
   constexpr int n_steps = 5;
   const auto opt = sgd{.lr = 0.01f, .momentum = 0.9f};
   dp_options o;
   o.overlap = overlap;
   o.bucket_mib = bucket_mib;
+  o.blocking = blocking;
   data_parallel<replicate<Model>> dp(ctx, seed{42}, o);
   {
     auto data = make_data();
@@ -85,6 +87,7 @@ TEST_CASE("replicate<mlp> equals single-process training (global batch 32, 5 ste
   auto data = [] { return models::mlp_data(seed{7}, 32); };
   SUBCASE("overlap on, 4 MiB buckets") { check_against_single<models::mlp>(ctx, data, true, 4.0); }
   SUBCASE("overlap off, 25 MiB buckets") { check_against_single<models::mlp>(ctx, data, false, 25.0); }
+  SUBCASE("non-blocking buckets, 4 MiB") { check_against_single<models::mlp>(ctx, data, true, 4.0, false); }
 }
 
 TEST_CASE("replicate<gpt> equals single-process training (8 sequences, 5 steps)") {

@@ -35,6 +35,7 @@
 #include "whale/nn/layer_norm.hpp"
 #include "whale/nn/linear.hpp"
 #include "whale/nn/network.hpp"
+#include "whale/nn/recompute.hpp"
 #include "whale/nn/relu.hpp"
 #include "whale/nn/repeat.hpp"
 #include "whale/nn/residual.hpp"
@@ -49,12 +50,21 @@
 
 // strategy/
 #include "whale/strategy/data_parallel.hpp"
+#include "whale/strategy/grad_sync.hpp"
+#include "whale/strategy/hybrid.hpp"
+#include "whale/strategy/layout.hpp"
+#include "whale/strategy/pipeline.hpp"
+#include "whale/strategy/schedule.hpp"
+#include "whale/strategy/split.hpp"
+#include "whale/strategy/split_layers.hpp"
 #include "whale/strategy/make.hpp"
 #include "whale/strategy/replicate.hpp"
+#include "whale/strategy/shard.hpp"
 
 // train/
 #include "whale/train/data.hpp"
 #include "whale/train/progress.hpp"
+#include "whale/train/trace.hpp"
 #include "whale/train/trainer.hpp"
 
 // the reference workloads

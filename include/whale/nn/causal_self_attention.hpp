@@ -20,6 +20,79 @@ namespace whale {
 /// Parameters, in order: Wqkv (3D, D), bqkv (3D), Wo (D, D), bo (D); element i
 /// of that flat block is uniform(-1/sqrt(D), 1/sqrt(D)) from the layer's stream
 /// at index i (as linear). Legend: B sequences, T tokens, H heads, hd = D/H.
+namespace detail {
+// Row i of the scores: softmax over columns 0..i, zeros after (the causal mask).
+inline void causal_softmax_row(float* __restrict row, index_t i, index_t T) {
+  const index_t n = i + 1;
+  const float m = detail::vmax(row, n);
+  for (index_t j = 0; j < n; ++j) row[j] = detail::vexp(row[j] - m);
+  const float inv = 1.f / detail::vsum(row, n);
+  for (index_t j = 0; j < n; ++j) row[j] *= inv;
+  for (index_t j = n; j < T; ++j) row[j] = 0.f;
+}
+// dS = P (dP - <dP, P>) on columns 0..i; masked columns get no gradient.
+inline void causal_softmax_backward_row(const float* __restrict p, float* __restrict d, index_t i,
+                                 index_t T) {
+  const index_t n = i + 1;
+  const float dot = detail::vdot(p, d, n);
+  for (index_t j = 0; j < n; ++j) d[j] = p[j] * (d[j] - dot);
+  for (index_t j = n; j < T; ++j) d[j] = 0.f;
+}
+
+
+/// Causal attention of H heads of width hd on B sequences of T tokens.
+/// qkv: (B*T, 3W) = [Q | K | V], heads side by side (W = H*hd); p: (B, H, T, T)
+/// probabilities (out); att: (B*T, W) heads' outputs side by side (out).
+inline void attention_core_forward(const float* qkv, float* p, float* att, index_t B, index_t T, index_t H,
+                                   index_t hd) {
+  const index_t W = H * hd;
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+    for (index_t b = 0; b < B; ++b) {
+      const float* q = qkv + b * T * 3 * W;  // (T, hd) per head, row stride 3D
+      const float* k = q + W;
+      const float* v = q + 2 * W;
+      float* pb = p + b * H * T * T;     // (H, T, T)
+      // S = Q K^T / sqrt(hd), all heads of sequence b
+      cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::yes, T, T, hd, scale, q, 3 * W, hd, k,
+                                3 * W, hd, 0.f, pb, T, T * T, H);
+      for (index_t i = 0; i < H * T; ++i) causal_softmax_row(pb + i * T, i % T, T);
+      // att = P V
+      cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::no, T, hd, T, 1.f, pb, T, T * T, v,
+                                3 * W, hd, 0.f, att + b * T * W, W, hd, H);
+    }
+}
+
+/// Backward of attention_core_forward: datt (B*T, W) -> dqkv (B*T, 3W); ds is (H, T, T) scratch.
+inline void attention_core_backward(const float* qkv, const float* p, const float* datt, float* dqkv, float* ds,
+                                    index_t B, index_t T, index_t H, index_t hd) {
+  const index_t W = H * hd;
+  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
+    for (index_t b = 0; b < B; ++b) {
+      const float* q = qkv + b * T * 3 * W;
+      const float* k = q + W;
+      const float* v = q + 2 * W;
+      const float* pb = p + b * H * T * T;
+      const float* da = datt + b * T * W;
+      float* dq = dqkv + b * T * 3 * W;
+      float* dk = dq + W;
+      float* dv = dq + 2 * W;
+      // dP = d(att) V^T ; dV = P^T d(att)
+      cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::yes, T, T, hd, 1.f, da, W, hd, v,
+                                3 * W, hd, 0.f, ds, T, T * T, H);
+      cpu::gemm_strided_batched(cpu::trans::yes, cpu::trans::no, T, hd, T, 1.f, pb, T, T * T, da,
+                                W, hd, 0.f, dv, 3 * W, hd, H);
+      // dS = P * (dP - rowsum(dP * P))
+      for (index_t i = 0; i < H * T; ++i)
+        causal_softmax_backward_row(pb + i * T, ds + i * T, i % T, T);
+      // dQ = dS K / sqrt(hd) ; dK = dS^T Q / sqrt(hd)
+      cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::no, T, hd, T, scale, ds, T,
+                                T * T, k, 3 * W, hd, 0.f, dq, 3 * W, hd, H);
+      cpu::gemm_strided_batched(cpu::trans::yes, cpu::trans::no, T, hd, T, scale, ds, T,
+                                T * T, q, 3 * W, hd, 0.f, dk, 3 * W, hd, H);
+    }
+}
+}  // namespace detail
+
 template <index_t D, index_t Heads>
 struct causal_self_attention {
   static_assert(D > 0 && Heads > 0,
@@ -89,20 +162,7 @@ struct causal_self_attention {
     fill_rows(qkv.data(), bqkv_.data(), R, 3 * D);
     cpu::gemm(cpu::trans::no, cpu::trans::yes, R, 3 * D, D, 1.f, x.data(), wqkv_.data(), 1.f,
               qkv.data());
-    const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-    for (index_t b = 0; b < B; ++b) {
-      const float* q = qkv.data() + b * T * 3 * D;  // (T, hd) per head, row stride 3D
-      const float* k = q + D;
-      const float* v = q + 2 * D;
-      float* pb = p.data() + b * Heads * T * T;     // (H, T, T)
-      // S = Q K^T / sqrt(hd), all heads of sequence b
-      cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::yes, T, T, hd, scale, q, 3 * D, hd, k,
-                                3 * D, hd, 0.f, pb, T, T * T, Heads);
-      for (index_t i = 0; i < Heads * T; ++i) softmax_causal_row(pb + i * T, i % T, T);
-      // att = P V
-      cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::no, T, hd, T, 1.f, pb, T, T * T, v,
-                                3 * D, hd, 0.f, att.data() + b * T * D, D, hd, Heads);
-    }
+    detail::attention_core_forward(qkv.data(), p.data(), att.data(), B, T, Heads, hd);
     fill_rows(y.data(), bo_.data(), R, D);
     cpu::gemm(cpu::trans::no, cpu::trans::yes, R, D, D, 1.f, att.data(), wo_.data(), 1.f, y.data());
     return y;
@@ -121,30 +181,7 @@ struct causal_self_attention {
     cpu::gemm(cpu::trans::yes, cpu::trans::no, D, D, R, 1.f, dy.data(), s.att.data(), beta,
               dwo_.data());
     cpu::sum_rows(dy.data(), dbo_.data(), R, D, c.accumulate);
-    const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-    for (index_t b = 0; b < B; ++b) {
-      const float* q = s.qkv.data() + b * T * 3 * D;
-      const float* k = q + D;
-      const float* v = q + 2 * D;
-      const float* pb = s.p.data() + b * Heads * T * T;
-      const float* da = datt.data() + b * T * D;
-      float* dq = dqkv.data() + b * T * 3 * D;
-      float* dk = dq + D;
-      float* dv = dq + 2 * D;
-      // dP = d(att) V^T ; dV = P^T d(att)
-      cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::yes, T, T, hd, 1.f, da, D, hd, v,
-                                3 * D, hd, 0.f, ds.data(), T, T * T, Heads);
-      cpu::gemm_strided_batched(cpu::trans::yes, cpu::trans::no, T, hd, T, 1.f, pb, T, T * T, da,
-                                D, hd, 0.f, dv, 3 * D, hd, Heads);
-      // dS = P * (dP - rowsum(dP * P))
-      for (index_t i = 0; i < Heads * T; ++i)
-        softmax_backward_row(pb + i * T, ds.data() + i * T, i % T, T);
-      // dQ = dS K / sqrt(hd) ; dK = dS^T Q / sqrt(hd)
-      cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::no, T, hd, T, scale, ds.data(), T,
-                                T * T, k, 3 * D, hd, 0.f, dq, 3 * D, hd, Heads);
-      cpu::gemm_strided_batched(cpu::trans::yes, cpu::trans::no, T, hd, T, scale, ds.data(), T,
-                                T * T, q, 3 * D, hd, 0.f, dk, 3 * D, hd, Heads);
-    }
+    detail::attention_core_backward(s.qkv.data(), s.p.data(), datt.data(), dqkv.data(), ds.data(), B, T, Heads, hd);
     // QKV projection
     cpu::gemm(cpu::trans::yes, cpu::trans::no, 3 * D, D, R, 1.f, dqkv.data(), s.x.data(), beta,
               dwqkv_.data());
@@ -173,24 +210,6 @@ struct causal_self_attention {
   static void fill_rows(float* __restrict y, const float* __restrict b, index_t rows, index_t cols) {
     for (index_t r = 0; r < rows; ++r) std::memcpy(y + r * cols, b, static_cast<std::size_t>(cols) * sizeof(float));
   }
-  // Row i of the scores: softmax over columns 0..i, zeros after (the causal mask).
-  static void softmax_causal_row(float* __restrict row, index_t i, index_t T) {
-    const index_t n = i + 1;
-    const float m = detail::vmax(row, n);
-    for (index_t j = 0; j < n; ++j) row[j] = detail::vexp(row[j] - m);
-    const float inv = 1.f / detail::vsum(row, n);
-    for (index_t j = 0; j < n; ++j) row[j] *= inv;
-    for (index_t j = n; j < T; ++j) row[j] = 0.f;
-  }
-  // dS = P (dP - <dP, P>) on columns 0..i; masked columns get no gradient.
-  static void softmax_backward_row(const float* __restrict p, float* __restrict d, index_t i,
-                                   index_t T) {
-    const index_t n = i + 1;
-    const float dot = detail::vdot(p, d, n);
-    for (index_t j = 0; j < n; ++j) d[j] = p[j] * (d[j] - dot);
-    for (index_t j = n; j < T; ++j) d[j] = 0.f;
-  }
-
   struct state {
     cview<float> x;
     tensor<float> qkv, p, att, y, datt, dqkv, ds, dx;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <concepts>
+#include <cstring>
 #include <cstdint>
 #include <functional>
 #include <ostream>
@@ -100,6 +101,21 @@ class param_binder {
   index_t start_ = 0;
 };
 
+namespace detail {
+/// One activation slot a layer touched: `release(owner, slot)` drops its state.
+struct slot_record {
+  void* owner;
+  int slot;
+  void (*release)(void*, int);
+};
+/// While non-null, every slot a layer touches is appended here, so that
+/// `recompute<Block>` (nn/recompute.hpp) can release its block's state after use.
+inline std::vector<slot_record>*& slot_recorder() noexcept {
+  static std::vector<slot_record>* r = nullptr;
+  return r;
+}
+}  // namespace detail
+
 /// Per-slot activation state of a layer (one per in-flight micro-batch).
 template <class State>
 class slots {
@@ -107,11 +123,17 @@ class slots {
   State& operator()(int slot) {
     if (slot < 0) throw std::out_of_range("whale::slots: negative activation slot");
     if (static_cast<std::size_t>(slot) >= s_.size()) s_.resize(static_cast<std::size_t>(slot) + 1);
+    if (auto* r = detail::slot_recorder()) r->push_back({this, slot, &release_one});
     return s_[static_cast<std::size_t>(slot)];
   }
   std::size_t size() const noexcept { return s_.size(); }
+  /// Drop the state of `slot` (its buffers are freed; the next use reallocates them).
+  void release(int slot) {
+    if (slot >= 0 && static_cast<std::size_t>(slot) < s_.size()) s_[static_cast<std::size_t>(slot)] = State{};
+  }
 
  private:
+  static void release_one(void* self, int slot) { static_cast<slots*>(self)->release(slot); }
   std::vector<State> s_;
 };
 
@@ -245,6 +267,21 @@ template <class L> view<float> run_backward_loss(L& l, step_ctx& c, index_t offs
     c.hooks->after_backward(ref);
     return d;
   }
+}
+
+/// Pass a plan's configuration (e.g. split degrees and communicators) to a
+/// layer that takes it; layers without `configure` ignore it.
+template <class L, class Env> void configure_layer(L& l, const Env& e) {
+  if constexpr (requires { l.configure(e); }) l.configure(e);
+}
+
+/// Write the unsplit parameters of `l` to `full`, given its local parameters
+/// at `local`. A layer that holds a shard gathers it (collectively) through
+/// its `gather_full`; any other layer's local parameters are already the
+/// unsplit ones, in the same order.
+template <class L> void gather_full_params(L& l, const float* local, float* full) {
+  if constexpr (requires { l.gather_full(local, full); }) l.gather_full(local, full);
+  else if (const auto n = l.param_count(); n > 0) std::memcpy(full, local, static_cast<std::size_t>(n) * sizeof(float));
 }
 
 namespace detail {

@@ -8,6 +8,7 @@
 #include <ostream>
 
 #include <cmath>
+#include <concepts>
 #include <utility>
 
 #include "whale/backend/cpu.hpp"
@@ -26,7 +27,13 @@ class network {
   using model_type = M;
   using input_type = typename M::input_type;
 
-  explicit network(seed s) {
+  explicit network(seed s) : network(s, [](M&) {}) {}
+  /// `configure(model)` runs before parameters are counted: plans use it to
+  /// tell sharded layers their degree and communicators.
+  template <class F>
+    requires std::invocable<F&, M&>
+  network(seed s, F&& configure) {
+    configure(model_);
     const index_t n = model_.param_count();
     params_ = tensor<float>({n}, mem_kind::params);
     grads_ = tensor<float>({n}, mem_kind::grads);

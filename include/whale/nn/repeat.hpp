@@ -62,6 +62,15 @@ class repeat {
   void init(const counter_rng& r) {
     for (std::size_t i = 0; i < N; ++i) blocks_[i].init(r.child(i));
   }
+  /// Unsplit parameters of every copy (see gather_full_params).
+  void gather_full(const float* local, float* full) {
+    for (std::size_t i = 0; i < N; ++i)
+      gather_full_params(blocks_[i], local + (offset_[i] - offset_[0]), full + static_cast<index_t>(i) * Block::cost().params);
+  }
+  /// Forward a plan's configuration to every copy.
+  template <class Env> void configure(const Env& e) {
+    for (auto& b : blocks_) configure_layer(b, e);
+  }
 
   // x: (R, F) -> y: (R, F), through copies 0..N-1
   view<float> forward(step_ctx& c, cview<float> x) {

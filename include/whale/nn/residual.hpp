@@ -79,6 +79,8 @@ class residual {
 
   index_t param_count() const { return inner_.param_count(); }
   void bind(param_binder& b) { inner_.bind(b); }
+  template <class Env> void configure(const Env& e) { inner_.configure(e); }
+  void gather_full(const float* local, float* full) { gather_full_params(inner_, local, full); }
   void init(const counter_rng& r) { inner_.init(r); }
 
   // x: (R, F) -> y = x + inner(x): (R, F)

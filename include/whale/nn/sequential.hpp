@@ -152,6 +152,14 @@ class sequential {
   void bind(param_binder& b) {
     bind_each(b, std::make_index_sequence<size>{});
   }
+  /// Unsplit parameters of every element, at their unsplit offsets (see gather_full_params).
+  void gather_full(const float* local, float* full) {
+    gather_each(local, full, std::make_index_sequence<size>{});
+  }
+  /// Forward a plan's configuration to every element.
+  template <class Env> void configure(const Env& e) {
+    std::apply([&](auto&... l) { (configure_layer(l, e), ...); }, layers_);
+  }
   void init(const counter_rng& r) {
     init_each(r, std::make_index_sequence<size>{});
   }
@@ -201,6 +209,12 @@ class sequential {
  private:
   template <std::size_t... I> void bind_each(param_binder& b, std::index_sequence<I...>) {
     ((offset_[I] = b.offset(), std::get<I>(layers_).bind(b)), ...);
+  }
+  template <std::size_t... I> void gather_each(const float* local, float* full, std::index_sequence<I...>) {
+    index_t at = 0;
+    ((gather_full_params(std::get<I>(layers_), local + (offset_[I] - offset_[0]), full + at),
+      at += std::tuple_element_t<I, tuple_type>::cost().params),
+     ...);
   }
   template <std::size_t... I> void init_each(const counter_rng& r, std::index_sequence<I...>) {
     (std::get<I>(layers_).init(r.child(I)), ...);

@@ -1,7 +1,8 @@
 // The runtime of `replicate<M>`: data parallelism over the mesh's `data` axis.
 // Each rank holds all of M's parameters, feeds its rows of the global batch,
-// and sums gradients with bucketed, non-blocking all-reduces launched during
-// backward as soon as a bucket's last gradient is final. No layouts here.
+// and sums gradients with bucketed all-reduces issued during backward as soon
+// as a bucket's last gradient is final (blocking by default, see dp_options).
+// No layouts here.
 #pragma once
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 #include "whale/comm/collectives.hpp"
 #include "whale/comm/context.hpp"
 #include "whale/nn/network.hpp"
+#include "whale/strategy/grad_sync.hpp"
 #include "whale/strategy/replicate.hpp"
 
 namespace whale {
@@ -23,11 +25,21 @@ namespace whale {
 /// Options of data parallelism, as DDP users expect them.
 struct dp_options {
   double bucket_mib = 25.0;  ///< gradient bucket size (MiB); WHALE_BUCKET_MIB overrides the default
-  bool overlap = true;       ///< launch buckets during backward; false: all after backward
+  bool overlap = true;       ///< reduce buckets during backward; false: all after backward
+  /// Each bucket in one blocking all-reduce as soon as it is ready (true), or in
+  /// a non-blocking one started then and waited for after backward (false;
+  /// WHALE_DP_BLOCKING=0; for transports that progress on their own).
+  /// Blocking is the default because on the CPU backend nothing runs a
+  /// non-blocking all-reduce while backward keeps every core busy (MPI progresses
+  /// only inside MPI calls), and Open MPI's blocking algorithms are ~2.7x faster
+  /// than its non-blocking ones at 25 MiB (docs/bench.md). A bucket reduced right
+  /// after backward wrote it is still in cache.
+  bool blocking = true;
   static dp_options from_env() {
     dp_options o;
     if (const char* e = std::getenv("WHALE_BUCKET_MIB")) o.bucket_mib = std::atof(e);
     if (const char* e = std::getenv("WHALE_DP_OVERLAP")) o.overlap = std::string(e) != "0";
+    if (const char* e = std::getenv("WHALE_DP_BLOCKING")) o.blocking = std::string(e) != "0";
     return o;
   }
 };
@@ -64,7 +76,8 @@ class data_parallel {
                                   std::to_string(o_.bucket_mib) + " MiB)");
     // Identical start on every rank: rank 0's parameters win.
     broadcast(*comm_, net_.params(), 0);
-    make_buckets();
+    const auto per = std::max<index_t>(1, static_cast<index_t>(o_.bucket_mib * 1048576.0 / sizeof(float)));
+    buckets_.plan({{0, net_.param_count()}}, per, o_.blocking);
   }
   data_parallel(const data_parallel&) = delete;
   data_parallel& operator=(const data_parallel&) = delete;
@@ -81,14 +94,13 @@ class data_parallel {
   /// Forward and backward on this rank's rows; gradients summed over the data
   /// axis when it returns. Returns this rank's share of the loss.
   double train_step(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) {
-    next_ = 0;
-    if (o_.overlap && comm_->size() > 1) c.grads_ready = [this](index_t offset) { on_ready(offset); };
+    buckets_.start_step();
+    const bool comm = comm_->size() > 1;
+    if (o_.overlap && comm)
+      c.grads_ready = [this](index_t offset) { buckets_.ready(*comm_, net_.grads().data(), offset); };
     const double share = net_.train_step(c, x, labels);
     c.grads_ready = nullptr;
-    if (comm_->size() > 1) {
-      on_ready(0);  // launch what is left
-      for (auto& b : buckets_) b.req->wait();
-    }
+    if (comm) buckets_.finish(*comm_, net_.grads().data());  // what is left, then wait for all
     return share;
   }
   double reduce_loss(double share) {
@@ -118,41 +130,18 @@ class data_parallel {
     os << "plan: " << layer_name<M>() << " over " << d.ctx_->mesh().shape() << "\n"
        << "  data parallel: batch split<0> over data:" << d.comm_->size()
        << ", gradients all-reduced in " << d.buckets_.size() << " bucket(s) of <= "
-       << d.o_.bucket_mib << " MiB" << (d.o_.overlap ? ", overlapped with backward" : "") << "\n"
+       << d.o_.bucket_mib << " MiB" << (d.o_.blocking ? " (blocking)" : " (non-blocking)")
+       << (d.o_.overlap ? ", during backward" : ", after backward") << "\n"
        << d.net_;
     return os;
   }
 
  private:
-  struct bucket {
-    index_t begin = 0, end = 0;  // flat gradient range
-    std::optional<typename world_comm::request> req;
-  };
-
-  // Buckets cover the flat gradient buffer from its end (the last layer's
-  // gradients are final first) to its start.
-  void make_buckets() {
-    const index_t n = net_.param_count();
-    const auto per = std::max<index_t>(1, static_cast<index_t>(o_.bucket_mib * 1048576.0 / sizeof(float)));
-    for (index_t end = n; end > 0; end -= per) buckets_.push_back({std::max<index_t>(0, end - per), end, {}});
-  }
-
-  // Every gradient at flat index >= offset is final: launch the buckets it completes.
-  void on_ready(index_t offset) {
-    while (next_ < buckets_.size() && buckets_[next_].begin >= offset) {
-      auto& b = buckets_[next_++];
-      auto g = net_.grads();
-      b.req.emplace(comm_->iall_reduce(g.data() + b.begin, b.end - b.begin, dtype::f32, reduce_op::sum));
-    }
-    for (std::size_t i = 0; i < next_; ++i) buckets_[i].req->test();  // drive progress
-  }
-
   const context* ctx_;
   world_comm* comm_;
   network<M> net_;
   dp_options o_;
-  std::vector<bucket> buckets_;
-  std::size_t next_ = 0;
+  detail::grad_buckets buckets_;
 };
 
 }  // namespace whale

@@ -1,6 +1,6 @@
 // Host memory for whale: aligned allocation (2 MiB + MADV_HUGEPAGE for big
-// buffers), and a tracker of live and peak bytes per category, plus an
-// allocation counter. It does not hold tensors or shapes (see tensor.hpp).
+// buffers), a tracker of live and peak bytes per category, an allocation
+// counter, and the activation pool that recompute scopes allocate from. It does not hold tensors or shapes (see tensor.hpp).
 #pragma once
 
 #include <array>
@@ -12,6 +12,7 @@
 #include <ostream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <sys/mman.h>
 
@@ -40,6 +41,10 @@ struct memory_stats {
   }
   std::int64_t live_of(mem_kind k) const noexcept { return live[static_cast<int>(k)]; }
   std::int64_t peak_of(mem_kind k) const noexcept { return peak[static_cast<int>(k)]; }
+  /// Model state: parameters + gradients + optimizer state (live bytes).
+  std::int64_t model_state() const noexcept {
+    return live_of(mem_kind::params) + live_of(mem_kind::grads) + live_of(mem_kind::optimizer);
+  }
 };
 
 namespace detail {
@@ -51,8 +56,8 @@ inline constexpr std::size_t huge_page = std::size_t{2} << 20;
 inline constexpr std::size_t huge_threshold = std::size_t{1} << 20;
 
 /// Allocate `bytes` (64-byte aligned; 2 MiB aligned and huge-page advised when
-/// at least 1 MiB, since page faults are costly here). Never returns null.
-inline void* allocate_bytes(std::size_t bytes, mem_kind k) {
+/// at least 1 MiB, since page faults are costly here), always from the heap.
+inline void* allocate_raw(std::size_t bytes, mem_kind k) {
   if (bytes == 0) return nullptr;
   const bool big = bytes >= huge_threshold;
   const std::size_t align = big ? huge_page : 64;
@@ -69,11 +74,93 @@ inline void* allocate_bytes(std::size_t bytes, mem_kind k) {
   ++s.allocations;
   return p;
 }
-
-inline void free_bytes(void* p, std::size_t bytes, mem_kind k) noexcept {
+inline void free_raw(void* p, std::size_t bytes, mem_kind k) noexcept {
   if (!p) return;
   std::free(p);
   global_memory_stats().live[static_cast<int>(k)] -= static_cast<std::int64_t>(bytes);
+}
+
+/// The pool that `recompute` scopes take activation buffers from (nn/recompute.hpp).
+/// While a scope is open (`depth() > 0`), every `activations` allocation of this
+/// process is served from the pool: the smallest free block that fits, else a
+/// new heap block. A block freed by its tensor returns to the pool (inside a
+/// scope or not) and is handed out again, so recomputing the same blocks every
+/// step allocates nothing from the heap after the first. Blocks the pool holds
+/// stay live `activations` bytes in the tracker (they are real memory), until
+/// `trim()` returns the free ones to the heap. One process-wide pool, used from
+/// the thread that runs the layers.
+class activation_pool {
+ public:
+  static activation_pool& instance() noexcept {
+    static activation_pool* p = new activation_pool;  // never destroyed: tensors may outlive statics
+    return *p;
+  }
+  int depth() const noexcept { return depth_; }
+  void enter() noexcept { ++depth_; }
+  void leave() noexcept { --depth_; }
+
+  void* take(std::size_t bytes) {
+    block* best = nullptr;
+    for (auto& b : blocks_)
+      if (!b.used && b.bytes >= bytes && (!best || b.bytes < best->bytes)) best = &b;
+    if (best) {
+      best->used = true;
+      return best->p;
+    }
+    void* p = allocate_raw(bytes, mem_kind::activations);
+    blocks_.push_back({p, bytes, true});
+    return p;
+  }
+  /// Returns true when `p` is one of the pool's blocks (now free again).
+  bool give_back(void* p) noexcept {
+    for (auto& b : blocks_)
+      if (b.p == p) {
+        b.used = false;
+        return true;
+      }
+    return false;
+  }
+  bool owns_any() const noexcept { return !blocks_.empty(); }
+  /// Bytes the pool holds (free and in use).
+  std::int64_t held_bytes() const noexcept {
+    std::int64_t n = 0;
+    for (const auto& b : blocks_) n += static_cast<std::int64_t>(b.bytes);
+    return n;
+  }
+  /// Return every free block to the heap.
+  void trim() noexcept {
+    std::size_t out = 0;
+    for (auto& b : blocks_) {
+      if (b.used) blocks_[out++] = b;
+      else free_raw(b.p, b.bytes, mem_kind::activations);
+    }
+    blocks_.resize(out);
+  }
+
+ private:
+  struct block {
+    void* p;
+    std::size_t bytes;
+    bool used;
+  };
+  std::vector<block> blocks_;
+  int depth_ = 0;
+};
+
+/// Allocate `bytes` for a tensor of kind `k`: from the activation pool while a
+/// recompute scope is open (activations only), else from the heap (allocate_raw).
+inline void* allocate_bytes(std::size_t bytes, mem_kind k) {
+  if (bytes == 0) return nullptr;
+  auto& pool = activation_pool::instance();
+  if (k == mem_kind::activations && pool.depth() > 0) return pool.take(bytes);
+  return allocate_raw(bytes, k);
+}
+
+inline void free_bytes(void* p, std::size_t bytes, mem_kind k) noexcept {
+  if (!p) return;
+  auto& pool = activation_pool::instance();
+  if (k == mem_kind::activations && pool.owns_any() && pool.give_back(p)) return;
+  free_raw(p, bytes, k);
 }
 }  // namespace detail
 

@@ -1,0 +1,140 @@
+// Plan `dp`: data parallelism, `data_parallel<replicate<model>>` over every rank
+// (strategy/data_parallel.hpp), options --bucket-mib X and --no-overlap. Besides
+// the step it measures, in the same run, the two limits of a data-parallel step:
+// compute alone (every rank steps on its own rows at once, no communication) and
+// communication alone (one all-reduce of all gradient bytes), and their ratio.
+#pragma once
+
+#include <algorithm>
+#include <cstdio>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "../bench_common.hpp"
+#include "whale/comm/collectives.hpp"
+#include "whale/optim/sgd.hpp"
+#include "whale/strategy/data_parallel.hpp"
+#include "whale/strategy/replicate.hpp"
+#include "whale/train/trainer.hpp"
+
+namespace bench::plans {
+
+struct dp {
+  static constexpr const char* name = "dp";
+  static constexpr const char* help =
+      "data parallel: replicate<model> over all ranks; --bucket-mib X (default 25), --no-overlap, "
+      "--nonblocking (xc: 64 samples per rank)";
+  template <class W> static constexpr bool supports = true;
+
+  template <class W> static void run(config& c) {
+    using namespace whale;
+    using M = replicate<typename W::model>;
+    dp_options o = dp_options::from_env();
+    o.bucket_mib = c.args.value("--bucket-mib", o.bucket_mib);
+    if (c.args.flag("--no-overlap")) o.overlap = false;
+    if (c.args.flag("--nonblocking")) o.blocking = false;
+    c.args.done(name);
+    if (o.bucket_mib <= 0) throw usage_error("bench: --bucket-mib must be positive");
+
+    auto& ctx = *c.ctx;
+    const int P = ctx.size();
+    const index_t global = W::global_batch(P);
+    auto data = W::data(global);
+    data_parallel<M> net(ctx, seed{42}, o);
+    auto& comm = ctx.mesh().comm(axis::data);
+    const sgd opt{.lr = 0.01f, .momentum = 0.9f};
+    trainer_options to;
+    to.progress = false;
+    trainer t(net, opt, to);
+
+    // ---- the data-parallel steps: 2 warm-up, then timed (slowest rank per step) ----
+    std::vector<double> secs, losses;
+    std::vector<cpu::gemm_call> log;
+    std::int64_t sent = 0;
+    for (int s = 0; s < c.steps; ++s) {
+      auto b = t.fetch(data, s);
+      if (s == 2) reset_memory_peaks();
+      if (s == 0) cpu::set_gemm_log(&log);
+      const auto before = comm.stats().bytes_sent;
+      double loss = 0;
+      secs.push_back(timed(ctx, [&] { loss = t.step_on(b, global, s); }));
+      if (s >= 2) sent += comm.stats().bytes_sent - before;
+      if (s == 0) cpu::set_gemm_log(nullptr);
+      losses.push_back(loss);
+    }
+    const int timed_steps = c.steps - 2;
+    const double step_s = median(std::vector<double>(secs.begin() + 2, secs.end()));
+    // Read before the limit measurements below, which allocate on their own.
+    const double rss = max_over_ranks(ctx, peak_rss_mib());
+    const auto mem = max_memory(ctx);
+
+    // ---- compute limit 1: this rank's GEMMs alone, all ranks at once ----
+    barrier(ctx.world());
+    const auto gl = time_gemms(log);
+    const double gemm_s = max_over_ranks(ctx, gl.seconds);
+
+    // ---- compute limit 2: a whole step on this rank's rows, no communication ----
+    // All ranks at once (as in the real step, P ranks share the cores and memory
+    // bandwidth), on the same local network and optimizer state; the replicas
+    // drift apart from here on, which is why this comes after the timed steps.
+    const int reps = std::max(3, std::min(5, timed_steps));
+    std::vector<double> comp;
+    auto b = t.fetch(data, 0);
+    for (int r = 0; r <= reps; ++r) {
+      step_ctx sc;
+      sc.batch = b.sequences;
+      sc.seq = b.seq;
+      sc.global_rows = global * b.seq;
+      const double dt = timed(ctx, [&] {
+        net.local().train_step(sc, b.inputs, b.labels);
+        net.apply_optimizer(opt, t.optimizer_state(), 1.f);
+      });
+      if (r > 0) comp.push_back(dt);  // r == 0: warm-up
+    }
+    const double compute_s = median(comp);
+
+    // ---- communication limit: all gradient bytes in one blocking all-reduce,
+    // and in the plan's buckets as the plan issues them (blocking one after the
+    // other, or non-blocking all started then waited for) ----
+    auto g = net.grads();
+    std::vector<double> one, bucketed;
+    for (int r = 0; r <= 3; ++r) {
+      const double dt = timed(ctx, [&] { all_reduce(comm, g); });
+      if (r > 0) one.push_back(dt);
+    }
+    const auto per = std::max<index_t>(1, static_cast<index_t>(o.bucket_mib * 1048576.0 / sizeof(float)));
+    for (int r = 0; r <= 3; ++r) {
+      const double dt = timed(ctx, [&] {
+        std::vector<typename world_comm::request> q;
+        for (index_t end = g.numel(); end > 0; end -= per) {
+          const index_t begin = std::max<index_t>(0, end - per);
+          if (o.blocking) all_reduce(comm, view<float>(g.data() + begin, {end - begin}));
+          else q.push_back(comm.iall_reduce(g.data() + begin, end - begin, dtype::f32, reduce_op::sum));
+        }
+        for (auto& x : q) x.wait();
+      });
+      if (r > 0) bucketed.push_back(dt);
+    }
+    const double comm_s = median(one), comm_b_s = median(bucketed);
+    if (ctx.rank() != 0) return;
+
+    char plan[160];
+    std::snprintf(plan, sizeof plan, "dp: replicate<%s> over data:%d, %zu %s bucket(s) of <= %g MiB %s", W::name,
+                  P, net.bucket_count(), o.blocking ? "blocking" : "non-blocking", o.bucket_mib,
+                  o.overlap ? "during backward" : "after backward");
+    json_line j;
+    head_fields<W>(j, plan, P, step_s, global, data.seq());
+    j.add("comm_bytes_per_rank_per_step", static_cast<long long>(sent / timed_steps));
+    j.add("peak_rss_mib_per_rank", rss);
+    j.raw("memory_mib", memory_json(mem));
+    j.add("sgemm_gflops", gl.flops / gemm_s / 1e9).add("gemm_only_step_s", gemm_s);
+    j.add("compute_only_step_s", compute_s);
+    j.add("comm_only_s", comm_s).add("comm_only_bucketed_s", comm_b_s);
+    j.add("dp_over_limit", step_s / std::max(compute_s, comm_s));
+    j.add("loss_first", losses.front()).add("loss_last", losses.back());
+    j.print();
+  }
+};
+
+}  // namespace bench::plans

@@ -1,0 +1,130 @@
+// Plan `pipeline`: `pipeline<Schedule, gpt>` over every rank on the pipe axis
+// (strategy/pipeline.hpp), options --schedule gpipe|1f1b, --micro-batches m,
+// --stage-blocks a,b,... and --trace out.json. Besides the step it reports the
+// bubble measured from the run's own trace against (p-1)/(m+p-1), the peak
+// activation memory of each stage, and the bytes each rank sends per step.
+#pragma once
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "../bench_common.hpp"
+#include "whale/comm/collectives.hpp"
+#include "whale/optim/sgd.hpp"
+#include "whale/strategy/pipeline.hpp"
+#include "whale/train/trace.hpp"
+#include "whale/train/trainer.hpp"
+
+namespace bench::plans {
+
+struct pipeline {
+  static constexpr const char* name = "pipeline";
+  static constexpr const char* help =
+      "pipeline<S, gpt> over all ranks on the pipe axis (gpt only); --schedule gpipe|1f1b (default 1f1b), "
+      "--micro-batches m (default 8), --stage-blocks a,b,... (default: balanced by cost), --trace out.json";
+  template <class W> static constexpr bool supports = std::is_same_v<W, gpt_workload>;
+
+  template <class W> static void run(config& c) {
+    const std::string sched = c.args.text("--schedule", "1f1b");
+    const int m = static_cast<int>(c.args.value("--micro-batches", 8));
+    const std::string blocks = c.args.text("--stage-blocks", "");
+    const std::string trace = c.args.text("--trace", "");
+    c.args.done(name);
+    if (sched == "gpipe") go<W, whale::gpipe>(c, m, blocks, trace);
+    else if (sched == "1f1b") go<W, whale::one_f_one_b>(c, m, blocks, trace);
+    else throw usage_error("bench: --schedule " + sched + ": have gpipe, 1f1b");
+  }
+
+ private:
+  template <class W, class S>
+  static void go(config& c, int m, const std::string& blocks, const std::string& trace) {
+    using namespace whale;
+    if (m < 1) throw usage_error("bench: --micro-batches must be at least 1");
+    const int P = c.ranks();
+    // This plan's mesh: every rank on the pipe axis.
+    ::setenv("WHALE_MESH", ("pipe=" + std::to_string(P)).c_str(), 1);
+    auto ctx = context::init();
+    ::unsetenv("WHALE_MESH");
+    pipeline_options o;
+    o.micro_batches = m;
+    if (!blocks.empty()) o.blocks = pipeline_options::parse_list(blocks, "--stage-blocks");
+    o.trace = true;
+    o.trace_path = trace;
+    const index_t global = W::global_batch(1);
+    auto data = W::data(global);
+    pipelined<whale::pipeline<S, typename W::model>> net(ctx, seed{42}, o);
+    const sgd opt{.lr = 0.01f, .momentum = 0.9f};
+    trainer_options to;
+    to.progress = false;
+    trainer t(net, opt, to);
+
+    auto sent_now = [&] { return ctx.mesh().stats().bytes_sent + ctx.world().stats().bytes_sent; };
+    std::vector<double> secs, losses;
+    std::int64_t sent = 0;
+    for (int s = 0; s < c.steps; ++s) {
+      auto b = t.fetch(data, s);
+      if (s == 2) reset_memory_peaks();
+      const auto before = sent_now();
+      double loss = 0;
+      secs.push_back(timed(ctx, [&] { loss = t.step_on(b, global, s); }));
+      if (s >= 2) sent += sent_now() - before;
+      losses.push_back(loss);
+    }
+    const int timed_steps = c.steps - 2;
+    const double step_s = median(std::vector<double>(secs.begin() + 2, secs.end()));
+    const double rss = max_over_ranks(ctx, peak_rss_mib());
+    const auto mem = max_memory(ctx);
+    // per-stage activation peak (MiB) and bytes sent, gathered in rank order (= stage order)
+    std::vector<double> act(static_cast<std::size_t>(P)), bytes(static_cast<std::size_t>(P));
+    double my_act = static_cast<double>(memory_snapshot().peak_of(mem_kind::activations)) / 1048576.0;
+    double my_bytes = static_cast<double>(sent) / timed_steps;
+    all_gather(ctx.world(), view<double>(&my_act, {1}), view<double>(act.data(), {P}));
+    all_gather(ctx.world(), view<double>(&my_bytes, {1}), view<double>(bytes.data(), {P}));
+    const auto ev = net.finish_trace();  // collective; writes --trace on rank 0
+    const auto bub = measure_bubble(ev, 2);
+    if (ctx.rank() != 0) return;
+
+    auto list = [](const std::vector<double>& v) {
+      std::string s = "[";
+      char b[32];
+      for (std::size_t i = 0; i < v.size(); ++i) {
+        std::snprintf(b, sizeof b, "%s%.4g", i ? ", " : "", v[i]);
+        s += b;
+      }
+      return s + "]";
+    };
+    std::string cut;
+    for (int k : net.stage_blocks()) {
+      if (!cut.empty()) cut += ',';
+      cut += std::to_string(k);
+    }
+    char plan[200];
+    std::snprintf(plan, sizeof plan, "pipeline<%s, %s> over pipe:%d, m=%d micro-batches, blocks per stage {%s}",
+                  S::name().c_str(), W::name, P, m, cut.c_str());
+    json_line j;
+    head_fields<W>(j, plan, P, step_s, global, data.seq());
+    j.add("schedule", S::name()).add("micro_batches", m);
+    j.add("comm_bytes_per_rank_per_step", static_cast<long long>(*std::max_element(bytes.begin(), bytes.end())));
+    j.raw("comm_bytes_per_stage_per_step", list(bytes));
+    j.add("peak_rss_mib_per_rank", rss);
+    j.raw("memory_mib", memory_json(mem));
+    j.raw("activation_mib_per_stage", list(act));
+    // bubble_measured: idle fraction of the busiest stage (the one that sets the
+    // step time), what (p-1)/(m+p-1) models; the other stages also wait for it
+    // (stage_imbalance), which the mean over stages includes.
+    j.add("bubble_measured", bub.bottleneck).add("bubble_theory", bubble_theory(P, m));
+    j.add("bubble_measured_mean", bub.mean).add("stage_imbalance", bub.imbalance);
+    j.raw("bubble_measured_per_stage", list(bub.per_stage));
+    std::vector<double> busy_ms;
+    for (double u : bub.busy_us) busy_ms.push_back(u / 1000.0);
+    j.raw("compute_ms_per_stage_per_step", list(busy_ms));
+    j.add("loss_first", losses.front()).add("loss_last", losses.back());
+    j.print();
+  }
+};
+
+}  // namespace bench::plans

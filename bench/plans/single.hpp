@@ -1,0 +1,63 @@
+// Plan `single`: the workload on one process, no communication — the baseline
+// every other plan is compared with. Also reports step_over_gemm, the step's
+// time over its GEMMs timed alone (how far the non-GEMM work costs).
+#pragma once
+
+#include <chrono>
+#include <vector>
+
+#include "../bench_common.hpp"
+#include "whale/nn/network.hpp"
+#include "whale/optim/sgd.hpp"
+#include "whale/train/trainer.hpp"
+
+namespace bench::plans {
+
+struct single {
+  static constexpr const char* name = "single";
+  static constexpr const char* help = "one process, the whole batch, no communication (xc: batch 64)";
+  template <class W> static constexpr bool supports = true;
+
+  template <class W> static void run(config& c) {
+    using namespace whale;
+    using M = typename W::model;
+    c.args.done(name);
+    if (c.ranks() != 1)
+      throw usage_error("bench: plan 'single' runs on one rank, but the job has " + std::to_string(c.ranks()) +
+                        "; use --ranks 1 (or --plan dp)");
+    const index_t global = W::global_batch(1);
+    auto data = W::data(global);
+    network<M> net(seed{42});
+    trainer_options to;
+    to.progress = false;
+    trainer t(net, sgd{.lr = 0.01f, .momentum = 0.9f}, to);
+
+    std::vector<double> secs, losses;
+    std::vector<cpu::gemm_call> log;
+    for (int s = 0; s < c.steps; ++s) {
+      auto b = t.fetch(data, s);
+      if (s == 2) reset_memory_peaks();
+      if (s == 0) cpu::set_gemm_log(&log);
+      const auto t0 = std::chrono::steady_clock::now();
+      losses.push_back(t.step_on(b, global, s));
+      secs.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      if (s == 0) cpu::set_gemm_log(nullptr);
+    }
+    const double step_s = median(std::vector<double>(secs.begin() + 2, secs.end()));
+    const double rss = peak_rss_mib();
+    const auto mem = memory_snapshot();
+    const auto gl = time_gemms(log);
+
+    json_line j;
+    head_fields<W>(j, "single", 1, step_s, global, data.seq());
+    j.add("comm_bytes_per_rank_per_step", 0LL);
+    j.add("peak_rss_mib_per_rank", rss);
+    j.raw("memory_mib", memory_json(mem));
+    j.add("sgemm_gflops", gl.gflops()).add("gemm_only_step_s", gl.seconds).add("step_over_gemm", step_s / gl.seconds);
+    j.add("compute_only_step_s", step_s);
+    j.add("loss_first", losses.front()).add("loss_last", losses.back());
+    j.print();
+  }
+};
+
+}  // namespace bench::plans

@@ -1,0 +1,68 @@
+// 04: train the `gpt` reference workload with pipeline parallelism: the
+// model's 4 transformer blocks are cut into as many stages as the mesh's pipe
+// axis has ranks (balanced by the layers' cost), the first stage also holding
+// the embeddings and the last the head and the loss. Micro-batches run under
+// 1F1B; each step ends with a flush, so it trains exactly as one process would.
+//
+//   mpirun -np 2 ./example_04_pipeline --mesh pipe=2 [--micro-batches 8] [--stage-blocks 3,1]
+//          [--schedule gpipe|1f1b] [--trace out.json] [--steps N]
+//   mpirun -np 4 ./example_04_pipeline --mesh data=2,pipe=2     (replicate<pipeline<...>>)
+//
+// Open out.json in https://ui.perfetto.dev: one row per rank, a span per
+// micro-batch's forward (F j) and backward (B j), sends, receive waits,
+// all-reduces and the optimizer.
+//
+// Legend of shape comments: B sequences per replica, m micro-batches, T tokens, C width.
+#include <whale/whale.hpp>
+
+#include <cstdio>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+
+using namespace whale;
+
+template <class Plan> int train(const context& ctx, const pipeline_options& o, std::int64_t n_steps) {
+  pipelined<Plan> net(ctx, seed{42}, o);  // checks the mesh, the stage cut and the schedule on every rank
+  if (ctx.rank() == 0) std::cout << net;
+  auto data = models::gpt_data(seed{7});  // 16 sequences x 128 tokens per step
+  // Each stage sends (B/m * T, C) activations forward and their gradients back.
+  trainer t(net, sgd{.lr = 0.01f, .momentum = 0.9f});
+  const auto r = t.run(data, steps{n_steps});
+  const auto ev = net.finish_trace();  // collective; writes --trace on rank 0
+  const auto b = measure_bubble(ev, 2);
+  if (ctx.rank() == 0) {
+    std::printf("loss %.4f -> %.4f, median step %.3f s, micro-batches %d\n", r.loss_first(), r.loss_last(),
+                r.median_step_s(), net.micro_batches());
+    if (!ev.empty())
+      std::printf("bubble: busiest stage %.3f (theory (p-1)/(m+p-1) = %.3f), mean over stages %.3f\n", b.bottleneck,
+                  bubble_theory(net.stages(), net.micro_batches()), b.mean);
+  }
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  auto ctx = context::init(argc, argv);  // --mesh data=D,pipe=P / WHALE_MESH; --threads
+  return ctx.guard([&] {
+    auto o = pipeline_options::from_args(argc, argv);  // --micro-batches, --stage-blocks, --trace
+    if (o.micro_batches == 0) o.micro_batches = 8;
+    o.trace = true;  // record spans in memory, for the bubble line
+    std::int64_t n_steps = 10;
+    std::string schedule = "1f1b";
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      if (a == "--steps" && i + 1 < argc) n_steps = std::atoll(argv[++i]);
+      else if (a == "--schedule" && i + 1 < argc) schedule = argv[++i];
+      else throw std::invalid_argument("example_04: unknown argument " + a);
+    }
+    const bool replicated = ctx.mesh().shape().size(axis::data) > 1;
+    // The plan is a type: the schedule and replicate<...> are chosen at compile time.
+    if (schedule == "gpipe")
+      return replicated ? train<replicate<pipeline<gpipe, models::gpt>>>(ctx, o, n_steps)
+                        : train<pipeline<gpipe, models::gpt>>(ctx, o, n_steps);
+    if (schedule == "1f1b")
+      return replicated ? train<replicate<pipeline<one_f_one_b, models::gpt>>>(ctx, o, n_steps)
+                        : train<pipeline<one_f_one_b, models::gpt>>(ctx, o, n_steps);
+    throw std::invalid_argument("example_04: --schedule " + schedule + ": have gpipe, 1f1b");
+  });
+}

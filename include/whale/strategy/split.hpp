@@ -1,0 +1,511 @@
+// `split<M, Axis>`: operator sharding (Whale's split, Megatron's tensor
+// parallelism). Inside a split region the layout of every activation along
+// `Axis` is computed at compile time, layer by layer: each layer becomes its
+// sharded form for the layout it receives (a linear after a replicated
+// activation is column-parallel, after a feature-split one row-parallel), and
+// where two layouts differ the one converting collective is inserted. At the
+// region's boundary the activation has the canonical layout of the axis
+// (data: rows split<0>; model: replicated). Runtime: strategy/hybrid.hpp.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "whale/nn/causal_self_attention.hpp"
+#include "whale/nn/embedding.hpp"
+#include "whale/nn/gelu.hpp"
+#include "whale/nn/layer.hpp"
+#include "whale/nn/linear.hpp"
+#include "whale/nn/relu.hpp"
+#include "whale/nn/repeat.hpp"
+#include "whale/nn/residual.hpp"
+#include "whale/nn/sequential.hpp"
+#include "whale/nn/softmax_cross_entropy.hpp"
+#include "whale/strategy/layout.hpp"
+#include "whale/strategy/split_layers.hpp"
+
+namespace whale {
+
+/// The canonical layout of activations between strategies along an axis.
+constexpr lay canonical(axis a) { return a == axis::data ? lay::S0 : lay::R; }
+/// The layout of the gradient of an activation of layout l: a partial sum's
+/// gradient is the whole gradient, on every rank.
+constexpr lay grad_of(lay l) { return l == lay::P ? lay::R : l; }
+
+template <class L> struct column_tag;
+template <class L> struct row_tag;
+
+namespace detail {
+
+template <class... T> struct tlist {};
+template <class... L> tlist<L...> elements_probe(const sequential<L...>*);
+template <class M>
+concept sequential_like = requires { detail::elements_probe(static_cast<const M*>(nullptr)); };
+template <class M> using elements_of = decltype(detail::elements_probe(static_cast<const M*>(nullptr)));
+
+template <class M> struct is_residual : std::false_type {};
+template <class... I> struct is_residual<residual<I...>> : std::true_type {};
+template <class M> struct is_repeat : std::false_type {};
+template <std::size_t N, class B> struct is_repeat<repeat<N, B>> : std::true_type {};
+template <class M> struct is_linear : std::false_type {};
+template <index_t I, index_t O> struct is_linear<linear<I, O>> : std::true_type {};
+template <class M> struct is_embedding : std::false_type {};
+template <index_t V, index_t D> struct is_embedding<embedding<V, D>> : std::true_type {};
+
+enum class exit_kind { natural, forced };
+enum class stream_kind { flatten, single };
+
+}  // namespace detail
+
+template <axis A, lay In, detail::exit_kind Exit, lay ExitLay, detail::stream_kind Mode, class... E>
+class split_chain;
+template <axis A, lay X, class... Inner> class split_residual;
+
+namespace detail {
+
+/// How element E becomes sharded along axis A when it receives layout X:
+/// `need` (the layout it takes; a converter is inserted if X differs), `out`,
+/// `gin` (layout of the input gradient it emits), `gout` (layout of the output
+/// gradient it expects), `type` (its sharded form).
+template <axis A, lay X, class E, class = void>
+struct xform {  // a row-wise layer: works on replicated features, any batch layout
+  static constexpr lay need = (X == lay::S0) ? lay::S0 : lay::R;
+  static constexpr lay out = need, gin = need, gout = need;
+  using type = E;
+};
+template <axis A, lay X, class E>
+  requires(std::is_same_v<E, relu> || std::is_same_v<E, gelu>)
+struct xform<A, X, E> {  // elementwise: keeps any layout but partial
+  static constexpr lay need = X == lay::P ? lay::R : X;
+  static constexpr lay out = need, gin = need, gout = need;
+  using type = E;
+};
+template <axis A, lay X, index_t I, index_t O>
+struct xform<A, X, linear<I, O>> {
+  static constexpr bool row = X == lay::S1;
+  static constexpr lay need = row ? lay::S1 : lay::R;
+  static constexpr lay out = row ? lay::P : lay::S1;
+  static constexpr lay gin = row ? lay::S1 : lay::P;
+  static constexpr lay gout = row ? lay::R : lay::S1;
+  using type = std::conditional_t<row, row_linear<I, O, A>, column_linear<I, O, A>>;
+};
+template <axis A, lay X, index_t I, index_t O>
+struct xform<A, X, column_tag<linear<I, O>>> {  // forced column-parallel: replicated in
+  static constexpr lay need = lay::R, out = lay::S1, gin = lay::P, gout = lay::S1;
+  using type = column_linear<I, O, A>;
+};
+template <axis A, lay X, index_t I, index_t O>
+struct xform<A, X, row_tag<linear<I, O>>> {  // forced row-parallel: features split in
+  static constexpr lay need = lay::S1, out = lay::P, gin = lay::S1, gout = lay::R;
+  using type = row_linear<I, O, A>;
+};
+template <axis A, lay X>
+struct xform<A, X, softmax_cross_entropy> {
+  static constexpr bool split = X == lay::S1;
+  static constexpr lay need = split ? lay::S1 : (X == lay::S0 ? lay::S0 : lay::R);
+  static constexpr lay out = need, gin = need, gout = need;
+  using type = std::conditional_t<split, split_softmax_cross_entropy<A>, softmax_cross_entropy>;
+};
+template <axis A, lay X, index_t V, index_t D>
+  requires(A == axis::model)
+struct xform<A, X, embedding<V, D>> {  // tokens are replicated over the model axis
+  static constexpr lay need = lay::R, out = lay::P, gin = lay::R, gout = lay::R;
+  using type = vocab_embedding<V, D, A>;
+};
+template <axis A, lay X, index_t D, index_t H>
+  requires(A == axis::model)
+struct xform<A, X, causal_self_attention<D, H>> {  // split by heads (Megatron)
+  static constexpr lay need = lay::R, out = lay::P, gin = lay::P, gout = lay::R;
+  using type = head_attention<D, H, A>;
+};
+template <axis A, lay X, class... I>
+struct xform<A, X, residual<I...>> {
+  static constexpr lay need = (X == lay::S0) ? lay::S0 : lay::R;
+  static constexpr lay out = need, gin = need, gout = need;
+  using type = split_residual<A, need, I...>;
+};
+template <class Chain> struct repeat_of;
+template <axis A, lay X, std::size_t N, class B>
+struct xform<A, X, repeat<N, B>> {
+  static constexpr lay need = (X == lay::S0) ? lay::S0 : lay::R;
+  static constexpr lay out = need, gin = need, gout = need;
+  template <class... L> static auto chain_of(tlist<L...>) -> split_chain<A, need, exit_kind::forced, need, stream_kind::flatten, L...>;
+  template <class Blk> static auto block_of() {
+    if constexpr (sequential_like<Blk>) return decltype(chain_of(elements_of<Blk>{})){};
+    else return split_chain<A, need, exit_kind::forced, need, stream_kind::single, Blk>{};
+  }
+  using type = repeat<N, decltype(block_of<B>())>;
+};
+template <axis A, lay X, class E>
+  requires(sequential_like<E> && !is_residual<E>::value)
+struct xform<A, X, E> {  // a nested sequential (e.g. transformer_block): its own chain
+  template <class... L> static auto chain_of(tlist<L...>) -> split_chain<A, X, exit_kind::natural, X, stream_kind::flatten, L...>;
+  using type = decltype(chain_of(elements_of<E>{}));
+  static constexpr lay need = X;
+  static constexpr lay out = type::out_layout, gin = grad_of(X), gout = type::gout_layout;
+};
+
+// ---- building the chain: elements interleaved with converters ----
+/// An item of a chain: its type, the index of the original element it comes
+/// from (-1 for an inserted converter) and the layout it receives.
+template <class T, std::size_t J, lay InLay> struct indexed {
+  using type = T;
+  static constexpr std::size_t index = J;
+  static constexpr lay in = InLay;
+};
+inline constexpr std::size_t inserted = std::size_t(-1);
+
+template <class Done, axis A, lay Cur, lay GCur, class Prev, std::size_t I, class... Rest> struct build;
+template <class... Done, axis A, lay Cur, lay GCur, class Prev, std::size_t I>
+struct build<tlist<Done...>, A, Cur, GCur, Prev, I> {
+  using items = tlist<Done...>;
+  static constexpr lay out = Cur, gout = GCur;
+};
+template <class... Done, axis A, lay Cur, lay GCur, class Prev, std::size_t I, class E, class... Rest>
+struct build<tlist<Done...>, A, Cur, GCur, Prev, I, E, Rest...> {
+  using X = xform<A, Cur, E>;
+  static_assert(show_conflicting_layouts<Prev, E, A, Cur, X::need>::value);
+  static_assert(conversion(X::gin, GCur) != conv_op::impossible,
+                "whale::split: the gradient layout a layer emits cannot be converted into the one the layer "
+                "before it expects");
+  using conv = std::conditional_t<(X::need == Cur && X::gin == GCur), tlist<>,
+                                  tlist<indexed<convert<A, Cur, X::need, X::gin, GCur>, inserted, Cur>>>;
+  template <class... C> static auto join(tlist<C...>) -> tlist<Done..., C..., indexed<typename X::type, I, X::need>>;
+  using next = build<decltype(join(conv{})), A, X::out, X::gout, E, I + 1, Rest...>;
+  using items = typename next::items;
+  static constexpr lay out = next::out, gout = next::gout;
+};
+
+}  // namespace detail
+
+/// A chain of sharded elements along axis A entered with layout In. Exit
+/// `forced`: a converter to ExitLay is appended (unless it ends in a loss).
+template <axis A, lay In, detail::exit_kind Exit, lay ExitLay, detail::stream_kind Mode, class... E>
+class split_chain {
+  using built = detail::build<detail::tlist<>, A, In, grad_of(In), void, 0, E...>;
+  static_assert(sizeof(built) > 0, "whale::split: the region's layouts are checked here");
+  template <class... It> static auto tuple_of(detail::tlist<It...>) -> std::tuple<typename It::type...>;
+  template <class... It> static constexpr auto indices_of(detail::tlist<It...>) {
+    return std::array<std::size_t, sizeof...(It)>{It::index...};
+  }
+  template <class... It> static constexpr auto layouts_of(detail::tlist<It...>) {
+    return std::array<lay, sizeof...(It)>{It::in...};
+  }
+  using last_elem = std::tuple_element_t<sizeof...(E) - 1, std::tuple<E...>>;
+  static constexpr bool ends_in_loss = Loss<last_elem>;
+  static constexpr bool add_exit = Exit == detail::exit_kind::forced && !ends_in_loss &&
+                                   (built::out != ExitLay || built::gout != grad_of(ExitLay));
+  // The exit converter; where no single collective reaches the exit layout
+  // (features split -> rows split on the data axis), two, through replicated.
+  static constexpr bool exit_direct = conversion(built::out, ExitLay) != conv_op::impossible &&
+                                      conversion(grad_of(ExitLay), built::gout) != conv_op::impossible;
+  template <class... It> static auto with_exit(detail::tlist<It...>) {
+    if constexpr (!add_exit) {
+      return detail::tlist<It...>{};
+    } else if constexpr (exit_direct) {
+      return detail::tlist<It..., detail::indexed<convert<A, built::out, ExitLay, grad_of(ExitLay), built::gout>,
+                                                   detail::inserted, built::out>>{};
+    } else {
+      return detail::tlist<It..., detail::indexed<convert<A, built::out, lay::R, lay::R, built::gout>, detail::inserted, built::out>,
+                           detail::indexed<convert<A, lay::R, ExitLay, grad_of(ExitLay), lay::R>, detail::inserted, lay::R>>{};
+    }
+  }
+  using items = decltype(with_exit(typename built::items{}));
+
+ public:
+  using tuple_type = decltype(tuple_of(items{}));
+  static constexpr std::size_t size = std::tuple_size_v<tuple_type>;
+  static constexpr auto original = indices_of(items{});
+  static constexpr auto in_layout = layouts_of(items{});  ///< the layout each item receives
+  static constexpr bool is_container = true;
+  static constexpr lay out_layout = add_exit ? ExitLay : built::out;
+  static constexpr lay gout_layout = add_exit ? grad_of(ExitLay) : built::gout;
+  using input_type = typename std::tuple_element_t<0, std::tuple<E...>>::input_type;
+  static constexpr index_t in_features = sequential<E...>::in_features;
+  static constexpr index_t out_features = sequential<E...>::out_features;
+  static constexpr std::size_t n_layers = ends_in_loss ? size - 1 : size;
+
+  static std::string name() { return "split<" + sequential<E...>::name() + ", " + axis_name(A) + ">"; }
+  static constexpr cost_info cost() { return sequential<E...>::cost(); }
+  static void print_structure(std::ostream& os, int indent, index_t width) {
+    print_items(os, indent, width, std::make_index_sequence<size>{});
+  }
+
+  void configure(const split_env& e) {
+    env_ = e;
+    std::apply([&](auto&... l) { (configure_layer(l, e), ...); }, layers_);
+  }
+  index_t param_count() const {
+    return std::apply([](const auto&... l) { return (index_t{0} + ... + l.param_count()); }, layers_);
+  }
+  void bind(param_binder& b) { bind_each(b, std::make_index_sequence<size>{}); }
+  /// The unsplit parameters, gathered from the shards (collective over A).
+  void gather_full(const float* local, float* full) { gather_each(local, full, std::make_index_sequence<size>{}); }
+  void init(const counter_rng& r) { init_each(r, std::make_index_sequence<size>{}); }
+
+  view<float> forward(step_ctx& c, cview<input_type> x)
+    requires(!ends_in_loss)
+  {
+    return fwd<0>(c, x);
+  }
+  view<float> backward(step_ctx& c, cview<float> dy)
+    requires(!ends_in_loss)
+  {
+    return bwd<size - 1>(c, dy);
+  }
+  double forward_loss(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels)
+    requires ends_in_loss
+  {
+    auto& loss = std::get<size - 1>(layers_);
+    if constexpr (n_layers == 0) {
+      return run_forward_loss(loss, c, x, labels_for(c, labels), offset_[size - 1]);
+    } else {
+      auto y = fwd<0>(c, x);
+      return run_forward_loss(loss, c, cview<float>(y), labels_for(c, labels), offset_[size - 1]);
+    }
+  }
+  view<float> backward_loss(step_ctx& c)
+    requires ends_in_loss
+  {
+    const bool outer = c.need_input_grad;
+    c.need_input_grad = n_layers > 0 || outer;
+    auto d = run_backward_loss(std::get<size - 1>(layers_), c, offset_[size - 1]);
+    c.need_input_grad = outer;
+    if (c.grads_ready) c.grads_ready(offset_[size - 1]);
+    if constexpr (n_layers == 0) return d;
+    else return bwd<n_layers - 1>(c, d);
+  }
+
+ private:
+  template <std::size_t... I>
+  static void print_items(std::ostream& os, int indent, index_t width, std::index_sequence<I...>) {
+    ((print_one<I>(os, indent, width)), ...);
+  }
+  template <std::size_t I> static void print_one(std::ostream& os, int indent, index_t width) {
+    using T = std::tuple_element_t<I, tuple_type>;
+    const std::string pad(static_cast<std::size_t>(indent), ' ');
+    if constexpr (original[I] == detail::inserted) {
+      os << pad << layer_name<T>() << '\n';
+    } else if constexpr (whale::is_container<T> && requires { T::print_structure(os, indent, width); }) {
+      os << pad << layer_name<T>() << "  (" << axis_name(A) << ": " << lay_name(in_layout[I]) << " in)\n";
+      T::print_structure(os, indent + 2, width);
+    } else {
+      os << pad << layer_name<T>() << "  (" << axis_name(A) << ": " << lay_name(in_layout[I]) << " in)\n";
+    }
+  }
+
+  // Labels of all global rows when the loss sees all rows but the data gave this rank its own.
+  cview<std::int32_t> labels_for(step_ctx& c, cview<std::int32_t> labels) {
+    if constexpr (A == axis::data && built::out != lay::S0) {
+      auto& comm = env_.comm(axis::data);
+      const int p = comm.size();
+      const index_t gseq = c.global_rows / c.seq;
+      counts_.resize(static_cast<std::size_t>(p));
+      for (int i = 0; i < p; ++i) counts_[static_cast<std::size_t>(i)] = detail::rows_of(gseq, c.seq, p, i);
+      if (all_labels_.capacity() == 0) all_labels_.set_kind(mem_kind::comm);
+      all_labels_.resize({c.global_rows});
+      all_gather_v(comm, labels, all_labels_.v(), std::span<const index_t>(counts_));
+      return all_labels_.v();
+    } else {
+      (void)c;
+      return labels;
+    }
+  }
+
+  template <std::size_t... I> void gather_each(const float* local, float* full, std::index_sequence<I...>) {
+    index_t at = 0;
+    ((gather_one<I>(local, full, at)), ...);
+  }
+  template <std::size_t I> void gather_one(const float* local, float* full, index_t& at) {
+    if constexpr (original[I] != detail::inserted) {
+      gather_full_params(std::get<I>(layers_), local + (offset_[I] - offset_[0]), full + at);
+      at += std::tuple_element_t<original[I], std::tuple<E...>>::cost().params;
+    }
+  }
+  template <std::size_t... I> void bind_each(param_binder& b, std::index_sequence<I...>) {
+    ((offset_[I] = b.offset(), std::get<I>(layers_).bind(b), register_range<I>(offset_[I], b.offset())), ...);
+  }
+  // Parameters of a layer that sees all rows of the global batch on the data
+  // axis already hold the whole gradient: they are not summed over the data axis.
+  template <std::size_t I> void register_range(index_t begin, index_t end) {
+    using T = std::tuple_element_t<I, tuple_type>;
+    if constexpr (A == axis::data && original[I] != detail::inserted && !whale::is_container<T>) {
+      if (end > begin && !local_rows(A, in_layout[I]) && env_.no_data_sync)
+        env_.no_data_sync->push_back({begin, end});
+    }
+  }
+
+  template <std::size_t... I> void init_each(const counter_rng& r, std::index_sequence<I...>) {
+    ((init_one<I>(r)), ...);
+  }
+  template <std::size_t I> void init_one(const counter_rng& r) {
+    if constexpr (original[I] != detail::inserted) {
+      if constexpr (Mode == detail::stream_kind::flatten) std::get<I>(layers_).init(r.child(original[I]));
+      else std::get<I>(layers_).init(r);
+    }
+  }
+  template <std::size_t I, class X> view<float> fwd(step_ctx& c, X x) {
+    auto y = run_forward(std::get<I>(layers_), c, x, offset_[I]);
+    if constexpr (I + 1 < n_layers) return fwd<I + 1>(c, cview<float>(y));
+    else return y;
+  }
+  template <std::size_t I> view<float> bwd(step_ctx& c, cview<float> dy) {
+    const bool outer = c.need_input_grad;
+    c.need_input_grad = I > 0 || outer;
+    auto dx = run_backward(std::get<I>(layers_), c, dy, offset_[I]);
+    c.need_input_grad = outer;
+    if (c.grads_ready) c.grads_ready(offset_[I]);
+    if constexpr (I > 0) return bwd<I - 1>(c, cview<float>(dx));
+    else return dx;
+  }
+
+  tuple_type layers_;
+  std::array<index_t, size> offset_{};
+  split_env env_{};
+  tensor<std::int32_t> all_labels_;
+  std::vector<index_t> counts_;
+};
+
+/// residual<Inner...> inside a split region: y = x + chain(x), the chain
+/// ending in x's layout X (so a row-parallel end is all-reduced back).
+template <axis A, lay X, class... Inner>
+class split_residual {
+  using chain = split_chain<A, X, detail::exit_kind::forced, X, detail::stream_kind::flatten, Inner...>;
+
+ public:
+  using chain_type = chain;
+  using input_type = float;
+  static constexpr bool is_container = true;
+  static constexpr index_t in_features = chain::in_features;
+  static constexpr index_t out_features = chain::in_features;
+  static std::string name() { return "residual (x + ...) over " + std::string(axis_name(A)); }
+  static constexpr cost_info cost() { return residual<Inner...>::cost(); }
+  static void print_structure(std::ostream& os, int indent, index_t width) { chain::print_structure(os, indent, width); }
+
+  void configure(const split_env& e) { inner_.configure(e); }
+  void gather_full(const float* local, float* full) { inner_.gather_full(local, full); }
+  index_t param_count() const { return inner_.param_count(); }
+  void bind(param_binder& b) { inner_.bind(b); }
+  void init(const counter_rng& r) { inner_.init(r); }
+  view<float> forward(step_ctx& c, cview<float> x) {
+    auto h = inner_.forward(c, x);
+    auto y = detail::ensure(st_(c.slot).y, x.shape());
+    const index_t n = x.numel();
+    const float* __restrict a = x.data();
+    const float* __restrict b = h.data();
+    float* __restrict o = y.data();
+    for (index_t i = 0; i < n; ++i) o[i] = a[i] + b[i];
+    return y;
+  }
+  view<float> backward(step_ctx& c, cview<float> dy) {
+    const bool outer = c.need_input_grad;
+    auto dh = inner_.backward(c, dy);
+    if (!outer) return {};
+    auto dx = detail::ensure(st_(c.slot).dx, dy.shape());
+    const index_t n = dy.numel();
+    for (index_t i = 0; i < n; ++i) dx[i] = dy[i] + dh[i];
+    return dx;
+  }
+
+ private:
+  struct state {
+    tensor<float> y, dx;
+  };
+  chain inner_;
+  slots<state> st_;
+};
+
+/// Operator sharding of M along mesh axis A (default: the `model` axis).
+/// Each layer of M becomes its sharded form for the layout it receives, and
+/// the collectives between them are inserted at compile time; on entry and
+/// exit the activation has the axis' canonical layout (model: replicated;
+/// data: rows split<0>). `split<classifier, axis::data>` after a replicated
+/// backbone is Whale's plan for 100,000 classes.
+namespace detail {
+template <axis A, class... L>
+auto region_of(tlist<L...>) -> split_chain<A, canonical(A), exit_kind::forced, canonical(A), stream_kind::flatten, L...>;
+template <axis A, class M> auto region_for() {
+  if constexpr (sequential_like<M>) return decltype(region_of<A>(elements_of<M>{})){};
+  else return split_chain<A, canonical(A), exit_kind::forced, canonical(A), stream_kind::single, M>{};
+}
+}  // namespace detail
+
+/// Named in the compiler's error when a static split degree does not divide
+/// the dimension that Layer shares among the ranks.
+template <class Layer, index_t Extent, index_t Degree>
+struct split_degree_check {
+  static_assert(Degree == 0 || Extent % Degree == 0,
+                "whale::split: the split degree must divide the dimension this layer splits (out_features "
+                "of a column-parallel linear, in_features of a row-parallel one, the vocabulary, the "
+                "heads); the layer, the dimension and the degree are named in 'split_degree_check<layer, "
+                "extent, degree>' in the compiler's notes. Choose a degree that divides it");
+  static constexpr bool value = true;
+};
+
+namespace detail {
+template <class T, index_t Deg> constexpr bool degree_ok();
+template <class Tuple, index_t Deg, std::size_t... I> constexpr bool degree_ok_all(std::index_sequence<I...>) {
+  return (degree_ok<std::tuple_element_t<I, Tuple>, Deg>() && ...);
+}
+template <class T, index_t Deg> constexpr bool degree_ok() {
+  if constexpr (requires { T::split_extent; }) return split_degree_check<T, T::split_extent, Deg>::value;
+  else if constexpr (requires { typename T::chain_type; }) return degree_ok<typename T::chain_type, Deg>();
+  else if constexpr (requires { typename T::block_type; }) return degree_ok<typename T::block_type, Deg>();
+  else if constexpr (requires { typename T::tuple_type; T::original; })
+    return degree_ok_all<typename T::tuple_type, Deg>(std::make_index_sequence<std::tuple_size_v<typename T::tuple_type>>{});
+  else return true;
+}
+}  // namespace detail
+
+/// `Degree` (optional): the split degree, when known at compile time. Every
+/// sharded dimension must be divisible by it (a compile error otherwise), and
+/// the mesh axis must have exactly that many ranks (an error on every rank).
+template <class M, axis A = axis::model, index_t Degree = 0>
+struct split : decltype(detail::region_for<A, M>()) {
+  using region = decltype(detail::region_for<A, M>());
+  static_assert(A != axis::pipe,
+                "whale::split: operators cannot be split over the pipe axis; use axis::model or axis::data");
+  static_assert(Degree >= 0, "whale::split: the degree must be positive (or 0: the axis size at run time)");
+  static_assert(Degree == 0 || detail::degree_ok<region, Degree>());
+  static constexpr bool is_split = true;
+  static std::string name() { return "split<" + layer_name<M>() + ", " + axis_name(A) + ">"; }
+  void configure(const split_env& e) {
+    if (Degree != 0 && e.comm(A).size() != Degree)
+      throw std::invalid_argument("whale::split: " + layer_name<M>() + " is split " + std::to_string(Degree) +
+                                  " ways, but the " + axis_name(A) + " axis has " + std::to_string(e.comm(A).size()) +
+                                  " ranks; launch with --mesh " + axis_name(A) + "=" + std::to_string(Degree));
+    region::configure(e);
+  }
+};
+
+/// Inside a split region, force a linear to be column-parallel (replicated
+/// in, split<1> out) or row-parallel (split<1> in, partial out) instead of
+/// letting the incoming layout decide, as Megatron's ColumnParallelLinear and
+/// RowParallelLinear. A forced layout that no collective reaches does not compile.
+template <class L> struct column_tag : L {
+  static std::string name() { return "column<" + layer_name<L>() + ">"; }
+};
+template <class L> struct row_tag : L {
+  static std::string name() { return "row<" + layer_name<L>() + ">"; }
+};
+template <class L> using column = column_tag<L>;
+template <class L> using row = row_tag<L>;
+
+/// Whether a model type contains a split region anywhere.
+template <class M> constexpr bool contains_split();
+namespace detail {
+template <class... L> constexpr bool any_split(tlist<L...>) { return (whale::contains_split<L>() || ...); }
+}  // namespace detail
+template <class M> constexpr bool contains_split() {
+  if constexpr (requires { M::is_split; }) return true;
+  else if constexpr (detail::sequential_like<M>) return detail::any_split(detail::elements_of<M>{});
+  else if constexpr (requires { typename M::inner; }) return contains_split<typename M::inner>();
+  else return false;
+}
+
+}  // namespace whale

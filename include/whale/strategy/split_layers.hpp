@@ -1,0 +1,467 @@
+// The sharded forms of whale's layers, each holding its slice of the unsplit
+// layer's parameters along one mesh axis (same initial values, element by
+// element): column- and row-parallel linear, class-split softmax
+// cross-entropy, vocabulary-split embedding. Which one a layer becomes is
+// decided by the split region (split.hpp) from the layout it receives.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "whale/backend/cpu.hpp"
+#include "whale/nn/causal_self_attention.hpp"
+#include "whale/nn/embedding.hpp"
+#include "whale/nn/linear.hpp"
+#include "whale/nn/softmax_cross_entropy.hpp"
+#include "whale/strategy/layout.hpp"
+
+namespace whale {
+
+namespace detail {
+/// Runtime twin of the static degree check: the axis size must divide `n`.
+inline void check_divides(const std::string& layer, const char* what, index_t n, int p, axis a) {
+  if (p <= 0 || n % p != 0)
+    throw std::invalid_argument("whale::split: " + layer + ": the split degree must divide " + what + " (" +
+                                std::to_string(n) + " % " + std::to_string(p) + " != 0) on the " +
+                                axis_name(a) + " axis; choose a mesh whose " + axis_name(a) +
+                                " size divides it");
+}
+}  // namespace detail
+
+/// linear<In, Out> split by output features (column-parallel): replicated in,
+/// split<1> out; d(input) is partial (each rank's slice contributes).
+template <index_t In, index_t Out, axis A>
+class column_linear {
+ public:
+  static constexpr index_t split_extent = Out;  ///< the dimension shared among the ranks
+  using input_type = float;
+  static constexpr index_t in_features = In;
+  static constexpr index_t out_features = Out;
+  static std::string name() {
+    return "column_linear<" + std::to_string(In) + ", " + std::to_string(Out) + ">/" + axis_name(A);
+  }
+  static constexpr cost_info cost() { return linear<In, Out>::cost(); }
+
+  void configure(const split_env& e) {
+    comm_ = &e.comm(A);
+    p_ = comm_->size();
+    r_ = comm_->rank();
+    detail::check_divides(linear<In, Out>::name(), "out_features", Out, p_, A);
+    n_ = Out / p_;
+  }
+  /// W (Out, In) then b (Out), gathered from the row blocks of every rank.
+  void gather_full(const float* local, float* full) {
+    all_gather(*comm_, cview<float>(local, {n_ * In}), view<float>(full, {Out * In}));
+    all_gather(*comm_, cview<float>(local + n_ * In, {n_}), view<float>(full + Out * In, {Out}));
+  }
+  index_t param_count() const { return n_ * In + n_; }
+  void bind(param_binder& b) {
+    auto w = b.take({n_, In});
+    auto bias = b.take({n_});
+    w_ = w.value, dw_ = w.grad, b_ = bias.value, db_ = bias.grad;
+  }
+  // Rows o0..o0+n of W (Out, In) and of b: the unsplit layer's values.
+  void init(const counter_rng& r) {
+    const double k = 1.0 / std::sqrt(static_cast<double>(In));
+    const index_t o0 = r_ * n_;
+    for (index_t i = 0; i < n_ * In; ++i)
+      w_[i] = static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(o0 * In + i)) - 1) * k);
+    for (index_t o = 0; o < n_; ++o)
+      b_[o] = static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(In * Out + o0 + o)) - 1) * k);
+  }
+  // x: (R, In) -> y: (R, Out/p)
+  view<float> forward(step_ctx& c, cview<float> x) {
+    auto& s = st_(c.slot);
+    const index_t R = x.numel() / In;
+    s.x = x;
+    auto y = detail::ensure(s.y, {R, n_});
+    for (index_t r = 0; r < R; ++r) std::memcpy(y.data() + r * n_, b_.data(), static_cast<std::size_t>(n_) * sizeof(float));
+    cpu::gemm(cpu::trans::no, cpu::trans::yes, R, n_, In, 1.f, x.data(), w_.data(), 1.f, y.data());
+    return y;
+  }
+  // dy: (R, Out/p) -> dx: (R, In), partial
+  view<float> backward(step_ctx& c, cview<float> dy) {
+    auto& s = st_(c.slot);
+    const index_t R = dy.numel() / n_;
+    cpu::gemm(cpu::trans::yes, cpu::trans::no, n_, In, R, 1.f, dy.data(), s.x.data(), c.accumulate ? 1.f : 0.f,
+              dw_.data());
+    cpu::sum_rows(dy.data(), db_.data(), R, n_, c.accumulate);
+    if (!c.need_input_grad) return {};
+    auto dx = detail::ensure(s.dx, {R, In});
+    cpu::gemm(cpu::trans::no, cpu::trans::no, R, In, n_, 1.f, dy.data(), w_.data(), 0.f, dx.data());
+    return dx;
+  }
+
+ private:
+  struct state {
+    cview<float> x;
+    tensor<float> y, dx;
+  };
+  world_comm* comm_ = nullptr;
+  int p_ = 1, r_ = 0;
+  index_t n_ = Out;
+  view<float> w_, dw_, b_, db_;
+  slots<state> st_;
+};
+
+/// linear<In, Out> split by input features (row-parallel): split<1> in,
+/// partial out. The bias is replicated and added by rank 0 of the axis only,
+/// so the sum of the partials holds it once; its gradient is the same on every rank.
+template <index_t In, index_t Out, axis A>
+class row_linear {
+ public:
+  static constexpr index_t split_extent = In;
+  using input_type = float;
+  static constexpr index_t in_features = In;
+  static constexpr index_t out_features = Out;
+  static std::string name() {
+    return "row_linear<" + std::to_string(In) + ", " + std::to_string(Out) + ">/" + axis_name(A);
+  }
+  static constexpr cost_info cost() { return linear<In, Out>::cost(); }
+
+  void configure(const split_env& e) {
+    comm_ = &e.comm(A);
+    p_ = comm_->size();
+    r_ = comm_->rank();
+    detail::check_divides(linear<In, Out>::name(), "in_features", In, p_, A);
+    k_ = In / p_;
+  }
+  /// W (Out, In) from the column blocks of every rank, then the (replicated) bias.
+  void gather_full(const float* local, float* full) {
+    tensor<float> t({static_cast<index_t>(p_) * Out * k_}, mem_kind::comm);
+    all_gather(*comm_, cview<float>(local, {Out * k_}), t.v());
+    for (int q = 0; q < p_; ++q)
+      for (index_t o = 0; o < Out; ++o)
+        std::memcpy(full + o * In + q * k_, t.data() + (q * Out + o) * k_, static_cast<std::size_t>(k_) * sizeof(float));
+    std::memcpy(full + Out * In, local + Out * k_, static_cast<std::size_t>(Out) * sizeof(float));
+  }
+  index_t param_count() const { return Out * k_ + Out; }
+  void bind(param_binder& b) {
+    auto w = b.take({Out, k_});
+    auto bias = b.take({Out});
+    w_ = w.value, dw_ = w.grad, b_ = bias.value, db_ = bias.grad;
+  }
+  // Columns i0..i0+k of W (Out, In); the whole bias.
+  void init(const counter_rng& r) {
+    const double s = 1.0 / std::sqrt(static_cast<double>(In));
+    const index_t i0 = r_ * k_;
+    for (index_t o = 0; o < Out; ++o)
+      for (index_t j = 0; j < k_; ++j)
+        w_[o * k_ + j] = static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(o * In + i0 + j)) - 1) * s);
+    for (index_t o = 0; o < Out; ++o)
+      b_[o] = static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(In * Out + o)) - 1) * s);
+  }
+  // x: (R, In/p) -> y: (R, Out) partial
+  view<float> forward(step_ctx& c, cview<float> x) {
+    auto& s = st_(c.slot);
+    const index_t R = x.numel() / k_;
+    s.x = x;
+    auto y = detail::ensure(s.y, {R, Out});
+    if (r_ == 0) {
+      for (index_t r = 0; r < R; ++r) std::memcpy(y.data() + r * Out, b_.data(), static_cast<std::size_t>(Out) * sizeof(float));
+    }
+    cpu::gemm(cpu::trans::no, cpu::trans::yes, R, Out, k_, 1.f, x.data(), w_.data(), r_ == 0 ? 1.f : 0.f, y.data());
+    return y;
+  }
+  // dy: (R, Out) replicated -> dx: (R, In/p)
+  view<float> backward(step_ctx& c, cview<float> dy) {
+    auto& s = st_(c.slot);
+    const index_t R = dy.numel() / Out;
+    cpu::gemm(cpu::trans::yes, cpu::trans::no, Out, k_, R, 1.f, dy.data(), s.x.data(), c.accumulate ? 1.f : 0.f,
+              dw_.data());
+    cpu::sum_rows(dy.data(), db_.data(), R, Out, c.accumulate);
+    if (!c.need_input_grad) return {};
+    auto dx = detail::ensure(s.dx, {R, k_});
+    cpu::gemm(cpu::trans::no, cpu::trans::no, R, k_, Out, 1.f, dy.data(), w_.data(), 0.f, dx.data());
+    return dx;
+  }
+
+ private:
+  struct state {
+    cview<float> x;
+    tensor<float> y, dx;
+  };
+  world_comm* comm_ = nullptr;
+  int p_ = 1, r_ = 0;
+  index_t k_ = In;
+  view<float> w_, dw_, b_, db_;
+  slots<state> st_;
+};
+
+/// softmax_cross_entropy on class-split logits (split<1>): the row max and the
+/// row sum of exponentials are all-reduced over the axis, the target logit is
+/// taken by the rank that holds its class; the logits are never gathered.
+/// When the rows are the whole global batch on every data rank, each rank
+/// returns 1/p of the loss so that summing shares over the data axis is right.
+template <axis A>
+class split_softmax_cross_entropy : public stateless_params {
+ public:
+  using input_type = float;
+  static constexpr index_t in_features = any_features;
+  static constexpr index_t out_features = 1;
+  static std::string name() { return std::string("split_softmax_cross_entropy/") + axis_name(A); }
+  static constexpr cost_info cost() { return softmax_cross_entropy::cost(); }
+
+  void configure(const split_env& e) {
+    comm_ = &e.comm(A);
+    p_ = comm_->size();
+    r_ = comm_->rank();
+  }
+
+  // logits: (R, C/p) this rank's classes; labels: (R) global class ids
+  double forward_loss(step_ctx& c, cview<float> logits, cview<std::int32_t> labels) {
+    const index_t R = labels.numel();
+    if (R == 0) return 0.0;
+    const index_t n = logits.numel() / R;  // local classes
+    const index_t c0 = r_ * n;
+    auto& s = st_(c.slot);
+    auto g = detail::ensure(s.grad, {R, n});
+    auto st = detail::ensure(s.stats, {R});  // row maxima
+    float* mx = st.data();
+    for (index_t r = 0; r < R; ++r) {
+      const float* z = logits.data() + r * n;
+      float m = z[0];
+      for (index_t j = 1; j < n; ++j) m = z[j] > m ? z[j] : m;
+      mx[r] = m;
+    }
+    all_reduce(*comm_, view<float>(mx, {R}), reduce_op::max);
+    auto tg = detail::ensure(s.target, {2 * R});
+    for (index_t r = 0; r < R; ++r) {
+      const float* z = logits.data() + r * n;
+      float* q = g.data() + r * n;
+      float acc = 0.f;
+      for (index_t j = 0; j < n; ++j) {
+        q[j] = std::exp(z[j] - mx[r]);
+        acc += q[j];
+      }
+      tg[r] = acc;
+      const index_t y = labels[r];
+      if (y < 0 || y >= n * p_)
+        throw std::out_of_range("whale::split_softmax_cross_entropy: label " + std::to_string(y) +
+                                " out of range for " + std::to_string(n * p_) + " classes");
+      tg[R + r] = (y >= c0 && y < c0 + n) ? z[y - c0] : 0.f;
+    }
+    all_reduce(*comm_, tg);  // row sums, and the target logits (one rank each)
+    const double inv = 1.0 / static_cast<double>(c.global_rows);
+    double total = 0;
+    for (index_t r = 0; r < R; ++r) {
+      total += std::log(static_cast<double>(tg[r])) + mx[r] - tg[R + r];
+      const float scale = static_cast<float>(inv) / tg[r];
+      float* q = g.data() + r * n;
+      for (index_t j = 0; j < n; ++j) q[j] *= scale;
+      const index_t y = labels[r];
+      if (y >= c0 && y < c0 + n) q[y - c0] -= static_cast<float>(inv);
+    }
+    // every rank of a data-axis split computes the loss of all rows: share 1/p each
+    return A == axis::data ? total * inv / p_ : total * inv;
+  }
+  view<float> backward_loss(step_ctx& c) { return st_(c.slot).grad.v(); }
+
+ private:
+  struct state {
+    tensor<float> grad, stats, target;
+  };
+  world_comm* comm_ = nullptr;
+  int p_ = 1, r_ = 0;
+  slots<state> st_;
+};
+
+/// embedding<Vocab, D> split by vocabulary: rank r holds rows [v0, v0 + V/p)
+/// of the table and writes the rows of its tokens; others' rows are zero, so
+/// the output is partial (summed by the all-reduce that follows).
+template <index_t Vocab, index_t D, axis A>
+class vocab_embedding {
+ public:
+  static constexpr index_t split_extent = Vocab;
+  using input_type = std::int32_t;
+  static constexpr index_t in_features = any_features;
+  static constexpr index_t out_features = D;
+  static std::string name() {
+    return "vocab_embedding<" + std::to_string(Vocab) + ", " + std::to_string(D) + ">/" + axis_name(A);
+  }
+  static constexpr cost_info cost() { return embedding<Vocab, D>::cost(); }
+
+  void configure(const split_env& e) {
+    comm_ = &e.comm(A);
+    p_ = comm_->size();
+    r_ = comm_->rank();
+    detail::check_divides(embedding<Vocab, D>::name(), "the vocabulary", Vocab, p_, A);
+    n_ = Vocab / p_;
+  }
+  void gather_full(const float* local, float* full) {
+    all_gather(*comm_, cview<float>(local, {n_ * D}), view<float>(full, {Vocab * D}));
+  }
+  index_t param_count() const { return n_ * D; }
+  void bind(param_binder& b) {
+    auto t = b.take({n_, D});
+    w_ = t.value, dw_ = t.grad;
+  }
+  void init(const counter_rng& r) {
+    // the same values as embedding<Vocab, D>: N(0, 0.02) at flat index v*D + j
+    const index_t base = r_ * n_ * D;
+    for (index_t i = 0; i < n_ * D; ++i)
+      w_[i] = static_cast<float>(0.02 * r.normal(static_cast<std::uint64_t>(base + i)));
+  }
+  // tokens: (B, T) -> y: (B*T, D) partial
+  view<float> forward(step_ctx& c, cview<std::int32_t> tokens) {
+    auto& s = st_(c.slot);
+    const index_t R = tokens.numel();
+    s.tokens = tokens;
+    auto y = detail::ensure(s.y, {R, D});
+    const index_t v0 = r_ * n_;
+    for (index_t i = 0; i < R; ++i) {
+      const index_t t = tokens[i];
+      if (t < 0 || t >= Vocab)
+        throw std::out_of_range("whale::vocab_embedding: token " + std::to_string(t) +
+                                " is outside the vocabulary of " + std::to_string(Vocab));
+      float* yr = y.data() + i * D;
+      if (t >= v0 && t < v0 + n_) std::memcpy(yr, w_.data() + (t - v0) * D, static_cast<std::size_t>(D) * sizeof(float));
+      else std::memset(yr, 0, static_cast<std::size_t>(D) * sizeof(float));
+    }
+    return y;
+  }
+  view<float> backward(step_ctx& c, cview<float> dy) {
+    auto& s = st_(c.slot);
+    if (!c.accumulate) std::memset(dw_.data(), 0, dw_.bytes());
+    const index_t v0 = r_ * n_;
+    for (index_t i = 0; i < s.tokens.numel(); ++i) {
+      const index_t t = s.tokens[i];
+      if (t < v0 || t >= v0 + n_) continue;
+      float* g = dw_.data() + (t - v0) * D;
+      const float* d = dy.data() + i * D;
+      for (index_t j = 0; j < D; ++j) g[j] += d[j];
+    }
+    return {};
+  }
+
+ private:
+  struct state {
+    cview<std::int32_t> tokens;
+    tensor<float> y;
+  };
+  world_comm* comm_ = nullptr;
+  int p_ = 1, r_ = 0;
+  index_t n_ = Vocab;
+  view<float> w_, dw_;
+  slots<state> st_;
+};
+
+/// causal_self_attention<D, Heads> split by heads: rank r holds heads
+/// [r·H/p, (r+1)·H/p): their rows of the fused QKV projection (column-parallel)
+/// and their columns of the output projection (row-parallel; the bias is
+/// replicated and added by rank 0). Replicated in, partial out.
+template <index_t D, index_t Heads, axis A>
+class head_attention {
+  static constexpr index_t hd = D / Heads;
+
+ public:
+  static constexpr index_t split_extent = Heads;
+  using input_type = float;
+  static constexpr index_t in_features = D;
+  static constexpr index_t out_features = D;
+  static std::string name() {
+    return "head_attention<" + std::to_string(D) + ", " + std::to_string(Heads) + ">/" + axis_name(A);
+  }
+  static constexpr cost_info cost() { return causal_self_attention<D, Heads>::cost(); }
+
+  void configure(const split_env& e) {
+    comm_ = &e.comm(A);
+    p_ = comm_->size();
+    r_ = comm_->rank();
+    detail::check_divides(causal_self_attention<D, Heads>::name(), "the number of heads", Heads, p_, A);
+    h_ = Heads / p_;
+    w_ = h_ * hd;
+  }
+  index_t param_count() const { return 3 * w_ * D + 3 * w_ + D * w_ + D; }
+  void bind(param_binder& b) {
+    auto qkv = b.take({3 * w_, D});
+    auto bqkv = b.take({3 * w_});
+    auto wo = b.take({D, w_});
+    auto bo = b.take({D});
+    wqkv_ = qkv.value, dwqkv_ = qkv.grad, bqkv_ = bqkv.value, dbqkv_ = bqkv.grad;
+    wo_ = wo.value, dwo_ = wo.grad, bo_ = bo.value, dbo_ = bo.grad;
+  }
+  // The unsplit layer's values: W_qkv (3D, D) at 0, b_qkv at 3D*D, W_o (D, D) at 3D*D+3D, b_o after.
+  void init(const counter_rng& r) {
+    const double k = 1.0 / std::sqrt(static_cast<double>(D));
+    auto u = [&](index_t i) { return static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(i)) - 1) * k); };
+    for (index_t q = 0; q < 3; ++q)
+      for (index_t j = 0; j < w_; ++j) {
+        const index_t row = q * D + r_ * w_ + j;  // global row of W_qkv
+        for (index_t i = 0; i < D; ++i) wqkv_[(q * w_ + j) * D + i] = u(row * D + i);
+        bqkv_[q * w_ + j] = u(3 * D * D + row);
+      }
+    for (index_t o = 0; o < D; ++o)
+      for (index_t j = 0; j < w_; ++j) wo_[o * w_ + j] = u(3 * D * D + 3 * D + o * D + r_ * w_ + j);
+    for (index_t o = 0; o < D; ++o) bo_[o] = u(4 * D * D + 3 * D + o);
+  }
+  void gather_full(const float* local, float* full) {
+    for (index_t q = 0; q < 3; ++q) {
+      all_gather(*comm_, cview<float>(local + q * w_ * D, {w_ * D}), view<float>(full + q * D * D, {D * D}));
+      all_gather(*comm_, cview<float>(local + 3 * w_ * D + q * w_, {w_}), view<float>(full + 3 * D * D + q * D, {D}));
+    }
+    const float* wo = local + 3 * w_ * D + 3 * w_;
+    tensor<float> t({static_cast<index_t>(p_) * D * w_}, mem_kind::comm);
+    all_gather(*comm_, cview<float>(wo, {D * w_}), t.v());
+    float* fo = full + 3 * D * D + 3 * D;
+    for (int q = 0; q < p_; ++q)
+      for (index_t o = 0; o < D; ++o)
+        std::memcpy(fo + o * D + q * w_, t.data() + (q * D + o) * w_, static_cast<std::size_t>(w_) * sizeof(float));
+    std::memcpy(fo + D * D, wo + D * w_, static_cast<std::size_t>(D) * sizeof(float));
+  }
+
+  // x: (B*T, D) replicated -> y: (B*T, D) partial
+  view<float> forward(step_ctx& c, cview<float> x) {
+    const index_t B = c.batch, T = c.seq, R = B * T;
+    auto& s = st_(c.slot);
+    s.x = x;
+    auto qkv = detail::ensure(s.qkv, {R, 3 * w_});  // (B*T, 3W): this rank's heads of Q, K, V
+    auto p = detail::ensure(s.p, {B, h_, T, T});
+    auto att = detail::ensure(s.att, {R, w_});
+    auto y = detail::ensure(s.y, {R, D});
+    for (index_t i = 0; i < R; ++i)
+      std::memcpy(qkv.data() + i * 3 * w_, bqkv_.data(), static_cast<std::size_t>(3 * w_) * sizeof(float));
+    cpu::gemm(cpu::trans::no, cpu::trans::yes, R, 3 * w_, D, 1.f, x.data(), wqkv_.data(), 1.f, qkv.data());
+    detail::attention_core_forward(qkv.data(), p.data(), att.data(), B, T, h_, hd);
+    if (r_ == 0)
+      for (index_t i = 0; i < R; ++i) std::memcpy(y.data() + i * D, bo_.data(), static_cast<std::size_t>(D) * sizeof(float));
+    cpu::gemm(cpu::trans::no, cpu::trans::yes, R, D, w_, 1.f, att.data(), wo_.data(), r_ == 0 ? 1.f : 0.f, y.data());
+    return y;
+  }
+  // dy: (B*T, D) replicated -> dx: (B*T, D) partial
+  view<float> backward(step_ctx& c, cview<float> dy) {
+    const index_t B = c.batch, T = c.seq, R = B * T;
+    auto& s = st_(c.slot);
+    const float beta = c.accumulate ? 1.f : 0.f;
+    auto datt = detail::ensure(s.datt, {R, w_});
+    auto dqkv = detail::ensure(s.dqkv, {R, 3 * w_});
+    auto ds = detail::ensure(s.ds, {h_, T, T});
+    cpu::gemm(cpu::trans::no, cpu::trans::no, R, w_, D, 1.f, dy.data(), wo_.data(), 0.f, datt.data());
+    cpu::gemm(cpu::trans::yes, cpu::trans::no, D, w_, R, 1.f, dy.data(), s.att.data(), beta, dwo_.data());
+    cpu::sum_rows(dy.data(), dbo_.data(), R, D, c.accumulate);
+    detail::attention_core_backward(s.qkv.data(), s.p.data(), datt.data(), dqkv.data(), ds.data(), B, T, h_, hd);
+    cpu::gemm(cpu::trans::yes, cpu::trans::no, 3 * w_, D, R, 1.f, dqkv.data(), s.x.data(), beta, dwqkv_.data());
+    cpu::sum_rows(dqkv.data(), dbqkv_.data(), R, 3 * w_, c.accumulate);
+    if (!c.need_input_grad) return {};
+    auto dx = detail::ensure(s.dx, {R, D});
+    cpu::gemm(cpu::trans::no, cpu::trans::no, R, D, 3 * w_, 1.f, dqkv.data(), wqkv_.data(), 0.f, dx.data());
+    return dx;
+  }
+
+ private:
+  struct state {
+    cview<float> x;
+    tensor<float> qkv, p, att, y, datt, dqkv, ds, dx;
+  };
+  world_comm* comm_ = nullptr;
+  int p_ = 1, r_ = 0;
+  index_t h_ = Heads, w_ = D;
+  view<float> wqkv_, dwqkv_, bqkv_, dbqkv_, wo_, dwo_, bo_, dbo_;
+  slots<state> st_;
+};
+
+}  // namespace whale
