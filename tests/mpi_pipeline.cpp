@@ -21,6 +21,7 @@
 #include "whale/strategy/pipeline.hpp"
 #include "whale/train/trace.hpp"
 #include "whale/train/trainer.hpp"
+#include "support/plan_check.hpp"
 
 using namespace whale;
 
@@ -37,32 +38,10 @@ markov_data gpt_batches() { return markov_data(seed{7}, 64, 16, 8); }  // 8 sequ
 // rounding level; GPipe and 1F1B accumulate in the same order, so they agree exactly.
 constexpr double atol = 2e-6, rtol = 1e-4;
 
-trainer_options quiet() {
-  trainer_options o;
-  o.progress = false;
-  return o;
-}
-
-context with_mesh(const std::string& spec) {
-  ::setenv("WHALE_MESH", spec.c_str(), 1);
-  auto c = context::init();
-  ::unsetenv("WHALE_MESH");
-  return c;
-}
-
-struct diff {
-  double max_abs = 0;
-  index_t bad = 0;
-};
-diff compare(cview<float> a, cview<float> b) {
-  diff d;
-  for (index_t i = 0; i < a.numel(); ++i) {
-    const double e = std::abs(static_cast<double>(a[i]) - b[i]);
-    d.max_abs = std::max(d.max_abs, e);
-    if (e > atol + rtol * std::abs(static_cast<double>(b[i]))) ++d.bad;
-  }
-  return d;
-}
+using test::quiet;
+using test::diff;
+context with_mesh(const std::string& spec) { return test::on_mesh(spec); }
+diff compare(cview<float> a, cview<float> b) { return test::compare(a, b, atol, rtol); }
 
 /// Train `net` for 5 steps, the single-process model `Single` the same, and
 /// compare this rank's stage with the same range of the single parameters.

@@ -14,35 +14,19 @@
 #include "whale/optim/sgd.hpp"
 #include "whale/strategy/make.hpp"
 #include "whale/train/trainer.hpp"
+#include "support/plan_check.hpp"
 
 using namespace whale;
 
 namespace {
-
-trainer_options quiet() {
-  trainer_options o;
-  o.progress = false;
-  return o;
-}
 
 // Tolerance: |p_dp - p_single| <= atol + rtol * |p_single| elementwise, fp32.
 // Data parallelism changes only the order of float sums (per-rank GEMMs over
 // fewer rows, then the all-reduce), so differences stay at rounding level.
 constexpr double atol = 2e-6, rtol = 1e-4;
 
-struct diff {
-  double max_abs = 0;
-  index_t bad = 0;
-};
-diff compare(cview<float> a, cview<float> b) {
-  diff d;
-  for (index_t i = 0; i < a.numel(); ++i) {
-    const double e = std::abs(static_cast<double>(a[i]) - b[i]);
-    d.max_abs = std::max(d.max_abs, e);
-    if (e > atol + rtol * std::abs(static_cast<double>(b[i]))) ++d.bad;
-  }
-  return d;
-}
+using test::quiet;
+test::diff compare(cview<float> a, cview<float> b) { return test::compare(a, b, atol, rtol); }
 
 template <class Model, class MakeData>
 void check_against_single(const context& ctx, MakeData make_data, bool overlap, double bucket_mib,

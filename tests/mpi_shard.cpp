@@ -24,16 +24,13 @@
 #include "whale/strategy/make.hpp"
 #include "whale/strategy/shard.hpp"
 #include "whale/train/trainer.hpp"
+#include "support/plan_check.hpp"
 
 using namespace whale;
 
 namespace {
 
-trainer_options quiet() {
-  trainer_options o;
-  o.progress = false;
-  return o;
-}
+using test::quiet;
 
 // Tolerance: |p_zero - p_single| <= atol + rtol * |p_single| elementwise, fp32.
 // ZeRO changes only the order of float sums (per-rank GEMMs over fewer rows,

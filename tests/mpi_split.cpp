@@ -21,40 +21,20 @@
 #include "whale/optim/sgd.hpp"
 #include "whale/strategy/make.hpp"
 #include "whale/train/trainer.hpp"
+#include "support/plan_check.hpp"
 
 using namespace whale;
 
 namespace {
 
-trainer_options quiet() {
-  trainer_options o;
-  o.progress = false;
-  return o;
-}
+using test::quiet;
+using test::on_mesh;
 
 // Tolerance: |p_split - p_single| <= atol + rtol * |p_single| elementwise, fp32.
 // Sharding changes only the order of float sums (partial products summed by
 // all-reduce, softmax statistics combined across ranks).
 constexpr double atol = 5e-6, rtol = 1e-4;
 
-index_t mismatches(cview<float> a, cview<float> b, double& max_abs) {
-  index_t bad = 0;
-  max_abs = 0;
-  for (index_t i = 0; i < a.numel(); ++i) {
-    const double e = std::abs(static_cast<double>(a[i]) - b[i]);
-    max_abs = std::max(max_abs, e);
-    if (e > atol + rtol * std::abs(static_cast<double>(b[i]))) ++bad;
-  }
-  return bad;
-}
-
-/// A context on the mesh `spec` (every rank calls it).
-context on_mesh(const std::string& spec) {
-  ::setenv("WHALE_MESH", spec.c_str(), 1);
-  auto ctx = context::init();
-  ::unsetenv("WHALE_MESH");
-  return ctx;
-}
 
 template <class Split, class Single, class MakeData>
 void check_split(const std::string& mesh, MakeData make_data, int n_steps = 5) {
@@ -73,10 +53,9 @@ void check_split(const std::string& mesh, MakeData make_data, int n_steps = 5) {
     auto data = make_data();
     trainer t(single, opt, quiet());
     t.run(data, steps{n_steps});
-    double max_abs = 0;
-    const auto bad = mismatches(full, single.params(), max_abs);
-    MESSAGE(mesh << ": max |split - single| = " << max_abs);
-    CHECK(bad == 0);
+    const auto d = test::compare(full, single.params(), atol, rtol);
+    MESSAGE(mesh << ": max |split - single| = " << d.max_abs);
+    CHECK(d.bad == 0);
   }
 }
 
