@@ -44,7 +44,8 @@ struct hybrid {
   static double xc_compute_only(whale::context& ctx, whale::index_t local, whale::index_t global, int reps) {
     using namespace whale;
     network<sequential<models::xc_backbone, linear<2048, 1>, softmax_cross_entropy>> back(seed{1});
-    network<sequential<linear<2048, C>, softmax_cross_entropy>> shard(seed{2});
+    // relu first so that the classifier computes d(input), as it does for the backbone in the plan
+    network<sequential<relu, linear<2048, C>, softmax_cross_entropy>> shard(seed{2});
     tensor<float> xb({local, 512}), xs({global, 2048});
     tensor<std::int32_t> yb({local}), ys({global});
     for (index_t i = 0; i < xb.numel(); ++i) xb[i] = static_cast<float>((i % 7) - 3) * 0.1f;
