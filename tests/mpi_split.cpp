@@ -81,7 +81,20 @@ template <axis A>
 using conv_split = sequential<split<sequential<linear<8, 16>, relu, layer_norm<16>, linear<16, 8>>, A>, linear<8, 4>, softmax_cross_entropy>;
 auto conv_data() { return teacher_data(seed{8}, 8, 4, 8); }
 
+// Split regions repeated inside a repeat<>: make<> must find them.
+using rep_single = sequential<linear<8, 16>, repeat<2, sequential<linear<16, 32>, gelu, linear<32, 16>>>, linear<16, 4>,
+                              softmax_cross_entropy>;
+using rep_split = sequential<linear<8, 16>, repeat<2, split<sequential<linear<16, 32>, gelu, linear<32, 16>>>>,
+                             linear<16, 4>, softmax_cross_entropy>;
+static_assert(contains_split<rep_split>(), "contains_split must look inside repeat<>");
+
 }  // namespace
+
+TEST_CASE("split regions inside repeat<> (found by make<>) equal single-process training") {
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  check_split<rep_split, rep_single>(all_on("model", world), conv_data);
+}
 
 TEST_CASE("every layout conversion: all-gather rows and columns, slices, through replicated") {
   int world = 1;

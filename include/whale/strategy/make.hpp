@@ -25,8 +25,7 @@ template <class M>
 auto make(const context& ctx, seed s) {
   if constexpr (is_shard_v<M>) {  // shard<M, Level>: ZeRO over the data axis
     return sharded<M>(ctx, s);
-  } else if constexpr (is_pipeline_plan_v<M>) {  // pipeline<...> or replicate<pipeline<...>>: data × pipe
-    static_assert(!contains_split<M>(), "whale::pipeline: split inside pipeline stages is not supported yet");
+  } else if constexpr (is_pipeline_plan_v<M>) {  // pipeline<...> or replicate<pipeline<...>>: data × pipe (× model)
     return pipelined<M>(ctx, s);
   } else if constexpr (contains_split<M>()) {
     return hybrid_parallel<M>(ctx, s);

@@ -4,7 +4,11 @@
 // stage's parameters; activations go forward and their gradients backward by
 // non-blocking point-to-point messages; micro-batches run under the Schedule
 // (strategy/schedule.hpp), and every step ends with a flush, so one step equals
-// single-process training on the same global batch. No `split` inside stages yet.
+// single-process training on the same global batch. Stages may hold `split`
+// regions over the model axis (3-D parallelism: data × pipe × model): each
+// model rank of a stage holds its shards, activations between stages are
+// replicated over the model axis, and stage s, model rank m talks to stage
+// s±1, model rank m over the pipe communicator.
 #pragma once
 
 #include <algorithm>
@@ -33,6 +37,7 @@
 #include "whale/strategy/data_parallel.hpp"
 #include "whale/strategy/replicate.hpp"
 #include "whale/strategy/schedule.hpp"
+#include "whale/strategy/split.hpp"
 #include "whale/train/trace.hpp"
 
 namespace whale {
@@ -93,6 +98,34 @@ template <class... E> struct tuple_types<std::tuple<E...>> {
 
 template <class M> concept pipe_sequential_like = requires { typename M::tuple_type; M::size; };
 
+/// Split regions anywhere in a model (through sequentials, repeats, residuals,
+/// replicate and other wrappers): `any`, and `data` if one splits over axis::data.
+struct split_scan {
+  bool any = false, data = false;
+};
+template <class M> constexpr split_scan pipe_splits();
+template <class M> struct pipe_split_of : std::false_type {};
+template <class M, axis A, index_t D> struct pipe_split_of<split<M, A, D>> : std::true_type {
+  static constexpr bool over_data = A == axis::data;
+};
+template <class... L> constexpr split_scan pipe_splits_all(tlist<L...>) {
+  split_scan r;
+  ((r.any = r.any || pipe_splits<L>().any, r.data = r.data || pipe_splits<L>().data), ...);
+  return r;
+}
+template <class... I> constexpr split_scan pipe_splits_residual(const residual<I...>*) {
+  return pipe_splits_all(tlist<I...>{});
+}
+template <class M> constexpr split_scan pipe_splits() {
+  if constexpr (pipe_split_of<M>::value) return {true, pipe_split_of<M>::over_data};
+  else if constexpr (requires { pipe_splits_residual(static_cast<const M*>(nullptr)); })
+    return pipe_splits_residual(static_cast<const M*>(nullptr));
+  else if constexpr (sequential_like<M>) return pipe_splits_all(elements_of<M>{});
+  else if constexpr (requires { typename M::block_type; }) return pipe_splits<typename M::block_type>();
+  else if constexpr (requires { typename M::inner; }) return pipe_splits<typename M::inner>();
+  else return {};
+}
+
 template <bool Explicit, class... Parts> struct pipeline_flat;
 template <class... S> struct pipeline_flat<true, S...> {
   using type = sequential<typename S::layers...>;
@@ -102,6 +135,10 @@ template <class M> struct pipeline_flat<false, M> {
                 "whale::pipeline: give the stages explicitly (pipeline<Schedule, stage<...>, stage<...>>) "
                 "or one model that is a sequential with one repeat<N, Block> among its elements "
                 "(pipeline<Schedule, models::gpt>), whose blocks the pipeline cuts into stages");
+  static_assert(!pipe_split_of<M>::value,
+                "whale::pipeline<Schedule, split<M>>: the pipeline cannot cut one split region around the whole "
+                "model; split its elements instead (e.g. sequential<split<embedding<V, D>>, ..., repeat<N, "
+                "split<Block>>, ..., split<linear<D, V>>, softmax_cross_entropy>), which trains the same");
   using type = M;
 };
 }  // namespace detail
@@ -243,6 +280,12 @@ class pipelined {
   using sched = typename pipe_type::schedule;
   using input_type = typename flat::input_type;
   static constexpr bool replicated = is_replicate_v<P>;
+  /// Stages hold split regions (over the model axis).
+  static constexpr bool has_split = detail::pipe_splits<flat>().any;
+  static_assert(!detail::pipe_splits<flat>().data,
+                "whale::pipeline: split regions over axis::data are not supported inside pipeline stages (the "
+                "batch is cut into micro-batches there); split over axis::model inside stages, and replicate the "
+                "pipeline for data parallelism");
 
  private:
   using E = typename pipe_type::elements;
@@ -262,11 +305,22 @@ class pipelined {
     validate(shape);  // every rank, before any communication
     pipe_ = &ctx.mesh().comm(axis::pipe);
     data_ = &ctx.mesh().comm(axis::data);
+    model_comm_ = &ctx.mesh().comm(axis::model);
+    model_rank_ = ctx.mesh().coord(axis::model);
+    if constexpr (has_split) {  // split regions learn their communicators before parameters are counted
+      split_env env;
+      env.data = data_;
+      env.model = model_comm_;
+      env.no_data_sync = &no_sync_;
+      configure_layer(model_, env);
+    }
     place();
     if (o_.micro_batches > 0) schedule_for(o_.micro_batches);  // a bad schedule fails here, on every rank
     params_ = tensor<float>({end_ - begin_}, mem_kind::params);
     grads_ = tensor<float>({end_ - begin_}, mem_kind::grads);
     bind_and_init(s);
+    if (!no_sync_.empty())  // only splits over the data axis register these; they are refused above
+      throw std::logic_error("whale::pipeline: a split region registered parameters without data-axis sync");
     if constexpr (replicated) {
       if (d_ > 1) broadcast(*data_, params_.v(), 0);  // identical start in every replica
       make_buckets();
@@ -402,16 +456,21 @@ class pipelined {
     return share;
   }
 
-  /// The global mean loss: the last stages' shares summed over the world.
+  /// The global mean loss: the last stages' shares summed over the world
+  /// (model rank 0 only: the model ranks of a stage hold the same loss).
   double reduce_loss(double share) {
     const auto t0 = tr_.now();
-    double v = share;
+    double v = model_rank_ == 0 ? share : 0.0;
     all_reduce(ctx_->world(), view<double>(&v, {1}));
     tr_.add(span_kind::loss_all_reduce, step_ - 1, -1, t0, tr_.now());
     return v;
   }
   /// The norm of the whole model's gradient (stages' squares summed over the pipe axis).
   double grad_norm() const {
+    if constexpr (has_split)
+      throw std::invalid_argument("whale::" + layer_name<P>() +
+                                  ": gradient clipping (max_grad_norm) is not supported with split regions inside "
+                                  "pipeline stages yet; train without it");
     double sq = cpu::sum_squares(grads_.numel(), grads_.data());
     all_reduce(*pipe_, view<double>(&sq, {1}));
     return std::sqrt(sq);
@@ -438,8 +497,35 @@ class pipelined {
   index_t param_count() const noexcept { return params_.numel(); }
   index_t param_begin() const noexcept { return begin_; }
   index_t param_end() const noexcept { return end_; }
-  /// Parameters of the whole model (all stages).
+  /// Parameters of the whole model (all stages; with split regions, of this model rank's shards).
   index_t total_params() const noexcept { return total_; }
+  /// This stage's range of the unsplit flat model's parameters (as network<unsplit
+  /// model> holds them); equal to [param_begin(), param_end()) without split regions.
+  index_t full_param_begin() const noexcept { return full_begin_; }
+  index_t full_param_end() const noexcept { return full_end_; }
+  /// Ranks of the model axis that share this stage's split regions.
+  int model_degree() const noexcept { return model_comm_->size(); }
+  /// This stage's unsplit parameters, [full_param_begin(), full_param_end()) of
+  /// the unsplit model, gathered from the shards; collective over the model axis
+  /// (every rank calls it).
+  tensor<float> full_params() {
+    tensor<float> full({full_end_ - full_begin_}, mem_kind::workspace);
+    for_elems([&](auto ic) {
+      constexpr std::size_t I = decltype(ic)::value;
+      if (!owns(I)) return;
+      auto& e = model_.template get<I>();
+      if constexpr (I == rep_index) {
+        using R = std::remove_cvref_t<decltype(e)>;
+        constexpr index_t per = R::block_type::cost().params;
+        for (int k = first_block_[static_cast<std::size_t>(stage_)]; k < first_block_[static_cast<std::size_t>(stage_) + 1]; ++k)
+          gather_full_params(e.block(static_cast<std::size_t>(k)), params_.data() + (block_offset(k) - begin_),
+                             full.data() + (full_off_[I] + k * per - full_begin_));
+      } else {
+        gather_full_params(e, params_.data() + (off_[I] - begin_), full.data() + (full_off_[I] - full_begin_));
+      }
+    });
+    return full;
+  }
   /// Blocks of the repeat on each stage (pipeline<S, M>), or one per stage (explicit form).
   const std::vector<int>& stage_blocks() const noexcept { return blocks_; }
   /// Micro-batches of the last step (0 before the first).
@@ -469,6 +555,9 @@ class pipelined {
     if constexpr (replicated)
       os << "  data parallel: " << n.d_ << " replica(s), stage gradients all-reduced over data in buckets of <= "
          << n.o_.dp.bucket_mib << " MiB\n";
+    if constexpr (has_split)
+      os << "  tensor parallel: split regions over " << n.model_comm_->size()
+         << " model rank(s) per stage; activations between stages replicated over model\n";
     for (int s = 0; s < n.p_; ++s) {
       os << "  stage " << s << ": " << n.describe_stage(s) << "  [params " << n.stage_begin_[static_cast<std::size_t>(s)]
          << ".." << n.stage_begin_[static_cast<std::size_t>(s) + 1] << ")" << (s == n.stage_ ? "  <- this rank" : "")
@@ -483,10 +572,11 @@ class pipelined {
   // ---- placement: which elements (and repeat blocks) each stage holds ----
   void validate(const mesh_shape& shape) {
     const std::string who = "whale::" + layer_name<P>() + ": ";
-    if (shape.size(axis::model) != 1)
+    if (!has_split && shape.size(axis::model) != 1)
       throw std::invalid_argument(who + "the mesh " + shape.spec() +
-                                  " has a model axis, but split inside pipeline stages is not supported yet; "
-                                  "launch with --mesh data=D,pipe=P");
+                                  " has a model axis, but no stage holds a split region (the model ranks would "
+                                  "only repeat each other's work); launch with --mesh data=D,pipe=P, or split "
+                                  "layers of the stages over axis::model");
     if (!replicated && d_ != 1)
       throw std::invalid_argument(who + "the mesh " + shape.spec() + " has " + std::to_string(d_) +
                                   " ranks on the data axis, but the plan is not replicated; launch with --mesh pipe=" +
@@ -585,6 +675,13 @@ class pipelined {
       at += model_.template get<I>().param_count();
     });
     total_ = at;
+    // the same offsets in the unsplit model (the types' parameter counts)
+    index_t fat = 0;
+    for_elems([&](auto ic) {
+      constexpr std::size_t I = decltype(ic)::value;
+      full_off_[I] = fat;
+      fat += elem_t<I>::cost().params;
+    });
     if constexpr (pipe_type::explicit_stages) {
       for (std::size_t i = 0; i < n_elems; ++i) elem_stage_[i] = static_cast<int>(i);
       blocks_.assign(static_cast<std::size_t>(p_), 1);
@@ -627,6 +724,22 @@ class pipelined {
     }
     begin_ = stage_begin_[static_cast<std::size_t>(stage_)];
     end_ = stage_begin_[static_cast<std::size_t>(stage_) + 1];
+    // this stage's unsplit range: its units are contiguous in the flat model
+    full_begin_ = fat;
+    full_end_ = 0;
+    for_elems([&](auto ic) {
+      constexpr std::size_t I = decltype(ic)::value;
+      if (!owns(I)) return;
+      index_t b = full_off_[I], e = full_off_[I] + elem_t<I>::cost().params;
+      if constexpr (I == rep_index) {
+        constexpr index_t per = elem_t<I>::block_type::cost().params;
+        b = full_off_[I] + first_block_[static_cast<std::size_t>(stage_)] * per;
+        e = full_off_[I] + first_block_[static_cast<std::size_t>(stage_) + 1] * per;
+      }
+      full_begin_ = std::min(full_begin_, b);
+      full_end_ = std::max(full_end_, e);
+    });
+    if (full_end_ < full_begin_) full_begin_ = full_end_ = 0;
     // widths at this stage's edges
     in_width_ = stage_in_width(stage_);
     out_width_ = stage_ + 1 < p_ ? stage_in_width(stage_ + 1) : 0;
@@ -849,9 +962,13 @@ class pipelined {
   pipeline_options o_;
   world_comm* pipe_ = nullptr;
   world_comm* data_ = nullptr;
+  world_comm* model_comm_ = nullptr;
+  int model_rank_ = 0;
+  std::vector<std::pair<index_t, index_t>> no_sync_;  // filled by split regions over data (refused)
   int p_ = 1, d_ = 1, stage_ = 0, replica_ = 0;
   flat model_;
-  std::array<index_t, n_elems> off_{};
+  std::array<index_t, n_elems> off_{}, full_off_{};
+  index_t full_begin_ = 0, full_end_ = 0;
   std::array<int, n_elems> elem_stage_{};
   std::vector<int> blocks_, first_block_;
   std::vector<index_t> stage_begin_;

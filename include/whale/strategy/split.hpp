@@ -505,6 +505,8 @@ template <class M> constexpr bool contains_split() {
   if constexpr (requires { M::is_split; }) return true;
   else if constexpr (detail::sequential_like<M>) return detail::any_split(detail::elements_of<M>{});
   else if constexpr (requires { typename M::inner; }) return contains_split<typename M::inner>();
+  else if constexpr (requires { typename M::inner_type; }) return contains_split<typename M::inner_type>();
+  else if constexpr (requires { typename M::block_type; }) return contains_split<typename M::block_type>();
   else return false;
 }
 
