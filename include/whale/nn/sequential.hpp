@@ -75,6 +75,26 @@ constexpr bool check_features(std::index_sequence<I...>) {
   return (one(std::integral_constant<std::size_t, I>{}) && ...);
 }
 
+/// Elements I..N-1 of a tuple of layers forward (hooks around leaves).
+template <std::size_t I, std::size_t N, class Tuple, class Offsets, class X>
+view<float> forward_through(Tuple& layers, const Offsets& offset, step_ctx& c, X x) {
+  auto y = run_forward(std::get<I>(layers), c, x, offset[I]);
+  if constexpr (I + 1 < N) return forward_through<I + 1, N>(layers, offset, c, cview<float>(y));
+  else return y;
+}
+/// Elements I..0 backward, reporting each element's gradients final as it goes;
+/// d(input) of element 0 only if the caller asked for it.
+template <std::size_t I, class Tuple, class Offsets>
+view<float> backward_through(Tuple& layers, const Offsets& offset, step_ctx& c, cview<float> dy) {
+  const bool outer = c.need_input_grad;
+  c.need_input_grad = I > 0 || outer;
+  auto dx = run_backward(std::get<I>(layers), c, dy, offset[I]);
+  c.need_input_grad = outer;
+  if (c.grads_ready) c.grads_ready(offset[I]);
+  if constexpr (I > 0) return backward_through<I - 1>(layers, offset, c, cview<float>(dx));
+  else return dx;
+}
+
 template <class L> void print_layer(std::ostream& os, int indent, index_t width) {
   if constexpr (requires { L::print_structure(os, indent, width); }) {
     L::print_structure(os, indent, width);
@@ -220,18 +240,10 @@ class sequential {
     (std::get<I>(layers_).init(r.child(I)), ...);
   }
   template <std::size_t I, class X> view<float> fwd(step_ctx& c, X x) {
-    auto y = run_forward(std::get<I>(layers_), c, x, offset_[I]);
-    if constexpr (I + 1 < n_layers) return fwd<I + 1>(c, cview<float>(y));
-    else return y;
+    return detail::forward_through<I, n_layers>(layers_, offset_, c, x);
   }
   template <std::size_t I> view<float> bwd(step_ctx& c, cview<float> dy) {
-    const bool outer = c.need_input_grad;
-    c.need_input_grad = I > 0 || outer;
-    auto dx = run_backward(std::get<I>(layers_), c, dy, offset_[I]);
-    c.need_input_grad = outer;
-    if (c.grads_ready) c.grads_ready(offset_[I]);
-    if constexpr (I > 0) return bwd<I - 1>(c, cview<float>(dx));
-    else return dx;
+    return detail::backward_through<I>(layers_, offset_, c, dy);
   }
 
   tuple_type layers_;

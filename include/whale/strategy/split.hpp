@@ -350,18 +350,10 @@ class split_chain {
     }
   }
   template <std::size_t I, class X> view<float> fwd(step_ctx& c, X x) {
-    auto y = run_forward(std::get<I>(layers_), c, x, offset_[I]);
-    if constexpr (I + 1 < n_layers) return fwd<I + 1>(c, cview<float>(y));
-    else return y;
+    return detail::forward_through<I, n_layers>(layers_, offset_, c, x);
   }
   template <std::size_t I> view<float> bwd(step_ctx& c, cview<float> dy) {
-    const bool outer = c.need_input_grad;
-    c.need_input_grad = I > 0 || outer;
-    auto dx = run_backward(std::get<I>(layers_), c, dy, offset_[I]);
-    c.need_input_grad = outer;
-    if (c.grads_ready) c.grads_ready(offset_[I]);
-    if constexpr (I > 0) return bwd<I - 1>(c, cview<float>(dx));
-    else return dx;
+    return detail::backward_through<I>(layers_, offset_, c, dy);
   }
 
   tuple_type layers_;
