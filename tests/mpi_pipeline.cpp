@@ -21,7 +21,7 @@
 #include "whale/optim/sgd.hpp"
 #include "whale/strategy/make.hpp"
 #include "whale/strategy/pipeline.hpp"
-#include "whale/train/trace.hpp"
+#include "whale/comm/trace.hpp"
 #include "whale/train/trainer.hpp"
 #include "support/plan_check.hpp"
 

@@ -16,7 +16,7 @@
 #include "whale/comm/collectives.hpp"
 #include "whale/optim/sgd.hpp"
 #include "whale/strategy/pipeline.hpp"
-#include "whale/train/trace.hpp"
+#include "whale/comm/trace.hpp"
 #include "whale/train/trainer.hpp"
 
 namespace bench::plans {

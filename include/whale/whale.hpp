@@ -64,7 +64,7 @@
 // train/
 #include "whale/train/data.hpp"
 #include "whale/train/progress.hpp"
-#include "whale/train/trace.hpp"
+#include "whale/comm/trace.hpp"
 #include "whale/train/trainer.hpp"
 
 // the reference workloads

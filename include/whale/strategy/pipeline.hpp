@@ -38,7 +38,7 @@
 #include "whale/strategy/replicate.hpp"
 #include "whale/strategy/schedule.hpp"
 #include "whale/strategy/split.hpp"
-#include "whale/train/trace.hpp"
+#include "whale/comm/trace.hpp"
 
 namespace whale {
 
