@@ -169,6 +169,19 @@ TEST_CASE("a static split degree that the mesh does not have is a clear error") 
                        std::invalid_argument);
 }
 
+TEST_CASE("a split plan allocates no tensor after its first step") {
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  auto ctx = on_mesh(all_on("model", world));
+  hybrid_parallel<split<models::gpt_model<64, 16, 32, 4, 64, 2>>> h(ctx, seed{1});
+  markov_data data(seed{2}, 64, 16, 4);
+  trainer t(h, sgd{.lr = 0.01f, .momentum = 0.9f}, quiet());
+  t.step(data, 0);
+  const auto allocs = memory_snapshot().allocations;
+  for (int s = 1; s < 4; ++s) t.step(data, s);
+  CHECK(memory_snapshot().allocations == allocs);
+}
+
 TEST_CASE("layouts and collectives print layer by layer") {
   std::ostringstream os;
   mlp_split::print_structure(os, 0, 16);
