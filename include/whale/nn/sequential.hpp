@@ -95,6 +95,19 @@ view<float> backward_through(Tuple& layers, const Offsets& offset, step_ctx& c, 
   else return dx;
 }
 
+/// Backward from the loss (the last of N elements) through the others;
+/// d(input) of element 0 only if the caller asked for it.
+template <std::size_t N, class Tuple, class Offsets>
+view<float> backward_from_loss(Tuple& layers, const Offsets& offset, step_ctx& c) {
+  const bool outer = c.need_input_grad;
+  c.need_input_grad = N > 1 || outer;
+  auto d = run_backward_loss(std::get<N - 1>(layers), c, offset[N - 1]);
+  c.need_input_grad = outer;
+  if (c.grads_ready) c.grads_ready(offset[N - 1]);
+  if constexpr (N == 1) return d;
+  else return backward_through<N - 2>(layers, offset, c, cview<float>(d));
+}
+
 template <class L> void print_layer(std::ostream& os, int indent, index_t width) {
   if constexpr (requires { L::print_structure(os, indent, width); }) {
     L::print_structure(os, indent, width);
@@ -212,13 +225,7 @@ class sequential {
   view<float> backward_loss(step_ctx& c)
     requires has_loss
   {
-    const bool outer = c.need_input_grad;
-    c.need_input_grad = n_layers > 0 || outer;
-    auto d = run_backward_loss(std::get<size - 1>(layers_), c, offset_[size - 1]);
-    c.need_input_grad = outer;
-    if (c.grads_ready) c.grads_ready(offset_[size - 1]);
-    if constexpr (n_layers == 0) return d;
-    else return bwd<n_layers - 1>(c, d);
+    return detail::backward_from_loss<size>(layers_, offset_, c);
   }
 
   template <std::size_t I> auto& get() noexcept { return std::get<I>(layers_); }

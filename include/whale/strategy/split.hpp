@@ -272,13 +272,7 @@ class split_chain {
   view<float> backward_loss(step_ctx& c)
     requires ends_in_loss
   {
-    const bool outer = c.need_input_grad;
-    c.need_input_grad = n_layers > 0 || outer;
-    auto d = run_backward_loss(std::get<size - 1>(layers_), c, offset_[size - 1]);
-    c.need_input_grad = outer;
-    if (c.grads_ready) c.grads_ready(offset_[size - 1]);
-    if constexpr (n_layers == 0) return d;
-    else return bwd<n_layers - 1>(c, d);
+    return detail::backward_from_loss<size>(layers_, offset_, c);
   }
 
  private:
