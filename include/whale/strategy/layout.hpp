@@ -188,6 +188,8 @@ class convert : public stateless_params {
  public:
   static constexpr conv_op fwd_coll = conversion(From, To);
   static constexpr conv_op bwd_coll = conversion(GFrom, GTo);
+  static constexpr axis on_axis = A;  ///< the mesh axis it converts along
+  static constexpr lay from = From, to = To, grad_from = GFrom, grad_to = GTo;
   static_assert(fwd_coll != conv_op::impossible && bwd_coll != conv_op::impossible,
                 "whale::convert: no collective converts these layouts");
   using input_type = float;

@@ -30,6 +30,17 @@ inline void check_divides(const std::string& layer, const char* what, index_t n,
                                 axis_name(a) + " axis; choose a mesh whose " + axis_name(a) +
                                 " size divides it");
 }
+/// A layer's per-rank cost when `degree` ranks share it: its arithmetic and
+/// activations divided among them, `split` parameters divided, `whole` held by each.
+constexpr cost_info shard_of(cost_info c, index_t degree, index_t split, index_t whole) {
+  const double d = degree < 1 ? 1.0 : static_cast<double>(degree);
+  c.fwd_flops /= d;
+  c.bwd_flops /= d;
+  c.seq_flops /= d;
+  c.act_bytes /= d;
+  c.params = split / (degree < 1 ? 1 : degree) + whole;
+  return c;
+}
 }  // namespace detail
 
 /// linear<In, Out> split by output features (column-parallel): replicated in,
@@ -45,6 +56,12 @@ class column_linear {
     return "column_linear<" + std::to_string(In) + ", " + std::to_string(Out) + ">/" + axis_name(A);
   }
   static constexpr cost_info cost() { return linear<In, Out>::cost(); }
+  /// Parameters divided among the ranks of the axis, and those every rank holds whole.
+  static constexpr index_t split_params = (In + 1) * Out, replicated_params = 0;
+  /// What one of `degree` ranks holds and computes per row.
+  static constexpr cost_info shard_cost(index_t degree) {
+    return detail::shard_of(cost(), degree, split_params, replicated_params);
+  }
 
   void configure(const split_env& e) {
     comm_ = &e.comm(A);
@@ -122,6 +139,12 @@ class row_linear {
     return "row_linear<" + std::to_string(In) + ", " + std::to_string(Out) + ">/" + axis_name(A);
   }
   static constexpr cost_info cost() { return linear<In, Out>::cost(); }
+  /// Parameters divided among the ranks of the axis, and those every rank holds whole.
+  static constexpr index_t split_params = In * Out, replicated_params = Out;
+  /// What one of `degree` ranks holds and computes per row.
+  static constexpr cost_info shard_cost(index_t degree) {
+    return detail::shard_of(cost(), degree, split_params, replicated_params);
+  }
 
   void configure(const split_env& e) {
     comm_ = &e.comm(A);
@@ -205,6 +228,12 @@ class split_softmax_cross_entropy : public stateless_params {
   static constexpr index_t out_features = 1;
   static std::string name() { return std::string("split_softmax_cross_entropy/") + axis_name(A); }
   static constexpr cost_info cost() { return softmax_cross_entropy::cost(); }
+  /// Parameters divided among the ranks of the axis, and those every rank holds whole.
+  static constexpr index_t split_params = 0, replicated_params = 0;
+  /// What one of `degree` ranks holds and computes per row.
+  static constexpr cost_info shard_cost(index_t degree) {
+    return detail::shard_of(cost(), degree, split_params, replicated_params);
+  }
 
   void configure(const split_env& e) {
     comm_ = &e.comm(A);
@@ -284,6 +313,12 @@ class vocab_embedding {
     return "vocab_embedding<" + std::to_string(Vocab) + ", " + std::to_string(D) + ">/" + axis_name(A);
   }
   static constexpr cost_info cost() { return embedding<Vocab, D>::cost(); }
+  /// Parameters divided among the ranks of the axis, and those every rank holds whole.
+  static constexpr index_t split_params = Vocab * D, replicated_params = 0;
+  /// What one of `degree` ranks holds and computes per row.
+  static constexpr cost_info shard_cost(index_t degree) {
+    return detail::shard_of(cost(), degree, split_params, replicated_params);
+  }
 
   void configure(const split_env& e) {
     comm_ = &e.comm(A);
@@ -367,6 +402,12 @@ class head_attention {
     return "head_attention<" + std::to_string(D) + ", " + std::to_string(Heads) + ">/" + axis_name(A);
   }
   static constexpr cost_info cost() { return causal_self_attention<D, Heads>::cost(); }
+  /// Parameters divided among the ranks of the axis, and those every rank holds whole.
+  static constexpr index_t split_params = 4 * D * D + 3 * D, replicated_params = D;
+  /// What one of `degree` ranks holds and computes per row.
+  static constexpr cost_info shard_cost(index_t degree) {
+    return detail::shard_of(cost(), degree, split_params, replicated_params);
+  }
 
   void configure(const split_env& e) {
     comm_ = &e.comm(A);

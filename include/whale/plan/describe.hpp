@@ -1,0 +1,248 @@
+// `describe<P>()`: the plan type P read into plain data, once, at compile
+// time's end: the model's leaf layers in flat order (each one's sharded form,
+// layouts, cost and parameters) and the strategies around them. The only
+// template code of plan/; lowering (plan/lower.hpp) works on this data.
+#pragma once
+
+#include <cstddef>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "whale/nn/layer.hpp"
+#include "whale/nn/recompute.hpp"
+#include "whale/strategy/pipeline.hpp"
+#include "whale/strategy/replicate.hpp"
+#include "whale/strategy/schedule.hpp"
+#include "whale/strategy/shard.hpp"
+#include "whale/strategy/split.hpp"
+
+namespace whale {
+
+/// What a unit of the flat model is.
+enum class unit_kind : std::uint8_t { layer, loss, convert };
+
+/// One leaf layer, or a conversion a split region inserted, in flat order.
+struct unit_desc {
+  std::string name;
+  unit_kind kind = unit_kind::layer;
+  int element = 0;               ///< top-level element of the model (a stage, for explicit pipelines)
+  int block = -1;                ///< block of the top-level repeat it belongs to (-1: none)
+  index_t full_params = 0;       ///< parameters of the unsplit layer
+  int split_axis = -1;           ///< axis of the split region it is in (-1: none)
+  bool sharded = false;          ///< a sharded form: split_params divided over split_axis
+  index_t split_params = 0, replicated_params = 0;
+  lay in = lay::R;               ///< layout it receives on split_axis
+  cost_info cost;                ///< unsplit cost per row, scaled by its input width
+  index_t in_width = any_features, out_width = any_features;  ///< full widths
+  conv_op fwd = conv_op::none, bwd = conv_op::none;  ///< converts: the collectives
+  lay from = lay::R, to = lay::R, grad_from = lay::R, grad_to = lay::R;
+  bool split_loss = false;       ///< class-split softmax cross-entropy (two all-reduces of row statistics)
+  int recompute_group = -1;      ///< recompute<Block> it lies in (-1: none)
+
+  /// Parameters one of `degree` ranks of its split axis holds.
+  index_t local_params(int degree) const {
+    return sharded ? split_params / (degree < 1 ? 1 : degree) + replicated_params : full_params;
+  }
+  /// Whether it sees every row of the global batch (a data-axis layout other than split<0>).
+  bool all_rows() const { return split_axis == static_cast<int>(axis::data) && in != lay::S0; }
+};
+
+/// The plan type as data.
+struct model_desc {
+  std::string name;
+  std::vector<unit_desc> units;
+  bool replicated = false;       ///< replicate<...> somewhere: batch split over data
+  int zero_level = 0;            ///< shard<M, L>
+  bool pipeline = false, explicit_stages = false;
+  int fixed_stages = 0;
+  std::string schedule;
+  std::vector<pipe_action> (*actions)(int stage, int stages, int micro) = nullptr;
+  schedule_report (*check)(int stages, int micro) = nullptr;
+  int elements = 0;              ///< top-level elements
+  int repeat_element = -1;       ///< the top-level repeat a pipeline cuts (-1: none)
+  int repeat_count = 0;
+  std::vector<cost_info> element_cost;   ///< unscaled, as the pipeline's balancer weighs them
+  std::vector<index_t> element_width;    ///< width flowing into each element
+  cost_info block_cost;
+  bool splits_model = false, splits_data = false;
+  index_t full_params = 0;
+  bool tokens = false;           ///< input is token ids
+};
+
+namespace detail {
+
+template <class T> struct chain_axis;
+template <axis A, lay In, exit_kind E, lay X, stream_kind M, class... L>
+struct chain_axis<split_chain<A, In, E, X, M, L...>> {
+  static constexpr int value = static_cast<int>(A);
+};
+template <class T> concept split_chain_like = requires { chain_axis<T>::value; };
+template <class T> struct is_convert : std::false_type {};
+template <axis A, lay F, lay T, lay GF, lay GT> struct is_convert<convert<A, F, T, GF, GT>> : std::true_type {};
+template <class T> struct is_split_loss : std::false_type {};
+template <axis A> struct is_split_loss<split_softmax_cross_entropy<A>> : std::true_type {};
+template <class T> struct is_recompute : std::false_type {};
+template <class B> struct is_recompute<recompute<B>> : std::true_type {};
+
+struct describer {
+  model_desc* d;
+  int element = 0, depth = 0, block = -1, split_axis = -1, recompute_group = -1, recompute_groups = 0;
+  lay in = lay::R;
+  index_t width = any_features;
+
+  template <class L> void leaf() {
+    unit_desc u;
+    u.name = layer_name<L>();
+    u.element = element;
+    u.block = block;
+    u.split_axis = split_axis;
+    u.in = in;
+    u.recompute_group = recompute_group;
+    if constexpr (L::in_features != any_features) width = L::in_features;
+    u.in_width = width;
+    if constexpr (is_convert<L>::value) {
+      u.kind = unit_kind::convert;
+      u.fwd = L::fwd_coll;
+      u.bwd = L::bwd_coll;
+      u.from = L::from;
+      u.to = L::to;
+      u.grad_from = L::grad_from;
+      u.grad_to = L::grad_to;
+      u.split_axis = static_cast<int>(L::on_axis);
+      u.in = L::from;
+    } else {
+      u.kind = Loss<L> && !Layer<L> ? unit_kind::loss : unit_kind::layer;
+      u.cost = L::cost().scaled(width == any_features ? 0.0 : static_cast<double>(width));
+      u.full_params = L::cost().params;
+      if constexpr (requires { L::split_params; }) {
+        u.sharded = true;
+        u.split_params = L::split_params;
+        u.replicated_params = L::replicated_params;
+      }
+      u.split_loss = is_split_loss<L>::value;
+    }
+    if constexpr (requires { L::out_features; })
+      if constexpr (L::out_features != any_features) width = L::out_features;
+    u.out_width = width;
+    d->full_params += u.full_params;
+    d->units.push_back(std::move(u));
+  }
+
+  template <class T> void walk() {
+    if constexpr (is_replicate_v<T>) {
+      d->replicated = true;
+      walk<typename T::inner>();
+    } else if constexpr (is_shard_v<T>) {
+      d->zero_level = T::level;
+      d->replicated = true;
+      walk<strip_replicate_t<typename T::inner>>();
+    } else if constexpr (requires { T::is_split; typename T::region; }) {
+      const int saved = split_axis;
+      const lay saved_in = in;
+      walk<typename T::region>();
+      split_axis = saved, in = saved_in;
+    } else if constexpr (split_chain_like<T>) {
+      const int saved = split_axis;
+      split_axis = chain_axis<T>::value;
+      (static_cast<int>(axis::data) == split_axis ? d->splits_data : d->splits_model) = true;
+      [&]<std::size_t... I>(std::index_sequence<I...>) {
+        ((in = T::in_layout[I], item<std::tuple_element_t<I, typename T::tuple_type>>()), ...);
+      }(std::make_index_sequence<T::size>{});
+      split_axis = saved;
+    } else if constexpr (requires { typename T::chain_type; }) {  // split_residual
+      walk<typename T::chain_type>();
+    } else if constexpr (requires { typename T::block_type; T::count; }) {  // repeat
+      const int saved = block;
+      const bool top = depth == 1;
+      ++depth;
+      for (std::size_t k = 0; k < T::count; ++k) {
+        if (top) block = static_cast<int>(k);
+        walk<typename T::block_type>();
+      }
+      --depth;
+      block = saved;
+    } else if constexpr (is_recompute<T>::value) {
+      const int saved = recompute_group;
+      recompute_group = recompute_groups++;
+      walk<typename T::block_type>();
+      recompute_group = saved;
+    } else if constexpr (requires { typename T::inner_type; }) {  // residual
+      walk<typename T::inner_type>();
+    } else if constexpr (requires { typename T::tuple_type; }) {  // sequential (and flat pipelines)
+      const bool top = depth == 0;
+      ++depth;
+      [&]<std::size_t... I>(std::index_sequence<I...>) {
+        ((top ? (element = static_cast<int>(I), 0) : 0, walk<std::tuple_element_t<I, typename T::tuple_type>>()), ...);
+      }(std::make_index_sequence<std::tuple_size_v<typename T::tuple_type>>{});
+      --depth;
+    } else {
+      if (depth == 0) ++depth;  // a single leaf as the whole model
+      leaf<T>();
+    }
+  }
+  template <class T> void item() {
+    if constexpr (split_chain_like<T> || requires { typename T::chain_type; } ||
+                  requires { typename T::block_type; } || requires { typename T::tuple_type; })
+      walk<T>();
+    else
+      leaf<T>();
+  }
+};
+
+template <class Tuple> void describe_elements(model_desc& d) {
+  using E = tuple_types<Tuple>;
+  d.elements = static_cast<int>(E::n);
+  d.element_width.assign(E::in_width.begin(), E::in_width.end());
+  [&]<std::size_t... I>(std::index_sequence<I...>) {
+    (d.element_cost.push_back(std::tuple_element_t<I, Tuple>::cost()), ...);
+  }(std::make_index_sequence<E::n>{});
+  if constexpr (E::repeat_count == 1) {
+    using R = std::tuple_element_t<E::repeat_index, Tuple>;
+    d.repeat_element = static_cast<int>(E::repeat_index);
+    d.repeat_count = static_cast<int>(R::count);
+    d.block_cost = R::block_type::cost();
+  }
+}
+
+template <class P> void describe_into(model_desc& d) {
+  if constexpr (is_replicate_v<P>) {
+    d.replicated = true;
+    describe_into<typename P::inner>(d);
+  } else if constexpr (is_pipeline_v<P>) {
+    d.pipeline = true;
+    d.explicit_stages = P::explicit_stages;
+    d.fixed_stages = P::fixed_stages;
+    d.schedule = P::schedule::name();
+    d.actions = &P::schedule::actions;
+    d.check = &check_schedule<typename P::schedule>;
+    describe_elements<typename P::flat::tuple_type>(d);
+    describer w{&d};
+    w.walk<typename P::flat>();
+  } else {
+    if constexpr (requires { typename strip_replicate_t<P>::tuple_type; })
+      describe_elements<typename strip_replicate_t<P>::tuple_type>(d);
+    describer w{&d};
+    w.walk<P>();
+  }
+}
+
+}  // namespace detail
+
+/// The plan type P as data (no MPI, no allocation of model tensors).
+template <class P> model_desc describe() {
+  model_desc d;
+  d.name = layer_name<P>();
+  d.tokens = std::is_same_v<typename P::input_type, std::int32_t>;
+  detail::describe_into<P>(d);
+  if (d.elements == 0) d.elements = 1;
+  // a conversion at a region's entry learns its width from the layer after it
+  for (std::size_t i = d.units.size(); i-- > 0;) {
+    auto& u = d.units[i];
+    if (u.kind == unit_kind::convert && u.in_width == any_features && i + 1 < d.units.size())
+      u.in_width = u.out_width = d.units[i + 1].in_width;
+  }
+  return d;
+}
+
+}  // namespace whale

@@ -1,0 +1,527 @@
+// `lower(desc, mesh, rank, options)`: a plan (read by describe<P>()) for one
+// rank of a mesh, as that rank's program — what it holds and the operations
+// of one training step with their bytes and FLOPs. Pure and non-template: no
+// MPI, no model tensors; the same answer on every machine. Bytes follow the
+// traffic model of comm_stats (comm/detail/cost.hpp), so a program's bytes are
+// what the communicators count when the plan runs.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "whale/comm/collectives.hpp"
+#include "whale/comm/detail/cost.hpp"
+#include "whale/plan/describe.hpp"
+#include "whale/plan/partition.hpp"
+#include "whale/plan/program.hpp"
+
+namespace whale {
+
+/// The run-time choices lowering needs (the rest is in the plan type).
+struct lower_options {
+  index_t global_batch = 0;     ///< sequences (or samples) per step; required
+  index_t seq = 1;              ///< tokens per sequence
+  int micro_batches = 0;        ///< pipelines: 0 = the runtime's default
+  std::vector<int> stage_blocks;  ///< pipelines of a repeat: blocks per stage (empty: balanced)
+  index_t balance_seq = 128;    ///< context length the stage balancer assumes
+  double bucket_mib = 25.0;     ///< gradient bucket size
+  int zero_level = -1;          ///< -1: the plan's (shard<M, L>); 0..3 overrides
+  bool clip = false;            ///< a global-norm all-reduce per step
+  int optimizer_bytes_per_param = 8;  ///< AdamW: 8 (two moments); SGD with momentum: 4
+};
+
+namespace detail {
+
+inline void lower_fail(const model_desc& d, const std::string& why) {
+  throw std::invalid_argument("whale::lower: " + d.name + ": " + why);
+}
+
+/// Builds one rank's program; each member adds one kind of operation.
+class lowering {
+ public:
+  lowering(const model_desc& d, const mesh_shape& m, int rank, const lower_options& o)
+      : d_(d), o_(o) {
+    p_.plan = d.name;
+    p_.mesh = m;
+    p_.rank = rank;
+    p_.coords = m.coords(rank);
+    p_.global_batch = o.global_batch;
+    p_.seq = o.seq;
+    p_.full_params = d.full_params;
+    p_.optimizer_bytes_per_param = o.optimizer_bytes_per_param;
+    D_ = m.size(axis::data), P_ = m.size(axis::pipe), M_ = m.size(axis::model);
+    dr_ = p_.coords[0], s_ = p_.coords[1], mr_ = p_.coords[2];
+    zero_ = o.zero_level >= 0 ? o.zero_level : d.zero_level;
+    p_.zero_level = zero_;
+  }
+
+  program run() {
+    validate();
+    place();
+    schedule();
+    const int m = p_.micro_batches;
+    const auto acts = d_.pipeline ? d_.actions(s_, P_, m) : std::vector<pipe_action>{{pipe_action::forward, 0},
+                                                                                     {pipe_action::backward, 0}};
+    int backwards = 0;
+    for (const auto& a : acts) {
+      if (a.kind == pipe_action::forward) forward(a.micro);
+      else backward(a.micro, ++backwards == m);
+    }
+    finish();
+    return std::move(p_);
+  }
+
+ private:
+  // ---- checks: the run-time twins of the type's rules ----
+  void validate() {
+    if (o_.global_batch < 1) lower_fail(d_, "the global batch must be at least 1 sequence");
+    if (o_.seq < 1) lower_fail(d_, "the sequence length must be at least 1");
+    if (zero_ < 0 || zero_ > 3) lower_fail(d_, "the ZeRO level must be 0, 1, 2 or 3");
+    if (!(o_.bucket_mib > 0)) lower_fail(d_, "the bucket size must be positive");
+    const std::string mesh = p_.mesh.spec();
+    if (P_ > 1 && !d_.pipeline)
+      lower_fail(d_, "the mesh " + mesh + " has a pipe axis, but the plan has no pipeline<...>");
+    if (d_.pipeline && d_.explicit_stages && P_ != d_.fixed_stages)
+      lower_fail(d_, "the pipeline has " + std::to_string(d_.fixed_stages) + " stages but the mesh " + mesh + " has " +
+                         std::to_string(P_) + " pipe rank(s)");
+    if (M_ > 1 && !d_.splits_model)
+      lower_fail(d_, "the mesh " + mesh + " has a model axis, but nothing is split over it");
+    // a plan with split regions is data parallel over the data axis outside them (Megatron's TP x DP)
+    if (D_ > 1 && !d_.replicated && !d_.splits_data && !d_.splits_model && zero_ == 0)
+      lower_fail(d_, "the mesh " + mesh + " has a data axis, but the plan is neither replicated, sharded nor split over data");
+    if (o_.global_batch < D_)
+      lower_fail(d_, "the global batch (" + std::to_string(o_.global_batch) + ") is smaller than the data axis (" +
+                         std::to_string(D_) + ")");
+    for (const auto& u : d_.units)
+      if (u.sharded && u.split_axis >= 0) {
+        const int deg = p_.mesh.size(static_cast<axis>(u.split_axis));
+        if (u.split_params % deg != 0)
+          lower_fail(d_, u.name + " cannot be split " + std::to_string(deg) + " ways over the " +
+                             axis_name(static_cast<axis>(u.split_axis)) + " axis");
+      }
+  }
+
+  // ---- what this rank holds ----
+  int stage_of(const unit_desc& u) const {
+    if (!d_.pipeline || P_ == 1) return 0;
+    if (d_.explicit_stages) return u.element;
+    if (u.element < d_.repeat_element) return 0;
+    if (u.element > d_.repeat_element) return P_ - 1;
+    return block_stage_[static_cast<std::size_t>(u.block)];
+  }
+  void place() {
+    if (d_.pipeline && !d_.explicit_stages && d_.repeat_element >= 0) {
+      std::vector<int> blocks = o_.stage_blocks;
+      const int N = d_.repeat_count;
+      if (blocks.empty()) {
+        double pre = 0, post = 0;
+        for (int i = 0; i < d_.elements; ++i)
+          if (i != d_.repeat_element)
+            (i < d_.repeat_element ? pre : post) +=
+                balance_weight(d_.element_cost[static_cast<std::size_t>(i)], d_.element_width[static_cast<std::size_t>(i)], o_.balance_seq);
+        const double blk = balance_weight(d_.block_cost, d_.element_width[static_cast<std::size_t>(d_.repeat_element)], o_.balance_seq);
+        if (P_ > 1 && N < P_ - 2)
+          lower_fail(d_, "the repeat has " + std::to_string(N) + " blocks, too few for " + std::to_string(P_) + " stages");
+        blocks = balance_blocks(N, P_, pre, post, blk);
+      } else {
+        int sum = 0;
+        bool ok = static_cast<int>(blocks.size()) == P_;
+        for (std::size_t s = 0; s < blocks.size(); ++s) {
+          sum += blocks[s];
+          if (blocks[s] < 0 || (blocks[s] == 0 && s > 0 && static_cast<int>(s) + 1 < P_)) ok = false;
+        }
+        if (!ok || sum != N) lower_fail(d_, "the stage blocks do not fit the pipe axis and the repeat's " + std::to_string(N) + " blocks");
+      }
+      p_.stage_blocks = blocks;
+      for (int s = 0; s < static_cast<int>(blocks.size()); ++s)
+        for (int k = 0; k < blocks[static_cast<std::size_t>(s)]; ++k) block_stage_.push_back(s);
+    }
+    p_.stages = d_.pipeline ? P_ : 1;
+    p_.stage = s_;
+    index_t full = 0, local = 0;
+    for (std::size_t i = 0; i < d_.units.size(); ++i) {
+      const auto& u = d_.units[i];
+      const int st = stage_of(u);
+      if (st == s_) {
+        holding h;
+        h.name = u.name;
+        h.unit = static_cast<int>(i);
+        h.stage = st;
+        h.full_params = u.full_params;
+        h.local_params = u.local_params(degree(u));
+        h.full_offset = full;
+        h.local_offset = local;
+        h.layout_in = u.in;
+        h.recompute = u.recompute_group >= 0;
+        if (u.sharded) h.split_over = axes(static_cast<axis>(u.split_axis));
+        if (M_ > 1 && !(u.sharded && u.split_axis == static_cast<int>(axis::model))) h.replicated_over = h.replicated_over | axis::model;
+        const bool data_whole = !(u.sharded && u.split_axis == static_cast<int>(axis::data));
+        if (D_ > 1 && data_whole && zero_ < 3) h.replicated_over = h.replicated_over | axis::data;
+        if (zero_ > 0 && D_ > 1) h.zero_level = zero_;
+        local += h.local_params;
+        unit_hold_.resize(d_.units.size(), -1);
+        unit_hold_[i] = static_cast<int>(p_.holds.size());
+        p_.holds.push_back(std::move(h));
+      }
+      full += u.full_params;
+    }
+    unit_hold_.resize(d_.units.size(), -1);
+    n_local_ = local;
+    // ZeRO: near-even contiguous ranges of the local flat buffer over the data axis
+    zero_counts_ = block_counts(n_local_, D_);
+    zero_starts_.assign(zero_counts_.size(), 0);
+    for (std::size_t r = 1; r < zero_counts_.size(); ++r) zero_starts_[r] = zero_starts_[r - 1] + zero_counts_[r - 1];
+    p_.owned_begin = zero_ > 0 ? zero_starts_[static_cast<std::size_t>(dr_)] : 0;
+    p_.owned_end = zero_ > 0 ? p_.owned_begin + zero_counts_[static_cast<std::size_t>(dr_)] : n_local_;
+    // units of this stage in flat order
+    for (std::size_t i = 0; i < d_.units.size(); ++i)
+      if (unit_hold_[i] >= 0) mine_.push_back(static_cast<int>(i));
+    if (mine_.empty()) lower_fail(d_, "stage " + std::to_string(s_) + " holds no layer");
+    // widths at the stage's edges
+    in_width_ = d_.units[static_cast<std::size_t>(mine_.front())].in_width;
+    out_width_ = d_.units[static_cast<std::size_t>(mine_.back())].out_width;
+  }
+  int degree(const unit_desc& u) const {
+    return u.split_axis < 0 ? 1 : p_.mesh.size(static_cast<axis>(u.split_axis));
+  }
+
+  void schedule() {
+    const auto [b, n] = D_ > 1 ? even_slice_of(o_.global_batch, D_, dr_) : std::pair<index_t, index_t>{0, o_.global_batch};
+    (void)b;
+    p_.local_sequences = n;
+    int m = 1;
+    if (d_.pipeline) {
+      if (o_.micro_batches > 0) {
+        if (n % o_.micro_batches != 0 || n < o_.micro_batches)
+          lower_fail(d_, std::to_string(o_.micro_batches) + " micro-batches do not divide the per-replica batch of " +
+                             std::to_string(n) + " sequences");
+        m = o_.micro_batches;
+      } else {
+        m = default_micro_batches(n, P_);
+      }
+      d_.check(P_, m);  // throws, naming the stages, if the schedule is malformed or deadlocks
+      p_.schedule = d_.schedule;
+    }
+    p_.micro_batches = m;
+    micro_seqs_ = n / m;
+    per_bucket_ = std::max<index_t>(1, static_cast<index_t>(o_.bucket_mib * 1048576.0 / sizeof(float)));
+    make_buckets();
+  }
+  static std::pair<index_t, index_t> even_slice_of(index_t global, int parts, int part) {
+    const index_t q = global / parts, r = global % parts;
+    return {part * q + std::min<index_t>(part, r), q + (part < r ? 1 : 0)};
+  }
+
+  // Data-parallel buckets (all-reduce over data) of the gradient ranges summed over data.
+  void make_buckets() {
+    if (D_ == 1 || zero_ >= 2) return;
+    std::vector<std::pair<index_t, index_t>> ranges;
+    for (int i : mine_) {
+      const auto& h = p_.holds[static_cast<std::size_t>(unit_hold_[static_cast<std::size_t>(i)])];
+      if (h.local_params == 0 || d_.units[static_cast<std::size_t>(i)].all_rows()) continue;
+      if (!ranges.empty() && ranges.back().second == h.local_offset) ranges.back().second += h.local_params;
+      else ranges.push_back({h.local_offset, h.local_offset + h.local_params});
+    }
+    // one range per contiguous run, buckets from the end (last layer first)
+    for (auto it = ranges.rbegin(); it != ranges.rend(); ++it)
+      for (index_t end = it->second; end > it->first; end -= per_bucket_)
+        buckets_.push_back({std::max(it->first, end - per_bucket_), end});
+  }
+
+  // ---- operations ----
+  int add(op o) {
+    p_.ops.push_back(std::move(o));
+    return static_cast<int>(p_.ops.size()) - 1;
+  }
+  int add_compute(op_kind k, int unit, int micro, index_t rows) {
+    const auto& u = d_.units[static_cast<std::size_t>(unit)];
+    const cost_info c = u.sharded ? shard_of(u.cost, degree(u), u.split_params, u.replicated_params) : u.cost;
+    const double seqf = c.seq_flops * static_cast<double>(o_.seq);
+    op o;
+    o.kind = k;
+    o.unit = unit;
+    o.micro = micro;
+    o.what = u.name;
+    const double r = static_cast<double>(rows);
+    o.flops = k == op_kind::backward ? r * (c.bwd_flops + 2 * seqf) : r * (c.fwd_flops + seqf);
+    if (last_ >= 0) o.deps.push_back(last_);
+    for (int g : pending_) o.deps.push_back(g);
+    pending_.clear();
+    return last_ = add(std::move(o));
+  }
+  int add_coll(coll_kind k, axes g, int size, traffic t, std::int64_t elements, std::string why, int micro) {
+    op o;
+    o.kind = op_kind::collective;
+    o.coll = k;
+    o.group = g;
+    o.group_size = size;
+    o.bytes_sent = t.sent;
+    o.bytes_received = t.received;
+    o.elements = elements;
+    o.micro = micro;
+    o.what = std::move(why);
+    if (last_ >= 0) o.deps.push_back(last_);
+    return add(std::move(o));
+  }
+
+  index_t rows_local() const { return micro_seqs_ * o_.seq; }
+  index_t rows_for(const unit_desc& u) const {
+    return u.all_rows() ? o_.global_batch / p_.micro_batches * o_.seq : rows_local();
+  }
+  // rows of layout l on the data axis for data rank r (global batch split<0> or whole)
+  index_t rows_on_data(lay l, int r) const {
+    if (l != lay::S0) return o_.global_batch * o_.seq;
+    return even_slice_of(o_.global_batch, D_, r).second * o_.seq;
+  }
+
+  /// The collective that converts layout `from` into `to` for a tensor of full width `w` on axis `a`.
+  void conversion_op(conv_op k, axis a, lay from, lay to, index_t w, const std::string& why, int micro, bool after) {
+    if (k == conv_op::none || k == conv_op::slice_rows || k == conv_op::slice_cols) return;
+    const int p = p_.mesh.size(a), r = p_.coords[static_cast<std::size_t>(a)];
+    if (p == 1) return;
+    const bool data = a == axis::data;
+    const index_t rows_in = data ? rows_on_data(from, r) : rows_local();
+    const index_t rows_out = data ? rows_on_data(to, r) : rows_local();
+    const std::int64_t e = 4;
+    traffic t;
+    coll_kind ck = coll_kind::all_reduce;
+    std::int64_t elems = 0;
+    std::vector<index_t> counts(static_cast<std::size_t>(p));
+    switch (k) {
+      case conv_op::all_reduce:
+        elems = rows_out * w;
+        t = all_reduce_traffic(elems * e, p);
+        break;
+      case conv_op::gather_rows:
+      case conv_op::reduce_scatter_rows:
+        for (int i = 0; i < p; ++i) counts[static_cast<std::size_t>(i)] = even_slice_of(o_.global_batch, p, i).second * o_.seq * w;
+        for (auto c : counts) elems += c;
+        ck = k == conv_op::gather_rows ? coll_kind::all_gather : coll_kind::reduce_scatter;
+        t = k == conv_op::gather_rows ? all_gather_traffic(std::span<const index_t>(counts), r, p, e)
+                                      : reduce_scatter_traffic(std::span<const index_t>(counts), r, p, e);
+        break;
+      case conv_op::gather_cols:
+        elems = rows_in * w;
+        ck = coll_kind::all_gather;
+        t = all_gather_traffic(rows_in * (w / p) * e, p);
+        break;
+      case conv_op::reduce_scatter_cols:
+        elems = rows_in * w;
+        ck = coll_kind::reduce_scatter;
+        t = reduce_scatter_traffic(rows_in * (w / p) * e, p);
+        break;
+      default:
+        return;
+    }
+    const int id = add_coll(ck, axes(a), p, t, elems, why, micro);
+    if (after) pending_.push_back(id);
+  }
+
+  // ZeRO: the counts of flat range [b, e) of the local buffer held by each data rank
+  std::vector<index_t> zero_split(index_t b, index_t e) const {
+    std::vector<index_t> c(zero_counts_.size());
+    for (std::size_t r = 0; r < c.size(); ++r) {
+      const index_t lo = std::max(b, zero_starts_[r]), hi = std::min(e, zero_starts_[r] + zero_counts_[r]);
+      c[r] = std::max<index_t>(0, hi - lo);
+    }
+    return c;
+  }
+  // ZeRO-3: gather a leaf's parameters before `event` unless it is still held from the one before
+  void zero_gather(int unit, bool backward, int micro) {
+    const auto& h = p_.holds[static_cast<std::size_t>(unit_hold_[static_cast<std::size_t>(unit)])];
+    if (zero_ < 3 || D_ == 1 || h.local_params == 0) return;
+    if (held_ == unit) return;
+    held_ = unit;
+    const auto c = zero_split(h.local_offset, h.local_offset + h.local_params);
+    const auto t = all_gather_traffic(std::span<const index_t>(c), dr_, D_, 4);
+    op o;
+    o.kind = op_kind::collective;
+    o.coll = coll_kind::all_gather;
+    o.group = axes(axis::data);
+    o.group_size = D_;
+    o.bytes_sent = t.sent;
+    o.bytes_received = t.received;
+    o.elements = h.local_params;
+    o.micro = micro;
+    o.what = "ZeRO-3 gather of " + h.name + (backward ? " for backward" : " for forward");
+    pending_.push_back(add(std::move(o)));  // prefetched: the layer waits for it, nothing before it
+  }
+
+  void forward_unit(int i, int micro, bool again) {
+    const auto& u = d_.units[static_cast<std::size_t>(i)];
+    if (u.kind == unit_kind::convert) {
+      conversion_op(u.fwd, static_cast<axis>(u.split_axis), u.from, u.to, u.in_width,
+                    std::string(lay_name(u.from)) + " -> " + lay_name(u.to) + " " + neighbours(i) +
+                        (again ? " (recompute)" : ""),
+                    micro, true);
+      return;
+    }
+    zero_gather(i, false, micro);
+    if (u.kind == unit_kind::loss && u.split_axis == static_cast<int>(axis::data) && u.in != lay::S0 && D_ > 1) {
+      std::vector<index_t> counts(static_cast<std::size_t>(D_));
+      for (int r = 0; r < D_; ++r) counts[static_cast<std::size_t>(r)] = even_slice_of(o_.global_batch, D_, r).second * o_.seq;
+      pending_.push_back(add_coll(coll_kind::all_gather, axes(axis::data), D_,
+                                  all_gather_traffic(std::span<const index_t>(counts), dr_, D_, 4), o_.global_batch * o_.seq,
+                                  "labels of every row for the loss", micro));
+    }
+    add_compute(again ? op_kind::recompute : op_kind::forward, i, micro, rows_for(u));
+    if (u.split_loss) {
+      const axis a = static_cast<axis>(u.split_axis);
+      const int p = p_.mesh.size(a);
+      if (p > 1) {
+        const index_t R = rows_for(u);
+        add_coll(coll_kind::all_reduce, axes(a), p, all_reduce_traffic(R * 4, p), R, "row maxima of the class-split loss", micro);
+        pending_.push_back(add_coll(coll_kind::all_reduce, axes(a), p, all_reduce_traffic(2 * R * 4, p), 2 * R,
+                                    "row sums and target logits of the class-split loss", micro));
+      }
+    }
+  }
+  // "between column_linear<8, 16>/model and gelu": the layers a conversion sits between
+  std::string neighbours(int i) const {
+    std::string before, after;
+    for (int k = i - 1; k >= 0 && before.empty(); --k)
+      if (d_.units[static_cast<std::size_t>(k)].kind != unit_kind::convert) before = d_.units[static_cast<std::size_t>(k)].name;
+    for (std::size_t k = static_cast<std::size_t>(i) + 1; k < d_.units.size() && after.empty(); ++k)
+      if (d_.units[k].kind != unit_kind::convert) after = d_.units[k].name;
+    if (before.empty()) return "into " + after;
+    if (after.empty()) return "after " + before;
+    return "between " + before + " and " + after;
+  }
+  void p2p(op_kind k, int peer_stage, index_t width, int micro, const char* what) {
+    op o;
+    o.kind = k;
+    o.group = axes(axis::pipe);
+    o.group_size = P_;
+    o.peer = p_.mesh.rank_of({dr_, peer_stage, mr_});
+    o.elements = rows_local() * width;
+    (k == op_kind::send ? o.bytes_sent : o.bytes_received) = o.elements * 4;
+    o.micro = micro;
+    o.what = what;
+    if (k == op_kind::send && last_ >= 0) o.deps.push_back(last_);
+    const int id = add(std::move(o));
+    if (k == op_kind::recv) pending_.push_back(id);
+  }
+
+  void forward(int j) {
+    if (s_ > 0) p2p(op_kind::recv, s_ - 1, in_width_, j, "activation from the previous stage");
+    for (int i : mine_) forward_unit(i, j, false);
+    if (s_ + 1 < P_) p2p(op_kind::send, s_ + 1, out_width_, j, "activation to the next stage");
+  }
+
+  void backward(int j, bool last_micro) {
+    if (s_ + 1 < P_) p2p(op_kind::recv, s_ + 1, out_width_, j, "gradient from the next stage");
+    for (auto it = mine_.rbegin(); it != mine_.rend(); ++it) {
+      const int i = *it;
+      const auto& u = d_.units[static_cast<std::size_t>(i)];
+      // entering a recompute group from its end: its forward runs again first
+      if (u.recompute_group >= 0 && (it == mine_.rbegin() || d_.units[static_cast<std::size_t>(*std::prev(it))].recompute_group != u.recompute_group)) {
+        auto first = it;
+        while (std::next(first) != mine_.rend() && d_.units[static_cast<std::size_t>(*std::next(first))].recompute_group == u.recompute_group) ++first;
+        for (auto f = first;; --f) {
+          forward_unit(*f, j, true);
+          if (f == it) break;
+        }
+      }
+      if (u.kind == unit_kind::convert) {
+        conversion_op(u.bwd, static_cast<axis>(u.split_axis), u.grad_from, u.grad_to, u.in_width,
+                      std::string("gradient ") + lay_name(u.grad_from) + " -> " + lay_name(u.grad_to) + " " +
+                          neighbours(i),
+                      j, true);
+        continue;
+      }
+      zero_gather(i, true, j);
+      const int b = add_compute(op_kind::backward, i, j, rows_for(u));
+      const auto& h = p_.holds[static_cast<std::size_t>(unit_hold_[static_cast<std::size_t>(i)])];
+      if (h.local_params == 0) continue;
+      if (zero_ >= 2 && D_ > 1) zero_scatter(h, b, j);
+      if (last_micro) ready(h.local_offset, b);
+    }
+    if (s_ > 0 && j >= 0) p2p(op_kind::send, s_ - 1, in_width_, j, "gradient to the previous stage");
+  }
+  // ZeRO-2/3: a leaf's gradients reduce-scattered into the ranges, in buckets
+  void zero_scatter(const holding& h, int after, int micro) {
+    for (index_t a = 0; a < h.local_params; a += per_bucket_) {
+      const index_t b = std::min(h.local_params, a + per_bucket_);
+      const auto c = zero_split(h.local_offset + a, h.local_offset + b);
+      const auto t = reduce_scatter_traffic(std::span<const index_t>(c), dr_, D_, 4);
+      const int id = add_coll(coll_kind::reduce_scatter, axes(axis::data), D_, t, b - a,
+                              "ZeRO gradients of " + h.name, micro);
+      p_.ops[static_cast<std::size_t>(id)].deps = {after};
+      sync_.push_back(id);
+    }
+  }
+  // Gradients at local offsets >= `offset` are final: the buckets they complete.
+  void ready(index_t offset, int after) {
+    while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].first >= offset) {
+      const auto [b, e] = buckets_[next_bucket_];
+      const int id = add_coll(coll_kind::all_reduce, axes(axis::data), D_, all_reduce_traffic((e - b) * 4, D_), e - b,
+                              "gradient bucket " + std::to_string(next_bucket_) + " [" + std::to_string(b) + ", " +
+                                  std::to_string(e) + ")" + (P_ > 1 ? " of stage " + std::to_string(s_) : ""),
+                              -1);
+      p_.ops[static_cast<std::size_t>(id)].deps = {after};
+      sync_.push_back(id);
+      ++next_bucket_;
+    }
+  }
+
+  void finish() {
+    ready(0, last_);
+    // the global loss
+    axes lg = d_.pipeline ? axes::from_bits(7u) : axes(axis::data);
+    const int lsize = d_.pipeline ? p_.mesh.size() : D_;
+    if (lsize > 1) sync_.push_back(add_coll(coll_kind::all_reduce, lg, lsize, all_reduce_traffic(8, lsize), 1, "the step's loss", -1));
+    if (o_.clip) {
+      axes g;
+      if (P_ > 1) g = g | axis::pipe;
+      if (M_ > 1) g = g | axis::model;
+      if (zero_ >= 2 || d_.splits_data) g = g | axis::data;
+      const int n = p_.mesh.size(g);
+      if (n > 1) sync_.push_back(add_coll(coll_kind::all_reduce, g, n, all_reduce_traffic(8, n), 1, "squared gradient norm for clipping", -1));
+    }
+    op u;
+    u.kind = op_kind::optimizer;
+    u.elements = p_.owned_end - p_.owned_begin;
+    u.what = "update of parameters [" + std::to_string(p_.owned_begin) + ", " + std::to_string(p_.owned_end) + ")";
+    u.deps = sync_;
+    u.deps.insert(u.deps.end(), pending_.begin(), pending_.end());
+    pending_.clear();
+    if (last_ >= 0) u.deps.push_back(last_);
+    const int opt = add(std::move(u));
+    if ((zero_ == 1 || zero_ == 2) && D_ > 1) {
+      const auto t = all_gather_traffic(std::span<const index_t>(zero_counts_), dr_, D_, 4);
+      const int id = add_coll(coll_kind::all_gather, axes(axis::data), D_, t, n_local_, "ZeRO parameters after the update", -1);
+      p_.ops[static_cast<std::size_t>(id)].deps = {opt};
+    }
+  }
+
+  const model_desc& d_;
+  lower_options o_;
+  program p_;
+  int D_ = 1, P_ = 1, M_ = 1, dr_ = 0, s_ = 0, mr_ = 0, zero_ = 0;
+  std::vector<int> block_stage_, unit_hold_, mine_;
+  index_t n_local_ = 0, in_width_ = 0, out_width_ = 0, micro_seqs_ = 0, per_bucket_ = 1;
+  std::vector<index_t> zero_counts_, zero_starts_;
+  std::vector<std::pair<index_t, index_t>> buckets_;
+  std::size_t next_bucket_ = 0;
+  int last_ = -1, held_ = -1;
+  std::vector<int> pending_, sync_;
+};
+
+}  // namespace detail
+
+/// Rank `rank`'s program for plan `d` on `mesh`. Throws std::invalid_argument,
+/// naming the plan and the rule, when the plan cannot run on that mesh.
+inline program lower(const model_desc& d, const mesh_shape& mesh, int rank, const lower_options& o) {
+  return detail::lowering(d, mesh, rank, o).run();
+}
+/// describe<P>() then lower.
+template <class P> program lower(const mesh_shape& mesh, int rank, const lower_options& o) {
+  return lower(describe<P>(), mesh, rank, o);
+}
+
+}  // namespace whale

@@ -1,0 +1,63 @@
+// Partitioners: how a repeat's blocks are cut into pipeline stages (balanced
+// by cost), and how a flat parameter range is divided among ranks. Pure
+// arithmetic, shared by lowering and the runtimes; no model types here.
+#pragma once
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "whale/nn/layer.hpp"
+
+namespace whale::detail {
+
+/// Per-row cost of a layer of cost `c` receiving `width` features in
+/// sequences of `seq` tokens: the weight a stage balancer gives it.
+inline double balance_weight(cost_info c, index_t width, index_t seq) {
+  const auto s = c.scaled(width == any_features ? 0.0 : static_cast<double>(width));
+  return s.fwd_flops + s.bwd_flops + 3.0 * s.seq_flops * static_cast<double>(seq);
+}
+
+/// Balanced cut of N equal blocks (cost `blk` each) over p stages, stage 0
+/// also carrying `pre` and stage p-1 `post`, every inner stage at least one
+/// block: minimises the most expensive stage (exact dynamic programme).
+inline std::vector<int> balance_blocks(int N, int p, double pre, double post, double blk) {
+  if (p <= 1) return {N};
+  const double inf = std::numeric_limits<double>::infinity();
+  const auto P = static_cast<std::size_t>(p), K = static_cast<std::size_t>(N) + 1;
+  std::vector<double> best(P * K, inf);  // best[s*K + k]: first k blocks on stages 0..s, worst stage
+  std::vector<int> choice(P * K, 0);     // blocks on stage s in that optimum
+  for (int k = 0; k <= N; ++k) best[static_cast<std::size_t>(k)] = pre + k * blk;
+  for (int s = 1; s < p; ++s) {
+    const bool inner = s < p - 1;
+    const auto row = static_cast<std::size_t>(s) * K, prev = row - K;
+    for (int k = 0; k <= N; ++k)
+      for (int n = inner ? 1 : 0; n <= k; ++n) {
+        const double mine = n * blk + (s == p - 1 ? post : 0.0);
+        const double v = std::max(best[prev + static_cast<std::size_t>(k - n)], mine);
+        if (v < best[row + static_cast<std::size_t>(k)] - 1e-9) {
+          best[row + static_cast<std::size_t>(k)] = v;
+          choice[row + static_cast<std::size_t>(k)] = n;
+        }
+      }
+  }
+  std::vector<int> r(P);
+  int k = N;
+  for (int s = p - 1; s > 0; --s) {
+    r[static_cast<std::size_t>(s)] = choice[static_cast<std::size_t>(s) * K + static_cast<std::size_t>(k)];
+    k -= r[static_cast<std::size_t>(s)];
+  }
+  r[0] = k;
+  return r;
+}
+
+/// Default micro-batch count of a pipeline: the largest divisor of the
+/// per-replica batch (sequences) that is at most 4 × stages.
+inline int default_micro_batches(index_t batch, int stages) {
+  int best = 1;
+  for (int m = 1; m <= std::min<index_t>(batch, 4 * stages); ++m)
+    if (batch % m == 0) best = m;
+  return best;
+}
+
+}  // namespace whale::detail

@@ -1,0 +1,240 @@
+// Lowering (plan/): hand-computed programs for small meshes, without MPI —
+// what each rank holds and the bytes of each collective and message of one
+// step — and the run-time twins of the plan rules. The same programs are
+// checked against the bytes the communicators count in tests/mpi_plan.cpp.
+#include <doctest/doctest.h>
+
+#include <chrono>
+#include <sstream>
+#include <string>
+
+#include "whale/models/gpt.hpp"
+#include "whale/nn/gelu.hpp"
+#include "whale/nn/linear.hpp"
+#include "whale/nn/recompute.hpp"
+#include "whale/nn/relu.hpp"
+#include "whale/plan/lower.hpp"
+
+using namespace whale;
+
+namespace {
+// Legend: B sequences per step. mlp: 8 -> 16 -> 4 classes (212 parameters).
+using mlp = sequential<linear<8, 16>, relu, linear<16, 4>, softmax_cross_entropy>;
+using megatron = sequential<split<sequential<linear<8, 16>, gelu, linear<16, 8>>>, softmax_cross_entropy>;
+using two_stages = pipeline<gpipe, stage<linear<8, 16>, relu>, stage<linear<16, 4>, softmax_cross_entropy>>;
+
+lower_options batch(index_t b, index_t seq = 1) {
+  lower_options o;
+  o.global_batch = b;
+  o.seq = seq;
+  return o;
+}
+std::int64_t sent(const program& p, op_kind k) {
+  std::int64_t s = 0;
+  for (const auto& o : p.ops)
+    if (o.kind == k) s += o.bytes_sent;
+  return s;
+}
+int count(const program& p, op_kind k) {
+  int n = 0;
+  for (const auto& o : p.ops) n += o.kind == k;
+  return n;
+}
+}  // namespace
+
+TEST_CASE("lowering a single-process model: every layer forward then backward, no communication") {
+  const auto p = lower<mlp>(mesh_shape(1, 1, 1), 0, batch(8));
+  CHECK(p.holds.size() == 4);
+  CHECK(p.totals().params_held == 212);
+  CHECK(p.full_params == 212);
+  CHECK(count(p, op_kind::forward) == 4);
+  CHECK(count(p, op_kind::backward) == 4);
+  CHECK(count(p, op_kind::collective) == 0);
+  CHECK(p.totals().bytes_sent == 0);
+  // FLOPs from the layers' metadata: linear<8, 16> on 8 rows is 2*8*16 per row forward, twice that backward
+  for (const auto& o : p.ops)
+    if (o.what == "linear<8, 16>") CHECK(o.flops == (o.kind == op_kind::forward ? 8.0 * 2 * 8 * 16 : 8.0 * 4 * 8 * 16));
+}
+
+TEST_CASE("lowering replicate: one all-reduce per bucket over data, bytes of the ring model") {
+  using P = replicate<mlp>;
+  const auto p = lower<P>(mesh_shape(4, 1, 1), 1, batch(8));
+  CHECK(p.local_sequences == 2);
+  CHECK(p.holds[0].replicated_over == axes(axis::data));
+  // one 25 MiB bucket of 212 floats: 2 (p-1)/p * 848 B = 1272 B, and the loss (8 B): 12 B
+  CHECK(count(p, op_kind::collective) == 2);
+  CHECK(p.totals().bytes_sent == 1272 + 12);
+  CHECK(p.bytes_sent_over(axis::data) == 1284);
+  // buckets of 68 floats, from the last layer: [144, 212), [76, 144), [8, 76), [0, 8)
+  auto o = batch(8);
+  o.bucket_mib = 68 * 4 / 1048576.0;
+  const auto q = lower<P>(mesh_shape(4, 1, 1), 0, o);
+  std::vector<std::int64_t> elems;
+  const op* first = nullptr;
+  for (const auto& x : q.ops)
+    if (x.kind == op_kind::collective && x.what.find("bucket") != std::string::npos) {
+      elems.push_back(x.elements);
+      if (!first) first = &x;
+    }
+  CHECK(elems == std::vector<std::int64_t>{68, 68, 68, 8});
+  // the first bucket (linear<16, 4>'s parameters) waits for that layer's backward, not for all of backward
+  REQUIRE(first);
+  REQUIRE(first->deps.size() == 1);
+  CHECK(q.ops[static_cast<std::size_t>(first->deps[0])].kind == op_kind::backward);
+  CHECK(q.ops[static_cast<std::size_t>(first->deps[0])].what == "linear<16, 4>");
+}
+
+TEST_CASE("lowering split: Megatron's pair holds halves and all-reduces once forward, once backward") {
+  const auto p = lower<megatron>(mesh_shape(1, 1, 2), 1, batch(4));
+  // column_linear<8,16>: (8+1)*16/2 = 72; row_linear<16,8>: 16*8/2 + 8 (bias) = 72
+  index_t held = 0;
+  for (const auto& h : p.holds) held += h.local_params;
+  CHECK(held == 144);
+  CHECK(p.full_params == 8 * 16 + 16 + 16 * 8 + 8);
+  bool col = false, row = false;
+  for (const auto& h : p.holds) {
+    if (h.name.find("column_linear<8, 16>") == 0) col = h.local_params == 72 && h.split_over == axes(axis::model);
+    if (h.name.find("row_linear<16, 8>") == 0) row = h.local_params == 72 && h.layout_in == lay::S1;
+  }
+  CHECK(col);
+  CHECK(row);
+  // 4 rows x 8 features = 128 B all-reduced over 2 ranks: 128 B sent each way, forward and backward
+  CHECK(count(p, op_kind::collective) == 2);
+  CHECK(p.totals().bytes_sent == 256);
+  // the sharded forms report their own per-rank cost: half the GEMM FLOPs
+  const auto single = lower<sequential<linear<8, 16>, gelu, linear<16, 8>, softmax_cross_entropy>>(mesh_shape(1, 1, 1), 0, batch(4));
+  double f1 = 0, f2 = 0;
+  for (const auto& o : p.ops)
+    if (o.kind == op_kind::forward && o.what.find("linear") != std::string::npos) f2 += o.flops;
+  for (const auto& o : single.ops)
+    if (o.kind == op_kind::forward && o.what.find("linear") != std::string::npos) f1 += o.flops;
+  CHECK(f2 == doctest::Approx(f1 / 2));
+}
+
+TEST_CASE("lowering the class-split loss: row statistics all-reduced, logits never gathered") {
+  using xc = sequential<replicate<sequential<linear<8, 16>, relu>>, split<sequential<linear<16, 40>, softmax_cross_entropy>>>;
+  const auto p = lower<xc>(mesh_shape(1, 1, 2), 0, batch(4));
+  // entry (backward all-reduce of d(input): 4 x 16 floats), row maxima (4 floats), sums and targets (8)
+  std::int64_t gathers = 0;
+  for (const auto& o : p.ops) gathers += o.kind == op_kind::collective && o.coll == coll_kind::all_gather;
+  CHECK(gathers == 0);
+  CHECK(p.totals().bytes_sent == 4 * 16 * 4 + 4 * 4 + 8 * 4);
+}
+
+TEST_CASE("lowering a pipeline: activations forward and gradients back per micro-batch") {
+  auto o = batch(8);
+  o.micro_batches = 4;
+  const auto s0 = lower<two_stages>(mesh_shape(1, 2, 1), 0, o);
+  const auto s1 = lower<two_stages>(mesh_shape(1, 2, 1), 1, o);
+  CHECK(s0.stages == 2);
+  CHECK(s0.holds.size() == 2);
+  CHECK(s1.holds.size() == 2);
+  CHECK(s0.totals().params_held == 8 * 16 + 16);
+  CHECK(s1.totals().params_held == 16 * 4 + 4);
+  // 4 micro-batches of 2 rows x 16 features: 128 B each way per micro-batch; the loss over the world: 8 B
+  CHECK(sent(s0, op_kind::send) == 4 * 128);
+  CHECK(sent(s1, op_kind::send) == 4 * 128);
+  CHECK(count(s0, op_kind::recv) == 4);
+  CHECK(s0.totals().bytes_sent == 4 * 128 + 8);
+  // GPipe: all forwards first
+  CHECK(s0.ops[0].kind == op_kind::forward);
+  CHECK(s0.ops[0].micro == 0);
+  // a send waits for the forward that made it
+  for (const auto& x : s0.ops)
+    if (x.kind == op_kind::send) {
+      REQUIRE(x.deps.size() == 1);
+      CHECK(s0.ops[static_cast<std::size_t>(x.deps[0])].kind == op_kind::forward);
+    }
+  // with a data axis: buckets of each stage's own parameters over its data group
+  using R = replicate<two_stages>;
+  const auto r = lower<R>(mesh_shape(2, 2, 1), 3, o);
+  CHECK(r.stage == 1);
+  CHECK(r.local_sequences == 4);
+  CHECK(r.bytes_sent_over(axis::data) == (16 * 4 + 4) * 4);  // 2 (p-1)/p with p = 2
+}
+
+TEST_CASE("lowering ZeRO: levels partition optimizer state, gradients and parameters") {
+  for (int level = 1; level <= 3; ++level) {
+    auto o = batch(8);
+    o.zero_level = level;
+    const auto p = lower<replicate<mlp>>(mesh_shape(2, 1, 1), 1, o);
+    CHECK(p.owned_begin == 106);
+    CHECK(p.owned_end == 212);
+    const auto t = p.totals();
+    CHECK(t.optimizer_bytes == 8 * 106);
+    CHECK(t.grad_bytes == 4 * (level >= 2 ? 106 : 212));
+    CHECK(t.param_bytes == 4 * (level >= 3 ? 106 : 212));
+    int gathers = 0, scatters = 0;
+    for (const auto& x : p.ops) {
+      gathers += x.kind == op_kind::collective && x.coll == coll_kind::all_gather;
+      scatters += x.kind == op_kind::collective && x.coll == coll_kind::reduce_scatter;
+    }
+    // level 1: one bucket all-reduced, parameters gathered after the update
+    // level 2: each leaf with parameters reduce-scattered, parameters gathered after the update
+    // level 3: each leaf gathered for forward and for backward (the last one stays held), no gather after
+    CHECK(scatters == (level >= 2 ? 2 : 0));
+    CHECK(gathers == (level == 3 ? 3 : 1));
+  }
+  // shard<M, 3> reads its level from the type
+  const auto z = lower<shard<mlp, 3>>(mesh_shape(2, 1, 1), 0, batch(8));
+  CHECK(z.zero_level == 3);
+}
+
+TEST_CASE("lowering recompute: the block's forward runs again before its backward") {
+  using R = sequential<recompute<sequential<linear<8, 16>, relu>>, linear<16, 4>, softmax_cross_entropy>;
+  const auto p = lower<R>(mesh_shape(1, 1, 1), 0, batch(4));
+  CHECK(count(p, op_kind::recompute) == 2);
+  int first_recompute = -1, first_backward_of_block = -1;
+  for (int i = 0; i < static_cast<int>(p.ops.size()); ++i) {
+    if (p.ops[static_cast<std::size_t>(i)].kind == op_kind::recompute && first_recompute < 0) first_recompute = i;
+    if (p.ops[static_cast<std::size_t>(i)].kind == op_kind::backward && p.ops[static_cast<std::size_t>(i)].what == "relu")
+      first_backward_of_block = i;
+  }
+  CHECK(first_recompute >= 0);
+  CHECK(first_recompute < first_backward_of_block);
+}
+
+TEST_CASE("lowering refuses a plan the mesh cannot run, naming the rule") {
+  CHECK_THROWS_WITH_AS(lower<mlp>(mesh_shape(1, 2, 1), 0, batch(8)), doctest::Contains("pipe axis"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(lower<mlp>(mesh_shape(2, 1, 1), 0, batch(8)), doctest::Contains("data axis"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(lower<replicate<mlp>>(mesh_shape(1, 1, 2), 0, batch(8)), doctest::Contains("model axis"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(lower<two_stages>(mesh_shape(1, 4, 1), 0, batch(8)), doctest::Contains("2 stages"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(lower<megatron>(mesh_shape(1, 1, 3), 0, batch(8)), doctest::Contains("cannot be split 3 ways"),
+                       std::invalid_argument);
+  auto o = batch(8);
+  o.micro_batches = 3;
+  CHECK_THROWS_WITH_AS(lower<two_stages>(mesh_shape(1, 2, 1), 0, o), doctest::Contains("do not divide"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(lower<replicate<mlp>>(mesh_shape(16, 1, 1), 0, batch(8)), doctest::Contains("smaller than"),
+                       std::invalid_argument);
+}
+
+TEST_CASE("lowering the reference gpt on 1,024 ranks (data 64 x pipe 4 x model 4) is cheap and consistent") {
+  constexpr index_t V = 8192, S = 128, D = 256, H = 4, F = 1024;
+  using block = transformer_block<D, H, F>;
+  using tp_gpt = sequential<split<embedding<V, D>>, position_embedding<S, D>, repeat<4, split<block>>, layer_norm<D>,
+                            split<sequential<linear<D, V>, softmax_cross_entropy>>>;
+  using P = replicate<pipeline<one_f_one_b, tp_gpt>>;
+  const auto d = describe<P>();
+  const mesh_shape m(64, 4, 4);
+  auto o = batch(256, 128);
+  const auto t0 = std::chrono::steady_clock::now();
+  index_t held_model0 = 0;
+  std::int64_t bytes = 0;
+  for (int r = 0; r < m.size(); ++r) {
+    const auto p = lower(d, m, r, o);
+    if (p.coords[0] == 0 && p.coords[2] == 0) held_model0 += p.totals().params_held;
+    bytes += p.totals().bytes_sent;
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  MESSAGE("lowered 1,024 ranks in " << s << " s");
+  CHECK(bytes > 0);
+  // one data replica, model rank 0, all stages: every layer once, sharded ones by a quarter
+  CHECK(held_model0 < models::gpt::cost().params);
+  CHECK(held_model0 > models::gpt::cost().params / 4);
+  std::ostringstream os;
+  os << lower(d, m, 5, o);
+  CHECK(os.str().find("program of rank 5") != std::string::npos);
+}
