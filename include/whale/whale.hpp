@@ -61,6 +61,12 @@
 #include "whale/strategy/replicate.hpp"
 #include "whale/strategy/shard.hpp"
 
+// plan/
+#include "whale/plan/describe.hpp"
+#include "whale/plan/lower.hpp"
+#include "whale/plan/partition.hpp"
+#include "whale/plan/program.hpp"
+
 // train/
 #include "whale/train/data.hpp"
 #include "whale/train/progress.hpp"

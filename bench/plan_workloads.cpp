@@ -1,0 +1,200 @@
+// Lowers a reference workload's plan (shared/workloads.md) for any mesh, in
+// one process and without MPI, and prints one rank's program (what it holds,
+// each operation of a step with its bytes) and totals over every rank.
+//   whale_plan --workload mlp|xc|gpt --plan P --mesh data=64,pipe=4,model=4 [--rank R]
+//              [--batch B] [--seq T] [--micro-batches M] [--schedule gpipe|1f1b] [--zero 0..3]
+//              [--recompute] [--clip] [--bucket-mib X] [--stage-blocks 1,2,..] [--summary] [--json]
+// scripts/plan builds and runs it.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "whale/detail/parse.hpp"
+#include "whale/models/gpt.hpp"
+#include "whale/models/mlp.hpp"
+#include "whale/models/xc.hpp"
+#include "whale/nn/recompute.hpp"
+#include "whale/plan/lower.hpp"
+
+using namespace whale;
+
+namespace {
+
+struct args {
+  std::string workload, plan, mesh = "data=1", schedule = "1f1b";
+  int rank = 0, zero = -1;
+  bool recompute = false, summary = false, json = false;
+  lower_options o;
+};
+
+[[noreturn]] void usage(const std::string& why) {
+  throw std::invalid_argument(
+      why + "\nusage: whale_plan --workload mlp|xc|gpt --plan single|dp|hybrid|pipeline|zero1|zero2|zero3|3d "
+            "--mesh data=D,pipe=P,model=M [--rank R] [--batch B] [--seq T] [--micro-batches M] "
+            "[--schedule gpipe|1f1b] [--zero 0..3] [--recompute] [--clip] [--bucket-mib X] "
+            "[--stage-blocks 1,2,...] [--summary] [--json]");
+}
+
+args parse(int argc, char** argv) {
+  args a;
+  a.o.global_batch = -1;
+  a.o.seq = -1;
+  for (int i = 1; i < argc; ++i) {
+    const std::string f = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) usage("whale_plan: " + f + " needs a value");
+      return argv[++i];
+    };
+    if (f == "--workload") a.workload = value();
+    else if (f == "--plan") a.plan = value();
+    else if (f == "--mesh") a.mesh = value();
+    else if (f == "--rank") a.rank = static_cast<int>(detail::parse_int(value(), "--rank", 0, 1 << 20));
+    else if (f == "--batch") a.o.global_batch = detail::parse_int(value(), "--batch", 1, 1 << 24);
+    else if (f == "--seq") a.o.seq = detail::parse_int(value(), "--seq", 1, 128);
+    else if (f == "--micro-batches") a.o.micro_batches = static_cast<int>(detail::parse_int(value(), "--micro-batches", 1, 1 << 16));
+    else if (f == "--schedule") a.schedule = value();
+    else if (f == "--zero") a.zero = static_cast<int>(detail::parse_int(value(), "--zero", 0, 3));
+    else if (f == "--bucket-mib") a.o.bucket_mib = detail::parse_double(value(), "--bucket-mib", 0, 1 << 16, true);
+    else if (f == "--stage-blocks") {
+      const std::string v = value();
+      for (std::size_t at = 0; at <= v.size();) {
+        const auto end = std::min(v.find(',', at), v.size());
+        a.o.stage_blocks.push_back(static_cast<int>(detail::parse_int(v.substr(at, end - at), "--stage-blocks", 0, 1 << 16)));
+        at = end + 1;
+      }
+    } else if (f == "--recompute") a.recompute = true;
+    else if (f == "--clip") a.o.clip = true;
+    else if (f == "--summary") a.summary = true;
+    else if (f == "--json") a.json = true;
+    else if (f == "--help" || f == "-h") usage("whale_plan: lowers a reference workload's plan for a mesh");
+    else usage("whale_plan: unknown option '" + f + "'");
+  }
+  if (a.workload.empty() || a.plan.empty()) usage("whale_plan: --workload and --plan are required");
+  if (a.schedule != "gpipe" && a.schedule != "1f1b") usage("whale_plan: --schedule must be gpipe or 1f1b (got '" + a.schedule + "')");
+  return a;
+}
+
+// The whole mesh from a spec whose axes are all given (data defaults to 1).
+mesh_shape mesh_of(const std::string& spec) {
+  long long world = 1;
+  for (std::size_t at = 0; at < spec.size();) {
+    const auto end = std::min(spec.find(',', at), spec.size());
+    const auto item = spec.substr(at, end - at);
+    const auto eq = item.find('=');
+    if (eq == std::string::npos) usage("whale_plan: --mesh '" + spec + "': '" + item + "' is not axis=size");
+    world *= detail::parse_int(item.substr(eq + 1), "--mesh " + item.substr(0, eq), 1, 1 << 20);
+    if (world > (1 << 20)) usage("whale_plan: --mesh '" + spec + "' has more than 2^20 ranks");
+    at = end + 1;
+  }
+  if (spec.find("data=") == std::string::npos) return mesh_shape::parse(spec + ",data=1", static_cast<int>(world), "--mesh");
+  return mesh_shape::parse(spec, static_cast<int>(world), "--mesh");
+}
+
+// gpt with tensor parallelism inside (Megatron: vocabulary-split embedding,
+// head-split attention, column/row FFN, class-split head and loss).
+constexpr index_t V = 8192, S = 128, D = 256, H = 4, F = 1024;
+using block = transformer_block<D, H, F>;
+template <class Stack>
+using tp_gpt = sequential<split<embedding<V, D>>, position_embedding<S, D>, Stack, layer_norm<D>,
+                          split<sequential<linear<D, V>, softmax_cross_entropy>>>;
+
+template <class P> model_desc desc_of() { return describe<P>(); }
+
+model_desc plan_desc(const args& a) {
+  const auto& w = a.workload;
+  const auto& p = a.plan;
+  const bool g = a.schedule == "gpipe";
+  auto none = [&] { usage("whale_plan: the plan '" + p + "' is not defined for the workload '" + w + "'"); };
+  if (w == "mlp" || w == "xc") {
+    const bool m = w == "mlp";
+    if (p == "single") return m ? desc_of<models::mlp>() : desc_of<models::xc>();
+    if (p == "dp") return m ? desc_of<replicate<models::mlp>>() : desc_of<replicate<models::xc>>();
+    if (p == "zero1") return m ? desc_of<shard<models::mlp, 1>>() : desc_of<shard<models::xc, 1>>();
+    if (p == "zero2") return m ? desc_of<shard<models::mlp, 2>>() : desc_of<shard<models::xc, 2>>();
+    if (p == "zero3") return m ? desc_of<shard<models::mlp, 3>>() : desc_of<shard<models::xc, 3>>();
+    if (p == "hybrid" && !m) return desc_of<sequential<replicate<models::xc_backbone>, split<models::xc_classifier, axis::data>>>();
+    none();
+  }
+  if (w == "gpt") {
+    if (p == "single") return desc_of<models::gpt>();
+    if (p == "dp") return desc_of<replicate<models::gpt>>();
+    if (p == "hybrid") return desc_of<split<models::gpt, axis::model>>();
+    if (p == "zero1") return desc_of<shard<models::gpt, 1>>();
+    if (p == "zero2") return desc_of<shard<models::gpt, 2>>();
+    if (p == "zero3") return desc_of<shard<models::gpt, 3>>();
+    if (p == "pipeline") return g ? desc_of<replicate<pipeline<gpipe, models::gpt>>>() : desc_of<replicate<pipeline<one_f_one_b, models::gpt>>>();
+    if (p == "3d") {
+      if (a.recompute)
+        return g ? desc_of<replicate<pipeline<gpipe, tp_gpt<repeat<4, recompute<split<block>>>>>>>()
+                 : desc_of<replicate<pipeline<one_f_one_b, tp_gpt<repeat<4, recompute<split<block>>>>>>>();
+      return g ? desc_of<replicate<pipeline<gpipe, tp_gpt<repeat<4, split<block>>>>>>()
+               : desc_of<replicate<pipeline<one_f_one_b, tp_gpt<repeat<4, split<block>>>>>>();
+    }
+    none();
+  }
+  usage("whale_plan: unknown workload '" + w + "' (have mlp, xc, gpt)");
+}
+
+int run(int argc, char** argv) {
+  auto a = parse(argc, argv);
+  const auto mesh = mesh_of(a.mesh);
+  const auto d = plan_desc(a);
+  const bool gpt = a.workload == "gpt";
+  if (a.o.seq < 0) a.o.seq = gpt ? models::gpt_seq : 1;
+  if (a.o.global_batch < 0)
+    // gpt: the workload's 16 sequences, or 4 per data rank on meshes with more than 4 data ranks
+    a.o.global_batch = gpt ? std::max<index_t>(models::gpt_global_batch, 4 * mesh.size(axis::data))
+                           : a.workload == "mlp" ? models::mlp_global_batch
+                                                 : models::xc_batch_per_rank * mesh.size(axis::data);
+  a.o.zero_level = a.zero;
+  if (a.rank >= mesh.size()) usage("whale_plan: --rank " + std::to_string(a.rank) + " is not in a mesh of " + std::to_string(mesh.size()) + " ranks");
+
+  const auto t0 = std::chrono::steady_clock::now();
+  std::int64_t max_sent = 0, sum_sent = 0, max_state = 0;
+  index_t max_held = 0;
+  double max_flops = 0;
+  program mine;
+  for (int r = 0; r < mesh.size(); ++r) {
+    auto p = lower(d, mesh, r, a.o);
+    const auto t = p.totals();
+    max_sent = std::max(max_sent, t.bytes_sent);
+    sum_sent += t.bytes_sent;
+    max_held = std::max(max_held, t.params_held);
+    max_state = std::max(max_state, t.param_bytes + t.grad_bytes + t.optimizer_bytes);
+    max_flops = std::max(max_flops, t.flops);
+    if (r == a.rank) mine = std::move(p);
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (a.json) {
+    std::printf("{\"workload\": \"%s\", \"plan\": \"%s\", \"mesh\": \"%s\", \"ranks\": %d, \"zero\": %d, "
+                "\"micro_batches\": %d, \"schedule\": \"%s\", \"lower_s\": %.4f, \"max_bytes_sent_per_rank_per_step\": %lld, "
+                "\"total_bytes_sent_per_step\": %lld, \"max_params_per_rank\": %lld, \"max_model_state_bytes_per_rank\": %lld, "
+                "\"max_gflop_per_rank_per_step\": %.4f}\n",
+                a.workload.c_str(), a.plan.c_str(), mesh.spec().c_str(), mesh.size(), mine.zero_level,
+                mine.micro_batches, mine.schedule.c_str(), secs, static_cast<long long>(max_sent),
+                static_cast<long long>(sum_sent), static_cast<long long>(max_held), static_cast<long long>(max_state),
+                max_flops / 1e9);
+    return 0;
+  }
+  if (!a.summary) std::cout << mine;
+  std::cout << "all " << mesh.size() << " ranks lowered in " << secs << " s: at most " << max_sent
+            << " B sent per rank per step (" << sum_sent << " B in all), at most " << max_held
+            << " parameters and " << max_state << " B of model state per rank, at most " << max_flops / 1e9
+            << " GFLOP per rank per step\n";
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 2;
+  }
+}
