@@ -24,6 +24,7 @@
 #include "plans/hybrid.hpp"
 #include "plans/pipeline.hpp"
 #include "plans/single.hpp"
+#include "plans/threed.hpp"
 #include "plans/zero.hpp"
 
 namespace {
@@ -37,6 +38,7 @@ const bench::plan_entry plan_table[] = {
     bench::plan<bench::plans::zero1>(),
     bench::plan<bench::plans::zero2>(),
     bench::plan<bench::plans::zero3>(),
+    bench::plan<bench::plans::threed>(),
 };
 
 std::string plan_list() {

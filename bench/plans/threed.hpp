@@ -1,0 +1,124 @@
+// Plan `3d`: any composition of data, pipeline and tensor parallelism on
+// `gpt`, on the mesh given by --mesh data=D,pipe=P,model=M: the reference gpt
+// with tensor parallelism inside every layer (vocabulary-split embedding,
+// head-split attention, column/row FFN, class-split head and loss), its blocks
+// cut into pipeline stages at run time, replicated over data. Options
+// --schedule gpipe|1f1b, --micro-batches m (default: the runtime's),
+// --recompute (each block recomputed in backward), --zero 0 (ZeRO inside
+// pipeline stages is lowered by scripts/plan but not run yet: refused).
+// Besides the step it reports the bytes the lowered program predicts per rank
+// next to the bytes counted, and model-state memory per rank.
+#pragma once
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <type_traits>
+
+#include "../bench_common.hpp"
+#include "whale/detail/parse.hpp"
+#include "whale/models/gpt.hpp"
+#include "whale/nn/recompute.hpp"
+#include "whale/optim/sgd.hpp"
+#include "whale/plan/lower.hpp"
+#include "whale/strategy/pipeline.hpp"
+#include "whale/train/trainer.hpp"
+
+namespace bench::plans {
+
+struct threed {
+  static constexpr const char* name = "3d";
+  static constexpr const char* help =
+      "gpt only: tensor parallel over model, pipelined over pipe, replicated over data, on --mesh "
+      "data=D,pipe=P,model=M; --schedule gpipe|1f1b (default 1f1b), --micro-batches m (default: the runtime's), "
+      "--recompute, --zero 0";
+  template <class W> static constexpr bool supports = std::is_same_v<W, gpt_workload>;
+
+  // (B, T) tokens -> vocabulary-split embedding -> (B*T, C) -> Stack -> class-split head and loss
+  static constexpr whale::index_t V = 8192, S = 128, D = 256, H = 4, F = 1024;
+  using block = whale::transformer_block<D, H, F>;
+  template <class Stack>
+  using tp_gpt = whale::sequential<whale::split<whale::embedding<V, D>>, whale::position_embedding<S, D>, Stack,
+                                   whale::layer_norm<D>,
+                                   whale::split<whale::sequential<whale::linear<D, V>, whale::softmax_cross_entropy>>>;
+
+  template <class W> static void run(config& c) {
+    const std::string sched = c.args.text("--schedule", "1f1b");
+    const std::string mtext = c.args.text("--micro-batches", "0");
+    const int m = static_cast<int>(whale::detail::parse_int(mtext, "--micro-batches", 0, 1 << 16));
+    const bool rec = c.args.flag("--recompute");
+    const int zero = static_cast<int>(whale::detail::parse_int(c.args.text("--zero", "0"), "--zero", 0, 3));
+    c.args.done(name);
+    if (zero != 0)
+      throw usage_error("bench: --plan 3d --zero " + std::to_string(zero) +
+                        ": ZeRO inside pipeline stages is lowered (scripts/plan --workload gpt --plan 3d --zero " +
+                        std::to_string(zero) + ") but the runtime does not run it yet; use --plan zero" +
+                        std::to_string(zero) + " for ZeRO over data alone");
+    if (sched != "gpipe" && sched != "1f1b") throw usage_error("bench: --schedule " + sched + ": have gpipe, 1f1b");
+    const bool g = sched == "gpipe";
+    using R = whale::repeat<4, whale::recompute<whale::split<block>>>;
+    using N = whale::repeat<4, whale::split<block>>;
+    if (rec) g ? go<W, whale::gpipe, R>(c, m) : go<W, whale::one_f_one_b, R>(c, m);
+    else g ? go<W, whale::gpipe, N>(c, m) : go<W, whale::one_f_one_b, N>(c, m);
+  }
+
+ private:
+  template <class W, class Sched, class Stack> static void go(config& c, int m) {
+    using namespace whale;
+    using P = replicate<whale::pipeline<Sched, tp_gpt<Stack>>>;
+    auto& ctx = *c.ctx;
+    const auto& shape = ctx.mesh().shape();
+    pipeline_options o;
+    o.micro_batches = m;
+    const index_t global = W::global_batch(1);
+    lower_options lo;
+    lo.global_batch = global;
+    lo.seq = models::gpt_seq;
+    lo.micro_batches = m;
+    lo.optimizer_bytes_per_param = 4;  // SGD with momentum
+    const auto prog = lower<P>(shape, ctx.rank(), lo);  // checks the plan against the mesh on every rank
+    auto data = W::data(global);
+    pipelined<P> net(ctx, seed{42}, o);
+    trainer_options to;
+    to.progress = false;
+    trainer t(net, sgd{.lr = 0.01f, .momentum = 0.9f}, to);
+    auto sent_now = [&] { return ctx.mesh().stats().bytes_sent + ctx.world().stats().bytes_sent; };
+    std::vector<double> secs, losses;
+    std::int64_t sent = 0;
+    for (int s = 0; s < c.steps; ++s) {
+      auto b = t.fetch(data, s);
+      if (s == 2) reset_memory_peaks();
+      const auto before = sent_now();
+      double loss = 0;
+      secs.push_back(timed(ctx, [&] { loss = t.step_on(b, global, s); }));
+      if (s >= 2) sent += sent_now() - before;
+      losses.push_back(loss);
+    }
+    const int timed_steps = c.steps - 2;
+    const double step_s = median(std::vector<double>(secs.begin() + 2, secs.end()));
+    const double counted = max_over_ranks(ctx, static_cast<double>(sent) / timed_steps);
+    const auto tot = prog.totals();
+    const double predicted = max_over_ranks(ctx, static_cast<double>(tot.bytes_sent));
+    const double state = max_over_ranks(ctx, static_cast<double>(tot.param_bytes + tot.grad_bytes + tot.optimizer_bytes));
+    const double rss = max_over_ranks(ctx, peak_rss_mib());
+    const auto mem = max_memory(ctx);
+    if (ctx.rank() != 0) return;
+    char plan[256];
+    std::snprintf(plan, sizeof plan, "3d: gpt tensor parallel over model:%d, %s pipeline over pipe:%d (m=%d%s), data:%d",
+                  shape.size(axis::model), Sched::name().c_str(), shape.size(axis::pipe), net.micro_batches(),
+                  std::is_same_v<Stack, whale::repeat<4, whale::split<block>>> ? "" : ", blocks recomputed",
+                  shape.size(axis::data));
+    json_line j;
+    head_fields<W>(j, plan, ctx.size(), step_s, global, data.seq());
+    j.add("mesh", shape.spec()).add("schedule", Sched::name()).add("micro_batches", net.micro_batches());
+    j.add("comm_bytes_per_rank_per_step", static_cast<long long>(counted));
+    j.add("program_bytes_per_rank_per_step", static_cast<long long>(predicted));
+    j.add("model_state_mib_per_rank", state / 1048576.0);
+    j.add("peak_rss_mib_per_rank", rss);
+    j.raw("memory_mib", memory_json(mem));
+    j.add("loss_first", losses.front()).add("loss_last", losses.back());
+    j.print();
+  }
+};
+
+}  // namespace bench::plans
