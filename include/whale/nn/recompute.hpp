@@ -15,7 +15,15 @@
 
 namespace whale {
 
+template <class M, int Level> struct shard;              // strategy/shard.hpp
+template <class Sched, class... Parts> struct pipeline;  // strategy/pipeline.hpp
+
 namespace detail {
+/// A whole-model strategy, which recompute cannot wrap (see recompute's asserts).
+template <class T> inline constexpr bool recompute_whole_model = false;
+template <class M, int L> inline constexpr bool recompute_whole_model<shard<M, L>> = true;
+template <class S, class... P> inline constexpr bool recompute_whole_model<pipeline<S, P...>> = true;
+
 /// While alive: the slots that layers touch are recorded into `rec`, and
 /// activation buffers come from the activation pool. `stop()` ends both; the
 /// destructor then releases every recorded slot (its buffers return to the pool).
@@ -68,6 +76,11 @@ class recompute_scope {
 /// anyway. After the first step nothing is allocated from the heap.
 template <class Block>
 class recompute {
+  static_assert(!detail::recompute_whole_model<Block>,
+                "whale::recompute<shard<...>> / recompute<pipeline<...>>: shard and pipeline are whole-model "
+                "strategies (they end in the loss) and cannot be recomputed; recompute the blocks inside them: "
+                "shard<sequential<..., recompute<Block>, ..., Loss>> or pipeline<Schedule, sequential<..., "
+                "repeat<N, recompute<Block>>, ..., Loss>>");
   static_assert(Layer<Block>,
                 "whale::recompute: Block must model whale::Layer; a loss cannot be recomputed "
                 "(put the loss after the recompute<...>)");

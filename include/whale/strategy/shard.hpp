@@ -67,8 +67,9 @@ struct shard : M {
   static_assert(Loss<M>,
                 "whale::shard: shard the whole model (a sequential ending in a loss); sharding one "
                 "part of a model is not supported yet — wrap the whole model in whale::shard<...>");
-  static_assert(!detail::is_shard_impl<strip_replicate_t<M>>::value,
-                "whale::shard: shard<shard<M>> is not meaningful (there is one data axis); use one shard<M, Level>");
+  static_assert(!detail::is_or_holds<detail::part_kind::shard, M>(),
+                "whale::shard: shard<shard<M>> is not meaningful (there is one data axis), nor is a shard<...> "
+                "inside the sharded model; use one shard<M, Level> around the whole model");
   static_assert(!detail::shard_incompatible_part<M>(),
                 "whale::shard: the model contains a split<...> region or a pipeline<...>; shard does not "
                 "compose with them yet (sharding inside each pipeline stage's data group and sharding split "
