@@ -2,10 +2,13 @@
 // Each rank holds all of M's parameters, feeds its rows of the global batch,
 // and sums gradients with bucketed all-reduces issued during backward as soon
 // as a bucket's last gradient is final (blocking by default, see dp_options).
-// No layouts here.
+// Also the model-independent part of every plan's global gradient norm
+// (detail::global_grad_norm). No layouts here.
 #pragma once
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <ostream>
@@ -14,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "whale/backend/cpu.hpp"
 #include "whale/comm/collectives.hpp"
 #include "whale/comm/context.hpp"
 #include "whale/nn/network.hpp"
@@ -51,6 +55,48 @@ inline std::pair<index_t, index_t> even_slice(index_t global, int parts, int par
   const index_t begin = part * q + std::min<index_t>(part, r);
   return {begin, q + (part < r ? 1 : 0)};
 }
+
+namespace detail {
+/// A run of flat parameters, in binding order: `count` of them, held as the
+/// same copy by the ranks that differ only along the axes `shared` (after the
+/// data-parallel sum, a gradient replicated over data is such a copy; a shard
+/// of a split layer is shared by the one of data and model it is not split over).
+struct param_piece {
+  index_t count = 0;
+  axes shared;
+};
+using flat_ranges = std::vector<std::pair<index_t, index_t>>;
+
+/// Append to `out` the ranges that this rank counts in the global gradient
+/// norm, of `pieces` laid out from flat offset `offset` on: a piece is counted
+/// by the rank at coordinate 0 of every axis that shares it, so that summing
+/// over the world counts each parameter once. Returns the offset after them.
+inline index_t counted_ranges(flat_ranges& out, const std::vector<param_piece>& pieces, index_t offset,
+                              const std::array<int, axis_count>& coords) {
+  for (const auto& p : pieces) {
+    bool mine = p.count > 0;
+    for (axis a : all_axes)
+      if (p.shared.contains(a) && coords[static_cast<std::size_t>(a)] != 0) mine = false;
+    if (mine) {
+      if (!out.empty() && out.back().second == offset) out.back().second += p.count;
+      else out.push_back({offset, offset + p.count});
+    }
+    offset += p.count;
+  }
+  return offset;
+}
+
+/// The norm of the whole model's gradient: the squares of this rank's
+/// gradients over its counted ranges (flat offsets; grads[0] is offset `base`),
+/// summed over `comm` (null: this rank holds the whole model) in one
+/// all-reduce of one double. Collective over `comm`.
+inline double global_grad_norm(const float* grads, index_t base, const flat_ranges& counted, world_comm* comm) {
+  double sq = 0;
+  for (auto [b, e] : counted) sq += cpu::sum_squares(e - b, grads + (b - base));
+  if (comm && comm->size() > 1) all_reduce(*comm, view<double>(&sq, {1}));
+  return std::sqrt(sq);
+}
+}  // namespace detail
 
 /// A network trained with data parallelism over `ctx.mesh()`'s data axis.
 template <class M>

@@ -2,14 +2,17 @@
 // data × model mesh: the batch is split over the data axis, split layers hold
 // their shard and run the collectives their layouts need, and the gradients
 // of every parameter that saw only this rank's rows are summed over the data
-// axis in buckets during backward.
+// axis in buckets during backward. Also which parameters of a split plan each
+// rank counts in the global gradient norm (detail::param_pieces).
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <ostream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -21,6 +24,84 @@
 #include "whale/strategy/split.hpp"
 
 namespace whale {
+
+namespace detail {
+/// The axis of a split region (split<M, A> and the chains inside it).
+template <axis A, lay In, exit_kind X, lay XL, stream_kind S, class... E>
+constexpr axis region_axis_of(const split_chain<A, In, X, XL, S, E...>*) {
+  return A;
+}
+template <class T>
+concept split_region_like = requires { detail::region_axis_of(static_cast<const T*>(nullptr)); };
+
+/// Named in the compiler's error when a leaf has a split dimension but does
+/// not say which of its parameters are divided among the ranks.
+template <class Leaf> struct show_sharded_leaf_without_split_params {
+  static_assert(!requires { Leaf::split_extent; },
+                "whale::split: this layer is sharded (it has split_extent) but does not declare split_params and "
+                "replicated_params, which the gradient norm needs to count each parameter once; declare them "
+                "(split_layers.hpp) for the layer named in 'show_sharded_leaf_without_split_params<Leaf>'");
+  static constexpr bool value = true;
+};
+
+inline void add_piece(std::vector<param_piece>& out, index_t count, axes shared) {
+  if (count == 0) return;
+  if (!out.empty() && out.back().shared == shared) out.back().count += count;
+  else out.push_back({count, shared});
+}
+
+/// The pieces of T's flat parameters in binding order (as T::bind takes
+/// them), on a mesh of `sizes`, inside a split region over axis `Region` (-1:
+/// none). A sharded leaf holds its split_params / degree, shared by the axes
+/// other than the region's, then its replicated_params (bound last: a
+/// row-parallel bias, head attention's output bias), shared by data and model
+/// as every other parameter is.
+template <class T, int Region>
+void param_pieces(std::vector<param_piece>& out, const std::array<int, axis_count>& sizes) {
+  constexpr axes both = axis::data | axis::model;
+  if constexpr (requires { T::split_params; T::replicated_params; }) {
+    static_assert(Region >= 0,
+                  "whale::split: a sharded layer (one with split_params) outside a split region; sharded layers "
+                  "are made by split<...> from the layer they shard: write split<layer> instead");
+    constexpr axes shard_shared = Region == static_cast<int>(axis::data) ? axes(axis::model) : axes(axis::data);
+    add_piece(out, T::split_params / sizes[static_cast<std::size_t>(Region)], shard_shared);
+    add_piece(out, T::replicated_params, both);
+  } else if constexpr (requires { typename T::chain_type; }) {  // split_residual
+    param_pieces<typename T::chain_type, Region>(out, sizes);
+  } else if constexpr (split_region_like<T>) {
+    constexpr int a = static_cast<int>(region_axis_of(static_cast<const T*>(nullptr)));
+    [&]<class... E>(std::tuple<E...>*) { (param_pieces<E, a>(out, sizes), ...); }(static_cast<typename T::tuple_type*>(nullptr));
+  } else if constexpr (requires { typename T::tuple_type; }) {  // sequential, replicate<sequential>
+    [&]<class... E>(std::tuple<E...>*) { (param_pieces<E, Region>(out, sizes), ...); }(
+        static_cast<typename T::tuple_type*>(nullptr));
+  } else if constexpr (requires { typename T::block_type; T::count; }) {  // repeat
+    for (std::size_t i = 0; i < T::count; ++i) param_pieces<typename T::block_type, Region>(out, sizes);
+  } else if constexpr (requires { typename T::block_type; }) {  // recompute
+    param_pieces<typename T::block_type, Region>(out, sizes);
+  } else if constexpr (requires { typename T::inner_type; }) {  // residual
+    param_pieces<typename T::inner_type, Region>(out, sizes);
+  } else if constexpr (requires { typename T::inner; }) {  // replicate of a leaf
+    param_pieces<typename T::inner, Region>(out, sizes);
+  } else {
+    static_assert(show_sharded_leaf_without_split_params<T>::value);
+    add_piece(out, T::cost().params, both);
+  }
+}
+
+/// The flat ranges [begin, end) of model T laid out from `offset` that this
+/// rank counts in the global gradient norm (see counted_ranges); throws if the
+/// pieces do not add up to `local_count`, this rank's parameters of T.
+template <class T>
+void add_counted_ranges(flat_ranges& out, index_t offset, index_t local_count, const mesh& m, const std::string& who) {
+  std::vector<param_piece> pieces;
+  const std::array<int, axis_count> sizes{m.size(axis::data), m.size(axis::pipe), m.size(axis::model)};
+  param_pieces<T, -1>(pieces, sizes);
+  const index_t end = counted_ranges(out, pieces, offset, m.coords());
+  if (end - offset != local_count)
+    throw std::logic_error(who + ": the gradient norm counts " + std::to_string(end - offset) + " parameters of " +
+                           layer_name<T>() + ", but this rank holds " + std::to_string(local_count));
+}
+}  // namespace detail
 
 /// A model with split regions, trained on `ctx.mesh()` (data × model).
 template <class M>
@@ -44,6 +125,7 @@ class hybrid_parallel {
     for (auto [b, e] : sync_) broadcast(*data_, net_.params().rows(b, e - b), 0);
     const auto per = std::max<index_t>(1, static_cast<index_t>(o_.bucket_mib * 1048576.0 / sizeof(float)));
     buckets_.plan(sync_, per, o_.blocking);
+    detail::add_counted_ranges<M>(counted_, 0, net_.param_count(), ctx.mesh(), "whale::split");
   }
   hybrid_parallel(const hybrid_parallel&) = delete;
   hybrid_parallel& operator=(const hybrid_parallel&) = delete;
@@ -70,9 +152,11 @@ class hybrid_parallel {
     all_reduce(*data_, view<double>(&v, {1}));
     return v;
   }
+  /// The norm of the whole model's gradient, the same on every rank: shards'
+  /// squares summed over their axis, replicated parameters counted once
+  /// (collective: one all-reduce of one double over the mesh).
   double grad_norm() const {
-    throw std::invalid_argument(
-        "whale::split: gradient clipping (max_grad_norm) is not supported with split plans yet; train without it");
+    return detail::global_grad_norm(net_.grads().data(), 0, counted_, &ctx_->world());
   }
   int rank() const noexcept { return ctx_->rank(); }
   int world_size() const noexcept { return ctx_->size(); }
@@ -119,6 +203,7 @@ class hybrid_parallel {
   network<M> net_;
   dp_options o_;
   std::vector<std::pair<index_t, index_t>> sync_;
+  detail::flat_ranges counted_;  // what this rank adds to the gradient norm
   detail::grad_buckets buckets_;
 };
 

@@ -35,6 +35,7 @@
 #include "whale/nn/repeat.hpp"
 #include "whale/nn/sequential.hpp"
 #include "whale/strategy/data_parallel.hpp"
+#include "whale/strategy/hybrid.hpp"
 #include "whale/strategy/replicate.hpp"
 #include "whale/strategy/schedule.hpp"
 #include "whale/strategy/split.hpp"
@@ -321,6 +322,7 @@ class pipelined {
     bind_and_init(s);
     if (!no_sync_.empty())  // only splits over the data axis register these; they are refused above
       throw std::logic_error("whale::pipeline: a split region registered parameters without data-axis sync");
+    count_for_norm();
     if constexpr (replicated) {
       if (d_ > 1) broadcast(*data_, params_.v(), 0);  // identical start in every replica
       make_buckets();
@@ -465,16 +467,11 @@ class pipelined {
     tr_.add(span_kind::loss_all_reduce, step_ - 1, -1, t0, tr_.now());
     return v;
   }
-  /// The norm of the whole model's gradient (stages' squares summed over the pipe axis).
-  double grad_norm() const {
-    if constexpr (has_split)
-      throw std::invalid_argument("whale::" + layer_name<P>() +
-                                  ": gradient clipping (max_grad_norm) is not supported with split regions inside "
-                                  "pipeline stages yet; train without it");
-    double sq = cpu::sum_squares(grads_.numel(), grads_.data());
-    all_reduce(*pipe_, view<double>(&sq, {1}));
-    return std::sqrt(sq);
-  }
+  /// The norm of the whole model's gradient, the same on every rank: stages'
+  /// squares summed over the pipe axis, shards' over the model axis, parameters
+  /// replicated over data or model counted once (collective: one all-reduce
+  /// of one double over the world).
+  double grad_norm() const { return detail::global_grad_norm(grads_.data(), begin_, counted_, &ctx_->world()); }
   int rank() const noexcept { return ctx_->rank(); }
   int world_size() const noexcept { return ctx_->size(); }
   template <class O> typename O::state make_optimizer_state(const O& opt) const {
@@ -800,6 +797,23 @@ class pipelined {
     });
     if (b.offset() != end_) throw std::logic_error("whale::pipeline: stage binding did not fill its parameter range");
   }
+  // The ranges of this stage that this rank adds to the gradient norm.
+  void count_for_norm() {
+    const std::string who = "whale::" + layer_name<P>();
+    for_elems([&](auto ic) {
+      constexpr std::size_t I = decltype(ic)::value;
+      if (!owns(I)) return;
+      auto& e = model_.template get<I>();
+      if constexpr (I == rep_index) {
+        using B = typename std::remove_cvref_t<decltype(e)>::block_type;
+        for (int k = first_block_[static_cast<std::size_t>(stage_)]; k < first_block_[static_cast<std::size_t>(stage_) + 1]; ++k)
+          detail::add_counted_ranges<B>(counted_, block_offset(k), e.block(static_cast<std::size_t>(k)).param_count(),
+                                        ctx_->mesh(), who);
+      } else {
+        detail::add_counted_ranges<elem_t<I>>(counted_, off_[I], e.param_count(), ctx_->mesh(), who);
+      }
+    });
+  }
   static void check_offset(const param_binder& b, index_t want) {
     if (b.offset() != want) throw std::logic_error("whale::pipeline: stage parameters out of order");
   }
@@ -975,6 +989,7 @@ class pipelined {
   index_t block_params_ = 0, begin_ = 0, end_ = 0, total_ = 0;
   index_t in_width_ = 0, out_width_ = 0;
   tensor<float> params_, grads_;
+  detail::flat_ranges counted_;  // what this rank adds to the gradient norm
   // schedule
   int m_ = 0;
   schedule_report rep_;

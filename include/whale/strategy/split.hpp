@@ -27,6 +27,7 @@
 #include "whale/nn/sequential.hpp"
 #include "whale/nn/softmax_cross_entropy.hpp"
 #include "whale/strategy/layout.hpp"
+#include "whale/strategy/replicate.hpp"
 #include "whale/strategy/split_layers.hpp"
 
 namespace whale {
@@ -263,11 +264,21 @@ class split_chain {
   {
     auto& loss = std::get<size - 1>(layers_);
     if constexpr (n_layers == 0) {
-      return run_forward_loss(loss, c, x, labels_for(c, labels), offset_[size - 1]);
+      return loss_share(run_forward_loss(loss, c, x, labels_for(c, labels), offset_[size - 1]));
     } else {
       auto y = fwd<0>(c, x);
-      return run_forward_loss(loss, c, cview<float>(y), labels_for(c, labels), offset_[size - 1]);
+      return loss_share(run_forward_loss(loss, c, cview<float>(y), labels_for(c, labels), offset_[size - 1]));
     }
+  }
+  // A whole (unsplit) loss that sees every row of the global batch on every data
+  // rank computes the loss of all of them: each rank's share is 1/p of it, so that
+  // summing shares over the data axis is right. (The class-split loss does this itself.)
+  double loss_share(double v) {
+    using L = std::tuple_element_t<size - 1, tuple_type>;
+    if constexpr (A == axis::data && built::out != lay::S0 && !requires { L::split_params; })
+      return v / env_.comm(axis::data).size();
+    else
+      return v;
   }
   view<float> backward_loss(step_ctx& c)
     requires ends_in_loss
@@ -458,6 +469,28 @@ struct split : decltype(detail::region_for<A, M>()) {
                 "whale::split: operators cannot be split over the pipe axis; use axis::model or axis::data");
   static_assert(Degree >= 0, "whale::split: the degree must be positive (or 0: the axis size at run time)");
   static_assert(Degree == 0 || detail::degree_ok<region, Degree>());
+  // Nestings (docs/strategies.md): a region holds layers and containers only.
+  static_assert(!detail::is_or_holds<detail::part_kind::shard, M>(),
+                "whale::split<shard<M>>: the region is or holds a shard<...>, which the split would train as a "
+                "split region, dropping the ZeRO partitioning; shard does not compose with split yet. Shard a "
+                "whole model without split regions (shard<M, Level>), or use replicate<...> beside the split");
+  static_assert(!detail::is_or_holds<detail::part_kind::pipeline, M>(),
+                "whale::split<pipeline<...>>: the region is or holds a pipeline<...>, which the split would train "
+                "as one sequential without its stages; a pipeline is a whole-model strategy. Split inside its "
+                "stages instead: pipeline<Schedule, stage<split<A>>, stage<B>>, or pipeline<Schedule, M> with M's "
+                "blocks split (repeat<N, split<Block>>)");
+  static_assert(detail::is_or_holds<detail::part_kind::pipeline, M>() ||
+                    !detail::is_or_holds<detail::part_kind::stage, M>(),
+                "whale::split<stage<...>>: the region is or holds a stage<...>, which the split would train as a "
+                "plain sequential; a stage may only be a direct element of a pipeline. Put the split inside the "
+                "stage: pipeline<Schedule, stage<split<A>>, stage<B>> (3-D parallelism)");
+  static_assert(!detail::is_or_holds<detail::part_kind::replicate, M>(),
+                "whale::split<replicate<M>>: the region is or holds a replicate<...>; inside a split region every "
+                "layer takes the sharded form its incoming layout picks, so the replicate would not mean data "
+                "parallelism there (a replicate<leaf> is computed whole on every rank of the axis, a "
+                "replicate<sequential<...>> is split anyway). Move it out of the region "
+                "(sequential<replicate<A>, split<B>>) or drop it: a split plan is data parallel outside its "
+                "regions already (replicate<split<M>> is split<M>)");
   static constexpr bool is_split = true;
   static std::string name() { return "split<" + layer_name<M>() + ", " + axis_name(A) + ">"; }
   void configure(const split_env& e) {
