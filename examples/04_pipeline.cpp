@@ -22,8 +22,8 @@
 
 using namespace whale;
 
-template <class Plan> int train(const context& ctx, const pipeline_options& o, std::int64_t n_steps) {
-  pipelined<Plan> net(ctx, seed{42}, o);  // checks the mesh, the stage cut and the schedule on every rank
+template <class Plan> int train(const context& ctx, const plan_options& o, std::int64_t n_steps) {
+  auto net = make<Plan>(ctx, seed{42}, o);  // checks the mesh, the stage cut and the schedule on every rank
   if (ctx.rank() == 0) std::cout << net;
   auto data = models::gpt_data(seed{7});  // 16 sequences x 128 tokens per step
   // Each stage sends (B/m * T, C) activations forward and their gradients back.
@@ -44,7 +44,7 @@ template <class Plan> int train(const context& ctx, const pipeline_options& o, s
 int main(int argc, char** argv) {
   auto ctx = context::init(argc, argv);  // --mesh data=D,pipe=P / WHALE_MESH; --threads
   return ctx.guard([&] {
-    auto o = pipeline_options::from_args(argc, argv);  // --micro-batches, --stage-blocks, --trace
+    auto o = plan_options::from_args(argc, argv);  // --micro-batches, --stage-blocks, --trace
     if (o.micro_batches == 0) o.micro_batches = 8;
     o.trace = true;  // record spans in memory, for the bubble line
     std::int64_t n_steps = 10;

@@ -22,7 +22,7 @@
 #include "whale/nn/transformer_block.hpp"
 #include "whale/optim/adamw.hpp"
 #include "whale/optim/sgd.hpp"
-#include "whale/strategy/make.hpp"
+#include "whale/runtime/make.hpp"
 #include "whale/strategy/pipeline.hpp"
 #include "whale/comm/trace.hpp"
 #include "whale/train/trainer.hpp"
@@ -67,8 +67,8 @@ diff train_and_compare(Net& net, MakeData make_data, int n_steps = 5) {
   return compare(net.params(), ref);
 }
 
-template <class Sched> pipeline_options opts(int m, std::vector<int> blocks = {}) {
-  pipeline_options o;
+template <class Sched> plan_options opts(int m, std::vector<int> blocks = {}) {
+  plan_options o;
   o.micro_batches = m;
   o.blocks = std::move(blocks);
   return o;
@@ -164,8 +164,8 @@ TEST_CASE("pipeline<gpipe|1f1b, gpt> equals single-process training (8 x 16 toke
   auto ctx = context::init();
   const int W = ctx.size();
   auto ctxp = with_mesh("pipe=" + std::to_string(W));
-  pipelined<pipeline<gpipe, small_gpt>> gp(ctxp, seed{42}, opts<gpipe>(4));
-  pipelined<pipeline<one_f_one_b, small_gpt>> ofob(ctxp, seed{42}, opts<one_f_one_b>(4));
+  auto gp = make<pipeline<gpipe, small_gpt>>(ctxp, seed{42}, opts<gpipe>(4));
+  auto ofob = make<pipeline<one_f_one_b, small_gpt>>(ctxp, seed{42}, opts<one_f_one_b>(4));
   const auto dg = train_and_compare<small_gpt>(gp, gpt_batches);
   const auto d1 = train_and_compare<small_gpt>(ofob, gpt_batches);
   MESSAGE("ranks " << W << " stage " << gp.stage() << " (" << gp.param_count() << " params): max |gpipe - single| = "
@@ -191,7 +191,7 @@ TEST_CASE("pipeline<1f1b, gpt> with uneven, explicit stage boundaries") {
   const std::vector<std::vector<int>> cuts = W == 2 ? std::vector<std::vector<int>>{{1, 3}, {4, 0}}
                                                     : std::vector<std::vector<int>>{{0, 1, 2, 1}, {2, 1, 1, 0}};
   for (const auto& cut : cuts) {
-    pipelined<pipeline<one_f_one_b, small_gpt>> net(ctxp, seed{42}, opts<one_f_one_b>(2, cut));
+    auto net = make<pipeline<one_f_one_b, small_gpt>>(ctxp, seed{42}, opts<one_f_one_b>(2, cut));
     CHECK(net.stage_blocks() == cut);
     const auto d = train_and_compare<small_gpt>(net, gpt_batches);
     std::string cut_s;
@@ -212,14 +212,14 @@ TEST_CASE("pipeline<S, stage<...>, ...> (mlp, uneven explicit stages) equals seq
   if (W == 1) {
     using P = pipeline<gpipe, stage<linear<32, 64>, gelu, linear<64, 16>, softmax_cross_entropy>>;
     using S = sequential<sequential<linear<32, 64>, gelu, linear<64, 16>, softmax_cross_entropy>>;
-    pipelined<P> net(ctxp, seed{42}, opts<gpipe>(4));
+    auto net = make<P>(ctxp, seed{42}, opts<gpipe>(4));
     CHECK(train_and_compare<S>(net, data).bad == 0);
   } else if (W == 2) {
     using A = stage<linear<32, 64>, gelu, linear<64, 64>, gelu>;  // uneven: 6,240 parameters
     using B = stage<linear<64, 16>, softmax_cross_entropy>;       // and 1,040
     using S = sequential<A::layers, B::layers>;
-    pipelined<pipeline<one_f_one_b, A, B>> net1(ctxp, seed{42}, opts<one_f_one_b>(4));
-    pipelined<pipeline<gpipe, A, B>> netg(ctxp, seed{42}, opts<gpipe>(8));
+    auto net1 = make<pipeline<one_f_one_b, A, B>>(ctxp, seed{42}, opts<one_f_one_b>(4));
+    auto netg = make<pipeline<gpipe, A, B>>(ctxp, seed{42}, opts<gpipe>(8));
     const auto d1 = train_and_compare<S>(net1, data), dg = train_and_compare<S>(netg, data);
     MESSAGE("mlp 2 stages, stage " << net1.stage() << ": max diff 1f1b " << d1.max_abs << ", gpipe " << dg.max_abs);
     CHECK(d1.bad == 0);
@@ -230,7 +230,7 @@ TEST_CASE("pipeline<S, stage<...>, ...> (mlp, uneven explicit stages) equals seq
     using C = stage<gelu>;                   // no parameters at all
     using D = stage<linear<64, 16>, softmax_cross_entropy>;
     using S = sequential<A::layers, B::layers, C::layers, D::layers>;
-    pipelined<pipeline<one_f_one_b, A, B, C, D>> net(ctxp, seed{42}, opts<one_f_one_b>(4));
+    auto net = make<pipeline<one_f_one_b, A, B, C, D>>(ctxp, seed{42}, opts<one_f_one_b>(4));
     const auto d = train_and_compare<S>(net, data);
     MESSAGE("mlp 4 stages, stage " << net.stage() << ": max diff " << d.max_abs);
     CHECK(d.bad == 0);
@@ -248,8 +248,8 @@ TEST_CASE("replicate<pipeline<1f1b, gpt>> on data x pipe equals single-process t
   }
   auto ctxp = with_mesh("data=2,pipe=" + std::to_string(W / 2));
   auto o = opts<one_f_one_b>(2);  // per-replica batch 4 -> 2 micro-batches of 2
-  o.dp.bucket_mib = 0.01;         // several buckets, launched during the last backward
-  pipelined<replicate<pipeline<one_f_one_b, small_gpt>>> net(ctxp, seed{42}, o);
+  o.bucket_mib = 0.01;         // several buckets, launched during the last backward
+  auto net = make<replicate<pipeline<one_f_one_b, small_gpt>>>(ctxp, seed{42}, o);
   const auto d = train_and_compare<small_gpt>(net, gpt_batches);
   MESSAGE("data=2,pipe=" << W / 2 << " stage " << net.stage() << ": max |pipe - single| = " << d.max_abs);
   CHECK(d.bad == 0);
@@ -285,7 +285,7 @@ diff train_and_compare_split(Net& net) {
     trainer t(net, opt, quiet());
     r = t.run(data, steps{5});
   }
-  auto full = net.full_params();  // collective over the model axis
+  auto full = net.stage_params();  // collective over the model axis
   network<tp_single> single(seed{42});
   auto data = gpt_batches();
   trainer t(single, opt, quiet());
@@ -310,7 +310,7 @@ TEST_CASE("3-D: pipeline<1f1b, gpt with split embedding, blocks and head> on [da
   }
   for (const auto& mesh : plain) {
     auto c = with_mesh(mesh);
-    pipelined<pipeline<one_f_one_b, tp_gpt>> net(c, seed{42}, opts<one_f_one_b>(4));
+    auto net = make<pipeline<one_f_one_b, tp_gpt>>(c, seed{42}, opts<one_f_one_b>(4));
     const auto d = train_and_compare_split(net);
     MESSAGE(mesh << " stage " << net.stage() << " model rank " << c.mesh().coord(axis::model) << " ("
                  << net.param_count() << " local params, unsplit range " << net.full_param_begin() << ".."
@@ -321,8 +321,8 @@ TEST_CASE("3-D: pipeline<1f1b, gpt with split embedding, blocks and head> on [da
   for (const auto& mesh : replicated) {
     auto c = with_mesh(mesh);
     auto o = opts<one_f_one_b>(2);
-    o.dp.bucket_mib = 0.01;  // several buckets
-    pipelined<replicate<pipeline<one_f_one_b, tp_gpt>>> net(c, seed{42}, o);
+    o.bucket_mib = 0.01;  // several buckets
+    auto net = make<replicate<pipeline<one_f_one_b, tp_gpt>>>(c, seed{42}, o);
     const auto d = train_and_compare_split(net);
     MESSAGE(mesh << " (replicated) stage " << net.stage() << ": max |3d - single| = " << d.max_abs);
     CHECK(d.bad == 0);
@@ -336,7 +336,7 @@ TEST_CASE("3-D: pipeline<1f1b, gpt with split embedding, blocks and head> on [da
   }
   if (W > 1) {  // a model axis without split regions is still refused
     auto c = with_mesh("model=" + std::to_string(W));
-    CHECK_THROWS_WITH_AS((pipelined<pipeline<gpipe, small_gpt>>(c, seed{1}, opts<gpipe>(2))),
+    CHECK_THROWS_WITH_AS((make<pipeline<gpipe, small_gpt>>(c, seed{1}, opts<gpipe>(2))),
                          doctest::Contains("has a model axis, but no stage holds a split region"), std::invalid_argument);
   }
 }
@@ -353,7 +353,7 @@ constexpr int clip_steps = 4;
 template <class Single, class Net>
 void check_clipped(const context& c, Net& net, double max_norm, const std::string& what) {
   const auto r = test::run_clipped<Single>(c.world(), net, gpt_batches, max_norm, clip_steps, [&](network<Single>& single) {
-    auto full = net.full_params();  // collective over the model axis
+    auto full = net.stage_params();  // collective over the model axis
     CHECK(net.full_param_end() <= single.param_count());
     if (net.full_param_end() > single.param_count()) return diff{0.0, 1};
     auto ref = single.params().rows(net.full_param_begin(), net.full_param_end() - net.full_param_begin());
@@ -373,7 +373,7 @@ TEST_CASE("pipeline<1f1b>, replicated and 3-D, with AdamW, weight decay and acti
   const int W = ctx.size();
   {
     auto c = with_mesh("pipe=" + std::to_string(W));
-    pipelined<pipeline<one_f_one_b, small_gpt>> net(c, seed{42}, opts<one_f_one_b>(4));
+    auto net = make<pipeline<one_f_one_b, small_gpt>>(c, seed{42}, opts<one_f_one_b>(4));
     check_clipped<small_gpt>(c, net, 0.5, "1f1b gpt on pipe=" + std::to_string(W));
   }
   // split regions inside the stages: [data x] pipe x model
@@ -383,12 +383,12 @@ TEST_CASE("pipeline<1f1b>, replicated and 3-D, with AdamW, weight decay and acti
   else if (W == 4) plain = {"pipe=2,model=2"}, replicated = {"data=2,pipe=1,model=2", "data=2,pipe=2,model=1"};
   for (const auto& mesh : plain) {
     auto c = with_mesh(mesh);
-    pipelined<pipeline<one_f_one_b, tp_gpt>> net(c, seed{42}, opts<one_f_one_b>(4));
+    auto net = make<pipeline<one_f_one_b, tp_gpt>>(c, seed{42}, opts<one_f_one_b>(4));
     check_clipped<tp_single>(c, net, 0.5, "split gpt on " + mesh);
   }
   for (const auto& mesh : replicated) {
     auto c = with_mesh(mesh);
-    pipelined<replicate<pipeline<one_f_one_b, tp_gpt>>> net(c, seed{42}, opts<one_f_one_b>(2));
+    auto net = make<replicate<pipeline<one_f_one_b, tp_gpt>>>(c, seed{42}, opts<one_f_one_b>(2));
     check_clipped<tp_single>(c, net, 0.5, "replicated split gpt on " + mesh);
   }
 }
@@ -407,8 +407,8 @@ TEST_CASE("1F1B keeps at most p - s micro-batches alive on stage s; GPipe keeps 
   auto ctx = context::init();
   const int W = ctx.size();
   auto ctxp = with_mesh("pipe=" + std::to_string(W));
-  pipelined<pipeline<one_f_one_b, small_gpt>> n1(ctxp, seed{42}, opts<one_f_one_b>(8));
-  pipelined<pipeline<gpipe, small_gpt>> ng(ctxp, seed{42}, opts<gpipe>(8));
+  auto n1 = make<pipeline<one_f_one_b, small_gpt>>(ctxp, seed{42}, opts<one_f_one_b>(8));
+  auto ng = make<pipeline<gpipe, small_gpt>>(ctxp, seed{42}, opts<gpipe>(8));
   auto d1 = gpt_batches(), dg = gpt_batches();
   trainer(n1, sgd{.lr = 0.01f}, quiet()).run(d1, steps{2});
   trainer(ng, sgd{.lr = 0.01f}, quiet()).run(dg, steps{2});
@@ -438,17 +438,17 @@ TEST_CASE("pipeline errors: wrong degree, data axis without replicate, micro-bat
   if (W > 1) {  // the default mesh puts every rank on data
     CHECK_THROWS_WITH_AS((make<pipeline<gpipe, small_gpt>>(ctx, seed{1})), doctest::Contains("the plan is not replicated"),
                          std::invalid_argument);
-    CHECK_THROWS_WITH_AS((pipelined<pipeline<deadlocking, small_gpt>>(ctxp, seed{1}, opts<deadlocking>(4))),
+    CHECK_THROWS_WITH_AS((make<pipeline<deadlocking, small_gpt>>(ctxp, seed{1}, opts<deadlocking>(4))),
                          doctest::Contains("the schedule deadlocks"), std::invalid_argument);
   }
   if (W > 2) {
-    CHECK_THROWS_WITH_AS((pipelined<pipeline<gpipe, small_gpt>>(ctxp, seed{1}, opts<gpipe>(2, {4, 0, 0, 0}))),
+    CHECK_THROWS_WITH_AS((make<pipeline<gpipe, small_gpt>>(ctxp, seed{1}, opts<gpipe>(2, {4, 0, 0, 0}))),
                          doctest::Contains("do not fit"), std::invalid_argument);
   }
   // pure checks: the same on every rank
   CHECK_THROWS_WITH_AS(check_schedule<deadlocking>(2, 4), doctest::Contains("stage 0 waits at B0"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(check_schedule<backward_first>(2, 2), doctest::Contains("runs B0 before F0"), std::invalid_argument);
-  pipelined<pipeline<gpipe, small_gpt>> net(ctxp, seed{1}, opts<gpipe>(3));
+  auto net = make<pipeline<gpipe, small_gpt>>(ctxp, seed{1}, opts<gpipe>(3));
   CHECK_THROWS_WITH_AS(net.local_batch(8), doctest::Contains("3 micro-batches do not divide the per-replica batch of 8"),
                        std::invalid_argument);
 }
@@ -462,7 +462,7 @@ TEST_CASE("--trace: a merged Chrome trace with one span per forward, backward, s
   {
     auto o = opts<one_f_one_b>(m);
     o.trace_path = path;
-    pipelined<pipeline<one_f_one_b, small_gpt>> net(ctxp, seed{42}, o);
+    auto net = make<pipeline<one_f_one_b, small_gpt>>(ctxp, seed{42}, o);
     auto data = gpt_batches();
     trainer(net, sgd{.lr = 0.01f}, quiet()).run(data, steps{n_steps});
     const auto ev = net.finish_trace();

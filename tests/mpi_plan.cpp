@@ -16,7 +16,7 @@
 #include "whale/nn/relu.hpp"
 #include "whale/optim/sgd.hpp"
 #include "whale/plan/lower.hpp"
-#include "whale/strategy/make.hpp"
+#include "whale/runtime/make.hpp"
 #include "whale/train/trainer.hpp"
 #include "support/plan_check.hpp"
 
@@ -60,13 +60,17 @@ void check_plan(const std::string& spec, Data make_data, index_t batch, index_t 
   auto ctx = test::on_mesh(spec);
   o.global_batch = batch;
   o.seq = seq;
-  const auto prog = lower<P>(ctx.mesh().shape(), ctx.rank(), o);
-  const auto [m, held] = run<P>(ctx, make_data());
-  const auto t = prog.totals();
-  INFO("plan " << layer_name<P>() << " on " << spec << ", rank " << ctx.rank() << "\n" << prog);
-  CHECK(t.bytes_sent == m.sent);
-  CHECK(t.bytes_received == m.received);
-  CHECK(t.params_held == held);
+  try {  // a plan error is the same on every rank: report it here, before the context goes
+    const auto prog = lower<P>(ctx.mesh().shape(), ctx.rank(), o);
+    const auto [m, held] = run<P>(ctx, make_data());
+    const auto t = prog.totals();
+    INFO("plan " << layer_name<P>() << " on " << spec << ", rank " << ctx.rank() << "\n" << prog);
+    CHECK(t.bytes_sent == m.sent);
+    CHECK(t.bytes_received == m.received);
+    CHECK(t.params_held == held);
+  } catch (const std::exception& e) {
+    FAIL_CHECK("plan " << layer_name<P>() << " on " << spec << ": " << std::string(e.what()));
+  }
 }
 
 int world_size() {

@@ -16,7 +16,7 @@
 #include "whale/nn/relu.hpp"
 #include "whale/optim/adamw.hpp"
 #include "whale/optim/sgd.hpp"
-#include "whale/strategy/make.hpp"
+#include "whale/runtime/make.hpp"
 #include "whale/train/trainer.hpp"
 #include "support/plan_check.hpp"
 
@@ -37,11 +37,11 @@ void check_against_single(const context& ctx, MakeData make_data, bool overlap, 
                           bool blocking = true) {
   constexpr int n_steps = 5;
   const auto opt = sgd{.lr = 0.01f, .momentum = 0.9f};
-  dp_options o;
+  plan_options o;
   o.overlap = overlap;
   o.bucket_mib = bucket_mib;
   o.blocking = blocking;
-  data_parallel<replicate<Model>> dp(ctx, seed{42}, o);
+  auto dp = make<replicate<Model>>(ctx, seed{42}, o);
   {
     auto data = make_data();
     trainer t(dp, opt, quiet());
@@ -79,7 +79,7 @@ constexpr int clip_steps = 4;
 /// norm at step 0, so clipping is active); every rank checks its parameters.
 template <class Model, class MakeData>
 void check_clipped(const context& ctx, MakeData make_data, double max_norm, const std::string& what) {
-  data_parallel<replicate<Model>> dp(ctx, seed{42});
+  auto dp = make<replicate<Model>>(ctx, seed{42});
   const auto r = test::run_clipped<Model>(ctx.world(), dp, make_data, max_norm, clip_steps, [&](network<Model>& single) {
     return test::compare(dp.params(), single.params(), clip_atol, clip_rtol);
   });
@@ -121,8 +121,8 @@ TEST_CASE("replicate<gpt> equals single-process training (8 sequences, 5 steps)"
 TEST_CASE("replicate<replicate<M>> trains exactly as replicate<M>") {
   auto ctx = context::init();
   using small = sequential<linear<16, 32>, relu, linear<32, 8>, softmax_cross_entropy>;
-  data_parallel<replicate<small>> one(ctx, seed{3});
-  data_parallel<replicate<replicate<small>>> two(ctx, seed{3});
+  auto one = make<replicate<small>>(ctx, seed{3});
+  auto two = make<replicate<replicate<small>>>(ctx, seed{3});
   teacher_data d1(seed{4}, 16, 8, 12), d2(seed{4}, 16, 8, 12);
   trainer t1(one, sgd{.lr = 0.1f}, quiet());
   trainer t2(two, sgd{.lr = 0.1f}, quiet());
@@ -134,7 +134,7 @@ TEST_CASE("replicate<replicate<M>> trains exactly as replicate<M>") {
 TEST_CASE("replicate: a global batch smaller than the data degree is a clear error") {
   auto ctx = context::init();
   using small = sequential<linear<4, 4>, softmax_cross_entropy>;
-  data_parallel<replicate<small>> dp(ctx, seed{1});
+  auto dp = make<replicate<small>>(ctx, seed{1});
   if (ctx.size() > 1) {
     CHECK_THROWS_WITH_AS(dp.local_batch(ctx.size() - 1), doctest::Contains("smaller than the data-parallel degree"),
                          std::invalid_argument);

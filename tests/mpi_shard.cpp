@@ -24,7 +24,7 @@
 #include "whale/nn/relu.hpp"
 #include "whale/optim/adamw.hpp"
 #include "whale/optim/sgd.hpp"
-#include "whale/strategy/make.hpp"
+#include "whale/runtime/make.hpp"
 #include "whale/strategy/shard.hpp"
 #include "whale/train/trainer.hpp"
 #include "support/plan_check.hpp"
@@ -131,7 +131,7 @@ level_result check_level(const context& ctx, Data& data, cview<float> ref_range,
   level_result res;
   const auto t0 = std::chrono::steady_clock::now();
   const auto before = memory_snapshot().model_state();
-  sharded<shard<Model, Level>> z(ctx, seed{42});
+  auto z = make<shard<Model, Level>>(ctx, seed{42});
   trainer t(z, sgd{.lr = 0.01f, .momentum = 0.9f}, quiet());
   res.model_state = memory_snapshot().model_state() - before;
   const auto t1 = std::chrono::steady_clock::now();
@@ -177,7 +177,7 @@ constexpr int clip_steps = 4;
 /// single-process norm at step 0, so clipping is active); every rank checks its range.
 template <class Model, int Level, class MakeData>
 void check_clipped(const context& ctx, MakeData make_data, double max_norm, const std::string& what) {
-  sharded<shard<Model, Level>> z(ctx, seed{42});
+  auto z = make<shard<Model, Level>>(ctx, seed{42});
   const auto r = test::run_clipped<Model>(ctx.world(), z, make_data, max_norm, clip_steps, [&](network<Model>& single) {
     const auto [b, e] = z.range();
     return test::compare(z.local_params(), single.params().rows(b, e - b), clip_atol, clip_rtol);
@@ -274,7 +274,7 @@ TEST_CASE("shard: make<shard<M>> dispatches, prints the plan, and rejects a glob
   auto ctx = context::init();
   using small = sequential<linear<16, 32>, relu, linear<32, 8>, softmax_cross_entropy>;
   auto z = make<shard<replicate<small>, 3>>(ctx, seed{3});
-  static_assert(std::is_same_v<decltype(z), sharded<shard<replicate<small>, 3>>>);
+  static_assert(std::is_same_v<decltype(z), executor<shard<replicate<small>, 3>>>);
   std::ostringstream os;
   os << z;
   CHECK(os.str().find("ZeRO-3 over data:" + std::to_string(ctx.size())) != std::string::npos);

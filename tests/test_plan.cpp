@@ -64,7 +64,7 @@ TEST_CASE("lowering replicate: one all-reduce per bucket over data, bytes of the
   // one 25 MiB bucket of 212 floats: 2 (p-1)/p * 848 B = 1272 B, and the loss (8 B): 12 B
   CHECK(count(p, op_kind::collective) == 2);
   CHECK(p.totals().bytes_sent == 1272 + 12);
-  CHECK(p.bytes_sent_over(axis::data) == 1284);
+  CHECK(p.bytes_sent_over(axis::data) == 1272);  // the loss is summed over the world
   // buckets of 68 floats, from the last layer: [144, 212), [76, 144), [8, 76), [0, 8)
   auto o = batch(8);
   o.bucket_mib = 68 * 4 / 1048576.0;
@@ -98,9 +98,11 @@ TEST_CASE("lowering split: Megatron's pair holds halves and all-reduces once for
   }
   CHECK(col);
   CHECK(row);
-  // 4 rows x 8 features = 128 B all-reduced over 2 ranks: 128 B sent each way, forward and backward
-  CHECK(count(p, op_kind::collective) == 2);
-  CHECK(p.totals().bytes_sent == 256);
+  // 4 rows x 8 features = 128 B all-reduced over 2 ranks: 128 B sent each way, forward and backward;
+  // and the loss (8 B) summed over the world
+  CHECK(count(p, op_kind::collective) == 3);
+  CHECK(p.totals().bytes_sent == 256 + 8);
+  CHECK(p.bytes_sent_over(axis::model) == 256);
   // the sharded forms report their own per-rank cost: half the GEMM FLOPs
   const auto single = lower<sequential<linear<8, 16>, gelu, linear<16, 8>, softmax_cross_entropy>>(mesh_shape(1, 1, 1), 0, batch(4));
   double f1 = 0, f2 = 0;
@@ -118,7 +120,7 @@ TEST_CASE("lowering the class-split loss: row statistics all-reduced, logits nev
   std::int64_t gathers = 0;
   for (const auto& o : p.ops) gathers += o.kind == op_kind::collective && o.coll == coll_kind::all_gather;
   CHECK(gathers == 0);
-  CHECK(p.totals().bytes_sent == 4 * 16 * 4 + 4 * 4 + 8 * 4);
+  CHECK(p.totals().bytes_sent == 4 * 16 * 4 + 4 * 4 + 8 * 4 + 8);  // + the loss over the world
 }
 
 TEST_CASE("lowering a pipeline: activations forward and gradients back per micro-batch") {

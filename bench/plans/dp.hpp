@@ -1,5 +1,5 @@
-// Plan `dp`: data parallelism, `data_parallel<replicate<model>>` over every rank
-// (strategy/data_parallel.hpp), options --bucket-mib X and --no-overlap. Besides
+// Plan `dp`: data parallelism, `executor<replicate<model>>` over every rank
+// (runtime/executor.hpp), options --bucket-mib X and --no-overlap. Besides
 // the step it measures, in the same run, the two limits of a data-parallel step:
 // compute alone (every rank steps on its own rows at once, no communication) and
 // communication alone (one all-reduce of all gradient bytes), and their ratio.
@@ -12,9 +12,9 @@
 #include <vector>
 
 #include "../bench_common.hpp"
+#include "whale/runtime/make.hpp"
 #include "whale/comm/collectives.hpp"
 #include "whale/optim/sgd.hpp"
-#include "whale/strategy/data_parallel.hpp"
 #include "whale/strategy/replicate.hpp"
 #include "whale/train/trainer.hpp"
 
@@ -30,7 +30,7 @@ struct dp {
   template <class W> static void run(config& c) {
     using namespace whale;
     using M = replicate<typename W::model>;
-    dp_options o = dp_options::from_env();
+    plan_options o = plan_options::from_env();
     o.bucket_mib = c.args.value("--bucket-mib", o.bucket_mib);
     if (c.args.flag("--no-overlap")) o.overlap = false;
     if (c.args.flag("--nonblocking")) o.blocking = false;
@@ -41,7 +41,7 @@ struct dp {
     const int P = ctx.size();
     const index_t global = W::global_batch(P);
     auto data = W::data(global);
-    data_parallel<M> net(ctx, seed{42}, o);
+    auto net = make<M>(ctx, seed{42}, o);
     auto& comm = ctx.mesh().comm(axis::data);
     const sgd opt{.lr = 0.01f, .momentum = 0.9f};
     trainer_options to;
@@ -87,7 +87,7 @@ struct dp {
       sc.seq = b.seq;
       sc.global_rows = global * b.seq;
       const double dt = timed(ctx, [&] {
-        net.local().train_step(sc, b.inputs, b.labels);
+        net.compute_only_step(sc, b.inputs, b.labels);
         net.apply_optimizer(opt, t.optimizer_state(), 1.f);
       });
       if (r > 0) comp.push_back(dt);  // r == 0: warm-up

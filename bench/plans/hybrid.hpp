@@ -1,4 +1,4 @@
-// Plan `hybrid`: split regions beside data parallelism (strategy/hybrid.hpp).
+// Plan `hybrid`: split regions beside data parallelism (runtime/executor.hpp).
 //   xc:  Whale's plan — backbone replicated, classifier split by class over
 //        the same ranks (sequential<replicate<backbone>, split<classifier, axis::data>>);
 //   gpt: Megatron tensor parallelism over the `model` axis (split<gpt>),
@@ -14,9 +14,9 @@
 #include <vector>
 
 #include "../bench_common.hpp"
+#include "whale/runtime/make.hpp"
 #include "whale/nn/network.hpp"
 #include "whale/optim/sgd.hpp"
-#include "whale/strategy/hybrid.hpp"
 #include "whale/train/trainer.hpp"
 
 namespace bench::plans {
@@ -78,7 +78,7 @@ struct hybrid {
     const int D = ctx.mesh().size(axis::data);
     const index_t global = W::global_batch(D);
     auto data = W::data(global);
-    hybrid_parallel<M> net(ctx, seed{42});
+    auto net = make<M>(ctx, seed{42});
     trainer_options to;
     to.progress = false;
     trainer t(net, sgd{.lr = 0.01f, .momentum = 0.9f}, to);

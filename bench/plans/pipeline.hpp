@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../bench_common.hpp"
+#include "whale/runtime/make.hpp"
 #include "whale/comm/collectives.hpp"
 #include "whale/optim/sgd.hpp"
 #include "whale/strategy/pipeline.hpp"
@@ -49,14 +50,14 @@ struct pipeline {
     ::setenv("WHALE_MESH", ("pipe=" + std::to_string(P)).c_str(), 1);
     auto ctx = context::init();
     ::unsetenv("WHALE_MESH");
-    pipeline_options o;
+    plan_options o;
     o.micro_batches = m;
-    if (!blocks.empty()) o.blocks = pipeline_options::parse_list(blocks, "--stage-blocks");
+    if (!blocks.empty()) o.blocks = plan_options::parse_list(blocks, "--stage-blocks");
     o.trace = true;
     o.trace_path = trace;
     const index_t global = W::global_batch(1);
     auto data = W::data(global);
-    pipelined<whale::pipeline<S, typename W::model>> net(ctx, seed{42}, o);
+    auto net = make<whale::pipeline<S, typename W::model>>(ctx, seed{42}, o);
     const sgd opt{.lr = 0.01f, .momentum = 0.9f};
     trainer_options to;
     to.progress = false;

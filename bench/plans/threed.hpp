@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "../bench_common.hpp"
+#include "whale/runtime/make.hpp"
 #include "whale/detail/parse.hpp"
 #include "whale/models/gpt.hpp"
 #include "whale/nn/recompute.hpp"
@@ -68,7 +69,7 @@ struct threed {
     using P = replicate<whale::pipeline<Sched, tp_gpt<Stack>>>;
     auto& ctx = *c.ctx;
     const auto& shape = ctx.mesh().shape();
-    pipeline_options o;
+    plan_options o;
     o.micro_batches = m;
     const index_t global = W::global_batch(1);
     lower_options lo;
@@ -78,7 +79,7 @@ struct threed {
     lo.optimizer_bytes_per_param = 4;  // SGD with momentum
     const auto prog = lower<P>(shape, ctx.rank(), lo);  // checks the plan against the mesh on every rank
     auto data = W::data(global);
-    pipelined<P> net(ctx, seed{42}, o);
+    auto net = make<P>(ctx, seed{42}, o);
     trainer_options to;
     to.progress = false;
     trainer t(net, sgd{.lr = 0.01f, .momentum = 0.9f}, to);

@@ -1,4 +1,4 @@
-// Plans `zero1`, `zero2`, `zero3`: ZeRO data parallelism, `sharded<shard<model,
+// Plans `zero1`, `zero2`, `zero3`: ZeRO data parallelism, `executor<shard<model,
 // Level>>` over every rank (strategy/shard.hpp), option --recompute (gpt: every
 // transformer block recomputed; xc and mlp: the whole network before the last
 // linear and the loss). Reports step time, bytes per step and memory by category,
@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "../bench_common.hpp"
+#include "whale/runtime/make.hpp"
 #include "whale/nn/recompute.hpp"
 #include "whale/optim/sgd.hpp"
 #include "whale/strategy/shard.hpp"
@@ -52,7 +53,7 @@ template <int Level> struct zero {
 
   template <class W, class M> static void run_model(config& c, bool rc) {
     using namespace whale;
-    shard_options o = shard_options::from_env();
+    plan_options o = plan_options::from_env();
     o.bucket_mib = c.args.value("--bucket-mib", o.bucket_mib);
     if (c.args.flag("--no-prefetch")) o.prefetch = false;
     c.args.done(name);
@@ -63,7 +64,7 @@ template <int Level> struct zero {
     const index_t global = W::global_batch(P);
     auto data = W::data(global);
     const auto state0 = memory_snapshot().model_state();
-    sharded<shard<M, Level>> net(ctx, seed{42}, o);
+    auto net = make<shard<M, Level>>(ctx, seed{42}, o);
     auto& comm = ctx.mesh().comm(axis::data);
     trainer_options to;
     to.progress = false;

@@ -38,7 +38,12 @@ struct adamw;
 
 // strategy/
 template <class M> struct replicate;
-template <class M> class data_parallel;
+template <class Sched, class... Parts> struct pipeline;
+
+// plan/ and runtime/
+struct program;
+struct plan_options;
+template <class P> class executor;
 
 // train/
 class teacher_data;

@@ -49,15 +49,11 @@
 #include "whale/optim/sgd.hpp"
 
 // strategy/
-#include "whale/strategy/data_parallel.hpp"
-#include "whale/strategy/grad_sync.hpp"
-#include "whale/strategy/hybrid.hpp"
 #include "whale/strategy/layout.hpp"
 #include "whale/strategy/pipeline.hpp"
 #include "whale/strategy/schedule.hpp"
 #include "whale/strategy/split.hpp"
 #include "whale/strategy/split_layers.hpp"
-#include "whale/strategy/make.hpp"
 #include "whale/strategy/replicate.hpp"
 #include "whale/strategy/shard.hpp"
 
@@ -66,6 +62,11 @@
 #include "whale/plan/lower.hpp"
 #include "whale/plan/partition.hpp"
 #include "whale/plan/program.hpp"
+
+// runtime/
+#include "whale/runtime/executor.hpp"
+#include "whale/runtime/make.hpp"
+#include "whale/runtime/options.hpp"
 
 // train/
 #include "whale/train/data.hpp"

@@ -6,7 +6,7 @@
 #include "whale/nn/relu.hpp"
 #include "whale/nn/sequential.hpp"
 #include "whale/nn/softmax_cross_entropy.hpp"
-#include "whale/strategy/make.hpp"
+#include "whale/runtime/make.hpp"
 
 using namespace whale;
 using head = sequential<linear<16, 4>, softmax_cross_entropy>;

@@ -206,7 +206,11 @@ template <class Tuple> void describe_elements(model_desc& d) {
 }
 
 template <class P> void describe_into(model_desc& d) {
-  if constexpr (is_replicate_v<P>) {
+  if constexpr (is_shard_v<P>) {
+    d.zero_level = P::level;
+    d.replicated = true;
+    describe_into<strip_replicate_t<typename P::inner>>(d);
+  } else if constexpr (is_replicate_v<P>) {
     d.replicated = true;
     describe_into<typename P::inner>(d);
   } else if constexpr (is_pipeline_v<P>) {

@@ -158,7 +158,7 @@ class lowering {
         h.local_offset = local;
         h.layout_in = u.in;
         h.recompute = u.recompute_group >= 0;
-        if (u.sharded) h.split_over = axes(static_cast<axis>(u.split_axis));
+        if (u.sharded) h.split_over = axes(static_cast<axis>(u.split_axis)), h.whole_tail = u.replicated_params;
         if (M_ > 1 && !(u.sharded && u.split_axis == static_cast<int>(axis::model))) h.replicated_over = h.replicated_over | axis::model;
         const bool data_whole = !(u.sharded && u.split_axis == static_cast<int>(axis::data));
         if (D_ > 1 && data_whole && zero_ < 3) h.replicated_over = h.replicated_over | axis::data;
@@ -191,7 +191,7 @@ class lowering {
   }
 
   void schedule() {
-    const auto [b, n] = D_ > 1 ? even_slice_of(o_.global_batch, D_, dr_) : std::pair<index_t, index_t>{0, o_.global_batch};
+    const auto [b, n] = D_ > 1 ? even_slice(o_.global_batch, D_, dr_) : std::pair<index_t, index_t>{0, o_.global_batch};
     (void)b;
     p_.local_sequences = n;
     int m = 1;
@@ -209,12 +209,8 @@ class lowering {
     }
     p_.micro_batches = m;
     micro_seqs_ = n / m;
-    per_bucket_ = std::max<index_t>(1, static_cast<index_t>(o_.bucket_mib * 1048576.0 / sizeof(float)));
+    per_bucket_ = bucket_elements(o_.bucket_mib);
     make_buckets();
-  }
-  static std::pair<index_t, index_t> even_slice_of(index_t global, int parts, int part) {
-    const index_t q = global / parts, r = global % parts;
-    return {part * q + std::min<index_t>(part, r), q + (part < r ? 1 : 0)};
   }
 
   // Data-parallel buckets (all-reduce over data) of the gradient ranges summed over data.
@@ -227,10 +223,7 @@ class lowering {
       if (!ranges.empty() && ranges.back().second == h.local_offset) ranges.back().second += h.local_params;
       else ranges.push_back({h.local_offset, h.local_offset + h.local_params});
     }
-    // one range per contiguous run, buckets from the end (last layer first)
-    for (auto it = ranges.rbegin(); it != ranges.rend(); ++it)
-      for (index_t end = it->second; end > it->first; end -= per_bucket_)
-        buckets_.push_back({std::max(it->first, end - per_bucket_), end});
+    buckets_ = bucket_ranges(ranges, per_bucket_);
   }
 
   // ---- operations ----
@@ -276,7 +269,7 @@ class lowering {
   // rows of layout l on the data axis for data rank r (global batch split<0> or whole)
   index_t rows_on_data(lay l, int r) const {
     if (l != lay::S0) return o_.global_batch * o_.seq;
-    return even_slice_of(o_.global_batch, D_, r).second * o_.seq;
+    return even_slice(o_.global_batch, D_, r).second * o_.seq;
   }
 
   /// The collective that converts layout `from` into `to` for a tensor of full width `w` on axis `a`.
@@ -299,7 +292,7 @@ class lowering {
         break;
       case conv_op::gather_rows:
       case conv_op::reduce_scatter_rows:
-        for (int i = 0; i < p; ++i) counts[static_cast<std::size_t>(i)] = even_slice_of(o_.global_batch, p, i).second * o_.seq * w;
+        for (int i = 0; i < p; ++i) counts[static_cast<std::size_t>(i)] = even_slice(o_.global_batch, p, i).second * o_.seq * w;
         for (auto c : counts) elems += c;
         ck = k == conv_op::gather_rows ? coll_kind::all_gather : coll_kind::reduce_scatter;
         t = k == conv_op::gather_rows ? all_gather_traffic(std::span<const index_t>(counts), r, p, e)
@@ -364,7 +357,7 @@ class lowering {
     zero_gather(i, false, micro);
     if (u.kind == unit_kind::loss && u.split_axis == static_cast<int>(axis::data) && u.in != lay::S0 && D_ > 1) {
       std::vector<index_t> counts(static_cast<std::size_t>(D_));
-      for (int r = 0; r < D_; ++r) counts[static_cast<std::size_t>(r)] = even_slice_of(o_.global_batch, D_, r).second * o_.seq;
+      for (int r = 0; r < D_; ++r) counts[static_cast<std::size_t>(r)] = even_slice(o_.global_batch, D_, r).second * o_.seq;
       pending_.push_back(add_coll(coll_kind::all_gather, axes(axis::data), D_,
                                   all_gather_traffic(std::span<const index_t>(counts), dr_, D_, 4), o_.global_batch * o_.seq,
                                   "labels of every row for the loss", micro));
@@ -472,8 +465,8 @@ class lowering {
   void finish() {
     ready(0, last_);
     // the global loss
-    axes lg = d_.pipeline ? axes::from_bits(7u) : axes(axis::data);
-    const int lsize = d_.pipeline ? p_.mesh.size() : D_;
+    const axes lg = axes::from_bits(7u);  // shares summed over the world, once per model group
+    const int lsize = p_.mesh.size();
     if (lsize > 1) sync_.push_back(add_coll(coll_kind::all_reduce, lg, lsize, all_reduce_traffic(8, lsize), 1, "the step's loss", -1));
     if (o_.clip) {
       axes g;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "whale/nn/layer.hpp"
@@ -49,6 +50,41 @@ inline std::vector<int> balance_blocks(int N, int p, double pre, double post, do
   }
   r[0] = k;
   return r;
+}
+
+/// Gradient buckets of at most `per` elements over sorted, disjoint `ranges`,
+/// from the end of the buffer (the last layer's gradients are final first) to its start.
+inline std::vector<std::pair<index_t, index_t>> bucket_ranges(const std::vector<std::pair<index_t, index_t>>& ranges,
+                                                              index_t per) {
+  std::vector<std::pair<index_t, index_t>> b;
+  for (auto it = ranges.rbegin(); it != ranges.rend(); ++it)
+    for (index_t end = it->second; end > it->first; end -= per) b.push_back({std::max(it->first, end - per), end});
+  return b;
+}
+
+/// [0, n) minus `holes` (unsorted, possibly overlapping): sorted disjoint ranges.
+inline std::vector<std::pair<index_t, index_t>> complement(std::vector<std::pair<index_t, index_t>> holes, index_t n) {
+  std::sort(holes.begin(), holes.end());
+  std::vector<std::pair<index_t, index_t>> r;
+  index_t at = 0;
+  for (const auto& [b, e] : holes) {
+    if (b > at) r.push_back({at, b});
+    at = std::max(at, e);
+  }
+  if (at < n) r.push_back({at, n});
+  return r;
+}
+
+/// Elements per bucket of `mib` MiB of floats (at least one).
+inline index_t bucket_elements(double mib) {
+  return std::max<index_t>(1, static_cast<index_t>(mib * 1048576.0 / sizeof(float)));
+}
+
+/// Rows [begin, begin + count) of a global batch of `global` rows that part
+/// `part` of `parts` feeds: as even as possible, the first global % parts get one more.
+inline std::pair<index_t, index_t> even_slice(index_t global, int parts, int part) {
+  const index_t q = global / parts, r = global % parts;
+  return {part * q + std::min<index_t>(part, r), q + (part < r ? 1 : 0)};
 }
 
 /// Default micro-batch count of a pipeline: the largest divisor of the

@@ -27,6 +27,7 @@ struct holding {
   index_t full_offset = 0;   ///< first parameter in the unsplit model's flat order
   index_t local_offset = 0;  ///< first parameter in this rank's flat buffer
   axes split_over;           ///< axes over which its parameters are divided
+  index_t whole_tail = 0;    ///< of a split layer: its last parameters, held whole by every rank of split_over (a row-parallel bias)
   axes replicated_over;      ///< axes over which its (local) parameters are identical copies
   int zero_level = 0;        ///< ZeRO level partitioning its state over the data axis (0: none)
   lay layout_in = lay::R;    ///< layout of its input on its split axis (or replicated)

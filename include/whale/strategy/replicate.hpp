@@ -1,7 +1,7 @@
 // `replicate<M>`: data parallelism. The wrapped part keeps its parameters on
 // every rank of the `data` axis; the batch is split over that axis and the
 // parameter gradients are summed (all-reduced in buckets during backward).
-// The runtime that does this is strategy/data_parallel.hpp; this is the type.
+// The runtime that does this is runtime/executor.hpp; this is the type.
 #pragma once
 
 #include <string>

@@ -5,7 +5,7 @@
 // activation is column-parallel, after a feature-split one row-parallel), and
 // where two layouts differ the one converting collective is inserted. At the
 // region's boundary the activation has the canonical layout of the axis
-// (data: rows split<0>; model: replicated). Runtime: strategy/hybrid.hpp.
+// (data: rows split<0>; model: replicated). Runtime: runtime/executor.hpp.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,377 @@
+// `executor<P>`: the one runtime of every parallel plan. It lowers the plan for
+// this rank (plan/lower.hpp), checks that what it binds is what the program
+// says the rank holds, and runs each step as the program orders it: this
+// rank's stage (the whole model, or its pipeline stage) over the schedule's
+// micro-batches, messages between stages, gradients summed over the data axis
+// in buckets (or reduce-scattered, ZeRO 2–3), the loss reduced, the global
+// gradient norm for clipping, the optimizer over the owned range, the trace.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <exception>
+#include <ostream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "whale/backend/cpu.hpp"
+#include "whale/comm/trace.hpp"
+#include "whale/plan/lower.hpp"
+#include "whale/runtime/grad_sync.hpp"
+#include "whale/runtime/messenger.hpp"
+#include "whale/runtime/options.hpp"
+#include "whale/runtime/stage.hpp"
+#include "whale/runtime/zero.hpp"
+
+namespace whale {
+
+namespace detail {
+template <class P> struct shard_level : std::integral_constant<int, 0> {
+  using inner = P;
+};
+template <class M, int L> struct shard_level<shard<M, L>> : std::integral_constant<int, L> {
+  using inner = M;
+};
+template <class X, bool Staged> struct stage_of {
+  using type = whole_stage<X>;
+  using schedule = one_f_one_b;
+};
+template <class X> struct stage_of<X, true> {
+  using type = pipe_stage<X>;
+  using schedule = typename X::schedule;
+};
+/// Squares of the gradients this rank counts for the global norm: each
+/// parameter once over the mesh (the first rank of every axis it is replicated
+/// over counts it; a split layer's whole tail, e.g. a row-parallel bias, on the
+/// first rank of its split axis). Sum over the world to get the norm squared.
+inline double owned_squares(const program& prog, const float* grads) {
+  double sq = 0;
+  auto first = [&](axes a) {
+    for (axis x : all_axes)
+      if (a.contains(x) && prog.coords[static_cast<std::size_t>(x)] != 0) return false;
+    return true;
+  };
+  for (const auto& h : prog.holds) {
+    if (h.local_params == 0 || !first(h.replicated_over)) continue;
+    const index_t whole = first(h.split_over) ? 0 : h.whole_tail;
+    sq += cpu::sum_squares(h.local_params - whole, grads + h.local_offset);
+  }
+  return sq;
+}
+/// ZeRO 2–3: the squares of the owned range [begin, end) of the stage's flat
+/// gradients (`owned` holds them), each parameter once over the model axis; the
+/// owned ranges partition the stage over the data axis, so every data rank counts its own.
+inline double owned_range_squares(const program& prog, const float* owned, index_t begin, index_t end) {
+  const int m = prog.coords[static_cast<std::size_t>(axis::model)];
+  double sq = 0;
+  auto add = [&](index_t b, index_t e) {
+    b = std::max(b, begin), e = std::min(e, end);
+    if (e > b) sq += cpu::sum_squares(e - b, owned + (b - begin));
+  };
+  for (const auto& h : prog.holds) {
+    if (h.local_params == 0) continue;
+    const bool copy_over_model = h.replicated_over.contains(axis::model);
+    if (copy_over_model && m != 0) continue;
+    const index_t whole = h.split_over.contains(axis::model) && m != 0 ? h.whole_tail : 0;
+    add(h.local_offset, h.local_offset + h.local_params - whole);
+  }
+  return sq;
+}
+}  // namespace detail
+
+/// The runtime of plan P on this rank; built by make<P>(ctx, seed, options).
+template <class P> class executor {
+  static constexpr int level = detail::shard_level<P>::value;
+  using unsharded = typename detail::shard_level<P>::inner;
+  static constexpr bool replicated = is_replicate_v<unsharded> || level > 0;
+  using X = strip_replicate_t<unsharded>;
+  static constexpr bool staged = is_pipeline_v<X>;
+  using stage_type = typename detail::stage_of<X, staged>::type;
+  using sched = typename detail::stage_of<X, staged>::schedule;
+  static constexpr bool has_split = stage_type::has_split;
+  static_assert(!staged || !stage_type::splits_data,
+                "whale::pipeline: split regions over axis::data are not supported inside pipeline stages (the "
+                "batch is cut into micro-batches there); split over axis::model inside stages, and replicate the "
+                "pipeline for data parallelism");
+  static constexpr int max_micro = 16000;  // tags 2j, 2j+1 stay under MPI's guaranteed 32767
+
+ public:
+  using model_type = P;
+  using input_type = typename stage_type::input_type;
+
+  executor(const context& ctx, seed s, plan_options o = plan_options::from_env()) : ctx_(&ctx), o_(std::move(o)) {
+    const auto& shape = ctx.mesh().shape();
+    const std::string who = "whale::" + layer_name<P>() + ": ";
+    if (!(o_.bucket_mib > 0)) throw std::invalid_argument(who + "the bucket size must be positive (got " + std::to_string(o_.bucket_mib) + " MiB)");
+    if (o_.micro_batches > max_micro) throw std::invalid_argument(who + "at most " + std::to_string(max_micro) + " micro-batches");
+    if (!staged && shape.size(axis::pipe) != 1)
+      throw std::invalid_argument(who + "the mesh " + shape.spec() + " has a pipe axis, but the plan has no pipeline<...>");
+    if (shape.size(axis::model) != 1 && !has_split)
+      throw std::invalid_argument(who + "the mesh " + shape.spec() +
+                                  " has a model axis, but no stage holds a split region (the model ranks would only "
+                                  "repeat each other's work); launch without a model axis, or split layers over axis::model");
+    if (shape.size(axis::data) != 1 && !replicated && !has_split)
+      throw std::invalid_argument(who + "the mesh " + shape.spec() + " has " + std::to_string(shape.size(axis::data)) +
+                                  " ranks on the data axis, but the plan is not replicated; wrap it in replicate<...>");
+    if constexpr (staged) {
+      if constexpr (X::explicit_stages)
+        if (shape.size(axis::pipe) != X::fixed_stages)
+          throw std::invalid_argument(
+              who + "the pipeline has " + std::to_string(X::fixed_stages) + " stages but the mesh's pipe axis has " +
+              std::to_string(shape.size(axis::pipe)) + " rank(s) (" + shape.spec() +
+              "); every stage needs its own pipe rank: launch with --mesh " + (replicated ? "data=D,pipe=" : "pipe=") +
+              std::to_string(X::fixed_stages));
+    }
+    p_ = shape.size(axis::pipe), d_ = shape.size(axis::data);
+    stage_ = ctx.mesh().coord(axis::pipe), replica_ = ctx.mesh().coord(axis::data);
+    model_rank_ = ctx.mesh().coord(axis::model);
+    pipe_ = &ctx.mesh().comm(axis::pipe), data_ = &ctx.mesh().comm(axis::data), model_comm_ = &ctx.mesh().comm(axis::model);
+    if constexpr (has_split) {  // split regions learn their communicators before parameters are counted
+      split_env env;
+      env.data = data_, env.model = model_comm_, env.no_data_sync = &no_sync_;
+      part_.configure(env);
+    }
+    part_.place(p_, stage_, o_);
+    if (o_.micro_batches > 0 && staged) schedule_for(o_.micro_batches);  // a bad schedule fails here, on every rank
+    // the program of this rank: what it holds (placement only; rows do not matter here)
+    lower_options lo;
+    lo.global_batch = d_;
+    lo.stage_blocks = o_.blocks;
+    lo.balance_seq = o_.balance_seq;
+    lo.bucket_mib = o_.bucket_mib;
+    prog_ = lower<P>(shape, ctx.rank(), lo);
+    const index_t n = part_.end() - part_.begin();
+    if (n != prog_.totals().params_held)
+      throw std::logic_error(who + "the runtime holds " + std::to_string(n) + " parameters, the program " +
+                             std::to_string(prog_.totals().params_held));
+    bind(s, n);
+    if constexpr (level < 3) {  // replicated parameters start equal: rank 0 of each data group wins (split-over-data shards differ by design)
+      if (d_ > 1 && level == 0)
+        for (auto [b, e] : detail::complement(no_sync_, n)) broadcast(*data_, params_.v().rows(b, e - b), 0);
+    }
+    if (d_ > 1 && level < 2)
+      sync_.plan(detail::bucket_ranges(detail::complement(no_sync_, n), detail::bucket_elements(o_.bucket_mib)), o_.blocking);
+    msg_.bind(*pipe_);
+    if (o_.trace || !o_.trace_path.empty()) {
+      tr_.enable(ctx.rank(), stage_, replica_);
+      barrier(ctx.world());
+      tr_.set_origin();
+    }
+  }
+  executor(const executor&) = delete;
+  executor& operator=(const executor&) = delete;
+  /// Writes the trace if a path was given and finish_trace() was not called (collective).
+  ~executor() {
+    if (!o_.trace_path.empty() && !trace_written_ && std::uncaught_exceptions() == 0) {
+      try {
+        finish_trace();
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "whale: rank %d: %s\n", ctx_->rank(), e.what());
+      }
+    }
+  }
+
+  // ---- Trainable ----
+  /// Every stage of a replica feeds the same rows: the replica's even slice of the global batch.
+  std::pair<index_t, index_t> local_batch(index_t global_batch) const {
+    if (global_batch < d_)
+      throw std::invalid_argument("whale::" + layer_name<P>() + ": the global batch (" + std::to_string(global_batch) +
+                                  ") is smaller than the data-parallel degree (" + std::to_string(d_) +
+                                  "); every rank needs at least one sample");
+    for (int r = 0; r < d_; ++r) micro_count(detail::even_slice(global_batch, d_, r).second);  // same check everywhere
+    return detail::even_slice(global_batch, d_, replica_);
+  }
+  /// One step: every micro-batch forward and backward under the schedule; this
+  /// rank's gradients are final (summed over the data axis, or reduce-scattered
+  /// into its range) when it returns. Returns this rank's share of the loss.
+  double train_step(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) { return pass(c, x, labels, true); }
+  /// train_step without the data-axis gradient sum (benchmarks' compute limit;
+  /// split regions and pipeline messages still communicate).
+  double compute_only_step(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) {
+    return pass(c, x, labels, true, false);
+  }
+  /// Forward only (a forward-only schedule); this rank's share of the loss.
+  double evaluate(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) { return pass(c, x, labels, false); }
+  /// The global mean loss: shares summed over the world, once per model group.
+  double reduce_loss(double share) {
+    const auto t0 = tr_.now();
+    double v = model_rank_ == 0 ? share : 0.0;
+    all_reduce(ctx_->world(), view<double>(&v, {1}));
+    tr_.add(span_kind::loss_all_reduce, step_ - 1, -1, t0, tr_.now());
+    return v;
+  }
+  /// The norm of the whole model's gradient, each parameter counted once (collective).
+  double grad_norm() const {
+    // ZeRO 2-3: the owned ranges partition each stage's gradients over the data axis
+    double sq = level >= 2 ? detail::owned_range_squares(prog_, zero_.shard_grads().data(), zero_.begin(), zero_.end())
+                           : detail::owned_squares(prog_, grads_.data());
+    all_reduce(ctx_->world(), view<double>(&sq, {1}));
+    return std::sqrt(sq);
+  }
+  int rank() const noexcept { return ctx_->rank(); }
+  int world_size() const noexcept { return ctx_->size(); }
+  /// Optimizer state for the range this rank updates.
+  template <class O> typename O::state make_optimizer_state(const O& opt) const { return opt.make_state(local_count()); }
+  /// Scale the gradients (clipping), update this rank's range; ZeRO 1–2 then all-gather the parameters.
+  template <class O> void apply_optimizer(const O& opt, typename O::state& st, float grad_scale) {
+    const auto t0 = tr_.now();
+    auto g = local_grads();
+    if (grad_scale != 1.f) cpu::scale(g.numel(), grad_scale, g.data());
+    opt.update(st, local_params(), g);
+    if constexpr (level > 0 && level < 3) zero_.gather_after_update(params_.data());
+    tr_.add(span_kind::optimizer, step_ - 1, -1, t0, tr_.now());
+  }
+
+  // ---- what this rank holds ----
+  const program& placement() const noexcept { return prog_; }
+  /// This rank's parameters and gradients: its stage's flat range [param_begin(), param_end())
+  /// (ZeRO 3: only the owned range, see local_params()).
+  view<float> params() const noexcept { return level == 3 ? zero_.shard_params() : params_.v(); }
+  view<float> grads() const noexcept { return level >= 2 ? zero_.shard_grads() : grads_.v(); }
+  index_t param_count() const { return part_.end() - part_.begin(); }
+  index_t param_begin() const { return part_.begin(); }
+  index_t param_end() const { return part_.end(); }
+  index_t total_params() const { return part_.total(); }
+  /// This stage's range of the unsplit model's flat parameters.
+  index_t full_param_begin() const noexcept { return part_.full_begin(); }
+  index_t full_param_end() const noexcept { return part_.full_end(); }
+  /// The range this rank updates, relative to param_begin(): all, or its ZeRO range.
+  std::pair<index_t, index_t> range() const { return level ? std::pair{zero_.begin(), zero_.end()} : std::pair<index_t, index_t>{0, param_count()}; }
+  index_t local_count() const { return range().second - range().first; }
+  view<float> local_params() const { return level == 3 ? zero_.shard_params() : params_.v().rows(range().first, local_count()); }
+  view<float> local_grads() const { return level >= 2 ? zero_.shard_grads() : grads_.v().rows(range().first, local_count()); }
+  /// This stage's unsplit parameters [full_param_begin(), full_param_end()), gathered
+  /// from the shards (collective over the model and, for ZeRO 3, the data axis).
+  tensor<float> stage_params() {
+    tensor<float> local({param_count()}, mem_kind::workspace);
+    if constexpr (level == 3) zero_.gather_params(local.v());
+    else copy<float>(params_.v(), local.v());
+    tensor<float> full({part_.full_end() - part_.full_begin()}, mem_kind::workspace);
+    part_.gather_full(local.data(), full.data());
+    return full;
+  }
+  /// This stage's local parameters (param_count() floats) into `out`: collective at ZeRO level 3.
+  void gather_params(view<float> out) {
+    if (out.numel() != param_count())
+      throw std::invalid_argument("whale::" + layer_name<P>() + "::gather_params: the output holds " +
+                                  std::to_string(out.numel()) + " floats, this rank's stage has " + std::to_string(param_count()));
+    if constexpr (level == 3) zero_.gather_params(out);
+    else copy<float>(params_.v(), out);
+  }
+  /// The whole unsplit model's parameters on every rank, as network<unsplit model>
+  /// holds them (collective over the world).
+  tensor<float> full_params() {
+    auto mine = stage_params();
+    if (p_ == 1) return mine;
+    std::vector<index_t> counts(static_cast<std::size_t>(p_));
+    index_t n = part_.full_end() - part_.full_begin();
+    all_gather(*pipe_, view<index_t>(&n, {1}), view<index_t>(counts.data(), {p_}));
+    index_t total = 0;
+    for (auto k : counts) total += k;
+    tensor<float> all({total}, mem_kind::workspace);
+    all_gather_v(*pipe_, cview<float>(mine.v()), all.v(), std::span<const index_t>(counts));
+    return all;
+  }
+  int stage() const noexcept { return stage_; }
+  int stages() const noexcept { return p_; }
+  int replicas() const noexcept { return d_; }
+  int model_degree() const noexcept { return model_comm_->size(); }
+  std::vector<int> stage_blocks() const { return part_.blocks(); }
+  int micro_batches() const noexcept { return m_; }
+  int peak_live_micro_batches() const noexcept { return peak_live_; }
+  int activation_slots_used() const noexcept { return max_slot_; }
+  const schedule_report& schedule_info() const noexcept { return rep_; }
+  std::size_t bucket_count() const noexcept { return sync_.size(); }
+  std::size_t comm_buffers() const noexcept { return zero_.comm_buffers(); }
+  const plan_options& options() const noexcept { return o_; }
+  const tracer& trace() const noexcept { return tr_; }
+  auto& model() noexcept { return part_.model(); }
+  /// Gather every rank's spans (collective over the world), write the Chrome
+  /// trace to options().trace_path on rank 0 if set, and return the merged events.
+  std::vector<trace_event> finish_trace() {
+    auto ev = gather_trace(ctx_->world(), tr_);
+    trace_written_ = true;
+    if (ctx_->rank() == 0 && !o_.trace_path.empty()) write_trace(o_.trace_path, ev);
+    return ev;
+  }
+  friend std::ostream& operator<<(std::ostream& os, const executor& e) {
+    os << "plan: " << layer_name<P>() << " over " << e.ctx_->mesh().shape() << "\n";
+    if (e.p_ > 1)
+      for (int s = 0; s < e.p_; ++s) os << "  stage " << s << ": " << e.part_.describe(s) << (s == e.stage_ ? "  <- this rank" : "") << "\n";
+    if (level) os << "  ZeRO-" << level << " over data:" << e.d_ << "\n";
+    if (e.d_ > 1)
+      os << "  data: " << e.d_ << " replica(s); "
+         << (level >= 2 ? "gradients reduce-scattered per leaf" : "gradients all-reduced in " + std::to_string(e.sync_.size()) + " bucket(s)")
+         << (level ? ", ZeRO-" + std::to_string(level) + " owns [" + std::to_string(e.range().first) + ", " + std::to_string(e.range().second) + ")" : "")
+         << "\n";
+    const auto t = e.prog_.totals();
+    os << "  this rank holds " << t.params_held << " of " << e.prog_.full_params << " parameters ("
+       << static_cast<double>(t.params_held) * 4 / 1048576.0 << " MiB)\n";
+    return os;
+  }
+
+ private:
+  void bind(seed s, index_t n) {
+    if constexpr (level == 3) {
+      zero_.setup(*data_, level, part_.begin(), n, zopts());
+      tensor<float> tmp({n}, mem_kind::workspace);  // init from the whole stage's streams, keep the owned range
+      part_.bind_and_init(tmp.data(), nullptr, s, true);
+      copy<float>(cview<float>(tmp.data() + zero_.begin(), {zero_.local_count()}), zero_.shard_params());
+      part_.bind_and_init(nullptr, nullptr, s, false);  // leaves point at gathered buffers only while they run
+    } else {
+      params_ = tensor<float>({n}, mem_kind::params);
+      if (level < 2) grads_ = tensor<float>({n}, mem_kind::grads);
+      part_.bind_and_init(params_.data(), level < 2 ? grads_.data() : nullptr, s, true);
+      if (level > 0) {
+        zero_.setup(*data_, level, part_.begin(), n, zopts());
+        zero_.set_full_params(params_.data());
+      }
+    }
+  }
+  detail::zero_engine::options zopts() const { return {o_.bucket_mib, o_.prefetch, o_.max_pending}; }
+
+  int micro_count(index_t batch) const {
+    if (o_.micro_batches > 0) {
+      if (batch % o_.micro_batches != 0 || batch < o_.micro_batches)
+        throw std::invalid_argument("whale::" + layer_name<P>() + ": " + std::to_string(o_.micro_batches) +
+                                    " micro-batches do not divide the per-replica batch of " + std::to_string(batch) +
+                                    " sequences; choose a micro-batch count that divides it");
+      return o_.micro_batches;
+    }
+    return staged ? detail::default_micro_batches(batch, p_) : 1;
+  }
+  void schedule_for(int m) {
+    if (m == m_) return;
+    rep_ = check_schedule<sched>(p_, m);
+    actions_ = sched::actions(stage_, p_, m);
+    m_ = m;
+  }
+
+  double pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels, bool train, bool sync = true);
+
+  const context* ctx_;
+  plan_options o_;
+  program prog_;
+  world_comm *pipe_ = nullptr, *data_ = nullptr, *model_comm_ = nullptr;
+  int p_ = 1, d_ = 1, stage_ = 0, replica_ = 0, model_rank_ = 0;
+  std::vector<std::pair<index_t, index_t>> no_sync_;  // ranges split over data (filled while binding)
+  stage_type part_;
+  tensor<float> params_, grads_;
+  detail::zero_engine zero_;
+  detail::grad_sync sync_;
+  detail::messenger msg_;
+  int m_ = 0;
+  schedule_report rep_;
+  std::vector<pipe_action> actions_;
+  int live_ = 0, peak_live_ = 0, max_slot_ = 0, step_ = 0;
+  tracer tr_;
+  bool trace_written_ = false;
+};
+
+}  // namespace whale
+
+#include "whale/runtime/step.hpp"

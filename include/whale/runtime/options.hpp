@@ -1,0 +1,89 @@
+// The run-time choices of every plan, in one struct: micro-batches and stage
+// cuts (pipelines), gradient buckets (data parallelism), ZeRO prefetch, the
+// trace. Read from the environment and the command line with strict parsing;
+// every error names the flag or variable, its value and what is allowed.
+#pragma once
+
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "whale/detail/parse.hpp"
+#include "whale/nn/layer.hpp"
+
+namespace whale {
+
+/// Options of `make<P>(ctx, seed, options)`, as users of DDP, Megatron and DeepSpeed expect them.
+struct plan_options {
+  // ---- pipelines ----
+  /// Micro-batches per step (m). 0: 1 without a pipeline; with one, the largest
+  /// divisor of the per-replica batch that is at most 4 × stages.
+  int micro_batches = 0;
+  /// pipeline<S, M>: blocks of the repeat on each stage (one count per stage,
+  /// summing to N; inner stages need at least one). Empty: balanced by cost.
+  std::vector<int> blocks;
+  index_t balance_seq = 128;  ///< tokens of context assumed when weighing attention for balancing
+  bool trace = false;         ///< record a timeline (spans per micro-batch, messages, all-reduce, optimizer)
+  std::string trace_path;     ///< write the merged Chrome trace JSON here at the end (implies trace)
+  // ---- data parallelism ----
+  double bucket_mib = 25.0;   ///< gradient bucket size (MiB)
+  bool overlap = true;        ///< reduce buckets during backward; false: all after backward
+  /// Each bucket in one blocking all-reduce as soon as it is ready (true), or a
+  /// non-blocking one waited for after backward (false, for transports that
+  /// progress on their own). Blocking is the default on the CPU backend: nothing
+  /// progresses a non-blocking all-reduce while backward keeps every core busy,
+  /// and Open MPI's blocking algorithms measured ~2.7x faster at 25 MiB (docs/bench.md).
+  bool blocking = true;
+  // ---- ZeRO ----
+  bool prefetch = true;       ///< level 3: gather the next leaf while the current one runs
+  int max_pending = 2;        ///< levels 2–3: leaves whose reduce-scatters may be in flight
+
+  /// WHALE_MICRO_BATCHES, WHALE_STAGE_BLOCKS ("1,3"), WHALE_TRACE (a path), WHALE_BUCKET_MIB,
+  /// WHALE_DP_OVERLAP, WHALE_DP_BLOCKING, WHALE_ZERO_PREFETCH (booleans: true/false, 1/0, yes/no, on/off).
+  static plan_options from_env() {
+    plan_options o;
+    if (const char* e = std::getenv("WHALE_MICRO_BATCHES"))
+      o.micro_batches = static_cast<int>(detail::parse_int(e, "WHALE_MICRO_BATCHES", 0, 16000));
+    if (const char* e = std::getenv("WHALE_STAGE_BLOCKS")) o.blocks = parse_list(e, "WHALE_STAGE_BLOCKS");
+    if (const char* e = std::getenv("WHALE_TRACE"); e && *e) o.trace_path = e;
+    if (const char* e = std::getenv("WHALE_BUCKET_MIB")) o.bucket_mib = detail::parse_double(e, "WHALE_BUCKET_MIB", 0, 1 << 20, true);
+    if (const char* e = std::getenv("WHALE_DP_OVERLAP")) o.overlap = detail::parse_bool(e, "WHALE_DP_OVERLAP");
+    if (const char* e = std::getenv("WHALE_DP_BLOCKING")) o.blocking = detail::parse_bool(e, "WHALE_DP_BLOCKING");
+    if (const char* e = std::getenv("WHALE_ZERO_PREFETCH")) o.prefetch = detail::parse_bool(e, "WHALE_ZERO_PREFETCH");
+    return o;
+  }
+  /// from_env(), then --micro-batches M, --stage-blocks 1,3, --trace PATH and
+  /// --bucket-mib X, which are removed from argv (argv[argc] stays nullptr).
+  static plan_options from_args(int& argc, char** argv) {
+    plan_options o = from_env();
+    int out = argc > 0 ? 1 : 0;
+    for (int i = out; i < argc; ++i) {
+      const std::string a = argv[i];
+      auto value = [&]() -> std::string {
+        if (i + 1 >= argc) throw detail::parse_error("whale: " + a + " needs a value");
+        return argv[++i];
+      };
+      if (a == "--micro-batches") o.micro_batches = static_cast<int>(detail::parse_int(value(), "--micro-batches", 0, 16000));
+      else if (a == "--stage-blocks") o.blocks = parse_list(value(), "--stage-blocks");
+      else if (a == "--trace") o.trace_path = value();
+      else if (a == "--bucket-mib") o.bucket_mib = detail::parse_double(value(), "--bucket-mib", 0, 1 << 20, true);
+      else argv[out++] = argv[i];
+    }
+    argc = out;
+    if (argv) argv[argc] = nullptr;
+    return o;
+  }
+  /// "1,3,0": comma-separated counts.
+  static std::vector<int> parse_list(const std::string& v, const char* origin) {
+    std::vector<int> r;
+    for (std::size_t at = 0; at <= v.size();) {
+      auto end = v.find(',', at);
+      if (end == std::string::npos) end = v.size();
+      r.push_back(static_cast<int>(detail::parse_int(v.substr(at, end - at), origin, 0, 1 << 20)));
+      at = end + 1;
+    }
+    return r;
+  }
+};
+
+}  // namespace whale

@@ -1,0 +1,124 @@
+// One step of executor<P> (runtime/executor.hpp): the schedule's actions over
+// the micro-batches — receives posted as soon as their activation slot is free,
+// forward and backward of this rank's stage, sends that never block — then the
+// data-axis gradient buckets and the ZeRO reduce-scatters completed. A pass
+// without training runs every forward and no backward.
+#pragma once
+
+#include "whale/runtime/executor.hpp"
+
+namespace whale {
+
+template <class P>
+double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels, bool train, bool sync) {
+  const index_t B = c.batch, T = c.seq;
+  const int m = micro_count(B);
+  schedule_for(m);
+  if (x.shape().rank() == 0 || x.shape()[0] != B)
+    throw std::invalid_argument("whale::" + layer_name<P>() + ": the input has " +
+                                std::to_string(x.shape().rank() ? x.shape()[0] : 0) + " rows but step_ctx says " +
+                                std::to_string(B) + " sequences");
+  if (c.accumulate && level >= 2)
+    throw std::invalid_argument("whale::shard: gradient accumulation across steps (step_ctx::accumulate) is not "
+                                "supported at ZeRO levels 2-3; use micro-batches (plan_options::micro_batches)");
+  const index_t mb = B / m, rows = mb * T;
+  const bool first = stage_ == 0, last = stage_ == p_ - 1;
+  // forward-only: every forward in order, one slot each
+  std::vector<pipe_action> fwd_only;
+  if (!train)
+    for (int j = 0; j < m; ++j) fwd_only.push_back({pipe_action::forward, j});
+  const auto& acts = train ? actions_ : fwd_only;
+  const auto& slot = rep_.slot[static_cast<std::size_t>(stage_)];
+  const auto& free_at = rep_.free_at[static_cast<std::size_t>(stage_)];
+  auto slot_of = [&](int j) { return train ? slot[static_cast<std::size_t>(j)] : j; };
+  if (p_ > 1) msg_.start_step(m, train ? rep_.peak_live[static_cast<std::size_t>(stage_)] : m, rows, part_.in_width(),
+                              part_.out_width(), first, last);
+  std::vector<char> posted(static_cast<std::size_t>(m), 0);
+  if (train) sync_.start_step();
+  const bool sum_data = train && sync && d_ > 1 && level < 2;
+  const bool zero_hooks = level == 3 || (train && level == 2);
+  step_ctx zc = c;
+  if (zero_hooks) zero_.begin_pass(zc, false);
+
+  double share = 0;
+  int backwards = 0;
+  // Split regions over data change the rows a pass carries (batch split <-> whole); a
+  // backward starts from what its forward ended with.
+  std::vector<index_t> batch_after(static_cast<std::size_t>(m), mb);
+  for (std::size_t k = 0; k < acts.size(); ++k) {
+    if (p_ > 1)  // post the receives of every micro-batch whose slot is free by now
+      for (int j = 0; j < m; ++j) {
+        const auto ju = static_cast<std::size_t>(j);
+        if (posted[ju] || (train && free_at[ju] > static_cast<int>(k))) continue;
+        posted[ju] = 1;
+        msg_.post(j, slot_of(j), stage_, train);
+      }
+    const auto a = acts[k];
+    step_ctx mc;
+    mc.batch = mb;
+    mc.seq = T;
+    mc.global_rows = c.global_rows > 0 ? c.global_rows : B * T;
+    mc.slot = slot_of(a.micro);
+    mc.hooks = zc.hooks;
+    if (a.kind == pipe_action::forward) {
+      cview<float> in;
+      if (!first) {
+        const auto t0 = tr_.now();
+        in = msg_.activation(a.micro, mc.slot);
+        tr_.add(span_kind::recv_act, step_, a.micro, t0, tr_.now());
+      }
+      const auto t0 = tr_.now();
+      cview<input_type> x0;
+      if (first) x0 = x.rows(a.micro * mb, mb);
+      view<float> y;
+      if (last) share += part_.forward_loss(mc, x0, in, labels.rows(a.micro * rows, rows));
+      else y = part_.forward(mc, x0, in);
+      batch_after[static_cast<std::size_t>(a.micro)] = mc.batch;
+      tr_.add(span_kind::forward, step_, a.micro, t0, tr_.now());
+      if (!last) {
+        const auto t1 = tr_.now();
+        msg_.send(y, stage_ + 1, 2 * a.micro);
+        tr_.add(span_kind::send_act, step_, a.micro, t1, tr_.now());
+      }
+      peak_live_ = std::max(peak_live_, ++live_);
+      max_slot_ = std::max(max_slot_, mc.slot + 1);
+      if (!train) --live_;
+    } else {
+      cview<float> dy;
+      if (!last) {
+        const auto t0 = tr_.now();
+        dy = msg_.gradient(a.micro, mc.slot);
+        tr_.add(span_kind::recv_grad, step_, a.micro, t0, tr_.now());
+      }
+      mc.batch = batch_after[static_cast<std::size_t>(a.micro)];
+      // ZeRO 2-3 add each micro-batch's reduce-scattered gradients into the owned range themselves
+      mc.accumulate = (backwards > 0 && level < 2) || (c.accumulate && level < 2);
+      if (level >= 2) zero_.set_accumulate(backwards > 0);
+      const bool final_backward = ++backwards == m;
+      const index_t base = part_.begin();
+      if (final_backward && sum_data && o_.overlap)
+        mc.grads_ready = [this, base](index_t off) { sync_.ready(*data_, grads_.data(), off - base); };
+      const auto t0 = tr_.now();
+      auto dx = part_.backward(mc, dy);
+      tr_.add(span_kind::backward, step_, a.micro, t0, tr_.now());
+      if (!first) {
+        const auto t1 = tr_.now();
+        msg_.send(dx, stage_ - 1, 2 * a.micro + 1);
+        tr_.add(span_kind::send_grad, step_, a.micro, t1, tr_.now());
+      }
+      --live_;
+    }
+    if (p_ > 1) msg_.progress();
+  }
+  if (p_ > 1) msg_.flush();
+  if (zero_hooks) zero_.end_pass(zc);
+  if (sum_data) {
+    const auto t0 = tr_.now();
+    sync_.finish(*data_, grads_.data());  // launch what is left, wait for all
+    tr_.add(span_kind::grad_all_reduce, step_, -1, t0, tr_.now());
+  }
+  ++step_;
+  return share;
+}
+
+}  // namespace whale

@@ -1,0 +1,349 @@
+// ZeRO over the data axis for any flat parameter range, compiled once (no
+// model types): each data rank owns a near-even contiguous range of the
+// range; level 2 reduce-scatters each leaf's gradients into the owners as its
+// backward ends, level 3 also all-gathers each leaf's parameters just before
+// it runs (prefetching the next one, in the order recorded on the first pass)
+// and frees them after. Levels 1–2 all-gather the parameters after the update.
+// The executor binds the layers and owns the full buffers of levels 1–2.
+#pragma once
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "whale/comm/collectives.hpp"
+#include "whale/comm/context.hpp"
+#include "whale/nn/layer.hpp"
+
+namespace whale::detail {
+
+/// ZeRO levels 1–3 of one flat range [base, base + n) of the flat model.
+class zero_engine {
+ public:
+  struct options {
+    double bucket_mib = 25.0;  ///< reduce-scatter buckets within a leaf
+    bool prefetch = true;      ///< level 3: gather the next leaf while one runs
+    int max_pending = 2;       ///< leaves whose reduce-scatters may be in flight
+  };
+
+  /// `full_params` (levels 1–2): the executor's buffer of all n parameters.
+  void setup(world_comm& data, int level, index_t base, index_t n, options o) {
+    if (level < 1 || level > 3) throw std::invalid_argument("whale::shard: the ZeRO level must be 1, 2 or 3");
+    if (!(o.bucket_mib > 0)) throw std::invalid_argument("whale::shard: the bucket size must be positive");
+    if (o.max_pending < 1) throw std::invalid_argument("whale::shard: max_pending must be at least 1");
+    comm_ = &data;
+    level_ = level;
+    base_ = base;
+    n_ = n;
+    o_ = o;
+    counts_ = block_counts(n, data.size());
+    starts_.assign(counts_.size(), 0);
+    for (std::size_t r = 1; r < counts_.size(); ++r) starts_[r] = starts_[r - 1] + counts_[r - 1];
+    begin_ = starts_[static_cast<std::size_t>(data.rank())];
+    end_ = begin_ + counts_[static_cast<std::size_t>(data.rank())];
+    scratch_counts_.assign(counts_.size(), 0);
+    if (level >= 2) shard_grads_ = tensor<float>({local_count()}, mem_kind::grads);
+    if (level == 3) shard_params_ = tensor<float>({local_count()}, mem_kind::params);
+    hooks_.self = this;
+  }
+  int level() const noexcept { return level_; }
+  index_t begin() const noexcept { return begin_; }  ///< owned range, relative to base
+  index_t end() const noexcept { return end_; }
+  index_t local_count() const noexcept { return end_ - begin_; }
+  const std::vector<index_t>& counts() const noexcept { return counts_; }
+  view<float> shard_params() const noexcept { return shard_params_.v(); }
+  view<float> shard_grads() const noexcept { return shard_grads_.v(); }
+  std::size_t comm_buffers() const noexcept { return pool_.size(); }
+  /// Levels 1–2: where leaves find their parameters between uses.
+  void set_full_params(float* p) noexcept { full_params_ = p; }
+
+  /// Put the engine's hooks around `c.hooks` for one pass (levels 2–3).
+  /// `accumulate`: add this pass's gradients to the owned ones (later micro-batches).
+  void begin_pass(step_ctx& c, bool accumulate) {
+    if (level_ < 2) return;
+    accumulate_ = accumulate;
+    hooks_.next = c.hooks;
+    c.hooks = &hooks_;
+  }
+  /// Whether the next backwards add to the owned gradients (micro-batches after the first).
+  void set_accumulate(bool a) noexcept { accumulate_ = a; }
+  /// End of a pass: every reduce-scatter done, every gather buffer back in the pool.
+  void end_pass(step_ctx& c) {
+    if (level_ < 2) return;
+    c.hooks = hooks_.next;
+    finish_pass();
+  }
+  /// Levels 1–2 after the update of the owned range: every rank gets all parameters.
+  void gather_after_update(float* full) {
+    if (level_ <= 2 && comm_->size() > 1)
+      all_gather_v(*comm_, cview<float>(full + begin_, {local_count()}), view<float>(full, {n_}),
+                   std::span<const index_t>(counts_));
+  }
+  /// All n parameters into `out` (collective at level 3).
+  void gather_params(view<float> out) const {
+    all_gather_v(*comm_, cview<float>(shard_params_.v()), out, std::span<const index_t>(counts_));
+  }
+
+ private:
+  struct leaf_info {
+    index_t offset = 0, count = 0;  // relative to base
+    std::vector<index_t> counts;
+    index_t mine_at = 0, mine = 0;
+  };
+  const leaf_info& info(index_t global_offset, index_t count) {
+    const index_t offset = global_offset - base_;
+    auto it = leaves_.find(offset);
+    if (it != leaves_.end()) return it->second;
+    leaf_info l;
+    l.offset = offset;
+    l.count = count;
+    for (int r = 0; r < comm_->size(); ++r) {
+      const auto ru = static_cast<std::size_t>(r);
+      const index_t lo = std::max(offset, starts_[ru]), hi = std::min(offset + count, starts_[ru] + counts_[ru]);
+      l.counts.push_back(std::max<index_t>(0, hi - lo));
+      if (r == comm_->rank()) {
+        l.mine = std::max<index_t>(0, hi - lo);
+        l.mine_at = l.mine ? lo - offset : 0;
+      }
+    }
+    return leaves_.emplace(offset, std::move(l)).first->second;
+  }
+
+  // A pool of comm buffers, taken by exact size and released at fixed points,
+  // so that every step takes the same buffers: nothing is allocated after the first.
+  struct buffer {
+    tensor<float> t;
+    bool busy = false;
+  };
+  int acquire(index_t count) {
+    for (std::size_t i = 0; i < pool_.size(); ++i)
+      if (!pool_[i].busy && static_cast<index_t>(pool_[i].t.capacity()) == count) {
+        pool_[i].busy = true;
+        return static_cast<int>(i);
+      }
+    pool_.push_back({tensor<float>({count}, mem_kind::comm), true});
+    return static_cast<int>(pool_.size() - 1);
+  }
+  float* data(int b) const noexcept { return pool_[static_cast<std::size_t>(b)].t.data(); }
+  void release(int b) noexcept {
+    if (b >= 0) pool_[static_cast<std::size_t>(b)].busy = false;
+  }
+
+  struct pending {
+    world_comm::request req;
+    int buf;        // the leaf's gradient buffer
+    bool last;      // the leaf's last bucket: its buffer returns to the pool when this completes
+    int sum = -1;   // accumulating: the buffer the owned piece arrived in, added on completion
+    index_t at = 0, count = 0;
+  };
+  void progress() {
+    for (auto& p : pending_) p.req.test();
+  }
+  void wait_oldest() {
+    auto& p = pending_.front();
+    p.req.wait();
+    if (p.sum >= 0 && !dry_) {
+      const float* s = data(p.sum);
+      float* g = shard_grads_.data() + p.at;
+      for (index_t i = 0; i < p.count; ++i) g[i] += s[i];
+    }
+    release(p.sum);
+    if (p.last) {
+      release(p.buf);
+      --pending_leaves_;
+    }
+    pending_.erase(pending_.begin());
+  }
+
+  struct gathered {
+    index_t offset = -1;
+    int buf = -1;
+    std::optional<world_comm::request> req;
+  };
+  void start_gather(gathered& g, const leaf_info& l) {
+    g.offset = l.offset;
+    g.buf = acquire(l.count);
+    if (dry_) return;
+    const float* mine = l.mine ? shard_params_.data() + (l.offset + l.mine_at - begin_) : shard_params_.data();
+    g.req.emplace(iall_gather_v(*comm_, cview<float>(mine, {l.mine}), view<float>(data(g.buf), {l.count}),
+                                std::span<const index_t>(l.counts)));
+  }
+  void drop(gathered& g) {
+    if (g.req) g.req->wait();
+    g.req.reset();
+    release(g.buf);
+    g = gathered{};
+  }
+
+  // The order in which leaves ask for their parameters, recorded in the first
+  // pass and used to prefetch in later ones (a change of order re-records).
+  struct event {
+    index_t offset;
+    bool backward;
+    friend bool operator==(const event&, const event&) = default;
+  };
+  float* gather_for(const leaf_info& l, event ev) {
+    progress();
+    if (recording_) {
+      trace_.push_back(ev);
+    } else if (pos_ >= trace_.size() || !(trace_[pos_] == ev)) {
+      drop(next_);  // the order changed: every rank sees the same change
+      trace_.resize(pos_);
+      trace_.push_back(ev);
+      recording_ = true;
+    }
+    ++pos_;
+    if (held_.offset != l.offset) {
+      drop(held_);
+      if (next_.offset == l.offset) std::swap(held_, next_);
+      else start_gather(held_, l);
+    }
+    if (held_.req) {
+      held_.req->wait();
+      held_.req.reset();
+    }
+    if (o_.prefetch && !recording_ && pos_ < trace_.size()) {
+      const auto& nx = trace_[pos_];
+      if (nx.offset != l.offset && next_.offset != nx.offset) {
+        drop(next_);
+        start_gather(next_, leaves_.at(nx.offset));
+      }
+    }
+    return data(held_.buf);
+  }
+  void done_with(const leaf_info& l) {
+    const bool again = !recording_ && pos_ < trace_.size() && trace_[pos_].offset == l.offset;
+    if (!again && held_.offset == l.offset) drop(held_);
+  }
+
+  void before_forward(const leaf_ref& r) {
+    if (level_ < 3) return;
+    const auto& l = info(r.offset, r.count);
+    r.rebind(gather_for(l, {l.offset, false}), nullptr);
+  }
+  void after_forward(const leaf_ref& r) {
+    if (level_ < 3) return;
+    r.rebind(nullptr, nullptr);
+    done_with(info(r.offset, r.count));
+  }
+  void before_backward(const leaf_ref& r) {
+    const auto& l = info(r.offset, r.count);
+    float* p = level_ == 3 ? gather_for(l, {l.offset, true}) : full_params_ + l.offset;
+    grad_buf_ = acquire(l.count);
+    r.rebind(p, data(grad_buf_));
+  }
+  // Reduce-scatter the leaf's gradients into the owners, non-blocking, in buckets.
+  void scatter_grads(const leaf_info& l) {
+    const auto per = std::max<index_t>(1, static_cast<index_t>(o_.bucket_mib * 1048576.0 / sizeof(float)));
+    const int p = comm_->size();
+    for (index_t a = 0; a < l.count; a += per) {
+      const index_t b = std::min(l.count, a + per);
+      const index_t ga = l.offset + a, gb = l.offset + b;
+      index_t mine = 0, mine_at = 0;
+      for (int r = 0; r < p; ++r) {
+        const auto ru = static_cast<std::size_t>(r);
+        const index_t lo = std::max(ga, starts_[ru]), hi = std::min(gb, starts_[ru] + counts_[ru]);
+        scratch_counts_[ru] = std::max<index_t>(0, hi - lo);
+        if (r == comm_->rank() && hi > lo) mine = hi - lo, mine_at = lo - begin_;
+      }
+      const bool last = b == l.count;
+      const int sum = accumulate_ && mine > 0 ? acquire(mine) : -1;
+      float* dst = sum >= 0 ? data(sum) : shard_grads_.data() + mine_at;
+      if (dry_) {
+        pending_.push_back({world_comm::request{}, grad_buf_, last, sum, mine_at, mine});
+      } else {
+        pending_.push_back({ireduce_scatter_v(*comm_, cview<float>(data(grad_buf_) + a, {b - a}), view<float>(dst, {mine}),
+                                              std::span<const index_t>(scratch_counts_)),
+                            grad_buf_, last, sum, mine_at, mine});
+      }
+    }
+    ++pending_leaves_;
+    grad_buf_ = -1;
+    progress();
+    while (pending_leaves_ > o_.max_pending) wait_oldest();
+  }
+  void after_backward(const leaf_ref& r) {
+    const auto& l = info(r.offset, r.count);
+    scatter_grads(l);
+    if (level_ == 3) {
+      r.rebind(nullptr, nullptr);
+      done_with(l);
+    } else {
+      r.rebind(full_params_ + l.offset, nullptr);
+    }
+  }
+  void finish_pass() {
+    while (!pending_.empty()) wait_oldest();
+    if (level_ == 3) {
+      drop(next_);
+      drop(held_);
+    }
+    const bool recorded = recording_;
+    recording_ = false;
+    pos_ = 0;
+    if (level_ == 3 && recorded && o_.prefetch && !dry_) rehearse();
+  }
+  // After a pass that recorded the order: replay its buffer traffic (with
+  // prefetching) without communicating, so the pool holds every buffer later passes take.
+  void rehearse() {
+    dry_ = true;
+    const auto trace = trace_;
+    for (const auto& e : trace) {
+      const auto& l = leaves_.at(e.offset);
+      gather_for(l, e);
+      if (e.backward) {
+        grad_buf_ = acquire(l.count);
+        scatter_grads(l);
+      }
+      done_with(l);
+    }
+    finish_pass();
+    dry_ = false;
+  }
+
+  struct hooks final : layer_hooks {
+    zero_engine* self = nullptr;
+    layer_hooks* next = nullptr;  // hooks set before ours (e.g. a trace): called inside ours
+    void before_forward(const leaf_ref& r) override {
+      if (r.count) self->before_forward(r);
+      if (next) next->before_forward(r);
+    }
+    void after_forward(const leaf_ref& r) override {
+      if (next) next->after_forward(r);
+      if (r.count) self->after_forward(r);
+    }
+    void before_backward(const leaf_ref& r) override {
+      if (r.count) self->before_backward(r);
+      if (next) next->before_backward(r);
+    }
+    void after_backward(const leaf_ref& r) override {
+      if (next) next->after_backward(r);
+      if (r.count) self->after_backward(r);
+    }
+  };
+
+  world_comm* comm_ = nullptr;
+  int level_ = 0;
+  index_t base_ = 0, n_ = 0, begin_ = 0, end_ = 0;
+  options o_;
+  std::vector<index_t> counts_, starts_, scratch_counts_;
+  tensor<float> shard_params_, shard_grads_;
+  float* full_params_ = nullptr;
+  hooks hooks_;
+  std::unordered_map<index_t, leaf_info> leaves_;
+  std::vector<buffer> pool_;
+  std::vector<pending> pending_;
+  int pending_leaves_ = 0, grad_buf_ = -1;
+  gathered held_, next_;
+  std::vector<event> trace_;
+  std::size_t pos_ = 0;
+  bool recording_ = true, dry_ = false, accumulate_ = false;
+};
+
+}  // namespace whale::detail
