@@ -14,6 +14,7 @@
 
 #include "whale/comm/context.hpp"
 #include "whale/models/gpt.hpp"
+#include "whale/nn/recompute.hpp"
 #include "whale/optim/adamw.hpp"
 #include "whale/optim/sgd.hpp"
 #include "whale/plan/lower.hpp"
@@ -102,6 +103,9 @@ template <class P> void check_clipped(const std::string& spec) {
   }
 }
 
+// The same gpt with every block recomputed in backward (same elements, same initialisation).
+using rec_tp_gpt = sequential<split<embedding<64, 32>>, position_embedding<16, 32>, repeat<4, recompute<split<block>>>,
+                              layer_norm<32>, split<linear<32, 64>>, softmax_cross_entropy>;
 template <int L> using zero_pipe = shard<pipeline<one_f_one_b, small_gpt>, L>;
 template <int L> using zero_tp = shard<tp_gpt, L>;
 template <int L> using zero_3d = shard<replicate<pipeline<one_f_one_b, tp_gpt>>, L>;
@@ -134,6 +138,47 @@ TEST_CASE("ZeRO over data x pipe x model equals single-process training") {
   check<zero_3d<1>>(spec);
   check<zero_3d<3>>(spec);
   check_clipped<zero_3d<2>>(spec);
+}
+
+TEST_CASE("micro-batches without a pipeline (gradient accumulation inside a step) equal single-process training") {
+  const int n = world_size();
+  const int per = 8 / n, m2 = per >= 2 ? 2 : 1, m4 = per >= 4 ? 4 : m2;  // micro-batches that divide each replica's rows
+  check<replicate<small_gpt>>("data=" + std::to_string(n), m2);
+  check<shard<small_gpt, 2>>("data=" + std::to_string(n), m4);
+  check<shard<small_gpt, 3>>("data=" + std::to_string(n), m2);
+  check<tp_gpt>(n <= 4 ? "model=" + std::to_string(n) : "data=2,model=4", 2);
+}
+
+TEST_CASE("recompute inside pipeline stages and tensor-parallel blocks, with and without ZeRO, equals single-process training") {
+  const int n = world_size();
+  const std::string pipe = n >= 4 ? "data=" + std::to_string(n / 2) + ",pipe=2" : "pipe=" + std::to_string(n);
+  check<replicate<pipeline<one_f_one_b, rec_tp_gpt>>>(pipe);
+  check<shard<replicate<pipeline<gpipe, rec_tp_gpt>>, 3>>(pipe);
+  check<rec_tp_gpt>(n <= 4 ? "model=" + std::to_string(n) : "data=2,model=4");
+}
+
+TEST_CASE("evaluate(): the forward-only global loss of every plan equals the single-process one, parameters untouched") {
+  const int n = world_size();
+  auto eval = [](auto& net) {
+    auto data = batches();
+    trainer t(net, sgd{.lr = 0.05f}, test::quiet());
+    return t.evaluate(data, steps{2}, 3);
+  };
+  network<small_gpt> single(seed{42});
+  const double want = eval(single);
+  auto one = [&]<class P>(const std::string& spec) {
+    auto ctx = test::on_mesh(spec);
+    auto net = make<P>(ctx, seed{42});
+    const auto before = net.full_params();
+    const double got = eval(net);
+    const auto after = net.full_params();
+    if (ctx.rank() == 0) MESSAGE(layer_name<P>() << " on " << spec << ": evaluate " << got << " vs " << want);
+    CHECK(got == doctest::Approx(want).epsilon(1e-6));
+    CHECK(test::over_ranks(ctx.world(), test::compare(after.v(), before.v(), 0, 0)).bad == 0);
+  };
+  one.template operator()<replicate<pipeline<one_f_one_b, small_gpt>>>(n >= 4 ? "data=" + std::to_string(n / 2) + ",pipe=2" : "pipe=" + std::to_string(n));
+  one.template operator()<shard<small_gpt, 3>>("data=" + std::to_string(n));
+  one.template operator()<tp_gpt>(n <= 4 ? "model=" + std::to_string(n) : "data=2,model=4");
 }
 
 TEST_CASE("law: a plan with every strategy, degree 1 where unused, trains as the simpler plan") {

@@ -26,7 +26,7 @@ namespace whale {
 struct lower_options {
   index_t global_batch = 0;     ///< sequences (or samples) per step; required
   index_t seq = 1;              ///< tokens per sequence
-  int micro_batches = 0;        ///< pipelines: 0 = the runtime's default
+  int micro_batches = 0;        ///< 0: the runtime's default (pipelines: <= 4 x stages; otherwise 1)
   std::vector<int> stage_blocks;  ///< pipelines of a repeat: blocks per stage (empty: balanced)
   index_t balance_seq = 128;    ///< context length the stage balancer assumes
   double bucket_mib = 25.0;     ///< gradient bucket size
@@ -65,8 +65,10 @@ class lowering {
     place();
     schedule();
     const int m = p_.micro_batches;
-    const auto acts = d_.pipeline ? d_.actions(s_, P_, m) : std::vector<pipe_action>{{pipe_action::forward, 0},
-                                                                                     {pipe_action::backward, 0}};
+    std::vector<pipe_action> acts;
+    if (d_.pipeline) acts = d_.actions(s_, P_, m);
+    else
+      for (int j = 0; j < m; ++j) acts.push_back({pipe_action::forward, j}), acts.push_back({pipe_action::backward, j});
     int backwards = 0;
     for (const auto& a : acts) {
       if (a.kind == pipe_action::forward) forward(a.micro);
@@ -206,6 +208,11 @@ class lowering {
       }
       d_.check(P_, m);  // throws, naming the stages, if the schedule is malformed or deadlocks
       p_.schedule = d_.schedule;
+    } else if (o_.micro_batches > 0) {  // gradient accumulation inside one step
+      if (n % o_.micro_batches != 0 || n < o_.micro_batches)
+        lower_fail(d_, std::to_string(o_.micro_batches) + " micro-batches do not divide the per-replica batch of " +
+                           std::to_string(n) + " sequences");
+      m = o_.micro_batches;
     }
     p_.micro_batches = m;
     micro_seqs_ = n / m;
@@ -468,14 +475,9 @@ class lowering {
     const axes lg = axes::from_bits(7u);  // shares summed over the world, once per model group
     const int lsize = p_.mesh.size();
     if (lsize > 1) sync_.push_back(add_coll(coll_kind::all_reduce, lg, lsize, all_reduce_traffic(8, lsize), 1, "the step's loss", -1));
-    if (o_.clip) {
-      axes g;
-      if (P_ > 1) g = g | axis::pipe;
-      if (M_ > 1) g = g | axis::model;
-      if (zero_ >= 2 || d_.splits_data) g = g | axis::data;
-      const int n = p_.mesh.size(g);
-      if (n > 1) sync_.push_back(add_coll(coll_kind::all_reduce, g, n, all_reduce_traffic(8, n), 1, "squared gradient norm for clipping", -1));
-    }
+    if (o_.clip && p_.mesh.size() > 1)  // each rank's squares of the parameters it counts, summed over the world
+      sync_.push_back(add_coll(coll_kind::all_reduce, axes::from_bits(7u), p_.mesh.size(),
+                               all_reduce_traffic(8, p_.mesh.size()), 1, "squared gradient norm for clipping", -1));
     op u;
     u.kind = op_kind::optimizer;
     u.elements = p_.owned_end - p_.owned_begin;

@@ -108,6 +108,9 @@ template <class P> class executor {
     const std::string who = "whale::" + layer_name<P>() + ": ";
     if (!(o_.bucket_mib > 0)) throw std::invalid_argument(who + "the bucket size must be positive (got " + std::to_string(o_.bucket_mib) + " MiB)");
     if (o_.micro_batches > max_micro) throw std::invalid_argument(who + "at most " + std::to_string(max_micro) + " micro-batches");
+    if (o_.micro_batches > 1 && stage_type::splits_data)
+      throw std::invalid_argument(who + "a split<..., axis::data> region needs the whole per-replica batch in one pass "
+                                        "(it gathers every row of the global batch); use micro_batches 0 or 1");
     if (!staged && shape.size(axis::pipe) != 1)
       throw std::invalid_argument(who + "the mesh " + shape.spec() + " has a pipe axis, but the plan has no pipeline<...>");
     if (shape.size(axis::model) != 1 && !has_split)
@@ -182,7 +185,18 @@ template <class P> class executor {
       throw std::invalid_argument("whale::" + layer_name<P>() + ": the global batch (" + std::to_string(global_batch) +
                                   ") is smaller than the data-parallel degree (" + std::to_string(d_) +
                                   "); every rank needs at least one sample");
-    for (int r = 0; r < d_; ++r) micro_count(detail::even_slice(global_batch, d_, r).second);  // same check everywhere
+    // the same checks on every rank; ZeRO 2-3 issue collectives per micro-batch over the data
+    // axis, so every replica must run as many
+    const int m0 = micro_count(detail::even_slice(global_batch, d_, 0).second);
+    for (int r = 1; r < d_; ++r) {
+      const int mr = micro_count(detail::even_slice(global_batch, d_, r).second);
+      if (mr != m0 && level >= 2)
+        throw std::invalid_argument("whale::" + layer_name<P>() + ": the global batch (" + std::to_string(global_batch) +
+                                    ") gives the data replicas " + std::to_string(m0) + " and " + std::to_string(mr) +
+                                    " micro-batches, but ZeRO " + std::to_string(level) +
+                                    " needs the same count on every replica; choose a global batch that the data "
+                                    "axis divides, or set plan_options::micro_batches to a count that divides every replica's batch");
+    }
     return detail::even_slice(global_batch, d_, replica_);
   }
   /// One step: every micro-batch forward and backward under the schedule; this
@@ -190,7 +204,7 @@ template <class P> class executor {
   /// into its range) when it returns. Returns this rank's share of the loss.
   double train_step(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) { return pass(c, x, labels, true); }
   /// train_step without the data-axis gradient sum (benchmarks' compute limit;
-  /// split regions and pipeline messages still communicate).
+  /// split regions, pipeline messages and ZeRO 2-3's per-leaf collectives still communicate).
   double compute_only_step(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) {
     return pass(c, x, labels, true, false);
   }
@@ -229,7 +243,7 @@ template <class P> class executor {
   // ---- what this rank holds ----
   const program& placement() const noexcept { return prog_; }
   /// This rank's parameters and gradients: its stage's flat range [param_begin(), param_end())
-  /// (ZeRO 3: only the owned range, see local_params()).
+  /// (parameters at ZeRO 3 and gradients at ZeRO 2-3: only the owned range, see range()).
   view<float> params() const noexcept { return level == 3 ? zero_.shard_params() : params_.v(); }
   view<float> grads() const noexcept { return level >= 2 ? zero_.shard_grads() : grads_.v(); }
   index_t param_count() const { return part_.end() - part_.begin(); }
@@ -308,9 +322,26 @@ template <class P> class executor {
          << (level >= 2 ? "gradients reduce-scattered per leaf" : "gradients all-reduced in " + std::to_string(e.sync_.size()) + " bucket(s)")
          << (level ? ", ZeRO-" + std::to_string(level) + " owns [" + std::to_string(e.range().first) + ", " + std::to_string(e.range().second) + ")" : "")
          << "\n";
+    if (e.p_ > 1 || e.o_.micro_batches > 1)
+      os << "  schedule " << sched::name() << ", micro-batches "
+         << (e.o_.micro_batches ? std::to_string(e.o_.micro_batches) : std::string(staged ? "auto (<= 4 x stages)" : "1")) << "\n";
+    if (e.d_ > 1 && level < 2)
+      os << "  buckets of <= " << e.o_.bucket_mib << " MiB" << (e.o_.blocking ? ", blocking" : ", non-blocking")
+         << (e.o_.overlap ? ", during backward" : ", after backward") << "\n";
     const auto t = e.prog_.totals();
     os << "  this rank holds " << t.params_held << " of " << e.prog_.full_params << " parameters ("
-       << static_cast<double>(t.params_held) * 4 / 1048576.0 << " MiB)\n";
+       << static_cast<double>(t.params_held) * 4 / 1048576.0 << " MiB):\n";
+    for (const auto& h : e.prog_.holds) {
+      if (h.full_params == 0 && h.name.front() == '[') {  // an inserted conversion
+        os << "    " << h.name << "\n";
+        continue;
+      }
+      os << "    " << h.name << "  " << h.local_params;
+      if (h.local_params != h.full_params) os << " of " << h.full_params;
+      if (!h.split_over.empty()) os << ", split over " << h.split_over.name() << " (" << lay_name(h.layout_in) << " in)";
+      if (h.recompute) os << ", recomputed";
+      os << "\n";
+    }
     return os;
   }
 
@@ -366,7 +397,9 @@ template <class P> class executor {
   detail::messenger msg_;
   int m_ = 0;
   schedule_report rep_;
-  std::vector<pipe_action> actions_;
+  std::vector<pipe_action> actions_, fwd_only_;
+  std::vector<char> posted_;
+  std::vector<index_t> batch_after_;
   int live_ = 0, peak_live_ = 0, max_slot_ = 0, step_ = 0;
   tracer tr_;
   bool trace_written_ = false;

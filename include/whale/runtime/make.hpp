@@ -17,9 +17,9 @@
 
 namespace whale {
 
-/// Build model M for this job: a model with `split` regions trains on the
-/// data × model mesh (hybrid_parallel); `replicate<...>` trains data parallel
-/// over the mesh's data axis; a model without strategies trains on one rank only.
+/// Build plan M for this job: every plan with a strategy (replicate, split,
+/// pipeline, shard and their nestings) runs on executor<M> with `o`; a model
+/// without strategies is a network<M> on one rank only.
 /// Errors (on every rank, before any work): a plan that does not use the
 /// ranks mpirun gave, a mesh the plan cannot use. Compile errors: the nestings
 /// that sequential, stage and pipeline cannot refuse themselves (a shard, a
@@ -34,8 +34,8 @@ auto make(const context& ctx, seed s, plan_options o = plan_options::from_env())
   static_assert(!unchecked || !detail::holds<detail::part_kind::shard, M>(),
                 "whale::make: the plan holds a shard<...> below its top (pipeline<Schedule, shard<M>>, "
                 "stage<shard<...>> or sequential<A, shard<B>>), which would train without the ZeRO partitioning; "
-                "shard is a whole-model strategy and does not compose with pipeline yet: make<shard<M, Level>> "
-                "with M the whole model, or make<replicate<pipeline<...>>> for data × pipe");
+                "shard is a whole-model strategy: make<shard<M, Level>> with M the whole model, or "
+                "make<shard<pipeline<Schedule, ...>, Level>> for ZeRO inside each pipeline stage");
   static_assert(!unchecked || !detail::holds<detail::part_kind::pipeline, M>(),
                 "whale::make: the plan holds a pipeline<...> below its top (sequential<A, pipeline<...>> or "
                 "stage<pipeline<...>>), which would run as one sequential without its stages; a pipeline is a "

@@ -9,6 +9,7 @@
 
 #include "whale/comm/collectives.hpp"
 #include "whale/comm/context.hpp"
+#include "whale/nn/layer.hpp"
 
 namespace whale::detail {
 
@@ -17,16 +18,19 @@ class messenger {
   void bind(world_comm& pipe) noexcept { pipe_ = &pipe; }
   /// Per step: m micro-batches, `slots` activation slots of (rows, in_w) inputs
   /// from the previous stage and (rows, out_w) gradients from the next one.
-  void start_step(int m, int slots, index_t rows, index_t in_w, index_t out_w, bool first, bool last) {
+  /// `grads`: a training step (a forward-only pass receives no gradients).
+  /// Slot buffers are only ever added, so switching passes allocates nothing.
+  void start_step(int m, int slots, index_t rows, index_t in_w, index_t out_w, bool first, bool last, bool grads = true) {
     first_ = first, last_ = last;
     rows_ = rows, in_w_ = in_w, out_w_ = out_w;
+    const auto n = static_cast<std::size_t>(slots);
     if (!first) {
-      xin_.resize(static_cast<std::size_t>(slots));
-      for (auto& t : xin_) ensure(t, {rows, in_w}, mem_kind::activations);
+      if (xin_.size() < n) xin_.resize(n);
+      for (std::size_t i = 0; i < n; ++i) ensure(xin_[i], {rows, in_w}, mem_kind::activations);
     }
-    if (!last) {
-      gin_.resize(static_cast<std::size_t>(slots));
-      for (auto& t : gin_) ensure(t, {rows, out_w}, mem_kind::comm);
+    if (!last && grads) {
+      if (gin_.size() < n) gin_.resize(n);
+      for (std::size_t i = 0; i < n; ++i) ensure(gin_[i], {rows, out_w}, mem_kind::comm);
     }
     act_.clear(), grad_.clear();
     act_.resize(static_cast<std::size_t>(m)), grad_.resize(static_cast<std::size_t>(m));

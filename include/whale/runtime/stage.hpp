@@ -18,6 +18,7 @@
 
 #include "whale/nn/layer.hpp"
 #include "whale/plan/partition.hpp"
+#include "whale/runtime/options.hpp"
 #include "whale/strategy/pipeline.hpp"
 
 namespace whale::detail {
@@ -123,7 +124,10 @@ template <class Pipe> class pipe_stage {
         }
         if (!ok || sum != N) {
           std::string got;
-          for (auto b : o.blocks) got += (got.empty() ? "" : ",") + std::to_string(b);
+          for (auto b : o.blocks) {
+            if (!got.empty()) got += ',';
+            got += std::to_string(b);
+          }
           throw std::invalid_argument(who + "stage blocks {" + got + "} do not fit: give one count per pipe rank (" +
                                       std::to_string(p_) + "), summing to the repeat's " + std::to_string(N) +
                                       " blocks, each inner stage at least 1");
@@ -167,11 +171,18 @@ template <class Pipe> class pipe_stage {
       full_begin_ = std::min(full_begin_, b), full_end_ = std::max(full_end_, e);
     });
     if (full_end_ < full_begin_) full_begin_ = full_end_ = 0;
+    // every stage checked on every rank, so that all ranks fail together, before any communication
+    for (int s = 0; s < p_; ++s) {
+      if (describe(s).empty())
+        throw std::invalid_argument(who + "stage " + std::to_string(s) + " of " + std::to_string(p_) +
+                                    " holds no layer; give it blocks (--stage-blocks) or use fewer pipe ranks");
+      if (s > 0 && stage_in_width(s) == any_features)
+        throw std::invalid_argument(who + "the width of the activation between stages " + std::to_string(s - 1) + " and " +
+                                    std::to_string(s) + " is not known from the layer types (both sides keep any width); "
+                                    "start each stage with a layer of fixed in_features");
+    }
     in_width_ = stage_in_width(stage_);
     out_width_ = stage_ + 1 < p_ ? stage_in_width(stage_ + 1) : 0;
-    if ((stage_ > 0 && in_width_ == any_features) || (stage_ + 1 < p_ && out_width_ == any_features))
-      throw std::invalid_argument(who + "the width of the activation between two stages is not known from the layer "
-                                        "types (both sides keep any width); start each stage with a layer of fixed in_features");
   }
   index_t begin() const { return stage_begin_[su(stage_)]; }
   index_t end() const { return stage_begin_[su(stage_) + 1]; }
@@ -301,7 +312,9 @@ template <class Pipe> class pipe_stage {
       } else if (elem_stage_[I] == s) {
         part = layer_name<elem_t<I>>();
       }
-      if (!part.empty()) d += (d.empty() ? "" : ", ") + part;
+      if (part.empty()) return;
+      if (!d.empty()) d += ", ";
+      d += part;
     });
     return d;
   }

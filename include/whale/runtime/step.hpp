@@ -18,22 +18,28 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
     throw std::invalid_argument("whale::" + layer_name<P>() + ": the input has " +
                                 std::to_string(x.shape().rank() ? x.shape()[0] : 0) + " rows but step_ctx says " +
                                 std::to_string(B) + " sequences");
-  if (c.accumulate && level >= 2)
-    throw std::invalid_argument("whale::shard: gradient accumulation across steps (step_ctx::accumulate) is not "
-                                "supported at ZeRO levels 2-3; use micro-batches (plan_options::micro_batches)");
+  if (c.accumulate && (level >= 2 || d_ > 1))
+    throw std::invalid_argument("whale::" + layer_name<P>() +
+                                ": accumulating gradients across train_step calls (step_ctx::accumulate) is not "
+                                "supported with a data axis or ZeRO levels 2-3 (each call sums or scatters the "
+                                "gradients over data); accumulate inside one step: plan_options::micro_batches");
   const index_t mb = B / m, rows = mb * T;
   const bool first = stage_ == 0, last = stage_ == p_ - 1;
-  // forward-only: every forward in order, one slot each
-  std::vector<pipe_action> fwd_only;
+  // forward-only: every forward in order; the layers keep nothing for a backward,
+  // so all use activation slot 0, while each micro-batch's receive has its own buffer
+  fwd_only_.clear();
   if (!train)
-    for (int j = 0; j < m; ++j) fwd_only.push_back({pipe_action::forward, j});
-  const auto& acts = train ? actions_ : fwd_only;
+    for (int j = 0; j < m; ++j) fwd_only_.push_back({pipe_action::forward, j});
+  const auto& acts = train ? actions_ : fwd_only_;
   const auto& slot = rep_.slot[static_cast<std::size_t>(stage_)];
   const auto& free_at = rep_.free_at[static_cast<std::size_t>(stage_)];
-  auto slot_of = [&](int j) { return train ? slot[static_cast<std::size_t>(j)] : j; };
-  if (p_ > 1) msg_.start_step(m, train ? rep_.peak_live[static_cast<std::size_t>(stage_)] : m, rows, part_.in_width(),
-                              part_.out_width(), first, last);
-  std::vector<char> posted(static_cast<std::size_t>(m), 0);
+  auto msg_slot = [&](int j) { return train ? slot[static_cast<std::size_t>(j)] : j; };
+  auto layer_slot = [&](int j) { return train ? slot[static_cast<std::size_t>(j)] : 0; };
+  if (p_ > 1)
+    msg_.start_step(m, train ? rep_.peak_live[static_cast<std::size_t>(stage_)] : m, rows, part_.in_width(),
+                    part_.out_width(), first, last, train);
+  posted_.assign(static_cast<std::size_t>(m), 0);
+  auto& posted = posted_;
   if (train) sync_.start_step();
   const bool sum_data = train && sync && d_ > 1 && level < 2;
   const bool zero_hooks = level == 3 || (train && level == 2);
@@ -44,27 +50,28 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
   int backwards = 0;
   // Split regions over data change the rows a pass carries (batch split <-> whole); a
   // backward starts from what its forward ended with.
-  std::vector<index_t> batch_after(static_cast<std::size_t>(m), mb);
+  batch_after_.assign(static_cast<std::size_t>(m), mb);
+  auto& batch_after = batch_after_;
   for (std::size_t k = 0; k < acts.size(); ++k) {
     if (p_ > 1)  // post the receives of every micro-batch whose slot is free by now
       for (int j = 0; j < m; ++j) {
         const auto ju = static_cast<std::size_t>(j);
         if (posted[ju] || (train && free_at[ju] > static_cast<int>(k))) continue;
         posted[ju] = 1;
-        msg_.post(j, slot_of(j), stage_, train);
+        msg_.post(j, msg_slot(j), stage_, train);
       }
     const auto a = acts[k];
     step_ctx mc;
     mc.batch = mb;
     mc.seq = T;
     mc.global_rows = c.global_rows > 0 ? c.global_rows : B * T;
-    mc.slot = slot_of(a.micro);
+    mc.slot = layer_slot(a.micro);
     mc.hooks = zc.hooks;
     if (a.kind == pipe_action::forward) {
       cview<float> in;
       if (!first) {
         const auto t0 = tr_.now();
-        in = msg_.activation(a.micro, mc.slot);
+        in = msg_.activation(a.micro, msg_slot(a.micro));
         tr_.add(span_kind::recv_act, step_, a.micro, t0, tr_.now());
       }
       const auto t0 = tr_.now();
@@ -80,14 +87,15 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
         msg_.send(y, stage_ + 1, 2 * a.micro);
         tr_.add(span_kind::send_act, step_, a.micro, t1, tr_.now());
       }
-      peak_live_ = std::max(peak_live_, ++live_);
-      max_slot_ = std::max(max_slot_, mc.slot + 1);
-      if (!train) --live_;
+      if (train) {
+        peak_live_ = std::max(peak_live_, ++live_);
+        max_slot_ = std::max(max_slot_, mc.slot + 1);
+      }
     } else {
       cview<float> dy;
       if (!last) {
         const auto t0 = tr_.now();
-        dy = msg_.gradient(a.micro, mc.slot);
+        dy = msg_.gradient(a.micro, msg_slot(a.micro));
         tr_.add(span_kind::recv_grad, step_, a.micro, t0, tr_.now());
       }
       mc.batch = batch_after[static_cast<std::size_t>(a.micro)];

@@ -2,7 +2,8 @@
 // and the model-state formulas of each level. The flat parameter space is cut
 // into contiguous, near-even ranges, one per data rank; each rank updates only
 // its range. The runtime is the one executor (runtime/executor.hpp with the
-// ZeRO engine of runtime/zero.hpp). No pipeline or split composition here.
+// ZeRO engine of runtime/zero.hpp). Composes with split regions over the model
+// axis and with a pipeline at the model's top (docs/compositions.md).
 #pragma once
 
 #include <cstdint>
@@ -59,6 +60,10 @@ struct shard : M {
                 "whale::shard: the model holds a pipeline<...> as a part, which is not a plan; a pipeline is a "
                 "whole-model strategy: shard<pipeline<Schedule, ...>, Level> (ZeRO inside each stage's data "
                 "group, over data x pipe) or shard<M, Level> of a model without one");
+  static_assert(!detail::is_or_holds<detail::part_kind::split_data, M>(),
+                "whale::shard: the model splits a region over the data axis (split<..., axis::data>), whose "
+                "shards differ between data ranks, so ZeRO cannot partition them over that same axis; shard a "
+                "model whose split regions are over axis::model, or use replicate<...> beside the data split");
   using inner = M;
   static constexpr int level = Level;
   static std::string name() { return "shard<" + layer_name<M>() + ", " + std::to_string(Level) + ">"; }

@@ -130,6 +130,24 @@ class trainer {
     return r;
   }
 
+  /// The global mean loss of `n` data steps from `first` (no backward, no update):
+  /// every plan runs a forward-only pass (pipelines: every forward, in order).
+  template <class Data> double evaluate(Data& data, steps n, std::int64_t first = 0)
+    requires requires(Net& m, step_ctx& c, cview<typename Net::input_type> x, cview<std::int32_t> y) { m.evaluate(c, x, y); }
+  {
+    if (n.value < 1) throw std::invalid_argument("whale::trainer::evaluate: at least one step (got " + std::to_string(n.value) + ")");
+    double sum = 0;
+    for (std::int64_t s = 0; s < n.value; ++s) {
+      const auto b = fetch(data, first + s);
+      step_ctx c;
+      c.batch = b.sequences;
+      c.seq = b.seq;
+      c.global_rows = data.global_batch() * b.seq;
+      sum += net_.reduce_loss(net_.evaluate(c, b.inputs, b.labels));
+    }
+    return sum / static_cast<double>(n.value);
+  }
+
   typename Opt::state& optimizer_state() noexcept { return state_; }
 
  private:
