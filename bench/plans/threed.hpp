@@ -4,8 +4,8 @@
 // head-split attention, column/row FFN, class-split head and loss), its blocks
 // cut into pipeline stages at run time, replicated over data. Options
 // --schedule gpipe|1f1b, --micro-batches m (default: the runtime's),
-// --recompute (each block recomputed in backward), --zero 0 (ZeRO inside
-// pipeline stages is lowered by scripts/plan but not run yet: refused).
+// --recompute (each block recomputed in backward), --zero 0..3 (ZeRO over
+// the data axis inside each stage; with 1f1b and without --recompute).
 // Besides the step it reports the bytes the lowered program predicts per rank
 // next to the bytes counted, and model-state memory per rank.
 #pragma once
@@ -32,7 +32,7 @@ struct threed {
   static constexpr const char* help =
       "gpt only: tensor parallel over model, pipelined over pipe, replicated over data, on --mesh "
       "data=D,pipe=P,model=M; --schedule gpipe|1f1b (default 1f1b), --micro-batches m (default: the runtime's), "
-      "--recompute, --zero 0";
+      "--recompute, --zero 0..3 (ZeRO inside each stage; 1f1b, no --recompute)";
   template <class W> static constexpr bool supports = std::is_same_v<W, gpt_workload>;
 
   // (B, T) tokens -> vocabulary-split embedding -> (B*T, C) -> Stack -> class-split head and loss
@@ -50,23 +50,37 @@ struct threed {
     const bool rec = c.args.flag("--recompute");
     const int zero = static_cast<int>(whale::detail::parse_int(c.args.text("--zero", "0"), "--zero", 0, 3));
     c.args.done(name);
-    if (zero != 0)
-      throw usage_error("bench: --plan 3d --zero " + std::to_string(zero) +
-                        ": ZeRO inside pipeline stages is lowered (scripts/plan --workload gpt --plan 3d --zero " +
-                        std::to_string(zero) + ") but the runtime does not run it yet; use --plan zero" +
-                        std::to_string(zero) + " for ZeRO over data alone");
     if (sched != "gpipe" && sched != "1f1b") throw usage_error("bench: --schedule " + sched + ": have gpipe, 1f1b");
+    if (zero != 0 && (rec || sched != "1f1b"))
+      throw usage_error("bench: --plan 3d --zero " + std::to_string(zero) +
+                        " is built for --schedule 1f1b without --recompute (to keep the benchmark's build small)");
     const bool g = sched == "gpipe";
     using R = whale::repeat<4, whale::recompute<whale::split<block>>>;
     using N = whale::repeat<4, whale::split<block>>;
-    if (rec) g ? go<W, whale::gpipe, R>(c, m) : go<W, whale::one_f_one_b, R>(c, m);
-    else g ? go<W, whale::gpipe, N>(c, m) : go<W, whale::one_f_one_b, N>(c, m);
+    using whale::one_f_one_b;
+    if (zero == 1) go<W, zero_plan<N, 1>>(c, m);
+    else if (zero == 2) go<W, zero_plan<N, 2>>(c, m);
+    else if (zero == 3) go<W, zero_plan<N, 3>>(c, m);
+    else if (rec) g ? go<W, plan<whale::gpipe, R>>(c, m) : go<W, plan<one_f_one_b, R>>(c, m);
+    else g ? go<W, plan<whale::gpipe, N>>(c, m) : go<W, plan<one_f_one_b, N>>(c, m);
   }
 
  private:
-  template <class W, class Sched, class Stack> static void go(config& c, int m) {
+  template <class Sched, class Stack> using plan = whale::replicate<whale::pipeline<Sched, tp_gpt<Stack>>>;
+  template <class Stack, int L> using zero_plan = whale::shard<plan<whale::one_f_one_b, Stack>, L>;
+  template <class> struct plan_parts;
+  template <class Sched, class Stack> struct plan_parts<plan<Sched, Stack>> {
+    using sched = Sched;
+    static constexpr bool recomputed = !std::is_same_v<Stack, whale::repeat<4, whale::split<block>>>;
+    static constexpr int zero = 0;
+  };
+  template <class Stack, int L> struct plan_parts<zero_plan<Stack, L>> : plan_parts<plan<whale::one_f_one_b, Stack>> {
+    static constexpr int zero = L;
+  };
+
+  template <class W, class P> static void go(config& c, int m) {
     using namespace whale;
-    using P = replicate<whale::pipeline<Sched, tp_gpt<Stack>>>;
+    using Sched = typename plan_parts<P>::sched;
     auto& ctx = *c.ctx;
     const auto& shape = ctx.mesh().shape();
     plan_options o;
@@ -77,6 +91,7 @@ struct threed {
     lo.seq = models::gpt_seq;
     lo.micro_batches = m;
     lo.optimizer_bytes_per_param = 4;  // SGD with momentum
+    lo.zero_level = plan_parts<P>::zero;
     const auto prog = lower<P>(shape, ctx.rank(), lo);  // checks the plan against the mesh on every rank
     auto data = W::data(global);
     auto net = make<P>(ctx, seed{42}, o);
@@ -105,13 +120,14 @@ struct threed {
     const auto mem = max_memory(ctx);
     if (ctx.rank() != 0) return;
     char plan[256];
-    std::snprintf(plan, sizeof plan, "3d: gpt tensor parallel over model:%d, %s pipeline over pipe:%d (m=%d%s), data:%d",
+    std::snprintf(plan, sizeof plan, "3d: gpt tensor parallel over model:%d, %s pipeline over pipe:%d (m=%d%s), data:%d%s",
                   shape.size(axis::model), Sched::name().c_str(), shape.size(axis::pipe), net.micro_batches(),
-                  std::is_same_v<Stack, whale::repeat<4, whale::split<block>>> ? "" : ", blocks recomputed",
-                  shape.size(axis::data));
+                  plan_parts<P>::recomputed ? ", blocks recomputed" : "", shape.size(axis::data),
+                  plan_parts<P>::zero ? (", ZeRO-" + std::to_string(plan_parts<P>::zero)).c_str() : "");
     json_line j;
     head_fields<W>(j, plan, ctx.size(), step_s, global, data.seq());
     j.add("mesh", shape.spec()).add("schedule", Sched::name()).add("micro_batches", net.micro_batches());
+    j.add("zero", plan_parts<P>::zero);
     j.add("comm_bytes_per_rank_per_step", static_cast<long long>(counted));
     j.add("program_bytes_per_rank_per_step", static_cast<long long>(predicted));
     j.add("model_state_mib_per_rank", state / 1048576.0);
