@@ -26,6 +26,7 @@
 #include "whale/tensor/memory.hpp"
 #include "whale/tensor/tensor.hpp"
 #include "whale/train/trainer.hpp"
+#include "whale/detail/parse.hpp"
 
 namespace bench {
 
@@ -153,10 +154,11 @@ class plan_args {
       if (a_[i] == name) {
         if (i + 1 >= a_.size()) throw usage_error("bench: " + name + " needs a value");
         used_[i] = used_[i + 1] = true;
-        char* end = nullptr;
-        const double v = std::strtod(a_[i + 1].c_str(), &end);
-        if (a_[i + 1].empty() || *end) throw usage_error("bench: " + name + " " + a_[i + 1] + ": not a number");
-        return v;
+        try {  // whole, finite, not negative: every plan option is a size, a count or a rate
+          return whale::detail::parse_double(a_[i + 1], "bench: " + name, 0, 1e12);
+        } catch (const whale::detail::parse_error& e) {
+          throw usage_error(e.what());
+        }
       }
     return dflt;
   }

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "bench_common.hpp"
+#include "whale/detail/parse.hpp"
 #include "plans/dp.hpp"
 #include "plans/hybrid.hpp"
 #include "plans/pipeline.hpp"
@@ -61,8 +62,9 @@ bench::config parse(int argc, char** argv, whale::context& ctx) {
     };
     if (a == "--workload") c.workload = next();
     else if (a == "--plan") c.plan = next();
-    else if (a == "--steps") c.steps = std::atoi(next().c_str());
-    else if (a == "--threads-per-rank") whale::cpu::set_threads(std::atoi(next().c_str()));
+    else if (a == "--steps") c.steps = static_cast<int>(whale::detail::parse_int(next(), "--steps", 3, 1000000));
+    else if (a == "--threads-per-rank")
+      whale::cpu::set_threads(static_cast<int>(whale::detail::parse_int(next(), "--threads-per-rank", 1, 4096)));
     else if (a == "--help" || a == "-h")
       throw bench::usage_error("usage: bench_workloads --workload mlp|xc|gpt --plan P [--steps S] "
                                "[--threads-per-rank T] [plan options]\nplans:" + plan_list());
@@ -77,13 +79,30 @@ bench::config parse(int argc, char** argv, whale::context& ctx) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // --plan pipeline puts every rank on the pipe axis unless a mesh is given: one
+  // context for the whole run, so that every error prints its own message.
+  bool pipeline = false, mesh = std::getenv("WHALE_MESH") != nullptr;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--plan" && i + 1 < argc && std::string(argv[i + 1]) == "pipeline") pipeline = true;
+    if (a == "--mesh") mesh = true;
+  }
+  if (pipeline && !mesh) {
+    const char* n = std::getenv("OMPI_COMM_WORLD_SIZE");  // set by mpirun; one process without it
+    ::setenv("WHALE_MESH", (std::string("pipe=") + (n ? n : "1")).c_str(), 1);
+  }
   auto ctx = whale::context::init(argc, argv);
   std::string usage;
   ctx.guard([&] {
     // Usage errors come from the command line, so every rank throws the same one,
     // before the plan communicates: report once and exit 2 (no job abort).
     try {
-      auto c = parse(argc, argv, ctx);
+      bench::config c;
+      try {
+        c = parse(argc, argv, ctx);
+      } catch (const whale::detail::parse_error& e) {  // a bad value of a common option
+        throw bench::usage_error(e.what());
+      }
       const bench::plan_entry* p = nullptr;
       for (const auto& e : plan_table)
         if (c.plan == e.name) p = &e;

@@ -9,6 +9,7 @@
 //
 // Legend of shape comments: B the global batch (256), B/p the rows of one of p ranks.
 #include <whale/whale.hpp>
+#include <whale/detail/parse.hpp>
 
 #include <cstdio>
 #include <cstdlib>
@@ -25,7 +26,7 @@ int main(int argc, char** argv) {
     std::int64_t n_steps = 20;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if (a == "--steps" && i + 1 < argc) n_steps = std::atoll(argv[++i]);
+      if (a == "--steps" && i + 1 < argc) n_steps = whale::detail::parse_int(argv[++i], "--steps", 1, 100000000);
       else throw std::invalid_argument("example_02: unknown argument " + a + " (have --steps, --threads)");
     }
 

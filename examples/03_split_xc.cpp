@@ -7,6 +7,7 @@
 //
 // Legend: B samples per rank, G = B x ranks, C = 100,000 classes, p ranks.
 #include <whale/whale.hpp>
+#include <whale/detail/parse.hpp>
 
 #include <cstdlib>
 #include <iostream>
@@ -26,7 +27,7 @@ int main(int argc, char** argv) {
     std::int64_t n_steps = 20;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if (a == "--steps" && i + 1 < argc) n_steps = std::atoll(argv[++i]);
+      if (a == "--steps" && i + 1 < argc) n_steps = whale::detail::parse_int(argv[++i], "--steps", 1, 100000000);
       else throw std::invalid_argument("example_03: unknown argument " + a + " (have --steps, --mesh, --threads)");
     }
     auto net = make<model>(ctx, seed{42});

@@ -14,6 +14,7 @@
 //
 // Legend of shape comments: B sequences per replica, m micro-batches, T tokens, C width.
 #include <whale/whale.hpp>
+#include <whale/detail/parse.hpp>
 
 #include <cstdio>
 #include <cstdlib>
@@ -51,7 +52,7 @@ int main(int argc, char** argv) {
     std::string schedule = "1f1b";
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if (a == "--steps" && i + 1 < argc) n_steps = std::atoll(argv[++i]);
+      if (a == "--steps" && i + 1 < argc) n_steps = whale::detail::parse_int(argv[++i], "--steps", 1, 100000000);
       else if (a == "--schedule" && i + 1 < argc) schedule = argv[++i];
       else throw std::invalid_argument("example_04: unknown argument " + a);
     }

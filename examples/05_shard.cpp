@@ -9,6 +9,7 @@
 //
 // Legend of shape comments: B sequences (16 per step, B/p per rank), T tokens (128), C width (256).
 #include <whale/whale.hpp>
+#include <whale/detail/parse.hpp>
 #include <whale/nn/recompute.hpp>
 #include <whale/strategy/shard.hpp>
 
@@ -60,8 +61,8 @@ int main(int argc, char** argv) {
     int level = 3;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if (a == "--steps" && i + 1 < argc) n_steps = std::atoll(argv[++i]);
-      else if (a == "--level" && i + 1 < argc) level = std::atoi(argv[++i]);
+      if (a == "--steps" && i + 1 < argc) n_steps = whale::detail::parse_int(argv[++i], "--steps", 1, 100000000);
+      else if (a == "--level" && i + 1 < argc) level = static_cast<int>(whale::detail::parse_int(argv[++i], "--level", 1, 3));
       else throw std::invalid_argument("example_05: unknown argument " + a + " (have --steps, --level, --threads)");
     }
     if (n_steps < 2) throw std::invalid_argument("example_05: --steps must be at least 2");

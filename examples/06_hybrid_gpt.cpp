@@ -8,6 +8,7 @@
 //
 // Legend: B sequences per data rank, T = 128 tokens, C = 256 width, V = 8192.
 #include <whale/whale.hpp>
+#include <whale/detail/parse.hpp>
 
 #include <cstdlib>
 #include <iostream>
@@ -25,8 +26,8 @@ int main(int argc, char** argv) {
     float lr = 3e-3f;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if (a == "--steps" && i + 1 < argc) n_steps = std::atoll(argv[++i]);
-      else if (a == "--lr" && i + 1 < argc) lr = static_cast<float>(std::atof(argv[++i]));
+      if (a == "--steps" && i + 1 < argc) n_steps = whale::detail::parse_int(argv[++i], "--steps", 1, 100000000);
+      else if (a == "--lr" && i + 1 < argc) lr = static_cast<float>(whale::detail::parse_double(argv[++i], "--lr", 0, 10, true));
       else throw std::invalid_argument("example_06: unknown argument " + a + " (have --steps, --lr, --mesh, --threads)");
     }
     auto net = make<model>(ctx, seed{42});

@@ -46,10 +46,11 @@ struct pipeline {
     using namespace whale;
     if (m < 1) throw usage_error("bench: --micro-batches must be at least 1");
     const int P = c.ranks();
-    // This plan's mesh: every rank on the pipe axis.
-    ::setenv("WHALE_MESH", ("pipe=" + std::to_string(P)).c_str(), 1);
-    auto ctx = context::init();
-    ::unsetenv("WHALE_MESH");
+    auto& ctx = *c.ctx;  // every rank on the pipe axis (bench_workloads' main sets the mesh)
+    if (ctx.mesh().shape().size(axis::pipe) != P)
+      throw usage_error("bench: --plan pipeline runs every rank on the pipe axis, but the mesh is " +
+                        ctx.mesh().shape().spec() + "; leave --mesh out or give --mesh pipe=" + std::to_string(P) +
+                        " (--plan 3d composes pipelines with other axes)");
     plan_options o;
     o.micro_batches = m;
     if (!blocks.empty()) o.blocks = plan_options::parse_list(blocks, "--stage-blocks");

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "whale/detail/parse.hpp"
 #include "whale/tensor/tensor.hpp"
 
 extern "C" void openblas_set_num_threads(int);
@@ -68,10 +69,8 @@ inline void gemm_strided_batched(trans ta, trans tb, index_t M, index_t N, index
 inline void set_threads(int n) { openblas_set_num_threads(n < 1 ? 1 : n); }
 inline int threads() { return openblas_get_num_threads(); }
 inline int default_threads() {
-  if (const char* e = std::getenv("WHALE_THREADS")) {
-    int n = std::atoi(e);
-    if (n >= 1) return n;
-  }
+  if (const char* e = std::getenv("WHALE_THREADS"))
+    return static_cast<int>(whale::detail::parse_int(e, "WHALE_THREADS", 1, 4096));  // "2x", "0", "-1" are errors
   return 1;
 }
 
