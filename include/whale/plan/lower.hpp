@@ -16,30 +16,15 @@
 
 #include "whale/comm/collectives.hpp"
 #include "whale/comm/detail/cost.hpp"
+#include "whale/plan/check.hpp"
 #include "whale/plan/describe.hpp"
 #include "whale/plan/partition.hpp"
 #include "whale/plan/program.hpp"
+#include "whale/plan/traffic.hpp"
 
 namespace whale {
 
-/// The run-time choices lowering needs (the rest is in the plan type).
-struct lower_options {
-  index_t global_batch = 0;     ///< sequences (or samples) per step; required
-  index_t seq = 1;              ///< tokens per sequence
-  int micro_batches = 0;        ///< 0: the runtime's default (pipelines: <= 4 x stages; otherwise 1)
-  std::vector<int> stage_blocks;  ///< pipelines of a repeat: blocks per stage (empty: balanced)
-  index_t balance_seq = 128;    ///< context length the stage balancer assumes
-  double bucket_mib = 25.0;     ///< gradient bucket size
-  int zero_level = -1;          ///< -1: the plan's (shard<M, L>); 0..3 overrides
-  bool clip = false;            ///< a global-norm all-reduce per step
-  int optimizer_bytes_per_param = 8;  ///< AdamW: 8 (two moments); SGD with momentum: 4
-};
-
 namespace detail {
-
-inline void lower_fail(const model_desc& d, const std::string& why) {
-  throw std::invalid_argument("whale::lower: " + d.name + ": " + why);
-}
 
 /// Builds one rank's program; each member adds one kind of operation.
 class lowering {
@@ -80,33 +65,7 @@ class lowering {
 
  private:
   // ---- checks: the run-time twins of the type's rules ----
-  void validate() {
-    if (o_.global_batch < 1) lower_fail(d_, "the global batch must be at least 1 sequence");
-    if (o_.seq < 1) lower_fail(d_, "the sequence length must be at least 1");
-    if (zero_ < 0 || zero_ > 3) lower_fail(d_, "the ZeRO level must be 0, 1, 2 or 3");
-    if (!(o_.bucket_mib > 0)) lower_fail(d_, "the bucket size must be positive");
-    const std::string mesh = p_.mesh.spec();
-    if (P_ > 1 && !d_.pipeline)
-      lower_fail(d_, "the mesh " + mesh + " has a pipe axis, but the plan has no pipeline<...>");
-    if (d_.pipeline && d_.explicit_stages && P_ != d_.fixed_stages)
-      lower_fail(d_, "the pipeline has " + std::to_string(d_.fixed_stages) + " stages but the mesh " + mesh + " has " +
-                         std::to_string(P_) + " pipe rank(s)");
-    if (M_ > 1 && !d_.splits_model)
-      lower_fail(d_, "the mesh " + mesh + " has a model axis, but nothing is split over it");
-    // a plan with split regions is data parallel over the data axis outside them (Megatron's TP x DP)
-    if (D_ > 1 && !d_.replicated && !d_.splits_data && !d_.splits_model && zero_ == 0)
-      lower_fail(d_, "the mesh " + mesh + " has a data axis, but the plan is neither replicated, sharded nor split over data");
-    if (o_.global_batch < D_)
-      lower_fail(d_, "the global batch (" + std::to_string(o_.global_batch) + ") is smaller than the data axis (" +
-                         std::to_string(D_) + ")");
-    for (const auto& u : d_.units)
-      if (u.sharded && u.split_axis >= 0) {
-        const int deg = p_.mesh.size(static_cast<axis>(u.split_axis));
-        if (u.split_params % deg != 0)
-          lower_fail(d_, u.name + " cannot be split " + std::to_string(deg) + " ways over the " +
-                             axis_name(static_cast<axis>(u.split_axis)) + " axis");
-      }
-  }
+  void validate() { check_plan(d_, p_.mesh, o_, zero_); }
 
   // ---- what this rank holds ----
   int stage_of(const unit_desc& u) const {
@@ -118,27 +77,7 @@ class lowering {
   }
   void place() {
     if (d_.pipeline && !d_.explicit_stages && d_.repeat_element >= 0) {
-      std::vector<int> blocks = o_.stage_blocks;
-      const int N = d_.repeat_count;
-      if (blocks.empty()) {
-        double pre = 0, post = 0;
-        for (int i = 0; i < d_.elements; ++i)
-          if (i != d_.repeat_element)
-            (i < d_.repeat_element ? pre : post) +=
-                balance_weight(d_.element_cost[static_cast<std::size_t>(i)], d_.element_width[static_cast<std::size_t>(i)], o_.balance_seq);
-        const double blk = balance_weight(d_.block_cost, d_.element_width[static_cast<std::size_t>(d_.repeat_element)], o_.balance_seq);
-        if (P_ > 1 && N < P_ - 2)
-          lower_fail(d_, "the repeat has " + std::to_string(N) + " blocks, too few for " + std::to_string(P_) + " stages");
-        blocks = balance_blocks(N, P_, pre, post, blk);
-      } else {
-        int sum = 0;
-        bool ok = static_cast<int>(blocks.size()) == P_;
-        for (std::size_t s = 0; s < blocks.size(); ++s) {
-          sum += blocks[s];
-          if (blocks[s] < 0 || (blocks[s] == 0 && s > 0 && static_cast<int>(s) + 1 < P_)) ok = false;
-        }
-        if (!ok || sum != N) lower_fail(d_, "the stage blocks do not fit the pipe axis and the repeat's " + std::to_string(N) + " blocks");
-      }
+      const auto blocks = stage_cut(d_, P_, o_);
       p_.stage_blocks = blocks;
       for (int s = 0; s < static_cast<int>(blocks.size()); ++s)
         for (int k = 0; k < blocks[static_cast<std::size_t>(s)]; ++k) block_stage_.push_back(s);
@@ -281,44 +220,12 @@ class lowering {
 
   /// The collective that converts layout `from` into `to` for a tensor of full width `w` on axis `a`.
   void conversion_op(conv_op k, axis a, lay from, lay to, index_t w, const std::string& why, int micro, bool after) {
-    if (k == conv_op::none || k == conv_op::slice_rows || k == conv_op::slice_cols) return;
     const int p = p_.mesh.size(a), r = p_.coords[static_cast<std::size_t>(a)];
-    if (p == 1) return;
     const bool data = a == axis::data;
-    const index_t rows_in = data ? rows_on_data(from, r) : rows_local();
-    const index_t rows_out = data ? rows_on_data(to, r) : rows_local();
-    const std::int64_t e = 4;
-    traffic t;
-    coll_kind ck = coll_kind::all_reduce;
-    std::int64_t elems = 0;
-    std::vector<index_t> counts(static_cast<std::size_t>(p));
-    switch (k) {
-      case conv_op::all_reduce:
-        elems = rows_out * w;
-        t = all_reduce_traffic(elems * e, p);
-        break;
-      case conv_op::gather_rows:
-      case conv_op::reduce_scatter_rows:
-        for (int i = 0; i < p; ++i) counts[static_cast<std::size_t>(i)] = even_slice(o_.global_batch, p, i).second * o_.seq * w;
-        for (auto c : counts) elems += c;
-        ck = k == conv_op::gather_rows ? coll_kind::all_gather : coll_kind::reduce_scatter;
-        t = k == conv_op::gather_rows ? all_gather_traffic(std::span<const index_t>(counts), r, p, e)
-                                      : reduce_scatter_traffic(std::span<const index_t>(counts), r, p, e);
-        break;
-      case conv_op::gather_cols:
-        elems = rows_in * w;
-        ck = coll_kind::all_gather;
-        t = all_gather_traffic(rows_in * (w / p) * e, p);
-        break;
-      case conv_op::reduce_scatter_cols:
-        elems = rows_in * w;
-        ck = coll_kind::reduce_scatter;
-        t = reduce_scatter_traffic(rows_in * (w / p) * e, p);
-        break;
-      default:
-        return;
-    }
-    const int id = add_coll(ck, axes(a), p, t, elems, why, micro);
+    const auto c = conversion_cost(k, p, r, data ? rows_on_data(from, r) : rows_local(),
+                                   data ? rows_on_data(to, r) : rows_local(), w, o_.global_batch, o_.seq);
+    if (!c.moves) return;
+    const int id = add_coll(c.kind, axes(a), p, c.t, c.elements, why, micro);
     if (after) pending_.push_back(id);
   }
 

@@ -1,0 +1,94 @@
+// The rules a plan must meet on a mesh, checked when it is lowered — the
+// run-time twins of the type rules — and the options lowering takes. Pure:
+// every rank and every machine reach the same verdict. No lowering here.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "whale/comm/mesh.hpp"
+#include "whale/plan/describe.hpp"
+#include "whale/plan/partition.hpp"
+
+namespace whale {
+
+/// The run-time choices lowering needs (the rest is in the plan type).
+struct lower_options {
+  index_t global_batch = 0;     ///< sequences (or samples) per step; required
+  index_t seq = 1;              ///< tokens per sequence
+  int micro_batches = 0;        ///< 0: the runtime's default (pipelines: <= 4 x stages; otherwise 1)
+  std::vector<int> stage_blocks;  ///< pipelines of a repeat: blocks per stage (empty: balanced)
+  index_t balance_seq = 128;    ///< context length the stage balancer assumes
+  double bucket_mib = 25.0;     ///< gradient bucket size
+  int zero_level = -1;          ///< -1: the plan's (shard<M, L>); 0..3 overrides
+  bool clip = false;            ///< a global-norm all-reduce per step
+  int optimizer_bytes_per_param = 8;  ///< AdamW: 8 (two moments); SGD with momentum: 4
+};
+
+namespace detail {
+
+inline void lower_fail(const model_desc& d, const std::string& why) {
+  throw std::invalid_argument("whale::lower: " + d.name + ": " + why);
+}
+
+/// Throws std::invalid_argument, naming the plan and the rule, when plan `d`
+/// (with ZeRO level `zero`) cannot run on `mesh` with options `o`.
+inline void check_plan(const model_desc& d, const mesh_shape& m, const lower_options& o, int zero) {
+  const int D = m.size(axis::data), P = m.size(axis::pipe), M = m.size(axis::model);
+
+  if (o.global_batch < 1) lower_fail(d, "the global batch must be at least 1 sequence");
+  if (o.seq < 1) lower_fail(d, "the sequence length must be at least 1");
+  if (zero < 0 || zero > 3) lower_fail(d, "the ZeRO level must be 0, 1, 2 or 3");
+  if (!(o.bucket_mib > 0)) lower_fail(d, "the bucket size must be positive");
+  const std::string mesh = m.spec();
+  if (P > 1 && !d.pipeline)
+    lower_fail(d, "the mesh " + mesh + " has a pipe axis, but the plan has no pipeline<...>");
+  if (d.pipeline && d.explicit_stages && P != d.fixed_stages)
+    lower_fail(d, "the pipeline has " + std::to_string(d.fixed_stages) + " stages but the mesh " + mesh + " has " +
+                       std::to_string(P) + " pipe rank(s)");
+  if (M > 1 && !d.splits_model)
+    lower_fail(d, "the mesh " + mesh + " has a model axis, but nothing is split over it");
+  // a plan with split regions is data parallel over the data axis outside them (Megatron's TP x DP)
+  if (D > 1 && !d.replicated && !d.splits_data && !d.splits_model && zero == 0)
+    lower_fail(d, "the mesh " + mesh + " has a data axis, but the plan is neither replicated, sharded nor split over data");
+  if (o.global_batch < D)
+    lower_fail(d, "the global batch (" + std::to_string(o.global_batch) + ") is smaller than the data axis (" +
+                       std::to_string(D) + ")");
+  for (const auto& u : d.units)
+    if (u.sharded && u.split_axis >= 0) {
+      const int deg = m.size(static_cast<axis>(u.split_axis));
+      if (u.split_params % deg != 0)
+        lower_fail(d, u.name + " cannot be split " + std::to_string(deg) + " ways over the " +
+                           axis_name(static_cast<axis>(u.split_axis)) + " axis");
+    }
+  }
+
+/// Blocks of the pipelined repeat on each of `P` stages: `o.stage_blocks`,
+/// checked, or balanced by the layers' cost as the runtime balances them.
+inline std::vector<int> stage_cut(const model_desc& d, int P, const lower_options& o) {
+  const int N = d.repeat_count;
+  std::vector<int> blocks = o.stage_blocks;
+  if (blocks.empty()) {
+    if (P > 1 && N < P - 2)
+      lower_fail(d, "the repeat has " + std::to_string(N) + " blocks, too few for " + std::to_string(P) + " stages");
+    double pre = 0, post = 0;
+    for (int i = 0; i < d.elements; ++i)
+      if (i != d.repeat_element)
+        (i < d.repeat_element ? pre : post) += balance_weight(d.element_cost[static_cast<std::size_t>(i)],
+                                                              d.element_width[static_cast<std::size_t>(i)], o.balance_seq);
+    const auto rep = static_cast<std::size_t>(d.repeat_element);
+    return balance_blocks(N, P, pre, post, balance_weight(d.block_cost, d.element_width[rep], o.balance_seq));
+  }
+  int sum = 0;
+  bool ok = static_cast<int>(blocks.size()) == P;
+  for (std::size_t s = 0; s < blocks.size(); ++s) {
+    sum += blocks[s];
+    if (blocks[s] < 0 || (blocks[s] == 0 && s > 0 && static_cast<int>(s) + 1 < P)) ok = false;
+  }
+  if (!ok || sum != N) lower_fail(d, "the stage blocks do not fit the pipe axis and the repeat's " + std::to_string(N) + " blocks");
+  return blocks;
+}
+
+}  // namespace detail
+}  // namespace whale
