@@ -21,6 +21,7 @@
 #include "whale/nn/gelu.hpp"
 #include "whale/nn/layer.hpp"
 #include "whale/nn/linear.hpp"
+#include "whale/nn/recompute.hpp"
 #include "whale/nn/relu.hpp"
 #include "whale/nn/repeat.hpp"
 #include "whale/nn/residual.hpp"
@@ -78,6 +79,16 @@ struct xform {  // a row-wise layer: works on replicated features, any batch lay
   static constexpr lay need = (X == lay::S0) ? lay::S0 : lay::R;
   static constexpr lay out = need, gin = need, gout = need;
   using type = E;
+};
+template <class> inline constexpr bool recompute_in_split = false;
+template <axis A, lay X, class B>
+struct xform<A, X, recompute<B>> {  // refused: it would run unsplit, and mean another plan
+  static_assert(recompute_in_split<B>,
+                "whale::split: recompute<...> inside a split region is not supported: its layers would run "
+                "unsplit (and, over the data axis, their whole gradients would be summed again); recompute the "
+                "whole region instead: recompute<split<Block>> (e.g. repeat<N, recompute<split<Block>>>)");
+  static constexpr lay need = X, out = X, gin = X, gout = X;
+  using type = recompute<B>;
 };
 template <axis A, lay X, class E>
   requires(std::is_same_v<E, relu> || std::is_same_v<E, gelu>)
