@@ -1,8 +1,8 @@
 // The one gradient synchroniser: buckets of a flat gradient buffer summed
 // over the data axis (all-reduce), launched as backward makes each bucket
 // final — blocking, or non-blocking and waited for at the end. The buckets
-// come from the lowered program (plan/partition.hpp's bucket_ranges), so what
-// runs is what the program says. No model knowledge here.
+// are cut by plan/partition.hpp's bucket_ranges, the function the lowering
+// uses, so what runs is what the program says. No model knowledge here.
 #pragma once
 
 #include <limits>
