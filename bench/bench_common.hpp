@@ -256,6 +256,31 @@ template <class F> double timed(whale::context& ctx, F&& f) {
   return max_over_ranks(ctx, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
+/// What `steps` training steps did: every step timed on the slowest rank, memory
+/// peaks reset after the 2 warm-up steps, bytes sent (mesh and world) over the timed ones.
+struct steps_run {
+  std::vector<double> losses;
+  std::int64_t sent = 0;  ///< bytes this rank sent over the timed steps
+  double step_s = 0;      ///< median of the timed steps
+};
+template <class Trainer, class Data>
+steps_run run_steps(whale::context& ctx, Trainer& t, Data& data, whale::index_t global, int steps) {
+  auto sent_now = [&] { return ctx.mesh().stats().bytes_sent + ctx.world().stats().bytes_sent; };
+  steps_run r;
+  std::vector<double> secs;
+  for (int s = 0; s < steps; ++s) {
+    auto b = t.fetch(data, s);
+    if (s == 2) whale::reset_memory_peaks();
+    const auto before = sent_now();
+    double loss = 0;
+    secs.push_back(timed(ctx, [&] { loss = t.step_on(b, global, s); }));
+    if (s >= 2) r.sent += sent_now() - before;
+    r.losses.push_back(loss);
+  }
+  r.step_s = median(std::vector<double>(secs.begin() + 2, secs.end()));
+  return r;
+}
+
 /// Memory by category of the rank with the most, per category (max over ranks).
 inline whale::memory_stats max_memory(whale::context& ctx) {
   auto m = whale::memory_snapshot();

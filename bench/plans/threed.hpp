@@ -98,20 +98,11 @@ struct threed {
     trainer_options to;
     to.progress = false;
     trainer t(net, sgd{.lr = 0.01f, .momentum = 0.9f}, to);
-    auto sent_now = [&] { return ctx.mesh().stats().bytes_sent + ctx.world().stats().bytes_sent; };
-    std::vector<double> secs, losses;
-    std::int64_t sent = 0;
-    for (int s = 0; s < c.steps; ++s) {
-      auto b = t.fetch(data, s);
-      if (s == 2) reset_memory_peaks();
-      const auto before = sent_now();
-      double loss = 0;
-      secs.push_back(timed(ctx, [&] { loss = t.step_on(b, global, s); }));
-      if (s >= 2) sent += sent_now() - before;
-      losses.push_back(loss);
-    }
+    const auto run = run_steps(ctx, t, data, global, c.steps);
+    const auto& losses = run.losses;
+    const std::int64_t sent = run.sent;
     const int timed_steps = c.steps - 2;
-    const double step_s = median(std::vector<double>(secs.begin() + 2, secs.end()));
+    const double step_s = run.step_s;
     const double counted = max_over_ranks(ctx, static_cast<double>(sent) / timed_steps);
     const auto tot = prog.totals();
     const double predicted = max_over_ranks(ctx, static_cast<double>(tot.bytes_sent));
