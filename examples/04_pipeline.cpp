@@ -2,14 +2,16 @@
 // model's 4 transformer blocks are cut into as many stages as the mesh's pipe
 // axis has ranks (balanced by the layers' cost), the first stage also holding
 // the embeddings and the last the head and the loss. Micro-batches run under
-// 1F1B; each step ends with a flush, so it trains exactly as one process would.
+// 1F1B (or GPipe, or the zero-bubble zb-h1, whose backward is split into
+// input- and weight-gradient passes); each step ends with a flush, so it
+// trains exactly as one process would.
 //
 //   mpirun -np 2 ./example_04_pipeline --mesh pipe=2 [--micro-batches 8] [--stage-blocks 3,1]
-//          [--schedule gpipe|1f1b] [--trace out.json] [--steps N]
+//          [--schedule gpipe|1f1b|zb-h1] [--trace out.json] [--steps N]
 //   mpirun -np 4 ./example_04_pipeline --mesh data=2,pipe=2     (replicate<pipeline<...>>)
 //
 // Open out.json in https://ui.perfetto.dev: one row per rank, a span per
-// micro-batch's forward (F j) and backward (B j), sends, receive waits,
+// micro-batch's forward (F j), backward (B j) and, under zb-h1, weight pass (W j), sends, receive waits,
 // all-reduces and the optimizer.
 //
 // Legend of shape comments: B sequences per replica, m micro-batches, T tokens, C width.
@@ -36,8 +38,8 @@ template <class Plan> int train(const context& ctx, const plan_options& o, std::
     std::printf("loss %.4f -> %.4f, median step %.3f s, micro-batches %d\n", r.loss_first(), r.loss_last(),
                 r.median_step_s(), net.micro_batches());
     if (!ev.empty())
-      std::printf("bubble: busiest stage %.3f (theory (p-1)/(m+p-1) = %.3f), mean over stages %.3f\n", b.bottleneck,
-                  bubble_theory(net.stages(), net.micro_batches()), b.mean);
+      std::printf("bubble: busiest stage %.3f (the schedule's, passes of equal time: %.3f), mean over stages %.3f\n",
+                  b.bottleneck, net.schedule_info().bubble, b.mean);
   }
   return 0;
 }
@@ -64,6 +66,9 @@ int main(int argc, char** argv) {
     if (schedule == "1f1b")
       return replicated ? train<replicate<pipeline<one_f_one_b, models::gpt>>>(ctx, o, n_steps)
                         : train<pipeline<one_f_one_b, models::gpt>>(ctx, o, n_steps);
-    throw std::invalid_argument("example_04: --schedule " + schedule + ": have gpipe, 1f1b");
+    if (schedule == "zb-h1")
+      return replicated ? train<replicate<pipeline<zb_h1, models::gpt>>>(ctx, o, n_steps)
+                        : train<pipeline<zb_h1, models::gpt>>(ctx, o, n_steps);
+    throw std::invalid_argument("example_04: --schedule " + schedule + ": have gpipe, 1f1b, zb-h1");
   });
 }

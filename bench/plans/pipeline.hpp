@@ -1,7 +1,8 @@
 // Plan `pipeline`: `pipeline<Schedule, gpt>` over every rank on the pipe axis
-// (strategy/pipeline.hpp), options --schedule gpipe|1f1b, --micro-batches m,
+// (strategy/pipeline.hpp), options --schedule gpipe|1f1b|zb-h1, --micro-batches m,
 // --stage-blocks a,b,... and --trace out.json. Besides the step it reports the
-// bubble measured from the run's own trace against (p-1)/(m+p-1), the peak
+// bubble measured from the run's own trace against the schedule's replay with
+// equal pass times ((p-1)/(m+p-1) for GPipe and 1F1B), the peak
 // activation memory of each stage, and the bytes each rank sends per step.
 #pragma once
 
@@ -25,7 +26,7 @@ namespace bench::plans {
 struct pipeline {
   static constexpr const char* name = "pipeline";
   static constexpr const char* help =
-      "pipeline<S, gpt> over all ranks on the pipe axis (gpt only); --schedule gpipe|1f1b (default 1f1b), "
+      "pipeline<S, gpt> over all ranks on the pipe axis (gpt only); --schedule gpipe|1f1b|zb-h1 (default 1f1b), "
       "--micro-batches m (default 8), --stage-blocks a,b,... (default: balanced by cost), --trace out.json";
   template <class W> static constexpr bool supports = std::is_same_v<W, gpt_workload>;
 
@@ -37,7 +38,8 @@ struct pipeline {
     c.args.done(name);
     if (sched == "gpipe") go<W, whale::gpipe>(c, m, blocks, trace);
     else if (sched == "1f1b") go<W, whale::one_f_one_b>(c, m, blocks, trace);
-    else throw usage_error("bench: --schedule " + sched + ": have gpipe, 1f1b");
+    else if (sched == "zb-h1") go<W, whale::zb_h1>(c, m, blocks, trace);
+    else throw usage_error("bench: --schedule " + sched + ": have gpipe, 1f1b, zb-h1");
   }
 
  private:
@@ -107,9 +109,10 @@ struct pipeline {
     j.raw("memory_mib", memory_json(mem));
     j.raw("activation_mib_per_stage", list(act));
     // bubble_measured: idle fraction of the busiest stage (the one that sets the
-    // step time), what (p-1)/(m+p-1) models; the other stages also wait for it
+    // step time), what the replay of the schedule with equal pass times models
+    // ((p-1)/(m+p-1) for GPipe and 1F1B); the other stages also wait for it
     // (stage_imbalance), which the mean over stages includes.
-    j.add("bubble_measured", bub.bottleneck).add("bubble_theory", bubble_theory(P, m));
+    j.add("bubble_measured", bub.bottleneck).add("bubble_theory", check_schedule<S>(P, m).bubble);
     j.add("bubble_measured_mean", bub.mean).add("stage_imbalance", bub.imbalance);
     j.raw("bubble_measured_per_stage", list(bub.per_stage));
     std::vector<double> busy_ms;

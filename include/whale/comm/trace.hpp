@@ -32,17 +32,19 @@ enum class span_kind : std::int32_t {
   grad_all_reduce,  ///< waiting for the data-parallel gradient all-reduce after backward
   loss_all_reduce,  ///< summing the loss shares over ranks
   optimizer,        ///< the optimizer step
+  weight,           ///< a split schedule's weight-gradient pass of one micro-batch
 };
-inline constexpr int span_kind_count = 9;
+inline constexpr int span_kind_count = 10;
 inline const char* to_string(span_kind k) noexcept {
   constexpr const char* names[] = {"forward", "backward", "send act", "send grad", "recv act",
-                                   "recv grad", "all-reduce grads", "all-reduce loss", "optimizer"};
+                                   "recv grad", "all-reduce grads", "all-reduce loss", "optimizer", "weight"};
   return names[static_cast<int>(k)];
 }
 inline const char* category(span_kind k) noexcept {
   switch (k) {
     case span_kind::forward:
-    case span_kind::backward: return "compute";
+    case span_kind::backward:
+    case span_kind::weight: return "compute";
     case span_kind::send_act:
     case span_kind::send_grad:
     case span_kind::recv_act:
@@ -64,10 +66,11 @@ struct trace_event {
   double ts_us = 0;          ///< start, microseconds since the common origin
   double dur_us = 0;         ///< duration, microseconds
   span_kind what() const noexcept { return static_cast<span_kind>(kind); }
-  /// "F3", "B3", "recv act 3", "optimizer", ...
+  /// "F3", "B3", "W3", "recv act 3", "optimizer", ...
   std::string name() const {
     if (what() == span_kind::forward) return "F" + std::to_string(micro);
     if (what() == span_kind::backward) return "B" + std::to_string(micro);
+    if (what() == span_kind::weight) return "W" + std::to_string(micro);
     std::string n = to_string(what());
     if (micro >= 0) n += " " + std::to_string(micro);
     return n;
@@ -201,7 +204,7 @@ inline bubble_report measure_bubble(const std::vector<trace_event>& ev, int firs
   int stages = 0;
   for (const auto& e : ev) {
     if (e.step < first_step) continue;
-    if (e.what() != span_kind::forward && e.what() != span_kind::backward) continue;
+    if (e.what() != span_kind::forward && e.what() != span_kind::backward && e.what() != span_kind::weight) continue;
     auto& w = win[{e.step, e.replica}];
     w.begin = std::min(w.begin, e.ts_us);
     w.end = std::max(w.end, e.ts_us + e.dur_us);

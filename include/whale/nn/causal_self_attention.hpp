@@ -168,29 +168,33 @@ struct causal_self_attention {
     return y;
   }
 
-  // dy: (B*T, D) -> dx: (B*T, D)
+  // dy: (B*T, D) -> dx: (B*T, D); the weight gradients now or, in a split backward, in the W pass
   view<float> backward(step_ctx& c, cview<float> dy) {
     const index_t B = c.batch, T = c.seq, R = check(c, dy.numel());
     auto& s = st_(c.slot);
-    const float beta = c.accumulate ? 1.f : 0.f;
     auto datt = detail::ensure(s.datt, {R, D});          // (B*T, D)
     auto dqkv = detail::ensure(s.dqkv, {R, 3 * D});      // (B*T, 3D)
     auto ds = detail::ensure(s.ds, {Heads, T, T});       // (H, T, T) scratch: dP, then dS
-    // output projection
+    s.dy = dy;
+    // output projection, attention core, then (if asked) d(input) through the QKV projection
     cpu::gemm(cpu::trans::no, cpu::trans::no, R, D, D, 1.f, dy.data(), wo_.data(), 0.f, datt.data());
-    cpu::gemm(cpu::trans::yes, cpu::trans::no, D, D, R, 1.f, dy.data(), s.att.data(), beta,
-              dwo_.data());
-    cpu::sum_rows(dy.data(), dbo_.data(), R, D, c.accumulate);
     detail::attention_core_backward(s.qkv.data(), s.p.data(), datt.data(), dqkv.data(), ds.data(), B, T, Heads, hd);
-    // QKV projection
-    cpu::gemm(cpu::trans::yes, cpu::trans::no, 3 * D, D, R, 1.f, dqkv.data(), s.x.data(), beta,
-              dwqkv_.data());
-    cpu::sum_rows(dqkv.data(), dbqkv_.data(), R, 3 * D, c.accumulate);
+    if (!defer_weights(c, this)) weight_grads(c.slot, c.accumulate);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
     cpu::gemm(cpu::trans::no, cpu::trans::no, R, D, 3 * D, 1.f, dqkv.data(), wqkv_.data(), 0.f,
               dx.data());
     return dx;
+  }
+  /// The projections' weight and bias gradients from slot `slot`'s saved x, dy, att and d(qkv).
+  void weight_grads(int slot, bool accumulate) {
+    auto& s = st_(slot);
+    const index_t R = s.dy.numel() / D;
+    const float beta = accumulate ? 1.f : 0.f;
+    cpu::gemm(cpu::trans::yes, cpu::trans::no, D, D, R, 1.f, s.dy.data(), s.att.data(), beta, dwo_.data());
+    cpu::sum_rows(s.dy.data(), dbo_.data(), R, D, accumulate);
+    cpu::gemm(cpu::trans::yes, cpu::trans::no, 3 * D, D, R, 1.f, s.dqkv.data(), s.x.data(), beta, dwqkv_.data());
+    cpu::sum_rows(s.dqkv.data(), dbqkv_.data(), R, 3 * D, accumulate);
   }
 
   view<float> qkv_weight() const noexcept { return wqkv_; }
@@ -211,7 +215,7 @@ struct causal_self_attention {
     for (index_t r = 0; r < rows; ++r) std::memcpy(y + r * cols, b, static_cast<std::size_t>(cols) * sizeof(float));
   }
   struct state {
-    cview<float> x;
+    cview<float> x, dy;
     tensor<float> qkv, p, att, y, datt, dqkv, ds, dx;
   };
   view<float> wqkv_, dwqkv_, bqkv_, dbqkv_, wo_, dwo_, bo_, dbo_;

@@ -52,6 +52,16 @@ struct cost_info {
 
 struct layer_hooks;
 
+/// Weight-gradient work a layer put off during a split backward (zb_h1's B
+/// pass), to be run by the schedule's W pass of the same micro-batch:
+/// `run(owner, slot, accumulate)` computes the layer's parameter gradients
+/// from the state it saved in activation slot `slot`.
+struct weight_task {
+  void* owner = nullptr;
+  int slot = 0;
+  void (*run)(void* owner, int slot, bool accumulate) = nullptr;
+};
+
 /// What one forward/backward pass needs to know at run time.
 struct step_ctx {
   index_t batch = 0;        ///< sequences (or samples) on this rank in this pass
@@ -64,6 +74,10 @@ struct step_ctx {
   std::function<void(index_t offset)> grads_ready;
   /// Called around every leaf layer (not containers); null: none.
   layer_hooks* hooks = nullptr;
+  /// Split backward (schedules with weight passes): while non-null, a layer
+  /// that can put its weight gradients off computes only d(input) and appends
+  /// a task here (defer_weights); null: backward computes everything.
+  std::vector<weight_task>* deferred = nullptr;
   index_t rows() const noexcept { return batch * seq; }
 };
 
@@ -282,6 +296,21 @@ template <class L, class Env> void configure_layer(L& l, const Env& e) {
 template <class L> void gather_full_params(L& l, const float* local, float* full) {
   if constexpr (requires { l.gather_full(local, full); }) l.gather_full(local, full);
   else if (const auto n = l.param_count(); n > 0) std::memcpy(full, local, static_cast<std::size_t>(n) * sizeof(float));
+}
+
+/// In a layer's backward: if the pass is split, put the weight gradients of
+/// activation slot `c.slot` off to the W pass (the layer's
+/// `weight_grads(slot, accumulate)`, from the state it keeps in that slot,
+/// which stays alive until then) and return true; otherwise return false and
+/// the layer computes them now.
+template <class L> bool defer_weights(step_ctx& c, L* layer) {
+  if (!c.deferred) return false;
+  c.deferred->push_back({layer, c.slot, [](void* o, int slot, bool acc) { static_cast<L*>(o)->weight_grads(slot, acc); }});
+  return true;
+}
+/// The W pass: run the put-off weight gradients (in the order they were put off).
+inline void run_weight_tasks(const std::vector<weight_task>& tasks, bool accumulate) {
+  for (const auto& t : tasks) t.run(t.owner, t.slot, accumulate);
 }
 
 namespace detail {

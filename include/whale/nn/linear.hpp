@@ -56,18 +56,25 @@ struct linear {
     cpu::gemm(cpu::trans::no, cpu::trans::yes, R, Out, In, 1.f, x.data(), w_.data(), 1.f, y.data());
     return y;
   }
-  // dy: (R, Out) -> dx: (R, In)
+  // dy: (R, Out) -> dx: (R, In); the weight gradients now or, in a split backward, in the W pass
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
     const index_t R = dy.numel() / Out;
-    const float beta = c.accumulate ? 1.f : 0.f;
-    cpu::gemm(cpu::trans::yes, cpu::trans::no, Out, In, R, 1.f, dy.data(), s.x.data(), beta,
-              dw_.data());
-    cpu::sum_rows(dy.data(), db_.data(), R, Out, c.accumulate);
+    s.dy = dy;
+    if (!defer_weights(c, this)) weight_grads(c.slot, c.accumulate);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, In});
     cpu::gemm(cpu::trans::no, cpu::trans::no, R, In, Out, 1.f, dy.data(), w_.data(), 0.f, dx.data());
     return dx;
+  }
+
+  /// dW = dy^T x and db = column sums of dy, from slot `slot`'s saved x and dy.
+  void weight_grads(int slot, bool accumulate) {
+    auto& s = st_(slot);
+    const index_t R = s.dy.numel() / Out;
+    cpu::gemm(cpu::trans::yes, cpu::trans::no, Out, In, R, 1.f, s.dy.data(), s.x.data(), accumulate ? 1.f : 0.f,
+              dw_.data());
+    cpu::sum_rows(s.dy.data(), db_.data(), R, Out, accumulate);
   }
 
   view<float> weight() const noexcept { return w_; }
@@ -75,7 +82,7 @@ struct linear {
 
  private:
   struct state {
-    cview<float> x;
+    cview<float> x, dy;
     tensor<float> y, dx;
   };
   view<float> w_, dw_, b_, db_;

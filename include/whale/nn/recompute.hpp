@@ -7,6 +7,7 @@
 #include <cstring>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "whale/nn/layer.hpp"
@@ -138,8 +139,11 @@ class recompute {
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
     detail::recompute_scope scope(rec_);
+    // the block's state is released below, so its weight gradients cannot wait for a W pass
+    auto* const deferred = std::exchange(c.deferred, nullptr);
     run_forward(block_, c, s.x, offset_);
     auto dx = run_backward(block_, c, dy, offset_);
+    c.deferred = deferred;
     scope.stop();
     if (!c.need_input_grad || dx.empty()) return {};
     auto out = detail::ensure(s.dx, dx.shape());

@@ -41,10 +41,13 @@ inline void check_plan(const model_desc& d, const mesh_shape& m, const lower_opt
   if (o.seq < 1) lower_fail(d, "the sequence length must be at least 1");
   if (zero < 0 || zero > 3) lower_fail(d, "the ZeRO level must be 0, 1, 2 or 3");
   if (!(o.bucket_mib > 0)) lower_fail(d, "the bucket size must be positive");
+  if (d.split_backward && zero >= 2)
+    lower_fail(d, "the " + d.schedule + " schedule computes weight gradients in W passes after the backward, but ZeRO " +
+                      std::to_string(zero) + " reduce-scatters them right after it; use ZeRO-1 or 1f1b");
   const std::string mesh = m.spec();
   if (P > 1 && !d.pipeline)
     lower_fail(d, "the mesh " + mesh + " has a pipe axis, but the plan has no pipeline<...>");
-  if (d.pipeline && d.explicit_stages && P != d.fixed_stages)
+  if (d.pipeline && d.fixed_stages > 0 && P != d.fixed_stages)
     lower_fail(d, "the pipeline has " + std::to_string(d.fixed_stages) + " stages but the mesh " + mesh + " has " +
                        std::to_string(P) + " pipe rank(s)");
   if (M > 1 && !d.splits_model)

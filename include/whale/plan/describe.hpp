@@ -39,6 +39,7 @@ struct unit_desc {
   lay from = lay::R, to = lay::R, grad_from = lay::R, grad_to = lay::R;
   bool split_loss = false;       ///< class-split softmax cross-entropy (two all-reduces of row statistics)
   int recompute_group = -1;      ///< recompute<Block> it lies in (-1: none)
+  bool defers = false;           ///< can put its weight gradients off to a W pass (split schedules)
 
   /// Parameters one of `degree` ranks of its split axis holds.
   index_t local_params(int degree) const {
@@ -57,6 +58,7 @@ struct model_desc {
   bool pipeline = false, explicit_stages = false;
   int fixed_stages = 0;
   std::string schedule;
+  bool split_backward = false;   ///< the schedule has W passes (zb_h1)
   std::vector<pipe_action> (*actions)(int stage, int stages, int micro) = nullptr;
   schedule_report (*check)(int stages, int micro) = nullptr;
   int elements = 0;              ///< top-level elements
@@ -121,6 +123,7 @@ struct describer {
         u.replicated_params = L::replicated_params;
       }
       u.split_loss = is_split_loss<L>::value;
+      u.defers = recompute_group < 0 && requires(L& l) { l.weight_grads(0, false); };
     }
     if constexpr (requires { L::out_features; })
       if constexpr (L::out_features != any_features) width = L::out_features;
@@ -218,6 +221,7 @@ template <class P> void describe_into(model_desc& d) {
     d.explicit_stages = P::explicit_stages;
     d.fixed_stages = P::fixed_stages;
     d.schedule = P::schedule::name();
+    d.split_backward = splits_backward_v<typename P::schedule>;
     d.actions = &P::schedule::actions;
     d.check = &check_schedule<typename P::schedule>;
     describe_elements<typename P::flat::tuple_type>(d);

@@ -57,7 +57,8 @@ class lowering {
     int backwards = 0;
     for (const auto& a : acts) {
       if (a.kind == pipe_action::forward) forward(a.micro);
-      else backward(a.micro, ++backwards == m);
+      else if (a.kind == pipe_action::backward) backward(a.micro, ++backwards == m);
+      else weight(a.micro);
     }
     finish();
     return std::move(p_);
@@ -188,6 +189,11 @@ class lowering {
     o.what = u.name;
     const double r = static_cast<double>(rows);
     o.flops = k == op_kind::backward ? r * (c.bwd_flops + 2 * seqf) : r * (c.fwd_flops + seqf);
+    if (d_.split_backward && u.defers && (k == op_kind::backward || k == op_kind::weight)) {
+      // the weight gradients' GEMMs: 2 FLOPs per parameter per row (biases counted alike)
+      const double w = r * 2.0 * static_cast<double>(u.local_params(degree(u)));
+      o.flops = k == op_kind::weight ? w : r * (c.bwd_flops + 2 * seqf) - w;
+    }
     if (last_ >= 0) o.deps.push_back(last_);
     for (int g : pending_) o.deps.push_back(g);
     pending_.clear();
@@ -346,9 +352,16 @@ class lowering {
       const auto& h = p_.holds[static_cast<std::size_t>(unit_hold_[static_cast<std::size_t>(i)])];
       if (h.local_params == 0) continue;
       if (zero_ >= 2 && D_ > 1) zero_scatter(h, b, j);
-      if (last_micro) ready(h.local_offset, b);
+      if (last_micro && !d_.split_backward) ready(h.local_offset, b);  // split: the buckets wait for every W
     }
     if (s_ > 0 && j >= 0) p2p(op_kind::send, s_ - 1, in_width_, j, "gradient to the previous stage");
+  }
+  // A split schedule's W pass: the weight gradients its backward put off
+  void weight(int j) {
+    for (auto it = mine_.rbegin(); it != mine_.rend(); ++it) {
+      const auto& u = d_.units[static_cast<std::size_t>(*it)];
+      if (u.defers) add_compute(op_kind::weight, *it, j, rows_for(u));
+    }
   }
   // ZeRO-2/3: a leaf's gradients reduce-scattered into the ranges, in buckets
   void zero_scatter(const holding& h, int after, int micro) {

@@ -35,12 +35,13 @@ struct holding {
 };
 
 /// What an operation of the step does.
-enum class op_kind : std::uint8_t { forward, backward, recompute, collective, send, recv, optimizer };
+/// (`backward` of a split schedule is the input gradient only; `weight` its weight gradients.)
+enum class op_kind : std::uint8_t { forward, backward, recompute, collective, send, recv, optimizer, weight };
 /// The collectives a program uses.
 enum class coll_kind : std::uint8_t { all_reduce, all_gather, reduce_scatter, broadcast };
 
 inline const char* op_kind_name(op_kind k) {
-  constexpr const char* n[] = {"fwd", "bwd", "recompute", "coll", "send", "recv", "optimizer"};
+  constexpr const char* n[] = {"fwd", "bwd", "recompute", "coll", "send", "recv", "optimizer", "bwd-w"};
   return n[static_cast<int>(k)];
 }
 inline const char* coll_kind_name(coll_kind k) {

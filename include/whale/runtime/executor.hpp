@@ -98,6 +98,11 @@ template <class P> class executor {
                 "batch is cut into micro-batches there); split over axis::model inside stages, and replicate the "
                 "pipeline for data parallelism");
   static constexpr int max_micro = 16000;  // tags 2j, 2j+1 stay under MPI's guaranteed 32767
+  static constexpr bool split_backward = staged && splits_backward_v<sched>;
+  static_assert(!split_backward || level < 2,
+                "whale::shard<pipeline<zb_h1, ...>, 2|3>: a schedule that splits the backward computes the weight "
+                "gradients in later W passes, but ZeRO 2-3 reduce-scatter each layer's gradients right after its "
+                "backward; use ZeRO-1 (shard<..., 1>) or the 1f1b schedule");
 
  public:
   using model_type = P;
@@ -121,7 +126,7 @@ template <class P> class executor {
       throw std::invalid_argument(who + "the mesh " + shape.spec() + " has " + std::to_string(shape.size(axis::data)) +
                                   " ranks on the data axis, but the plan is not replicated; wrap it in replicate<...>");
     if constexpr (staged) {
-      if constexpr (X::explicit_stages)
+      if constexpr (X::fixed_stages > 0)
         if (shape.size(axis::pipe) != X::fixed_stages)
           throw std::invalid_argument(
               who + "the pipeline has " + std::to_string(X::fixed_stages) + " stages but the mesh's pipe axis has " +
@@ -299,6 +304,8 @@ template <class P> class executor {
   int peak_live_micro_batches() const noexcept { return peak_live_; }
   int activation_slots_used() const noexcept { return max_slot_; }
   const schedule_report& schedule_info() const noexcept { return rep_; }
+  /// Split schedules: the layers' weight-gradient computations the last training step put off to W passes.
+  std::size_t deferred_weight_grads() const noexcept { return deferred_; }
   std::size_t bucket_count() const noexcept { return sync_.size(); }
   std::size_t comm_buffers() const noexcept { return zero_.comm_buffers(); }
   const plan_options& options() const noexcept { return o_; }
@@ -383,6 +390,10 @@ template <class P> class executor {
   }
 
   double pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels, bool train, bool sync = true);
+  std::vector<weight_task>& weight_queue(int slot) {
+    if (static_cast<std::size_t>(slot) >= wq_.size()) wq_.resize(static_cast<std::size_t>(slot) + 1);
+    return wq_[static_cast<std::size_t>(slot)];
+  }
 
   const context* ctx_;
   plan_options o_;
@@ -398,6 +409,8 @@ template <class P> class executor {
   int m_ = 0;
   schedule_report rep_;
   std::vector<pipe_action> actions_, fwd_only_;
+  std::vector<std::vector<weight_task>> wq_;  // per activation slot: the weight gradients its B put off
+  std::size_t deferred_ = 0;
   std::vector<char> posted_;
   std::vector<index_t> batch_after_;
   int live_ = 0, peak_live_ = 0, max_slot_ = 0, step_ = 0;

@@ -1,6 +1,7 @@
 // One step of executor<P> (runtime/executor.hpp): the schedule's actions over
 // the micro-batches — receives posted as soon as their activation slot is free,
-// forward and backward of this rank's stage, sends that never block — then the
+// forward, backward (and, in split schedules, weight) passes of this rank's
+// stage, sends that never block — then the
 // data-axis gradient buckets and the ZeRO reduce-scatters completed. A pass
 // without training runs every forward and no backward.
 #pragma once
@@ -47,7 +48,8 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
   if (zero_hooks) zero_.begin_pass(zc, false);
 
   double share = 0;
-  int backwards = 0;
+  int backwards = 0, weights_done = 0;
+  if (train) deferred_ = 0;
   // Split regions over data change the rows a pass carries (batch split <-> whole); a
   // backward starts from what its forward ended with.
   batch_after_.assign(static_cast<std::size_t>(m), mb);
@@ -91,7 +93,7 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
         peak_live_ = std::max(peak_live_, ++live_);
         max_slot_ = std::max(max_slot_, mc.slot + 1);
       }
-    } else {
+    } else if (a.kind == pipe_action::backward) {
       cview<float> dy;
       if (!last) {
         const auto t0 = tr_.now();
@@ -102,9 +104,14 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
       // ZeRO 2-3 add each micro-batch's reduce-scattered gradients into the owned range themselves
       mc.accumulate = (backwards > 0 && level < 2) || (c.accumulate && level < 2);
       if (level >= 2) zero_.set_accumulate(backwards > 0);
+      if constexpr (split_backward) {  // the weight gradients wait for this micro-batch's W
+        auto& q = weight_queue(mc.slot);
+        q.clear();
+        mc.deferred = &q;
+      }
       const bool final_backward = ++backwards == m;
       const index_t base = part_.begin();
-      if (final_backward && sum_data && o_.overlap)
+      if (final_backward && sum_data && o_.overlap && !split_backward)
         mc.grads_ready = [this, base](index_t off) { sync_.ready(*data_, grads_.data(), off - base); };
       const auto t0 = tr_.now();
       auto dx = part_.backward(mc, dy);
@@ -114,6 +121,13 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
         msg_.send(dx, stage_ - 1, 2 * a.micro + 1);
         tr_.add(span_kind::send_grad, step_, a.micro, t1, tr_.now());
       }
+      if (!split_backward) --live_;
+    } else {  // W: the weight gradients the micro-batch's B put off; its slot is free after
+      const auto t0 = tr_.now();
+      const auto& q = weight_queue(layer_slot(a.micro));
+      run_weight_tasks(q, weights_done++ > 0 || c.accumulate);
+      deferred_ += q.size();
+      tr_.add(span_kind::weight, step_, a.micro, t0, tr_.now());
       --live_;
     }
     if (p_ > 1) msg_.progress();

@@ -130,7 +130,8 @@ template <class M> struct pipeline_flat<false, M> {
 ///  * pipeline<Schedule, stage<A...>, stage<B...>, ...>: stage s on pipe
 ///    coordinate s. Trains exactly as sequential<sequential<A...>, sequential<B...>, ...>
 ///    (same parameters, same initialisation); the last stage ends in the loss.
-///  * pipeline<Schedule, M>, M a sequential with one repeat<N, Block> among its
+///  * pipeline<Schedule, M> (or pipeline<Schedule, M, stages<S>> to fix the
+///    count), M a sequential with one repeat<N, Block> among its
 ///    elements (e.g. models::gpt): the repeat's blocks are cut into as many
 ///    stages as the pipe axis has ranks, at run time (balanced by cost, or
 ///    pipeline_options::blocks); elements before the repeat join the first
@@ -154,7 +155,7 @@ struct pipeline : detail::pipeline_flat<(is_stage_v<Parts> && ...), Parts...>::t
   static_assert(explicit_stages || elements::repeat_count == 1,
                 "whale::pipeline<Schedule, M>: M must contain exactly one repeat<N, Block> among its "
                 "elements (the blocks the pipeline cuts into stages); otherwise list the stages explicitly");
-  /// Stages fixed by the type (explicit form), or 0 (as many as the pipe axis).
+  /// Stages fixed by the type (explicit form, or stages<N>), or 0 (as many as the pipe axis).
   static constexpr int fixed_stages = explicit_stages ? static_cast<int>(sizeof...(Parts)) : 0;
   static std::string name() {
     if constexpr (explicit_stages) {
@@ -165,6 +166,29 @@ struct pipeline : detail::pipeline_flat<(is_stage_v<Parts> && ...), Parts...>::t
       return "pipeline<" + Sched::name() + ", " + (layer_name<Parts>() + ...) + ">";
     }
   }
+};
+
+/// The stage count of a cut pipeline, fixed by its type: pipeline<Schedule, M, stages<N>>.
+template <int N> struct stages {
+  static_assert(N >= 1, "whale::stages<N>: a pipeline needs at least one stage");
+  static constexpr int value = N;
+};
+
+/// pipeline<Schedule, M> whose pipe axis must have exactly N ranks: the cut
+/// form of a model with one repeat<R, Block>, its count checked at compile
+/// time against the blocks and at start-up against the mesh (a mesh whose
+/// pipe axis differs is an error on every rank, never a different plan).
+template <class Sched, class M, int N>
+struct pipeline<Sched, M, stages<N>> : pipeline<Sched, M> {
+  using base = pipeline<Sched, M>;
+  static_assert(!base::explicit_stages,
+                "whale::pipeline<Schedule, stage<...>, stages<N>>: stages<N> fixes the count of a model the pipeline "
+                "cuts (pipeline<Schedule, M, stages<N>>); explicit stage<...> lists fix it already");
+  static_assert(N <= static_cast<int>(std::tuple_element_t<base::elements::repeat_index, typename base::flat::tuple_type>::count) + 2,
+                "whale::pipeline<Schedule, M, stages<N>>: more stages than the repeat's blocks + 2 (the first and last "
+                "stages may hold no block, every inner stage needs one); use fewer stages");
+  static constexpr int fixed_stages = N;
+  static std::string name() { return "pipeline<" + Sched::name() + ", " + layer_name<M>() + ", stages<" + std::to_string(N) + ">>"; }
 };
 
 template <class T> struct is_pipeline : std::false_type {};

@@ -104,18 +104,25 @@ class column_linear {
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
     const index_t R = dy.numel() / n_;
-    cpu::gemm(cpu::trans::yes, cpu::trans::no, n_, In, R, 1.f, dy.data(), s.x.data(), c.accumulate ? 1.f : 0.f,
-              dw_.data());
-    cpu::sum_rows(dy.data(), db_.data(), R, n_, c.accumulate);
+    s.dy = dy;
+    if (!defer_weights(c, this)) weight_grads(c.slot, c.accumulate);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, In});
     cpu::gemm(cpu::trans::no, cpu::trans::no, R, In, n_, 1.f, dy.data(), w_.data(), 0.f, dx.data());
     return dx;
   }
+  /// This rank's rows of dW and db from slot `slot`'s saved x and dy.
+  void weight_grads(int slot, bool accumulate) {
+    auto& s = st_(slot);
+    const index_t R = s.dy.numel() / n_;
+    cpu::gemm(cpu::trans::yes, cpu::trans::no, n_, In, R, 1.f, s.dy.data(), s.x.data(), accumulate ? 1.f : 0.f,
+              dw_.data());
+    cpu::sum_rows(s.dy.data(), db_.data(), R, n_, accumulate);
+  }
 
  private:
   struct state {
-    cview<float> x;
+    cview<float> x, dy;
     tensor<float> y, dx;
   };
   world_comm* comm_ = nullptr;
@@ -194,18 +201,25 @@ class row_linear {
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
     const index_t R = dy.numel() / Out;
-    cpu::gemm(cpu::trans::yes, cpu::trans::no, Out, k_, R, 1.f, dy.data(), s.x.data(), c.accumulate ? 1.f : 0.f,
-              dw_.data());
-    cpu::sum_rows(dy.data(), db_.data(), R, Out, c.accumulate);
+    s.dy = dy;
+    if (!defer_weights(c, this)) weight_grads(c.slot, c.accumulate);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, k_});
     cpu::gemm(cpu::trans::no, cpu::trans::no, R, k_, Out, 1.f, dy.data(), w_.data(), 0.f, dx.data());
     return dx;
   }
+  /// This rank's columns of dW, and the whole db, from slot `slot`'s saved x and dy.
+  void weight_grads(int slot, bool accumulate) {
+    auto& s = st_(slot);
+    const index_t R = s.dy.numel() / Out;
+    cpu::gemm(cpu::trans::yes, cpu::trans::no, Out, k_, R, 1.f, s.dy.data(), s.x.data(), accumulate ? 1.f : 0.f,
+              dw_.data());
+    cpu::sum_rows(s.dy.data(), db_.data(), R, Out, accumulate);
+  }
 
  private:
   struct state {
-    cview<float> x;
+    cview<float> x, dy;
     tensor<float> y, dx;
   };
   world_comm* comm_ = nullptr;
@@ -473,29 +487,36 @@ class head_attention {
     cpu::gemm(cpu::trans::no, cpu::trans::yes, R, D, w_, 1.f, att.data(), wo_.data(), r_ == 0 ? 1.f : 0.f, y.data());
     return y;
   }
-  // dy: (B*T, D) replicated -> dx: (B*T, D) partial
+  // dy: (B*T, D) replicated -> dx: (B*T, D) partial; weight gradients now or in the W pass
   view<float> backward(step_ctx& c, cview<float> dy) {
     const index_t B = c.batch, T = c.seq, R = B * T;
     auto& s = st_(c.slot);
-    const float beta = c.accumulate ? 1.f : 0.f;
     auto datt = detail::ensure(s.datt, {R, w_});
     auto dqkv = detail::ensure(s.dqkv, {R, 3 * w_});
     auto ds = detail::ensure(s.ds, {h_, T, T});
+    s.dy = dy;
     cpu::gemm(cpu::trans::no, cpu::trans::no, R, w_, D, 1.f, dy.data(), wo_.data(), 0.f, datt.data());
-    cpu::gemm(cpu::trans::yes, cpu::trans::no, D, w_, R, 1.f, dy.data(), s.att.data(), beta, dwo_.data());
-    cpu::sum_rows(dy.data(), dbo_.data(), R, D, c.accumulate);
     detail::attention_core_backward(s.qkv.data(), s.p.data(), datt.data(), dqkv.data(), ds.data(), B, T, h_, hd);
-    cpu::gemm(cpu::trans::yes, cpu::trans::no, 3 * w_, D, R, 1.f, dqkv.data(), s.x.data(), beta, dwqkv_.data());
-    cpu::sum_rows(dqkv.data(), dbqkv_.data(), R, 3 * w_, c.accumulate);
+    if (!defer_weights(c, this)) weight_grads(c.slot, c.accumulate);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
     cpu::gemm(cpu::trans::no, cpu::trans::no, R, D, 3 * w_, 1.f, dqkv.data(), wqkv_.data(), 0.f, dx.data());
     return dx;
   }
+  /// This rank's heads' projection gradients (and the whole output bias's) from slot `slot`.
+  void weight_grads(int slot, bool accumulate) {
+    auto& s = st_(slot);
+    const index_t R = s.dy.numel() / D;
+    const float beta = accumulate ? 1.f : 0.f;
+    cpu::gemm(cpu::trans::yes, cpu::trans::no, D, w_, R, 1.f, s.dy.data(), s.att.data(), beta, dwo_.data());
+    cpu::sum_rows(s.dy.data(), dbo_.data(), R, D, accumulate);
+    cpu::gemm(cpu::trans::yes, cpu::trans::no, 3 * w_, D, R, 1.f, s.dqkv.data(), s.x.data(), beta, dwqkv_.data());
+    cpu::sum_rows(s.dqkv.data(), dbqkv_.data(), R, 3 * w_, accumulate);
+  }
 
  private:
   struct state {
-    cview<float> x;
+    cview<float> x, dy;
     tensor<float> qkv, p, att, y, datt, dqkv, ds, dx;
   };
   world_comm* comm_ = nullptr;

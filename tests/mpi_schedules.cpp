@@ -1,0 +1,248 @@
+// The zero-bubble schedule (zb_h1: backward split into input-gradient B and
+// weight-gradient W passes) against single-process training and against 1F1B
+// (bitwise: the same float operations in the same order), on a pipe axis, with
+// split regions inside the stages, replicated (with ZeRO-1), with AdamW and
+// active clipping; and the schedule's replay (in-flight bound, bubble, checks)
+// at sizes beyond this job's. Adapts to the world size (1, 2, 4 ranks); every
+// rank compares its own parameters.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "whale/comm/context.hpp"
+#include "whale/models/gpt.hpp"
+#include "whale/nn/transformer_block.hpp"
+#include "whale/optim/sgd.hpp"
+#include "whale/runtime/make.hpp"
+#include "whale/strategy/pipeline.hpp"
+#include "whale/strategy/shard.hpp"
+#include "whale/train/trainer.hpp"
+#include "support/plan_check.hpp"
+
+using namespace whale;
+
+namespace {
+
+using small_gpt = models::gpt_model<64, 16, 32, 2, 64, 4>;
+markov_data gpt_batches() { return markov_data(seed{7}, 64, 16, 8); }  // 8 sequences x 16 tokens
+using tp_single = models::gpt_model<64, 16, 32, 4, 64, 4>;
+using tp_gpt = sequential<split<embedding<64, 32>>, position_embedding<16, 32>,
+                          repeat<4, split<transformer_block<32, 4, 64>>>, layer_norm<32>, split<linear<32, 64>>,
+                          softmax_cross_entropy>;
+
+// SGD with momentum, 5 steps. Tolerance against single-process training:
+// |p_pipe - p_single| <= 2e-6 + 1e-4 |p_single| (micro-batches change only the
+// order of float sums); against 1F1B: bitwise equal.
+constexpr double atol = 2e-6, rtol = 1e-4;
+
+plan_options micro(int m, double bucket_mib = 25.0) {
+  plan_options o;
+  o.micro_batches = m;
+  o.bucket_mib = bucket_mib;
+  return o;
+}
+
+/// Train `net` 5 steps with SGD; return this rank's unsplit stage parameters.
+template <class Net> tensor<float> trained(Net& net) {
+  auto data = gpt_batches();
+  trainer t(net, sgd{.lr = 0.05f, .momentum = 0.9f}, test::quiet());
+  t.run(data, steps{5});
+  return net.stage_params();  // collective over the model axis
+}
+template <class Single> tensor<float> single_trained() {
+  network<Single> single(seed{42});
+  auto data = gpt_batches();
+  trainer t(single, sgd{.lr = 0.05f, .momentum = 0.9f}, test::quiet());
+  t.run(data, steps{5});
+  tensor<float> p({single.param_count()});
+  copy<float>(single.params(), p.v());
+  return p;
+}
+
+/// zb_h1 and 1f1b of plan template Plan<Sched> on `mesh`: each equals single-process
+/// training on every rank, and zb_h1 equals 1f1b bitwise.
+template <template <class> class Plan, class Single>
+void check_against_1f1b(const std::string& mesh, const plan_options& o) {
+  auto c = test::on_mesh(mesh);
+  auto zb = make<Plan<zb_h1>>(c, seed{42}, o);
+  auto fb = make<Plan<one_f_one_b>>(c, seed{42}, o);
+  const auto pz = trained(zb), pf = trained(fb);
+  const auto ps = single_trained<Single>();
+  REQUIRE(zb.full_param_end() <= ps.numel());
+  const auto ref = cview<float>(ps.v()).rows(zb.full_param_begin(), zb.full_param_end() - zb.full_param_begin());
+  const auto dz = test::over_ranks(c.world(), test::compare(pz.v(), ref, atol, rtol));
+  const auto df = test::over_ranks(c.world(), test::compare(pz.v(), pf.v(), 0.0, 0.0));
+  if (c.rank() == 0)
+    MESSAGE(layer_name<Plan<zb_h1>>() << " on " << mesh << ", m = " << zb.micro_batches()
+                                      << ": max |zb-h1 - single| = " << dz.max_abs << " (every rank), max |zb-h1 - 1f1b| = "
+                                      << df.max_abs);
+  CHECK(dz.bad == 0);
+  CHECK(df.max_abs == 0.0);
+}
+
+template <class S> using pipe_gpt = pipeline<S, small_gpt>;
+template <class S> using pipe_tp = pipeline<S, tp_gpt>;
+template <class S> using dp_pipe = replicate<pipeline<S, small_gpt>>;
+template <class S> using zero1_pipe = shard<pipeline<S, small_gpt>, 1>;
+
+}  // namespace
+
+TEST_CASE("zb_h1: the replay bounds the micro-batches in flight and shrinks the bubble against 1F1B") {
+  for (int p : {1, 2, 4, 8})
+    for (int m : {1, 2, 3, 8, 16, 32}) {
+      CAPTURE(p);
+      CAPTURE(m);
+      const auto z = check_schedule<zb_h1>(p, m);  // throws if malformed or deadlocking
+      const auto f = check_schedule<one_f_one_b>(p, m);
+      CHECK(z.split);
+      CHECK_FALSE(f.split);
+      for (int s = 0; s < p; ++s) {
+        const auto l = zb_h1::actions(s, p, m);
+        CHECK(l.size() == static_cast<std::size_t>(3 * m));
+        CHECK(z.peak_live[static_cast<std::size_t>(s)] <= std::min(m, p + 1));
+      }
+      // idle pass times of the busiest stage: 1F1B with B + W as one pass of two
+      // times has 3(p-1); ZB-H1's construction p-1; this replay's order at most 2 more
+      CHECK(f.bubble == doctest::Approx(bubble_theory(p, m)));
+      const int idle = z.rounds - 3 * m;
+      CHECK(z.bubble == doctest::Approx(static_cast<double>(idle) / z.rounds));
+      if (p > 1) CHECK(idle < 3 * (p - 1));
+      if (m >= p) CHECK(idle <= (p - 1) + 2);
+    }
+  const auto r = check_schedule<zb_h1>(4, 8);
+  MESSAGE("zb-h1, p = 4, m = 8: " << r.rounds << " rounds of equal passes, bubble " << r.bubble
+                                  << " (1f1b, its B twice as long: " << 9.0 / 33.0 << ")");
+}
+
+namespace {
+// W listed by a schedule that does not say it splits the backward; W before B
+struct undeclared_w {
+  static std::string name() { return "undeclared_w"; }
+  static std::vector<pipe_action> actions(int, int, int m) {
+    std::vector<pipe_action> a;
+    for (int j = 0; j < m; ++j) a.push_back({pipe_action::forward, j}), a.push_back({pipe_action::backward, j}), a.push_back({pipe_action::weight, j});
+    return a;
+  }
+};
+struct early_w {
+  static constexpr bool splits_backward = true;
+  static std::string name() { return "early_w"; }
+  static std::vector<pipe_action> actions(int, int, int m) {
+    std::vector<pipe_action> a;
+    for (int j = 0; j < m; ++j) a.push_back({pipe_action::forward, j}), a.push_back({pipe_action::weight, j}), a.push_back({pipe_action::backward, j});
+    return a;
+  }
+};
+struct missing_w {
+  static constexpr bool splits_backward = true;
+  static std::string name() { return "missing_w"; }
+  static std::vector<pipe_action> actions(int, int, int m) { return one_f_one_b::actions(0, 1, m); }
+};
+}  // namespace
+
+TEST_CASE("split schedules are checked: W declared, once per micro-batch, after its B") {
+  CHECK_THROWS_WITH_AS(check_schedule<undeclared_w>(2, 2), doctest::Contains("does not declare splits_backward"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(check_schedule<early_w>(2, 2), doctest::Contains("runs W0 before B0"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(check_schedule<missing_w>(1, 2), doctest::Contains("never runs W0"), std::invalid_argument);
+}
+
+TEST_CASE("pipeline<zb_h1, gpt> equals single-process training and 1F1B bitwise, on every rank") {
+  auto ctx = context::init();
+  const int W = ctx.size();
+  check_against_1f1b<pipe_gpt, small_gpt>("pipe=" + std::to_string(W), micro(4));
+  check_against_1f1b<pipe_gpt, small_gpt>("pipe=" + std::to_string(W), micro(8));
+  if (W == 2 || W == 4) {  // split regions inside the stages
+    check_against_1f1b<pipe_tp, tp_single>(W == 2 ? "pipe=2,model=1" : "pipe=2,model=2", micro(4));
+    if (W == 4) check_against_1f1b<pipe_tp, tp_single>("pipe=1,model=4", micro(4));
+  }
+  if (W % 2 == 0) {  // replicated, gradient buckets after the last W; and ZeRO-1 (the partitioned optimizer)
+    const std::string mesh = "data=2,pipe=" + std::to_string(W / 2);
+    check_against_1f1b<dp_pipe, small_gpt>(mesh, micro(2, 0.01));
+    check_against_1f1b<zero1_pipe, small_gpt>(mesh, micro(2, 0.01));
+  }
+}
+
+TEST_CASE("pipeline<zb_h1> with AdamW, weight decay and active clipping equals single-process training") {
+  auto ctx = context::init();
+  const int W = ctx.size();
+  auto c = test::on_mesh("pipe=" + std::to_string(W));
+  auto net = make<pipeline<zb_h1, small_gpt>>(c, seed{42}, micro(4));
+  const auto r = test::run_clipped<small_gpt>(c.world(), net, gpt_batches, 0.5, 4, [&](network<small_gpt>& single) {
+    auto full = net.stage_params();
+    auto ref = single.params().rows(net.full_param_begin(), net.full_param_end() - net.full_param_begin());
+    return test::compare(full.v(), ref, 1e-5, 1e-4);  // Adam's 1/sqrt(v) magnifies rounding
+  });
+  if (c.rank() == 0)
+    MESSAGE("zb-h1 gpt on pipe=" << W << " clipped at 0.5 (single norm at step 0: " << r.single_norm0
+                                 << "): max |zb - single| = " << r.params.max_abs << ", norm rel. diff " << r.norm_rel);
+  CHECK(r.single_norm0 > 0.5);
+  CHECK(r.norms == 4u);
+  CHECK(r.norm_rel <= 1e-5);
+  CHECK(r.params.bad == 0);
+}
+
+TEST_CASE("pipeline<zb_h1> runs the W passes and keeps each slot until its W") {
+  auto ctx = context::init();
+  const int W = ctx.size();
+  auto c = test::on_mesh("pipe=" + std::to_string(W));
+  plan_options o = micro(8);
+  o.trace = true;
+  auto net = make<pipeline<zb_h1, small_gpt>>(c, seed{42}, o);
+  auto data = gpt_batches();
+  trainer(net, sgd{.lr = 0.01f}, test::quiet()).run(data, steps{2});
+  const auto rep = check_schedule<zb_h1>(W, 8);
+  const int s = net.stage();
+  CHECK(net.peak_live_micro_batches() == rep.peak_live[static_cast<std::size_t>(s)]);
+  CHECK(net.activation_slots_used() == rep.peak_live[static_cast<std::size_t>(s)]);
+  const auto ev = net.finish_trace();
+  int weights = 0;
+  for (const auto& e : ev)
+    if (e.what() == span_kind::weight && e.rank == c.rank()) ++weights;
+  CHECK(weights == 2 * 8);  // one W per micro-batch per step
+  // the layers did put their weight gradients off: per micro-batch, the stage's
+  // attention and two linears per block, and the head on the last stage
+  const auto& blocks = net.stage_blocks();
+  const std::size_t per_micro = 3 * static_cast<std::size_t>(blocks[static_cast<std::size_t>(s)]) + (s == W - 1 ? 1 : 0);
+  MESSAGE("stage " << s << ": " << net.deferred_weight_grads() << " weight-gradient computations put off to W passes in the last step");
+  CHECK(net.deferred_weight_grads() == 8 * per_micro);
+  // the program lists them too, with the weight-gradient FLOPs moved out of B
+  const auto& prog = net.placement();
+  (void)prog;
+  lower_options lo;
+  lo.global_batch = 8;
+  lo.seq = 16;
+  lo.micro_batches = 8;
+  const auto pz = lower<pipeline<zb_h1, small_gpt>>(c.mesh().shape(), c.rank(), lo);
+  const auto pf = lower<pipeline<one_f_one_b, small_gpt>>(c.mesh().shape(), c.rank(), lo);
+  int wops = 0;
+  for (const auto& x : pz.ops) wops += x.kind == op_kind::weight;
+  CHECK(wops > 0);
+  CHECK(pz.totals().flops == doctest::Approx(pf.totals().flops));
+  CHECK(pz.totals().bytes_sent == pf.totals().bytes_sent);
+}
+
+TEST_CASE("pipeline<S, M, stages<2>>: runs on a pipe axis of 2, and is an error on any other") {
+  auto ctx = context::init();
+  const int W = ctx.size();
+  using fixed = pipeline<one_f_one_b, small_gpt, stages<2>>;
+  static_assert(fixed::fixed_stages == 2 && pipeline<one_f_one_b, small_gpt>::fixed_stages == 0);
+  if (W == 2) {
+    auto c = test::on_mesh("pipe=2");
+    auto net = make<fixed>(c, seed{42}, micro(4));
+    const auto p = trained(net);
+    const auto ps = single_trained<small_gpt>();
+    const auto ref = cview<float>(ps.v()).rows(net.full_param_begin(), net.full_param_end() - net.full_param_begin());
+    CHECK(test::over_ranks(c.world(), test::compare(p.v(), ref, 2e-6, 1e-4)).bad == 0);
+  } else {
+    auto c = test::on_mesh("pipe=" + std::to_string(W));
+    const std::string want = "the pipeline has 2 stages but the mesh's pipe axis has " + std::to_string(W);
+    CHECK_THROWS_WITH_AS(make<fixed>(c, seed{42}, micro(4)), doctest::Contains(want.c_str()), std::invalid_argument);
+    lower_options lo;
+    lo.global_batch = 8;
+    CHECK_THROWS_WITH_AS(lower<fixed>(c.mesh().shape(), c.rank(), lo), doctest::Contains("the pipeline has 2 stages"),
+                         std::invalid_argument);
+  }
+}
