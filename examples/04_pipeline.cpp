@@ -18,6 +18,7 @@
 #include <whale/whale.hpp>
 #include <whale/detail/parse.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <iostream>
@@ -32,11 +33,28 @@ template <class Plan> int train(const context& ctx, const plan_options& o, std::
   // Each stage sends (B/m * T, C) activations forward and their gradients back.
   trainer t(net, sgd{.lr = 0.01f, .momentum = 0.9f});
   const auto r = t.run(data, steps{n_steps});
+  // Predictions: the logits of this replica's rows of a held-out step, by a
+  // forward-only pass (every micro-batch forward; the last stage's output is
+  // broadcast to the replica's other stages). (B*T, V) on every rank.
+  const auto held = data.get(1000000, 0, data.global_batch());
+  const auto [first, n] = net.local_batch(data.global_batch());
+  step_ctx c;
+  c.batch = n;
+  c.seq = held.seq;
+  const auto logits = net.forward(c, held.inputs.rows(first, n));
+  const index_t rows = logits.shape()[0], vocab = logits.shape()[1];
+  index_t hits = 0;
+  for (index_t r = 0; r < rows; ++r) {
+    const float* row = logits.data() + r * vocab;
+    hits += std::max_element(row, row + vocab) - row == held.labels[first * held.seq + r];
+  }
   const auto ev = net.finish_trace();  // collective; writes --trace on rank 0
   const auto b = measure_bubble(ev, 2);
   if (ctx.rank() == 0) {
     std::printf("loss %.4f -> %.4f, median step %.3f s, micro-batches %d\n", r.loss_first(), r.loss_last(),
                 r.median_step_s(), net.micro_batches());
+    std::printf("held-out next-token accuracy (this replica's %lld rows, forward()): %.3f\n",
+                static_cast<long long>(rows), static_cast<double>(hits) / static_cast<double>(rows));
     if (!ev.empty())
       std::printf("bubble: busiest stage %.3f (the schedule's, passes of equal time: %.3f), mean over stages %.3f\n",
                   b.bottleneck, net.schedule_info().bubble, b.mean);

@@ -55,6 +55,13 @@ class network {
   double evaluate(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) {
     return model_.forward_loss(c, x, labels);
   }
+  /// The logits of rows `x` (the model's output before its loss), (rows, classes).
+  tensor<float> forward(step_ctx& c, cview<input_type> x) {
+    const auto y = model_.forward(c, x);
+    tensor<float> out({y.shape()[0], y.numel() / (y.shape()[0] ? y.shape()[0] : 1)}, mem_kind::workspace);
+    std::memcpy(out.data(), y.data(), static_cast<std::size_t>(y.numel()) * sizeof(float));
+    return out;
+  }
 
   // ---- Trainable (single process): the whole batch, no communication ----
   std::pair<index_t, index_t> local_batch(index_t global_batch) const { return {0, global_batch}; }

@@ -215,6 +215,12 @@ template <class P> class executor {
   }
   /// Forward only (a forward-only schedule); this rank's share of the loss.
   double evaluate(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) { return pass(c, x, labels, false); }
+  /// The logits of this replica's rows `x` (c.batch sequences): the model's
+  /// output before its loss, unsplit, (rows, classes), on every rank of the
+  /// replica. A forward-only pass (pipelines: every micro-batch forward in
+  /// order, the last stage's output broadcast over the pipe axis); collective
+  /// over the replica's ranks. The model must end in a plain loss layer.
+  tensor<float> forward(step_ctx& c, cview<input_type> x);
   /// The global mean loss: shares summed over the world, once per model group.
   double reduce_loss(double share) {
     const auto t0 = tr_.now();
@@ -389,7 +395,9 @@ template <class P> class executor {
     m_ = m;
   }
 
-  double pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels, bool train, bool sync = true);
+  double pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels, bool train, bool sync = true,
+              tensor<float>* logits = nullptr);
+  void keep_logits(tensor<float>& out, cview<float> y, int micro, int m);
   std::vector<weight_task>& weight_queue(int slot) {
     if (static_cast<std::size_t>(slot) >= wq_.size()) wq_.resize(static_cast<std::size_t>(slot) + 1);
     return wq_[static_cast<std::size_t>(slot)];

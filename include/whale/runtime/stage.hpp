@@ -55,6 +55,8 @@ template <class M> class whole_stage {
     c.need_input_grad = false;
     return model_.backward_loss(c);
   }
+  /// The model's output before its loss (forward(inputs)).
+  view<float> logits(step_ctx& c, cview<input_type> x0, cview<float>) { return model_.forward(c, x0); }
   /// The unsplit parameters of this stage from this rank's (collective over split axes).
   void gather_full(const float* local, float* full) { gather_full_params(model_, local, full); }
   std::string describe(int) const { return layer_name<M>(); }
@@ -255,6 +257,15 @@ template <class Pipe> class pipe_stage {
       auto y = forward(c, x0, in);
       return run_forward_loss(loss, c, cview<float>(y), labels, off_[loss_index]);
     }
+  }
+  /// The last stage's output before the loss (forward(inputs)): its layers but the loss.
+  view<float> logits(step_ctx& c, cview<input_type> x0, cview<float> in) {
+    if constexpr (std::is_same_v<input_type, float>)
+      if (stage_ == 0 && loss_index == 0) return view<float>(const_cast<float*>(x0.data()), x0.shape());
+    bool any_layer = false;
+    for (std::size_t i = 0; i < loss_index; ++i) any_layer = any_layer || owns(i);
+    if (!any_layer) return view<float>(const_cast<float*>(in.data()), in.shape());
+    return forward(c, x0, in);
   }
   /// One micro-batch backward; c.grads_ready(offset) after each element (global flat offsets).
   view<float> backward(step_ctx& c, cview<float> dy) {

@@ -3,15 +3,21 @@
 // forward, backward (and, in split schedules, weight) passes of this rank's
 // stage, sends that never block — then the
 // data-axis gradient buckets and the ZeRO reduce-scatters completed. A pass
-// without training runs every forward and no backward.
+// without training runs every forward and no backward; forward(inputs) is
+// such a pass that keeps the last stage's output instead of the loss.
 #pragma once
+
+#include <cstring>
+#include <tuple>
+#include <type_traits>
 
 #include "whale/runtime/executor.hpp"
 
 namespace whale {
 
 template <class P>
-double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels, bool train, bool sync) {
+double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels, bool train, bool sync,
+                         tensor<float>* logits) {
   const index_t B = c.batch, T = c.seq;
   const int m = micro_count(B);
   schedule_for(m);
@@ -80,7 +86,8 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
       cview<input_type> x0;
       if (first) x0 = x.rows(a.micro * mb, mb);
       view<float> y;
-      if (last) share += part_.forward_loss(mc, x0, in, labels.rows(a.micro * rows, rows));
+      if (last && logits) keep_logits(*logits, part_.logits(mc, x0, in), a.micro, m);
+      else if (last) share += part_.forward_loss(mc, x0, in, labels.rows(a.micro * rows, rows));
       else y = part_.forward(mc, x0, in);
       batch_after[static_cast<std::size_t>(a.micro)] = mc.batch;
       tr_.add(span_kind::forward, step_, a.micro, t0, tr_.now());
@@ -141,6 +148,40 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
   }
   ++step_;
   return share;
+}
+
+template <class P> tensor<float> executor<P>::forward(step_ctx& c, cview<input_type> x) {
+  using flat = std::remove_cvref_t<decltype(part_.model())>;
+  constexpr bool plain_tail = [] {
+    if constexpr (requires { typename flat::tuple_type; }) {
+      using tuple = typename flat::tuple_type;
+      return !is_container<std::tuple_element_t<std::tuple_size_v<tuple> - 1, tuple>>;
+    } else {
+      return false;
+    }
+  }();
+  static_assert(plain_tail,
+                "whale::executor::forward: the model does not end in a plain loss layer (its last element is a "
+                "container, e.g. split<sequential<..., Loss>>, whose class-split logits are never gathered, or the "
+                "whole model is one split region); end the model in softmax_cross_entropy after the split region "
+                "(sequential<..., split<linear<D, V>>, softmax_cross_entropy>) to get logits");
+  tensor<float> out;
+  pass(c, x, {}, false, false, &out);
+  if (p_ > 1) {  // the last stage holds them
+    index_t dims[2] = {out.shape().rank() == 2 ? out.shape()[0] : 0, out.shape().rank() == 2 ? out.shape()[1] : 0};
+    broadcast(*pipe_, view<index_t>(dims, {2}), p_ - 1);
+    if (stage_ != p_ - 1) out = tensor<float>({dims[0], dims[1]}, mem_kind::workspace);
+    broadcast(*pipe_, view<float>(out.data(), {dims[0] * dims[1]}), p_ - 1);
+  }
+  return out;
+}
+
+template <class P> void executor<P>::keep_logits(tensor<float>& out, cview<float> y, int micro, int m) {
+  const index_t r = y.shape().rank() ? y.shape()[0] : 0, w = y.shape().rank() == 2 ? y.shape()[1] : y.numel() / (r ? r : 1);
+  if (micro == 0) out = tensor<float>({static_cast<index_t>(m) * r, w}, mem_kind::workspace);
+  if (out.shape()[0] != static_cast<index_t>(m) * r || out.shape()[1] != w)
+    throw std::logic_error("whale::executor::forward: the micro-batches' outputs differ in shape");
+  std::memcpy(out.data() + static_cast<index_t>(micro) * r * w, y.data(), static_cast<std::size_t>(r * w) * sizeof(float));
 }
 
 }  // namespace whale
