@@ -4,6 +4,7 @@
 // without strategies is a network on one rank. The strategy types are in strategy/.
 #pragma once
 
+#include <concepts>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -17,6 +18,16 @@
 
 namespace whale {
 
+/// A plan: what make<P> builds and executor<P> runs — a whole model that ends
+/// in a loss (whale::Loss: it can be trained, it names itself), with or
+/// without strategies (replicate, split, pipeline, shard) around or inside it.
+/// A layer or a part of a model is not a plan.
+template <class P>
+concept Strategy = Loss<P> && requires {
+  { P::name() } -> std::convertible_to<std::string>;
+  typename P::input_type;
+};
+
 /// Build plan M for this job: every plan with a strategy (replicate, split,
 /// pipeline, shard and their nestings) runs on executor<M> with `o`; a model
 /// without strategies is a network<M> on one rank only.
@@ -27,6 +38,10 @@ namespace whale {
 /// docs/strategies.md, "Nestings").
 template <class M>
 auto make(const context& ctx, seed s, plan_options o = plan_options::from_env()) {
+  static_assert(Strategy<M>,
+                "whale::make<P>: P is not a plan (whale::Strategy): a plan is a whole model that ends in a loss, "
+                "e.g. sequential<..., softmax_cross_entropy>, with or without replicate/split/pipeline/shard around "
+                "it; a single layer or a part of a model cannot be trained on its own");
   using top = strip_replicate_t<M>;
   // replicate, split and shard check what they wrap; a sequential or a pipeline cannot
   constexpr bool unchecked = detail::kind_of<M> == detail::part_kind::layer ||
