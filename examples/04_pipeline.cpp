@@ -55,7 +55,9 @@ template <class Plan> int train(const context& ctx, const plan_options& o, std::
                 r.median_step_s(), net.micro_batches());
     std::printf("held-out next-token accuracy (this replica's %lld rows, forward()): %.3f\n",
                 static_cast<long long>(rows), static_cast<double>(hits) / static_cast<double>(rows));
-    if (!ev.empty())
+    if (!ev.empty() && b.steps == 0)
+      std::printf("bubble: not measured (steps 1-2 are warm-up; run with --steps 3 or more)\n");
+    else if (!ev.empty())
       std::printf("bubble: busiest stage %.3f (the schedule's, passes of equal time: %.3f), mean over stages %.3f\n",
                   b.bottleneck, net.schedule_info().bubble, b.mean);
   }

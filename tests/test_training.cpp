@@ -76,9 +76,52 @@ TEST_CASE("a NaN loss stops training with an error that names the step") {
     FAIL("expected an error for a non-finite loss");
   } catch (const std::runtime_error& e) {
     const std::string msg = e.what();
-    CHECK(msg.find("at step") != std::string::npos);
+    CHECK(msg.find("whale::trainer: step ") == 0);
     CHECK((msg.find("NaN") != std::string::npos || msg.find("infinite") != std::string::npos));
+    CHECK(msg.find("clip gradients") != std::string::npos);  // no clipping here, so it is advised
   }
+}
+
+namespace {
+// teacher_data with a NaN in one input feature of step 2 (the 3rd step)
+struct nan_at_step_2 {
+  using input_type = float;
+  teacher_data inner{seed{2}, 32, 16, 8};
+  tensor<float> x;
+  index_t global_batch() const noexcept { return 8; }
+  index_t seq() const noexcept { return 1; }
+  batch_view<float> get(std::int64_t step, index_t begin, index_t count) {
+    auto b = inner.get(step, begin, count);
+    x = tensor<float>({count, 32});
+    for (index_t i = 0; i < count * 32; ++i) x[i] = b.inputs[i];
+    if (step == 2) x[3 * 32 + 5] = std::nanf("");
+    return {x.v(), b.labels, b.sequences, b.seq};
+  }
+};
+}  // namespace
+
+TEST_CASE("a NaN input behind a ReLU: the loss stays finite, the gradient norm names the step and the layer") {
+  // relu first maps the NaN to 0, so the loss is finite; the first linear's weight gradient is not
+  using relu_first = sequential<linear<32, 64>, relu, linear<64, 16>, softmax_cross_entropy>;
+  network<relu_first> net(seed{1});
+  nan_at_step_2 data;
+  trainer t(net, sgd{.lr = 0.01f}, quiet());
+  try {
+    t.run(data, steps{5});
+    FAIL("expected an error for a non-finite gradient");
+  } catch (const std::runtime_error& e) {
+    const std::string msg = e.what();
+    CHECK(msg.find("whale::trainer: step 3: the gradient norm is NaN while the loss is finite") == 0);
+    CHECK(msg.find("the first layer with a non-finite gradient is linear<32, 64> (unit 0") != std::string::npos);
+  }
+  // --check-finite names the first layer whose output is NaN instead
+  network<relu_first> net2(seed{1});
+  nan_at_step_2 data2;
+  auto o = quiet();
+  o.check_finite = true;
+  trainer t2(net2, sgd{.lr = 0.01f}, o);
+  CHECK_THROWS_WITH_AS(t2.run(data2, steps{5}), doctest::Contains("--check-finite: linear<32, 64> produced NaN in its output at row 3"),
+                       std::runtime_error);
 }
 
 TEST_CASE("no allocation after the first step") {

@@ -4,15 +4,50 @@
 //   watchdog        rank 1 skips an all_reduce on the world (WHALE_WATCHDOG_S is short)
 //   watchdog_model  rank 3 skips an all_reduce on its model group (--mesh data=2,model=2)
 //   mesh            nothing: run with a --mesh that does not fit the world
+//   nan_input       replicate<mlp> on 2 ranks; one input of rank 1's rows at step 4 is NaN
+//                   (the loss stays finite, the gradient norm does not)
+//   check_finite    the same with --check-finite: rank 1 names the layer whose output is NaN
+//   unwind          rank 1 throws while a second context is alive; main catches and prints
+//                   the message, and the job still ends (the context cannot finalize)
+//   trace_path      replicate<mlp> with a trace file in a directory that does not exist:
+//                   refused on every rank before any step
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <thread>
 
 #include "whale/comm/context.hpp"
+#include "whale/nn/linear.hpp"
+#include "whale/nn/relu.hpp"
+#include "whale/nn/sequential.hpp"
+#include "whale/nn/softmax_cross_entropy.hpp"
+#include "whale/optim/sgd.hpp"
+#include "whale/runtime/make.hpp"
+#include "whale/train/trainer.hpp"
 
 using namespace whale;
+
+namespace {
+// teacher_data whose sample 5 of data step 3 (the 4th step) has a NaN input feature
+struct poisoned_data {
+  using input_type = float;
+  teacher_data inner{seed{7}, 8, 4, 8};
+  tensor<float> copy;
+  index_t global_batch() const noexcept { return inner.global_batch(); }
+  index_t seq() const noexcept { return 1; }
+  batch_view<float> get(std::int64_t step, index_t begin, index_t count) {
+    auto b = inner.get(step, begin, count);
+    copy = tensor<float>({count, 8});
+    std::copy(b.inputs.data(), b.inputs.data() + count * 8, copy.data());
+    if (step == 3 && begin <= 5 && 5 < begin + count) copy[(5 - begin) * 8 + 2] = std::nanf("");
+    return {copy.v(), b.labels, b.sequences, b.seq};
+  }
+};
+using mlp = sequential<linear<8, 16>, relu, linear<16, 4>, softmax_cross_entropy>;
+}  // namespace
 
 int main(int argc, char** argv) {
   auto ctx = context::init(argc, argv);
@@ -30,6 +65,34 @@ int main(int argc, char** argv) {
     barrier(w);
     if (ctx.rank() == 1) throw std::runtime_error("uncaught failure at step 5");
     all_reduce(w, x);
+  } else if (mode == "nan_input" || mode == "check_finite") {
+    run_guarded(ctx, [&] {
+      plan_options o;
+      o.check_finite = mode == "check_finite";
+      auto net = make<replicate<mlp>>(ctx, seed{1}, o);
+      poisoned_data data;
+      trainer_options to;
+      to.progress = false;
+      trainer(net, sgd{.lr = 0.1f}, to).run(data, steps{6});
+    });
+  } else if (mode == "unwind") {
+    try {
+      auto inner = context::init();
+      barrier(w);
+      if (ctx.rank() == 1) throw std::runtime_error("injected failure while a context unwinds");
+      all_reduce(w, x);
+    } catch (const std::exception& e) {
+      std::printf("whale failure test: rank %d caught: %s\n", ctx.rank(), e.what());
+      std::fflush(stdout);
+      stall();
+    }
+  } else if (mode == "trace_path") {
+    run_guarded(ctx, [&] {
+      plan_options o;
+      o.trace_path = "/nonexistent-whale-dir/trace.json";
+      auto net = make<replicate<mlp>>(ctx, seed{1}, o);
+      std::printf("whale failure test: rank %d built the plan; it should not have\n", ctx.rank());
+    });
   } else if (mode == "watchdog") {
     barrier(w);
     if (ctx.rank() == 1) stall();

@@ -176,6 +176,9 @@ class context {
       if (f.mesh) spec = *f.mesh;
       else if (const char* e = std::getenv("WHALE_MESH")) spec = e, origin = "WHALE_MESH";
       shape = mesh_shape::parse(spec, world.size(), origin);
+      set_watchdog_timeout(detail::parse_watchdog_env());
+    } catch (const detail::parse_error& e) {
+      error = e.what();
     } catch (const mesh_error& e) {
       error = e.what();
 #ifndef WHALE_HAS_MPI
@@ -211,9 +214,14 @@ class context {
     if (!s_) return;
     if (std::uncaught_exceptions() > 0) {
 #ifdef WHALE_HAS_MPI
-      // Finalizing while peers may wait in a collective would hang them.
-      detail::fatal("whale::context destroyed while an exception propagates; aborting the job "
-                    "(catch it inside whale::run_guarded to see its message)");
+      // Finalizing while peers may wait in a collective would hang them: leave MPI
+      // as it is, let the exception reach its handler (which prints it), end the job soon.
+      if (detail::mpi_active()) {
+        detail::exit_soon(2.0, "the whale::context is destroyed while an exception propagates; the job ends in 2 s "
+                               "(use ctx.guard or whale::run_guarded to end it at once, with the message)");
+        (void)s_.release();  // never finalized: peers may still wait in a collective
+        return;
+      }
 #endif
     }
     const bool owns = s_->owns_mpi;

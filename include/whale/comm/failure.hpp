@@ -4,11 +4,15 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <string>
 #include <string_view>
+#include <thread>
+
+#include "whale/detail/parse.hpp"
 
 #ifdef WHALE_HAS_MPI
 #include <mpi.h>
@@ -17,13 +21,18 @@
 namespace whale {
 
 namespace detail {
+/// WHALE_WATCHDOG_S, strictly: seconds in [0, 604800] (0: off). Throws parse_error naming it.
+inline double parse_watchdog_env() {
+  const char* e = std::getenv("WHALE_WATCHDOG_S");
+  return e ? parse_double(e, "WHALE_WATCHDOG_S", 0, 604800) : 300.0;
+}
+/// The first value before context::init checks it (which reports a bad one on every rank).
 inline double watchdog_from_env() noexcept {
-  if (const char* e = std::getenv("WHALE_WATCHDOG_S")) {
-    char* end = nullptr;
-    double s = std::strtod(e, &end);
-    if (end != e) return s;
+  try {
+    return parse_watchdog_env();
+  } catch (...) {
+    return 300.0;
   }
-  return 300.0;
 }
 inline std::atomic<double>& watchdog_seconds() noexcept {
   static std::atomic<double> s{watchdog_from_env()};
@@ -32,8 +41,9 @@ inline std::atomic<double>& watchdog_seconds() noexcept {
 }  // namespace detail
 
 /// Seconds a blocking operation (or request::wait) may take before the
-/// watchdog reports it and aborts the job. Default 300, or WHALE_WATCHDOG_S.
-/// 0 (or less) disables the watchdog; mpi_comm's blocking operations then call
+/// watchdog reports it and aborts the job. Default 300, or WHALE_WATCHDOG_S
+/// (a number of seconds in [0, 604800]; anything else is an error of
+/// context::init). 0 disables the watchdog; mpi_comm's blocking operations then call
 /// the blocking MPI functions directly.
 inline double watchdog_timeout() noexcept { return detail::watchdog_seconds().load(); }
 inline void set_watchdog_timeout(double seconds) noexcept { detail::watchdog_seconds().store(seconds); }
@@ -89,6 +99,25 @@ inline void report(std::string_view message) noexcept {
 [[noreturn]] inline void fatal(std::string_view message, int code = 1) noexcept {
   report(message);
   abort_job(code);
+}
+
+/// While an exception unwinds through a context: report that the job will
+/// end, and end it `seconds` later from a thread of its own (which never calls
+/// MPI: the process exits with status 1 and mpirun ends the job), so that
+/// whoever catches the exception still prints its message first. The caller
+/// must not finalize MPI (peers may wait in a collective).
+inline void exit_soon(double seconds, std::string_view why) noexcept {
+  report(why);
+  try {
+    std::thread([seconds] {
+      std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+      report("ending the job (an exception unwound through the whale::context; its message is above, where it was caught)");
+      std::fflush(stdout);
+      std::_Exit(1);
+    }).detach();
+  } catch (...) {
+    abort_job(1);
+  }
 }
 
 /// The message of the exception in flight, for reports.

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "whale/comm/collectives.hpp"
+#include "whale/detail/io.hpp"
 
 namespace whale {
 
@@ -169,13 +170,22 @@ inline std::string trace_json(const std::vector<trace_event>& ev) {
   return s;
 }
 
-/// Write trace_json(ev) to `path`; throws std::runtime_error naming the path on failure.
+/// Write trace_json(ev) to `path` atomically (a temporary beside it, then
+/// renamed); throws std::runtime_error naming the path and the system's reason.
 inline void write_trace(const std::string& path, const std::vector<trace_event>& ev) {
-  std::FILE* f = std::fopen(path.c_str(), "wb");
-  if (!f) throw std::runtime_error("whale::trace: cannot open '" + path + "' for writing");
-  const auto s = trace_json(ev);
-  const bool ok = std::fwrite(s.data(), 1, s.size(), f) == s.size();
-  if (std::fclose(f) != 0 || !ok) throw std::runtime_error("whale::trace: cannot write '" + path + "'");
+  detail::write_file_atomically(path, trace_json(ev), "whale::trace");
+}
+
+/// Before any work: rank 0 checks that `path` can be written and every rank of
+/// `world` learns its verdict; throws std::invalid_argument on every rank,
+/// naming `origin`, the path and the reason (collective).
+template <class W> void check_output_path(W& world, const std::string& path, const std::string& origin) {
+  std::string problem = world.rank() == 0 ? detail::output_path_problem(path) : std::string();
+  index_t n = static_cast<index_t>(problem.size());
+  broadcast(world, view<index_t>(&n, {1}), 0);
+  problem.resize(static_cast<std::size_t>(n));
+  if (n > 0) broadcast(world, view<std::uint8_t>(reinterpret_cast<std::uint8_t*>(problem.data()), {n}), 0);
+  if (n > 0) throw std::invalid_argument(origin + " '" + path + "': " + problem + "; nothing was run");
 }
 
 /// The pipeline bubble measured from a merged trace: for each step and

@@ -48,7 +48,7 @@ inline double parse_double(std::string_view text, std::string_view origin, doubl
     return (open_lo ? "above " : "from ") + std::to_string(lo) + (open_lo ? " up to " : " to ") + std::to_string(hi);
   };
   if (s.empty() || end != s.c_str() + s.size() || errno == ERANGE || !std::isfinite(v) ||
-      std::isspace(static_cast<unsigned char>(s[0])))
+      std::isspace(static_cast<unsigned char>(s[0])) || s.find_first_of("xX") != std::string::npos)  // no hex floats
     throw parse_error(std::string(origin) + " " + quoted(text) + ": expected a finite number " + range());
   if (v < lo || v > hi || (open_lo && v == lo))
     throw parse_error(std::string(origin) + " " + quoted(text) + ": out of range; allowed " + range());

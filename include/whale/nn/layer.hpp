@@ -78,6 +78,8 @@ struct step_ctx {
   /// that can put its weight gradients off computes only d(input) and appends
   /// a task here (defer_weights); null: backward computes everything.
   std::vector<weight_task>* deferred = nullptr;
+  /// Debugging (--check-finite): every leaf's output and input gradient is checked for NaN/Inf.
+  bool check_finite = false;
   index_t rows() const noexcept { return batch * seq; }
 };
 
@@ -229,16 +231,35 @@ struct layer_hooks {
   virtual void after_backward(const leaf_ref&) {}
 };
 
+namespace detail {
+/// --check-finite: the first NaN/Inf of `v` (what leaf `name` produced), as an error naming it.
+inline void check_finite_values(cview<float> v, const std::string& name, const char* what, const step_ctx& c) {
+  if (v.data() == nullptr) return;  // no input gradient asked for
+  for (index_t i = 0; i < v.numel(); ++i) {
+    const float x = v[i];
+    if (x - x != 0.f) {  // NaN or +-Inf
+      const index_t w = v.shape().rank() == 2 ? v.shape()[1] : 1;
+      throw std::runtime_error("whale: --check-finite: " + name + " produced " + (x != x ? "NaN" : "Inf") + " in its " +
+                               what + " at row " + std::to_string(i / (w ? w : 1)) + ", column " +
+                               std::to_string(i % (w ? w : 1)) + " (activation slot " + std::to_string(c.slot) +
+                               "); the layers before it produced finite values, so it comes from this layer or, for a first layer, "
+                               "from the input data");
+    }
+  }
+}
+}  // namespace detail
+
 /// Run element `l` (at flat offset `offset`) forward, with hooks around leaves.
 template <class L, class X> view<float> run_forward(L& l, step_ctx& c, X x, index_t offset) {
   if constexpr (is_container<L>) {
     return l.forward(c, x);
   } else {
-    if (!c.hooks) return l.forward(c, x);
+    if (!c.hooks && !c.check_finite) return l.forward(c, x);
     const auto ref = make_leaf_ref(l, offset);
-    c.hooks->before_forward(ref);
+    if (c.hooks) c.hooks->before_forward(ref);
     auto y = l.forward(c, x);
-    c.hooks->after_forward(ref);
+    if (c.hooks) c.hooks->after_forward(ref);
+    if (c.check_finite) detail::check_finite_values(y, layer_name<L>(), "output", c);
     return y;
   }
 }
@@ -247,11 +268,12 @@ template <class L> view<float> run_backward(L& l, step_ctx& c, cview<float> dy, 
   if constexpr (is_container<L>) {
     return l.backward(c, dy);
   } else {
-    if (!c.hooks) return l.backward(c, dy);
+    if (!c.hooks && !c.check_finite) return l.backward(c, dy);
     const auto ref = make_leaf_ref(l, offset);
-    c.hooks->before_backward(ref);
+    if (c.hooks) c.hooks->before_backward(ref);
     auto dx = l.backward(c, dy);
-    c.hooks->after_backward(ref);
+    if (c.hooks) c.hooks->after_backward(ref);
+    if (c.check_finite) detail::check_finite_values(dx, layer_name<L>(), "input gradient", c);
     return dx;
   }
 }
@@ -274,11 +296,12 @@ template <class L> view<float> run_backward_loss(L& l, step_ctx& c, index_t offs
   if constexpr (is_container<L>) {
     return l.backward_loss(c);
   } else {
-    if (!c.hooks) return l.backward_loss(c);
+    if (!c.hooks && !c.check_finite) return l.backward_loss(c);
     const auto ref = make_leaf_ref(l, offset);
-    c.hooks->before_backward(ref);
+    if (c.hooks) c.hooks->before_backward(ref);
     auto d = l.backward_loss(c);
-    c.hooks->after_backward(ref);
+    if (c.hooks) c.hooks->after_backward(ref);
+    if (c.check_finite) detail::check_finite_values(d, layer_name<L>(), "input gradient", c);
     return d;
   }
 }

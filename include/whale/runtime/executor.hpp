@@ -134,6 +134,7 @@ template <class P> class executor {
               "); every stage needs its own pipe rank: launch with --mesh " + (replicated ? "data=D,pipe=" : "pipe=") +
               std::to_string(X::fixed_stages));
     }
+    if (!o_.trace_path.empty()) check_output_path(ctx.world(), o_.trace_path, "whale: the trace file (--trace, WHALE_TRACE)");
     p_ = shape.size(axis::pipe), d_ = shape.size(axis::data);
     stage_ = ctx.mesh().coord(axis::pipe), replica_ = ctx.mesh().coord(axis::data);
     model_rank_ = ctx.mesh().coord(axis::model);
@@ -229,6 +230,9 @@ template <class P> class executor {
     tr_.add(span_kind::loss_all_reduce, step_ - 1, -1, t0, tr_.now());
     return v;
   }
+  /// After a non-finite gradient norm: the first layer (flat order) whose
+  /// gradient holds a NaN or Inf on any rank, named; empty if none (collective).
+  std::string first_nonfinite_grad() const;
   /// The norm of the whole model's gradient, each parameter counted once (collective).
   double grad_norm() const {
     // ZeRO 2-3: the owned ranges partition each stage's gradients over the data axis
@@ -428,4 +432,5 @@ template <class P> class executor {
 
 }  // namespace whale
 
+#include "whale/runtime/diagnose.hpp"
 #include "whale/runtime/step.hpp"

@@ -37,9 +37,14 @@ struct plan_options {
   // ---- ZeRO ----
   bool prefetch = true;       ///< level 3: gather the next leaf while the current one runs
   int max_pending = 2;        ///< levels 2–3: leaves whose reduce-scatters may be in flight
+  // ---- debugging ----
+  /// Check every leaf layer's output (forward) and input gradient (backward)
+  /// for NaN/Inf and fail naming the layer (a pass over every activation).
+  bool check_finite = false;
 
   /// WHALE_MICRO_BATCHES, WHALE_STAGE_BLOCKS ("1,3"), WHALE_TRACE (a path), WHALE_BUCKET_MIB,
-  /// WHALE_DP_OVERLAP, WHALE_DP_BLOCKING, WHALE_ZERO_PREFETCH (booleans: true/false, 1/0, yes/no, on/off).
+  /// WHALE_DP_OVERLAP, WHALE_DP_BLOCKING, WHALE_ZERO_PREFETCH, WHALE_CHECK_FINITE (booleans:
+  /// true/false, 1/0, yes/no, on/off).
   static plan_options from_env() {
     plan_options o;
     if (const char* e = std::getenv("WHALE_MICRO_BATCHES"))
@@ -50,10 +55,11 @@ struct plan_options {
     if (const char* e = std::getenv("WHALE_DP_OVERLAP")) o.overlap = detail::parse_bool(e, "WHALE_DP_OVERLAP");
     if (const char* e = std::getenv("WHALE_DP_BLOCKING")) o.blocking = detail::parse_bool(e, "WHALE_DP_BLOCKING");
     if (const char* e = std::getenv("WHALE_ZERO_PREFETCH")) o.prefetch = detail::parse_bool(e, "WHALE_ZERO_PREFETCH");
+    if (const char* e = std::getenv("WHALE_CHECK_FINITE")) o.check_finite = detail::parse_bool(e, "WHALE_CHECK_FINITE");
     return o;
   }
-  /// from_env(), then --micro-batches M, --stage-blocks 1,3, --trace PATH and
-  /// --bucket-mib X, which are removed from argv (argv[argc] stays nullptr).
+  /// from_env(), then --micro-batches M, --stage-blocks 1,3, --trace PATH,
+  /// --bucket-mib X and --check-finite, which are removed from argv (argv[argc] stays nullptr).
   static plan_options from_args(int& argc, char** argv) {
     plan_options o = from_env();
     int out = argc > 0 ? 1 : 0;
@@ -67,6 +73,7 @@ struct plan_options {
       else if (a == "--stage-blocks") o.blocks = parse_list(value(), "--stage-blocks");
       else if (a == "--trace") o.trace_path = value();
       else if (a == "--bucket-mib") o.bucket_mib = detail::parse_double(value(), "--bucket-mib", 0, 1 << 20, true);
+      else if (a == "--check-finite") o.check_finite = true;
       else argv[out++] = argv[i];
     }
     argc = out;

@@ -56,7 +56,10 @@ template <class M> class whole_stage {
     return model_.backward_loss(c);
   }
   /// The model's output before its loss (forward(inputs)).
-  view<float> logits(step_ctx& c, cview<input_type> x0, cview<float>) { return model_.forward(c, x0); }
+  view<float> logits(step_ctx& c, cview<input_type> x0, cview<float>) {
+    if constexpr (requires { model_.forward(c, x0); }) return model_.forward(c, x0);
+    else throw std::logic_error("whale: this model has no forward without its loss");  // executor::forward refuses it at compile time
+  }
   /// The unsplit parameters of this stage from this rank's (collective over split axes).
   void gather_full(const float* local, float* full) { gather_full_params(model_, local, full); }
   std::string describe(int) const { return layer_name<M>(); }

@@ -75,6 +75,7 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
     mc.global_rows = c.global_rows > 0 ? c.global_rows : B * T;
     mc.slot = layer_slot(a.micro);
     mc.hooks = zc.hooks;
+    mc.check_finite = c.check_finite || o_.check_finite;
     if (a.kind == pipe_action::forward) {
       cview<float> in;
       if (!first) {

@@ -16,6 +16,7 @@
 
 #include "whale/nn/layer.hpp"
 #include "whale/optim/optimizer.hpp"
+#include "whale/plan/describe.hpp"
 #include "whale/train/data.hpp"
 #include "whale/train/progress.hpp"
 
@@ -47,6 +48,14 @@ struct trainer_options {
   std::FILE* out = stderr;       ///< where the progress line goes
   int plain_every = 10;          ///< without a terminal, print every this many steps
   std::int64_t first_step = 0;   ///< data step of the first step (for resuming)
+  /// Compute the global gradient norm every step (also without clipping) and
+  /// fail, naming the step and the first layer with a non-finite gradient, if
+  /// it is NaN or Inf: one pass over this rank's gradients and an 8-byte
+  /// all-reduce per step. false: only when clipping.
+  bool check_grad_norm = true;
+  /// Debugging: check every leaf layer's output and input gradient for NaN/Inf
+  /// (a pass over every activation; also plan_options::check_finite, --check-finite).
+  bool check_finite = false;
 };
 
 /// What a run did.
@@ -73,6 +82,26 @@ template <class M> constexpr double model_flops(index_t rows, index_t seq) {
          3.0 * c.seq_flops * static_cast<double>(rows) * static_cast<double>(seq);
 }
 
+namespace detail {
+/// A single-process network's first layer (flat order) with a non-finite gradient, named; empty if none.
+template <class Net> std::string first_nonfinite_grad_of(const Net& net) {
+  if constexpr (requires { net.grads(); }) {
+    const auto g = net.grads();
+    const auto d = describe<typename Net::model_type>();
+    index_t at = 0;
+    for (std::size_t k = 0; k < d.units.size(); ++k) {
+      const auto& u = d.units[k];
+      for (index_t i = at; i < at + u.full_params && i < g.numel(); ++i)
+        if (g[i] - g[i] != 0.f)
+          return u.name + " (unit " + std::to_string(k) + " of the model, its parameters [" + std::to_string(at) + ", " +
+                 std::to_string(at + u.full_params) + "))";
+      at += u.full_params;
+    }
+  }
+  return {};
+}
+}  // namespace detail
+
 /// Drives a Trainable network with an optimizer over a data source.
 template <Trainable Net, Optimizer Opt>
 class trainer {
@@ -98,14 +127,35 @@ class trainer {
     c.batch = b.sequences;
     c.seq = b.seq;
     c.global_rows = global_batch * b.seq;
+    c.check_finite = o_.check_finite;
     const double share = net_.train_step(c, b.inputs, b.labels);
     const double loss = net_.reduce_loss(share);
+    // steps are named from 1, as the progress line counts them (strings only when failing: no allocation per step)
+    auto at = [&] {
+      return "whale::trainer: step " + std::to_string(step - o_.first_step + 1) +
+             (o_.first_step ? " (data step " + std::to_string(step) + ")" : "") + ": ";
+    };
+    auto clip = [&] { return std::string(o_.max_grad_norm > 0 ? "" : ", clip gradients (trainer_options::max_grad_norm)"); };
     if (!std::isfinite(loss))
-      throw std::runtime_error("whale::trainer: the loss is " + std::string(std::isnan(loss) ? "NaN" : "infinite") +
-                               " at step " + std::to_string(step) +
-                               "; lower the learning rate, clip gradients (max_grad_norm) or check the data");
+      throw std::runtime_error(at() + "the loss is " + (std::isnan(loss) ? "NaN" : "infinite") +
+                               "; check the data for NaN/Inf, lower the learning rate" + clip() +
+                               ", or run with --check-finite to name the first layer whose output is not finite");
     float scale = 1.f;
-    if (o_.max_grad_norm > 0) scale = clip_coefficient(net_.grad_norm(), o_.max_grad_norm);
+    if (o_.max_grad_norm > 0 || o_.check_grad_norm) {
+      const double norm = net_.grad_norm();
+      if (!std::isfinite(norm)) {
+        std::string where;
+        if constexpr (requires { net_.first_nonfinite_grad(); }) where = net_.first_nonfinite_grad();  // collective
+        else where = detail::first_nonfinite_grad_of(net_);
+        throw std::runtime_error(at() + "the gradient norm is " + (std::isnan(norm) ? "NaN" : "infinite") +
+                                 " while the loss is finite (" + std::to_string(loss) + ")" +
+                                 (where.empty() ? "" : "; the first layer with a non-finite gradient is " + where) +
+                                 "; no parameter was updated. Look for NaN/Inf in the input data (a ReLU hides a NaN "
+                                 "input from the loss, not from the weight gradients), lower the learning rate" + clip() +
+                                 ", or run with --check-finite to name the first layer whose output is not finite");
+      }
+      if (o_.max_grad_norm > 0) scale = clip_coefficient(norm, o_.max_grad_norm);
+    }
     net_.apply_optimizer(opt_, state_, scale);
     return loss;
   }
@@ -143,6 +193,7 @@ class trainer {
       c.batch = b.sequences;
       c.seq = b.seq;
       c.global_rows = data.global_batch() * b.seq;
+      c.check_finite = o_.check_finite;
       sum += net_.reduce_loss(net_.evaluate(c, b.inputs, b.labels));
     }
     return sum / static_cast<double>(n.value);
