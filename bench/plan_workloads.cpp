@@ -3,7 +3,7 @@
 // each operation of a step with its bytes) and totals over every rank.
 //   whale_plan --workload mlp|xc|gpt --plan P --mesh data=64,pipe=4,model=4 [--rank R]
 //              [--batch B] [--seq T] [--micro-batches M] [--schedule gpipe|1f1b] [--zero 0..3]
-//              [--recompute] [--clip] [--bucket-mib X] [--stage-blocks 1,2,..] [--summary] [--json]
+//              [--recompute] [--no-grad-norm] [--bucket-mib X] [--stage-blocks 1,2,..] [--summary] [--json]
 // scripts/plan builds and runs it.
 #include <algorithm>
 #include <chrono>
@@ -35,7 +35,7 @@ struct args {
   throw std::invalid_argument(
       why + "\nusage: whale_plan --workload mlp|xc|gpt --plan single|dp|hybrid|pipeline|zero1|zero2|zero3|3d "
             "--mesh data=D,pipe=P,model=M [--rank R] [--batch B] [--seq T] [--micro-batches M] "
-            "[--schedule gpipe|1f1b] [--zero 0..3] [--recompute] [--clip] [--bucket-mib X] "
+            "[--schedule gpipe|1f1b] [--zero 0..3] [--recompute] [--no-grad-norm] [--bucket-mib X] "
             "[--stage-blocks 1,2,...] [--summary] [--json]");
 }
 
@@ -67,7 +67,8 @@ args parse(int argc, char** argv) {
         at = end + 1;
       }
     } else if (f == "--recompute") a.recompute = true;
-    else if (f == "--clip") a.o.clip = true;
+    else if (f == "--clip") a.o.grad_norm = true;  // the default: the trainer computes the norm every step
+    else if (f == "--no-grad-norm") a.o.grad_norm = false;
     else if (f == "--summary") a.summary = true;
     else if (f == "--json") a.json = true;
     else if (f == "--help" || f == "-h") usage("whale_plan: lowers a reference workload's plan for a mesh");

@@ -23,10 +23,13 @@ using mlp = sequential<linear<8, 16>, relu, linear<16, 4>, softmax_cross_entropy
 using megatron = sequential<split<sequential<linear<8, 16>, gelu, linear<16, 8>>>, softmax_cross_entropy>;
 using two_stages = pipeline<gpipe, stage<linear<8, 16>, relu>, stage<linear<16, 4>, softmax_cross_entropy>>;
 
+// Without the trainer's gradient-norm all-reduce, so that the hand-computed
+// bytes below are the plan's own (its 8 bytes are checked on their own).
 lower_options batch(index_t b, index_t seq = 1) {
   lower_options o;
   o.global_batch = b;
   o.seq = seq;
+  o.grad_norm = false;
   return o;
 }
 std::int64_t sent(const program& p, op_kind k) {
@@ -65,6 +68,12 @@ TEST_CASE("lowering replicate: one all-reduce per bucket over data, bytes of the
   CHECK(count(p, op_kind::collective) == 2);
   CHECK(p.totals().bytes_sent == 1272 + 12);
   CHECK(p.bytes_sent_over(axis::data) == 1272);  // the loss is summed over the world
+  // by default the trainer's gradient norm adds one more 8-byte all-reduce over the world: 12 B more
+  auto with_norm = batch(8);
+  with_norm.grad_norm = true;
+  const auto pn = lower<P>(mesh_shape(4, 1, 1), 1, with_norm);
+  CHECK(count(pn, op_kind::collective) == 3);
+  CHECK(pn.totals().bytes_sent == 1272 + 12 + 12);
   // buckets of 68 floats, from the last layer: [144, 212), [76, 144), [8, 76), [0, 8)
   auto o = batch(8);
   o.bucket_mib = 68 * 4 / 1048576.0;

@@ -22,7 +22,9 @@ struct lower_options {
   index_t balance_seq = 128;    ///< context length the stage balancer assumes
   double bucket_mib = 25.0;     ///< gradient bucket size
   int zero_level = -1;          ///< -1: the plan's (shard<M, L>); 0..3 overrides
-  bool clip = false;            ///< a global-norm all-reduce per step
+  /// The trainer's global gradient norm: an 8-byte all-reduce over the world per
+  /// step (for clipping, and the non-finite check the trainer runs by default).
+  bool grad_norm = true;
   int optimizer_bytes_per_param = 8;  ///< AdamW: 8 (two moments); SGD with momentum: 4
 };
 

@@ -395,9 +395,10 @@ class lowering {
     const axes lg = axes::from_bits(7u);  // shares summed over the world, once per model group
     const int lsize = p_.mesh.size();
     if (lsize > 1) sync_.push_back(add_coll(coll_kind::all_reduce, lg, lsize, all_reduce_traffic(8, lsize), 1, "the step's loss", -1));
-    if (o_.clip && p_.mesh.size() > 1)  // each rank's squares of the parameters it counts, summed over the world
+    if (o_.grad_norm && p_.mesh.size() > 1)  // each rank's squares of the parameters it counts, summed over the world
       sync_.push_back(add_coll(coll_kind::all_reduce, axes::from_bits(7u), p_.mesh.size(),
-                               all_reduce_traffic(8, p_.mesh.size()), 1, "squared gradient norm for clipping", -1));
+                               all_reduce_traffic(8, p_.mesh.size()), 1,
+                               "squared gradient norm (clipping, non-finite check)", -1));
     op u;
     u.kind = op_kind::optimizer;
     u.elements = p_.owned_end - p_.owned_begin;
