@@ -2,12 +2,12 @@
 // model's 4 transformer blocks are cut into as many stages as the mesh's pipe
 // axis has ranks (balanced by the layers' cost), the first stage also holding
 // the embeddings and the last the head and the loss. Micro-batches run under
-// 1F1B (or GPipe, or the zero-bubble zb-h1, whose backward is split into
-// input- and weight-gradient passes); each step ends with a flush, so it
-// trains exactly as one process would.
+// 1F1B (or GPipe; the zero-bubble zb-h1, whose backward is split into input-
+// and weight-gradient passes; or interleaved 1F1B, two model chunks per pipe
+// rank); each step ends with a flush, so it trains exactly as one process would.
 //
 //   mpirun -np 2 ./example_04_pipeline --mesh pipe=2 [--micro-batches 8] [--stage-blocks 3,1]
-//          [--schedule gpipe|1f1b|zb-h1] [--trace out.json] [--steps N]
+//          [--schedule gpipe|1f1b|zb-h1|interleaved] [--trace out.json] [--steps N]
 //   mpirun -np 4 ./example_04_pipeline --mesh data=2,pipe=2     (replicate<pipeline<...>>)
 //
 // Open out.json in https://ui.perfetto.dev: one row per rank, a span per
@@ -89,6 +89,9 @@ int main(int argc, char** argv) {
     if (schedule == "zb-h1")
       return replicated ? train<replicate<pipeline<zb_h1, models::gpt>>>(ctx, o, n_steps)
                         : train<pipeline<zb_h1, models::gpt>>(ctx, o, n_steps);
-    throw std::invalid_argument("example_04: --schedule " + schedule + ": have gpipe, 1f1b, zb-h1");
+    if (schedule == "interleaved")
+      return replicated ? train<replicate<pipeline<interleaved_1f1b<2>, models::gpt>>>(ctx, o, n_steps)
+                        : train<pipeline<interleaved_1f1b<2>, models::gpt>>(ctx, o, n_steps);
+    throw std::invalid_argument("example_04: --schedule " + schedule + ": have gpipe, 1f1b, zb-h1, interleaved");
   });
 }

@@ -103,10 +103,15 @@ TEST_CASE("program bytes equal the counted bytes: tensor-parallel gpt") {
   check_plan<tp_gpt>(spec, [] { return markov_data(seed{7}, 64, 16, 4); }, 4, 16);
 }
 
-TEST_CASE("program bytes equal the counted bytes: pipelines (1F1B cut at run time, GPipe explicit, data x pipe)") {
+TEST_CASE("program bytes equal the counted bytes: pipelines (1F1B, ZB-H1 and interleaved cut at run time, GPipe explicit, data x pipe)") {
   const int n = world_size();
   check_plan<pipeline<one_f_one_b, small_gpt>>("pipe=" + std::to_string(n), [] { return markov_data(seed{7}, 64, 16, 8); },
                                                8, 16);
+  if (n <= 2) {  // the zero-bubble and interleaved schedules (4 blocks: at most 2 pipe ranks of 2 chunks)
+    check_plan<pipeline<zb_h1, small_gpt>>("pipe=" + std::to_string(n), [] { return markov_data(seed{7}, 64, 16, 8); }, 8, 16);
+    check_plan<pipeline<interleaved_1f1b<2>, small_gpt>>("pipe=" + std::to_string(n),
+                                                         [] { return markov_data(seed{7}, 64, 16, 8); }, 8, 16);
+  }
   if (n == 2) {
     using two = pipeline<gpipe, stage<linear<16, 32>, gelu>, stage<linear<32, 8>, softmax_cross_entropy>>;
     check_plan<two>("pipe=2", [] { return teacher_data(seed{7}, 16, 8, 8); }, 8, 1);

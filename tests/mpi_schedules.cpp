@@ -1,9 +1,10 @@
 // The zero-bubble schedule (zb_h1: backward split into input-gradient B and
-// weight-gradient W passes) against single-process training and against 1F1B
-// (bitwise: the same float operations in the same order), on a pipe axis, with
-// split regions inside the stages, replicated (with ZeRO-1), with AdamW and
-// active clipping; and the schedule's replay (in-flight bound, bubble, checks)
-// at sizes beyond this job's. Adapts to the world size (1, 2, 4 ranks); every
+// weight-gradient W passes) and interleaved 1F1B (V model chunks per pipe rank)
+// against single-process training and against 1F1B (bitwise: the same float
+// operations in the same order), on a pipe axis, with split regions inside the
+// stages, replicated (with ZeRO-1), with AdamW and active clipping; and the
+// schedules' replay (in-flight bound, bubble, checks) at sizes beyond this job's;
+// pipeline<S, M, stages<N>>. Adapts to the world size (1, 2, 4 ranks); every
 // rank compares its own parameters.
 #include <doctest/doctest.h>
 
@@ -13,6 +14,7 @@
 
 #include "whale/comm/context.hpp"
 #include "whale/models/gpt.hpp"
+#include "whale/nn/relu.hpp"
 #include "whale/nn/transformer_block.hpp"
 #include "whale/optim/sgd.hpp"
 #include "whale/runtime/make.hpp"
@@ -243,6 +245,137 @@ TEST_CASE("pipeline<S, M, stages<2>>: runs on a pipe axis of 2, and is an error 
     lower_options lo;
     lo.global_batch = 8;
     CHECK_THROWS_WITH_AS(lower<fixed>(c.mesh().shape(), c.rank(), lo), doctest::Contains("the pipeline has 2 stages"),
+                         std::invalid_argument);
+  }
+}
+
+namespace {
+using deep_gpt = models::gpt_model<64, 16, 32, 2, 64, 8>;  // 8 blocks: 2 chunks on up to 4 pipe ranks
+}  // namespace
+
+TEST_CASE("pipeline<interleaved_1f1b<2>, gpt> equals single-process training and 1F1B bitwise, on every rank") {
+  auto ctx = context::init();
+  const int W = ctx.size();
+  auto c = test::on_mesh("pipe=" + std::to_string(W));
+  const int m = W == 1 ? 4 : 2 * W;  // a multiple of the pipe ranks
+  auto il = make<pipeline<interleaved_1f1b<2>, deep_gpt>>(c, seed{42}, micro(m));
+  auto fb = make<pipeline<one_f_one_b, deep_gpt>>(c, seed{42}, micro(m));
+  CHECK(il.chunks() == 2);
+  CHECK(il.chunk_ranges().size() == 2u);
+  {
+    auto data = gpt_batches();
+    trainer(il, sgd{.lr = 0.05f, .momentum = 0.9f}, test::quiet()).run(data, steps{5});
+    auto data2 = gpt_batches();
+    trainer(fb, sgd{.lr = 0.05f, .momentum = 0.9f}, test::quiet()).run(data2, steps{5});
+  }
+  const auto pi = il.full_params(), pf = fb.full_params();  // the whole model on every rank
+  const auto ps = single_trained<deep_gpt>();
+  REQUIRE(pi.numel() == ps.numel());
+  const auto ds = test::over_ranks(c.world(), test::compare(pi.v(), ps.v(), 2e-6, 1e-4));
+  const auto df = test::over_ranks(c.world(), test::compare(pi.v(), pf.v(), 0.0, 0.0));
+  if (c.rank() == 0)
+    MESSAGE("interleaved-1f1b<2> on pipe=" << W << ", m = " << m << ": max |il - single| = " << ds.max_abs
+                                           << ", max |il - 1f1b| = " << df.max_abs);
+  CHECK(ds.bad == 0);
+  CHECK(df.max_abs == 0.0);
+  CHECK_THROWS_WITH_AS(il.param_begin(), doctest::Contains("holds 2 chunks"), std::logic_error);
+}
+
+TEST_CASE("interleaved_1f1b<V>: the replay's bubble is (p-1)/(V m + p-1), and m must be a multiple of p") {
+  for (int p : {1, 2, 4, 8})
+    for (int mult : {1, 2, 4}) {
+      const int m = p * mult;
+      CAPTURE(p);
+      CAPTURE(m);
+      const auto r2 = check_schedule<interleaved_1f1b<2>>(p, m);
+      const auto r3 = check_schedule<interleaved_1f1b<3>>(p, m);
+      CHECK(r2.chunks == 2);
+      CHECK(r2.bubble == doctest::Approx(static_cast<double>(p - 1) / (2.0 * m + p - 1)));
+      CHECK(r3.bubble == doctest::Approx(static_cast<double>(p - 1) / (3.0 * m + p - 1)));
+      for (int s = 0; s < p; ++s)  // Megatron's warm-up bound: (p-s-1)·2 + (V-1)·p + 1 chunk passes in flight
+        CHECK(r2.peak_live[static_cast<std::size_t>(s)] <= std::min(2 * m, (p - s - 1) * 2 + p + 1));
+    }
+  CHECK_THROWS_WITH_AS(check_schedule<interleaved_1f1b<2>>(4, 6), doctest::Contains("must be a multiple of the pipe ranks (4)"),
+                       std::invalid_argument);
+  MESSAGE("interleaved-1f1b<2>, p = 4, m = 8: bubble " << check_schedule<interleaved_1f1b<2>>(4, 8).bubble << " (1f1b: "
+                                                       << bubble_theory(4, 8) << ")");
+}
+
+namespace {
+template <class S> using il_dp = replicate<pipeline<S, small_gpt>>;
+template <class S> using il_zero1 = shard<pipeline<S, small_gpt>, 1>;
+template <class S> using il_tp = pipeline<S, tp_gpt>;
+/// Plan<S> trained 5 steps with SGD under interleaved_1f1b<2> and one_f_one_b: the
+/// whole model (full_params, on every rank) equals single-process training, and 1F1B bitwise.
+template <template <class> class Plan, class Single> void check_interleaved(const std::string& mesh, int m) {
+  auto c = test::on_mesh(mesh);
+  auto il = make<Plan<interleaved_1f1b<2>>>(c, seed{42}, micro(m, 0.01));
+  auto fb = make<Plan<one_f_one_b>>(c, seed{42}, micro(m, 0.01));
+  {
+    auto d1 = gpt_batches(), d2 = gpt_batches();
+    trainer(il, sgd{.lr = 0.05f, .momentum = 0.9f}, test::quiet()).run(d1, steps{5});
+    trainer(fb, sgd{.lr = 0.05f, .momentum = 0.9f}, test::quiet()).run(d2, steps{5});
+  }
+  const auto pi = il.full_params(), pf = fb.full_params();
+  const auto ps = single_trained<Single>();
+  REQUIRE(pi.numel() == ps.numel());
+  const auto ds = test::over_ranks(c.world(), test::compare(pi.v(), ps.v(), 2e-6, 1e-4));
+  const auto df = test::over_ranks(c.world(), test::compare(pi.v(), pf.v(), 0.0, 0.0));
+  if (c.rank() == 0)
+    MESSAGE(layer_name<Plan<interleaved_1f1b<2>>>() << " on " << mesh << ", m = " << m << ": max |il - single| = "
+                                                    << ds.max_abs << ", max |il - 1f1b| = " << df.max_abs);
+  CHECK(ds.bad == 0);
+  CHECK(df.max_abs == 0.0);
+}
+}  // namespace
+
+TEST_CASE("interleaved 1F1B composes: with TP inside the stages, replicated, ZeRO-1; AdamW + clipping; explicit stages") {
+  auto ctx = context::init();
+  const int W = ctx.size();
+  if (W == 2) check_interleaved<il_tp, tp_single>("pipe=2,model=1", 4);
+  if (W == 4) {
+    check_interleaved<il_tp, tp_single>("pipe=2,model=2", 4);
+    check_interleaved<il_dp, small_gpt>("data=2,pipe=2", 2);
+    check_interleaved<il_zero1, small_gpt>("data=2,pipe=2", 2);
+  }
+  if (W <= 2) {  // clipped AdamW, the norm counted once over the chunks
+    auto c = test::on_mesh("pipe=" + std::to_string(W));
+    auto net = make<pipeline<interleaved_1f1b<2>, small_gpt>>(c, seed{42}, micro(4));
+    const auto r = test::run_clipped<small_gpt>(c.world(), net, gpt_batches, 0.5, 4, [&](network<small_gpt>& single) {
+      auto full = net.full_params();
+      return test::compare(full.v(), single.params(), 1e-5, 1e-4);
+    });
+    if (c.rank() == 0)
+      MESSAGE("interleaved gpt on pipe=" << W << " clipped at 0.5: max |il - single| = " << r.params.max_abs
+                                         << ", norm rel. diff " << r.norm_rel);
+    CHECK(r.single_norm0 > 0.5);
+    CHECK(r.norm_rel <= 1e-5);
+    CHECK(r.params.bad == 0);
+  }
+  if (W == 2) {  // four explicit stages on two pipe ranks: stages 0, 2 on rank 0 and 1, 3 on rank 1
+    using A = stage<linear<8, 16>, relu>;
+    using B = stage<linear<16, 16>, relu>;
+    using C = stage<linear<16, 16>, relu>;
+    using D = stage<linear<16, 4>, softmax_cross_entropy>;
+    auto c = test::on_mesh("pipe=2");
+    auto net = make<pipeline<interleaved_1f1b<2>, A, B, C, D>>(c, seed{42}, micro(4));
+    auto data = teacher_data(seed{3}, 8, 4, 8);
+    trainer(net, sgd{.lr = 0.05f}, test::quiet()).run(data, steps{5});
+    network<sequential<sequential<linear<8, 16>, relu>, sequential<linear<16, 16>, relu>, sequential<linear<16, 16>, relu>,
+                       sequential<linear<16, 4>, softmax_cross_entropy>>>
+        single(seed{42});
+    auto data2 = teacher_data(seed{3}, 8, 4, 8);
+    trainer(single, sgd{.lr = 0.05f}, test::quiet()).run(data2, steps{5});
+    const auto full = net.full_params();
+    CHECK(test::over_ranks(c.world(), test::compare(full.v(), single.params(), 2e-6, 1e-4)).bad == 0);
+  }
+  if (W == 1) {  // four stages on one pipe rank of 2 chunks cannot run: the stage count must be pipe ranks x chunks
+    using A = stage<linear<8, 16>, relu>;
+    using A2 = stage<linear<16, 16>, relu>;
+    using D = stage<linear<16, 4>, softmax_cross_entropy>;
+    auto c1 = test::on_mesh("pipe=1");
+    CHECK_THROWS_WITH_AS((make<pipeline<interleaved_1f1b<2>, A, A2, A2, D>>(c1, seed{42}, micro(4))),
+                         doctest::Contains("the pipeline has 4 stages but the mesh's pipe axis has 1 rank(s)"),
                          std::invalid_argument);
   }
 }

@@ -1,5 +1,5 @@
 // Plan `pipeline`: `pipeline<Schedule, gpt>` over every rank on the pipe axis
-// (strategy/pipeline.hpp), options --schedule gpipe|1f1b|zb-h1, --micro-batches m,
+// (strategy/pipeline.hpp), options --schedule gpipe|1f1b|zb-h1|interleaved (2 chunks per rank), --micro-batches m,
 // --stage-blocks a,b,... and --trace out.json. Besides the step it reports the
 // bubble measured from the run's own trace against the schedule's replay with
 // equal pass times ((p-1)/(m+p-1) for GPipe and 1F1B), the peak
@@ -26,7 +26,7 @@ namespace bench::plans {
 struct pipeline {
   static constexpr const char* name = "pipeline";
   static constexpr const char* help =
-      "pipeline<S, gpt> over all ranks on the pipe axis (gpt only); --schedule gpipe|1f1b|zb-h1 (default 1f1b), "
+      "pipeline<S, gpt> over all ranks on the pipe axis (gpt only); --schedule gpipe|1f1b|zb-h1|interleaved (2 chunks per rank; default 1f1b), "
       "--micro-batches m (default 8), --stage-blocks a,b,... (default: balanced by cost), --trace out.json";
   template <class W> static constexpr bool supports = std::is_same_v<W, gpt_workload>;
 
@@ -39,7 +39,8 @@ struct pipeline {
     if (sched == "gpipe") go<W, whale::gpipe>(c, m, blocks, trace);
     else if (sched == "1f1b") go<W, whale::one_f_one_b>(c, m, blocks, trace);
     else if (sched == "zb-h1") go<W, whale::zb_h1>(c, m, blocks, trace);
-    else throw usage_error("bench: --schedule " + sched + ": have gpipe, 1f1b, zb-h1");
+    else if (sched == "interleaved") go<W, whale::interleaved_1f1b<2>>(c, m, blocks, trace);
+    else throw usage_error("bench: --schedule " + sched + ": have gpipe, 1f1b, zb-h1, interleaved");
   }
 
  private:

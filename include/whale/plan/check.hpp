@@ -49,9 +49,13 @@ inline void check_plan(const model_desc& d, const mesh_shape& m, const lower_opt
   const std::string mesh = m.spec();
   if (P > 1 && !d.pipeline)
     lower_fail(d, "the mesh " + mesh + " has a pipe axis, but the plan has no pipeline<...>");
-  if (d.pipeline && d.fixed_stages > 0 && P != d.fixed_stages)
+  if (d.pipeline && d.fixed_stages > 0 && P * d.chunks != d.fixed_stages)
     lower_fail(d, "the pipeline has " + std::to_string(d.fixed_stages) + " stages but the mesh " + mesh + " has " +
-                       std::to_string(P) + " pipe rank(s)");
+                       std::to_string(P) + " pipe rank(s)" +
+                       (d.chunks > 1 ? " of " + std::to_string(d.chunks) + " chunks each" : std::string()));
+  if (d.chunks > 1 && zero >= 2)
+    lower_fail(d, "an interleaved pipe rank holds " + std::to_string(d.chunks) + " separate chunks, but ZeRO " +
+                      std::to_string(zero) + " maps each layer into one stage range; use ZeRO-1");
   if (M > 1 && !d.splits_model)
     lower_fail(d, "the mesh " + mesh + " has a model axis, but nothing is split over it");
   // a plan with split regions is data parallel over the data axis outside them (Megatron's TP x DP)

@@ -59,6 +59,7 @@ struct model_desc {
   int fixed_stages = 0;
   std::string schedule;
   bool split_backward = false;   ///< the schedule has W passes (zb_h1)
+  int chunks = 1;                ///< model chunks per pipe rank (interleaved schedules)
   std::vector<pipe_action> (*actions)(int stage, int stages, int micro) = nullptr;
   schedule_report (*check)(int stages, int micro) = nullptr;
   int elements = 0;              ///< top-level elements
@@ -222,6 +223,7 @@ template <class P> void describe_into(model_desc& d) {
     d.fixed_stages = P::fixed_stages;
     d.schedule = P::schedule::name();
     d.split_backward = splits_backward_v<typename P::schedule>;
+    d.chunks = chunks_v<typename P::schedule>;
     d.actions = &P::schedule::actions;
     d.check = &check_schedule<typename P::schedule>;
     describe_elements<typename P::flat::tuple_type>(d);

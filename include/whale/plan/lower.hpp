@@ -43,6 +43,8 @@ class lowering {
     dr_ = p_.coords[0], s_ = p_.coords[1], mr_ = p_.coords[2];
     zero_ = o.zero_level >= 0 ? o.zero_level : d.zero_level;
     p_.zero_level = zero_;
+    V_ = d.pipeline ? d.chunks : 1;
+    p_.chunks = V_;
   }
 
   program run() {
@@ -56,9 +58,9 @@ class lowering {
       for (int j = 0; j < m; ++j) acts.push_back({pipe_action::forward, j}), acts.push_back({pipe_action::backward, j});
     int backwards = 0;
     for (const auto& a : acts) {
-      if (a.kind == pipe_action::forward) forward(a.micro);
-      else if (a.kind == pipe_action::backward) backward(a.micro, ++backwards == m);
-      else weight(a.micro);
+      if (a.kind == pipe_action::forward) forward(a.chunk, a.micro);
+      else if (a.kind == pipe_action::backward) backward(a.chunk, a.micro, ++backwards == m * V_);
+      else weight(a.chunk, a.micro);
     }
     finish();
     return std::move(p_);
@@ -69,16 +71,17 @@ class lowering {
   void validate() { check_plan(d_, p_.mesh, o_, zero_); }
 
   // ---- what this rank holds ----
+  // the virtual stage that runs a unit (the pipe rank, without interleaving): chunk c of rank s is c·P + s
   int stage_of(const unit_desc& u) const {
-    if (!d_.pipeline || P_ == 1) return 0;
+    if (!d_.pipeline || P_ * V_ == 1) return 0;
     if (d_.explicit_stages) return u.element;
     if (u.element < d_.repeat_element) return 0;
-    if (u.element > d_.repeat_element) return P_ - 1;
+    if (u.element > d_.repeat_element) return P_ * V_ - 1;
     return block_stage_[static_cast<std::size_t>(u.block)];
   }
   void place() {
     if (d_.pipeline && !d_.explicit_stages && d_.repeat_element >= 0) {
-      const auto blocks = stage_cut(d_, P_, o_);
+      const auto blocks = stage_cut(d_, P_ * V_, o_);
       p_.stage_blocks = blocks;
       for (int s = 0; s < static_cast<int>(blocks.size()); ++s)
         for (int k = 0; k < blocks[static_cast<std::size_t>(s)]; ++k) block_stage_.push_back(s);
@@ -89,11 +92,12 @@ class lowering {
     for (std::size_t i = 0; i < d_.units.size(); ++i) {
       const auto& u = d_.units[i];
       const int st = stage_of(u);
-      if (st == s_) {
+      if (st % P_ == s_) {
         holding h;
         h.name = u.name;
         h.unit = static_cast<int>(i);
-        h.stage = st;
+        h.stage = st % P_;
+        h.chunk = st / P_;
         h.full_params = u.full_params;
         h.local_params = u.local_params(degree(u));
         h.full_offset = full;
@@ -123,10 +127,16 @@ class lowering {
     // units of this stage in flat order
     for (std::size_t i = 0; i < d_.units.size(); ++i)
       if (unit_hold_[i] >= 0) mine_.push_back(static_cast<int>(i));
-    if (mine_.empty()) lower_fail(d_, "stage " + std::to_string(s_) + " holds no layer");
-    // widths at the stage's edges
-    in_width_ = d_.units[static_cast<std::size_t>(mine_.front())].in_width;
-    out_width_ = d_.units[static_cast<std::size_t>(mine_.back())].out_width;
+    chunk_units_.assign(static_cast<std::size_t>(V_), {});
+    for (int i : mine_) chunk_units_[static_cast<std::size_t>(stage_of(d_.units[static_cast<std::size_t>(i)]) / P_)].push_back(i);
+    for (int c = 0; c < V_; ++c) {
+      const auto& cu = chunk_units_[static_cast<std::size_t>(c)];
+      if (cu.empty())
+        lower_fail(d_, "stage " + std::to_string(s_) + (V_ > 1 ? " chunk " + std::to_string(c) : std::string()) + " holds no layer");
+      // widths at the chunk's edges
+      in_width_.push_back(d_.units[static_cast<std::size_t>(cu.front())].in_width);
+      out_width_.push_back(d_.units[static_cast<std::size_t>(cu.back())].out_width);
+    }
   }
   int degree(const unit_desc& u) const {
     return u.split_axis < 0 ? 1 : p_.mesh.size(static_cast<axis>(u.split_axis));
@@ -320,21 +330,26 @@ class lowering {
     if (k == op_kind::recv) pending_.push_back(id);
   }
 
-  void forward(int j) {
-    if (s_ > 0) p2p(op_kind::recv, s_ - 1, in_width_, j, "activation from the previous stage");
-    for (int i : mine_) forward_unit(i, j, false);
-    if (s_ + 1 < P_) p2p(op_kind::send, s_ + 1, out_width_, j, "activation to the next stage");
+  void forward(int c, int j) {
+    const int v = c * P_ + s_, pv = P_ * V_;
+    const auto cu = static_cast<std::size_t>(c);
+    if (v > 0) p2p(op_kind::recv, (v - 1) % P_, in_width_[cu], j, "activation from the previous stage");
+    for (int i : chunk_units_[cu]) forward_unit(i, j, false);
+    if (v + 1 < pv) p2p(op_kind::send, (v + 1) % P_, out_width_[cu], j, "activation to the next stage");
   }
 
-  void backward(int j, bool last_micro) {
-    if (s_ + 1 < P_) p2p(op_kind::recv, s_ + 1, out_width_, j, "gradient from the next stage");
-    for (auto it = mine_.rbegin(); it != mine_.rend(); ++it) {
+  void backward(int c, int j, bool last_micro) {
+    const int v = c * P_ + s_, pv = P_ * V_;
+    const auto cu = static_cast<std::size_t>(c);
+    const auto& mine = chunk_units_[cu];
+    if (v + 1 < pv) p2p(op_kind::recv, (v + 1) % P_, out_width_[cu], j, "gradient from the next stage");
+    for (auto it = mine.rbegin(); it != mine.rend(); ++it) {
       const int i = *it;
       const auto& u = d_.units[static_cast<std::size_t>(i)];
       // entering a recompute group from its end: its forward runs again first
-      if (u.recompute_group >= 0 && (it == mine_.rbegin() || d_.units[static_cast<std::size_t>(*std::prev(it))].recompute_group != u.recompute_group)) {
+      if (u.recompute_group >= 0 && (it == mine.rbegin() || d_.units[static_cast<std::size_t>(*std::prev(it))].recompute_group != u.recompute_group)) {
         auto first = it;
-        while (std::next(first) != mine_.rend() && d_.units[static_cast<std::size_t>(*std::next(first))].recompute_group == u.recompute_group) ++first;
+        while (std::next(first) != mine.rend() && d_.units[static_cast<std::size_t>(*std::next(first))].recompute_group == u.recompute_group) ++first;
         for (auto f = first;; --f) {
           forward_unit(*f, j, true);
           if (f == it) break;
@@ -352,13 +367,14 @@ class lowering {
       const auto& h = p_.holds[static_cast<std::size_t>(unit_hold_[static_cast<std::size_t>(i)])];
       if (h.local_params == 0) continue;
       if (zero_ >= 2 && D_ > 1) zero_scatter(h, b, j);
-      if (last_micro && !d_.split_backward) ready(h.local_offset, b);  // split: the buckets wait for every W
+      if (last_micro && !d_.split_backward && V_ == 1) ready(h.local_offset, b);  // split, interleaved: all at the end
     }
-    if (s_ > 0 && j >= 0) p2p(op_kind::send, s_ - 1, in_width_, j, "gradient to the previous stage");
+    if (v > 0 && j >= 0) p2p(op_kind::send, (v - 1) % P_, in_width_[cu], j, "gradient to the previous stage");
   }
   // A split schedule's W pass: the weight gradients its backward put off
-  void weight(int j) {
-    for (auto it = mine_.rbegin(); it != mine_.rend(); ++it) {
+  void weight(int c, int j) {
+    const auto& mine = chunk_units_[static_cast<std::size_t>(c)];
+    for (auto it = mine.rbegin(); it != mine.rend(); ++it) {
       const auto& u = d_.units[static_cast<std::size_t>(*it)];
       if (u.defers) add_compute(op_kind::weight, *it, j, rows_for(u));
     }
@@ -420,7 +436,10 @@ class lowering {
   program p_;
   int D_ = 1, P_ = 1, M_ = 1, dr_ = 0, s_ = 0, mr_ = 0, zero_ = 0;
   std::vector<int> block_stage_, unit_hold_, mine_;
-  index_t n_local_ = 0, in_width_ = 0, out_width_ = 0, micro_seqs_ = 0, per_bucket_ = 1;
+  std::vector<std::vector<int>> chunk_units_;  // this rank's units of each chunk, in flat order
+  std::vector<index_t> in_width_, out_width_;  // per chunk
+  int V_ = 1;
+  index_t n_local_ = 0, micro_seqs_ = 0, per_bucket_ = 1;
   std::vector<index_t> zero_counts_, zero_starts_;
   std::vector<std::pair<index_t, index_t>> buckets_;
   std::size_t next_bucket_ = 0;

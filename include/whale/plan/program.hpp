@@ -21,7 +21,8 @@ namespace whale {
 struct holding {
   std::string name;      ///< the sharded form ("column_linear<256, 1024>/model", "layer_norm<256>")
   int unit = 0;          ///< index in the model's flat list of units
-  int stage = 0;         ///< pipeline stage that runs it
+  int stage = 0;         ///< pipeline stage (pipe rank) that runs it
+  int chunk = 0;         ///< which of the rank's model chunks (interleaved schedules; 0 otherwise)
   index_t full_params = 0;   ///< parameters of the unsplit layer
   index_t local_params = 0;  ///< parameters this rank holds
   index_t full_offset = 0;   ///< first parameter in the unsplit model's flat order
@@ -82,6 +83,7 @@ struct program {
   int rank = 0;
   std::array<int, axis_count> coords{};
   int stages = 1, stage = 0;   ///< pipeline stages, and this rank's
+  int chunks = 1;              ///< model chunks per pipe rank (interleaved schedules)
   int micro_batches = 1;
   std::string schedule;        ///< "gpipe", "1f1b" or empty
   int zero_level = 0;
@@ -127,7 +129,8 @@ struct program {
     os << "  batch " << p.global_batch << " x " << p.seq << ", this replica " << p.local_sequences
        << " sequence(s)";
     if (p.stages > 1 || p.micro_batches > 1)
-      os << "; stage " << p.stage << " of " << p.stages << ", " << p.micro_batches << " micro-batch(es)"
+      os << "; stage " << p.stage << " of " << p.stages << (p.chunks > 1 ? " (" + std::to_string(p.chunks) + " chunks)" : std::string())
+         << ", " << p.micro_batches << " micro-batch(es)"
          << (p.schedule.empty() ? "" : " under " + p.schedule);
     if (p.zero_level) os << "; ZeRO-" << p.zero_level << " owns [" << p.owned_begin << ", " << p.owned_end << ")";
     os << "\n  holds:\n";
@@ -137,6 +140,7 @@ struct program {
       if (!h.split_over.empty()) os << "  split over " << h.split_over.name() << " (" << lay_name(h.layout_in) << " in)";
       if (h.full_params && !h.replicated_over.empty()) os << "  replicated over " << h.replicated_over.name();
       if (h.recompute) os << "  recomputed";
+      if (p.chunks > 1) os << "  chunk " << h.chunk;
       os << "\n";
     }
     os << "  step (" << p.ops.size() << " operations):\n";

@@ -8,8 +8,10 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <ostream>
 #include <stdexcept>
@@ -99,6 +101,12 @@ template <class P> class executor {
                 "pipeline for data parallelism");
   static constexpr int max_micro = 16000;  // tags 2j, 2j+1 stay under MPI's guaranteed 32767
   static constexpr bool split_backward = staged && splits_backward_v<sched>;
+  /// Model chunks (virtual stages) per pipe rank: interleaved schedules hold several.
+  static constexpr int V = staged ? chunks_v<sched> : 1;
+  static_assert(V == 1 || level < 2,
+                "whale::shard<pipeline<interleaved_1f1b<V>, ...>, 2|3>: ZeRO 2-3 map each layer's gradients into one "
+                "contiguous stage range, but an interleaved pipe rank holds V separate chunks; use ZeRO-1 or 1f1b");
+  static_assert(V == 1 || !split_backward, "whale::pipeline: a schedule cannot both interleave chunks and split the backward");
   static_assert(!split_backward || level < 2,
                 "whale::shard<pipeline<zb_h1, ...>, 2|3>: a schedule that splits the backward computes the weight "
                 "gradients in later W passes, but ZeRO 2-3 reduce-scatter each layer's gradients right after its "
@@ -112,7 +120,9 @@ template <class P> class executor {
     const auto& shape = ctx.mesh().shape();
     const std::string who = "whale::" + layer_name<P>() + ": ";
     if (!(o_.bucket_mib > 0)) throw std::invalid_argument(who + "the bucket size must be positive (got " + std::to_string(o_.bucket_mib) + " MiB)");
-    if (o_.micro_batches > max_micro) throw std::invalid_argument(who + "at most " + std::to_string(max_micro) + " micro-batches");
+    if (o_.micro_batches * V > max_micro)
+      throw std::invalid_argument(who + "at most " + std::to_string(max_micro / V) + " micro-batches" +
+                                  (V > 1 ? " with " + std::to_string(V) + " chunks per pipe rank" : std::string()));
     if (o_.micro_batches > 1 && stage_type::splits_data)
       throw std::invalid_argument(who + "a split<..., axis::data> region needs the whole per-replica batch in one pass "
                                         "(it gathers every row of the global batch); use micro_batches 0 or 1");
@@ -126,13 +136,18 @@ template <class P> class executor {
       throw std::invalid_argument(who + "the mesh " + shape.spec() + " has " + std::to_string(shape.size(axis::data)) +
                                   " ranks on the data axis, but the plan is not replicated; wrap it in replicate<...>");
     if constexpr (staged) {
-      if constexpr (X::fixed_stages > 0)
-        if (shape.size(axis::pipe) != X::fixed_stages)
+      if constexpr (X::fixed_stages > 0) {
+        static_assert(X::fixed_stages % V == 0,
+                      "whale::pipeline<interleaved_1f1b<V>, ...>: the stage count must be a multiple of V (each pipe rank "
+                      "holds V of them)");
+        if (shape.size(axis::pipe) * V != X::fixed_stages)
           throw std::invalid_argument(
               who + "the pipeline has " + std::to_string(X::fixed_stages) + " stages but the mesh's pipe axis has " +
-              std::to_string(shape.size(axis::pipe)) + " rank(s) (" + shape.spec() +
-              "); every stage needs its own pipe rank: launch with --mesh " + (replicated ? "data=D,pipe=" : "pipe=") +
-              std::to_string(X::fixed_stages));
+              std::to_string(shape.size(axis::pipe)) + " rank(s) (" + shape.spec() + ")" +
+              (V > 1 ? " holding " + std::to_string(V) + " chunks each" : std::string()) +
+              "; every stage needs its own pipe rank" + (V > 1 ? " and chunk" : "") + ": launch with --mesh " +
+              (replicated ? "data=D,pipe=" : "pipe=") + std::to_string(X::fixed_stages / V));
+      }
     }
     if (!o_.trace_path.empty()) check_output_path(ctx.world(), o_.trace_path, "whale: the trace file (--trace, WHALE_TRACE)");
     p_ = shape.size(axis::pipe), d_ = shape.size(axis::data);
@@ -142,18 +157,20 @@ template <class P> class executor {
     if constexpr (has_split) {  // split regions learn their communicators before parameters are counted
       split_env env;
       env.data = data_, env.model = model_comm_, env.no_data_sync = &no_sync_;
-      part_.configure(env);
+      for (auto& part : parts_) part.configure(env);
     }
-    part_.place(p_, stage_, o_);
+    for (int ch = 0; ch < V; ++ch) parts_[static_cast<std::size_t>(ch)].place(p_ * V, ch * p_ + stage_, o_);
+    for (int ch = 0; ch < V; ++ch) chunk_at_[static_cast<std::size_t>(ch) + 1] = chunk_at_[static_cast<std::size_t>(ch)] + chunk_size(ch);
     if (o_.micro_batches > 0 && staged) schedule_for(o_.micro_batches);  // a bad schedule fails here, on every rank
     // the program of this rank: what it holds (placement only; rows do not matter here)
-    lower_options lo;
-    lo.global_batch = d_;
+    lower_options lo;  // p micro-batches of one sequence per replica: valid for every schedule
+    lo.global_batch = d_ * p_;
+    lo.micro_batches = staged ? p_ : 0;
     lo.stage_blocks = o_.blocks;
     lo.balance_seq = o_.balance_seq;
     lo.bucket_mib = o_.bucket_mib;
     prog_ = lower<P>(shape, ctx.rank(), lo);
-    const index_t n = part_.end() - part_.begin();
+    const index_t n = chunk_at_[V];
     if (n != prog_.totals().params_held)
       throw std::logic_error(who + "the runtime holds " + std::to_string(n) + " parameters, the program " +
                              std::to_string(prog_.totals().params_held));
@@ -261,13 +278,20 @@ template <class P> class executor {
   /// (parameters at ZeRO 3 and gradients at ZeRO 2-3: only the owned range, see range()).
   view<float> params() const noexcept { return level == 3 ? zero_.shard_params() : params_.v(); }
   view<float> grads() const noexcept { return level >= 2 ? zero_.shard_grads() : grads_.v(); }
-  index_t param_count() const { return part_.end() - part_.begin(); }
-  index_t param_begin() const { return part_.begin(); }
-  index_t param_end() const { return part_.end(); }
-  index_t total_params() const { return part_.total(); }
+  index_t param_count() const { return chunk_at_[V]; }
+  /// The stage's range of the flat parameters (one chunk: interleaved ranks hold V, see chunk_ranges()).
+  index_t param_begin() const { return one_chunk("param_begin"), parts_[0].begin(); }
+  index_t param_end() const { return one_chunk("param_end"), parts_[0].end(); }
+  index_t total_params() const { return parts_[0].total(); }
+  /// Each chunk's range of the model's flat parameters (one range without interleaving).
+  std::vector<std::pair<index_t, index_t>> chunk_ranges() const {
+    std::vector<std::pair<index_t, index_t>> r;
+    for (const auto& part : parts_) r.push_back({part.begin(), part.end()});
+    return r;
+  }
   /// This stage's range of the unsplit model's flat parameters.
-  index_t full_param_begin() const noexcept { return part_.full_begin(); }
-  index_t full_param_end() const noexcept { return part_.full_end(); }
+  index_t full_param_begin() const { return one_chunk("full_param_begin"), parts_[0].full_begin(); }
+  index_t full_param_end() const { return one_chunk("full_param_end"), parts_[0].full_end(); }
   /// The range this rank updates, relative to param_begin(): all, or its ZeRO range.
   std::pair<index_t, index_t> range() const { return level ? std::pair{zero_.begin(), zero_.end()} : std::pair<index_t, index_t>{0, param_count()}; }
   index_t local_count() const { return range().second - range().first; }
@@ -279,8 +303,15 @@ template <class P> class executor {
     tensor<float> local({param_count()}, mem_kind::workspace);
     if constexpr (level == 3) zero_.gather_params(local.v());
     else copy<float>(params_.v(), local.v());
-    tensor<float> full({part_.full_end() - part_.full_begin()}, mem_kind::workspace);
-    part_.gather_full(local.data(), full.data());
+    index_t n = 0;
+    for (const auto& part : parts_) n += part.full_end() - part.full_begin();
+    tensor<float> full({n}, mem_kind::workspace);
+    index_t at = 0;
+    for (int ch = 0; ch < V; ++ch) {  // interleaved: the chunks' unsplit parameters one after another
+      auto& part = parts_[static_cast<std::size_t>(ch)];
+      part.gather_full(local.data() + chunk_at_[static_cast<std::size_t>(ch)], full.data() + at);
+      at += part.full_end() - part.full_begin();
+    }
     return full;
   }
   /// This stage's local parameters (param_count() floats) into `out`: collective at ZeRO level 3.
@@ -295,21 +326,42 @@ template <class P> class executor {
   /// holds them (collective over the world).
   tensor<float> full_params() {
     auto mine = stage_params();
-    if (p_ == 1) return mine;
-    std::vector<index_t> counts(static_cast<std::size_t>(p_));
-    index_t n = part_.full_end() - part_.full_begin();
-    all_gather(*pipe_, view<index_t>(&n, {1}), view<index_t>(counts.data(), {p_}));
+    if (p_ == 1) return mine;  // (interleaved on one rank: the chunks are already in flat order)
+    // every rank's chunk sizes, then every rank's chunks, put in virtual-stage order (chunk c of rank r is c·p + r)
+    std::array<index_t, V> sizes{};
+    for (int ch = 0; ch < V; ++ch) sizes[static_cast<std::size_t>(ch)] = parts_[static_cast<std::size_t>(ch)].full_end() - parts_[static_cast<std::size_t>(ch)].full_begin();
+    std::vector<index_t> all_sizes(static_cast<std::size_t>(p_ * V)), counts(static_cast<std::size_t>(p_)), starts(counts.size());
+    all_gather(*pipe_, view<index_t>(sizes.data(), {V}), view<index_t>(all_sizes.data(), {p_ * V}));
     index_t total = 0;
-    for (auto k : counts) total += k;
+    for (int r = 0; r < p_; ++r) {
+      starts[static_cast<std::size_t>(r)] = total;
+      for (int ch = 0; ch < V; ++ch) counts[static_cast<std::size_t>(r)] += all_sizes[static_cast<std::size_t>(r * V + ch)];
+      total += counts[static_cast<std::size_t>(r)];
+    }
     tensor<float> all({total}, mem_kind::workspace);
     all_gather_v(*pipe_, cview<float>(mine.v()), all.v(), std::span<const index_t>(counts));
-    return all;
+    if constexpr (V == 1) {
+      return all;
+    } else {
+      tensor<float> ordered({total}, mem_kind::workspace);
+      index_t at = 0;
+      for (int vs = 0; vs < p_ * V; ++vs) {
+        const int r = vs % p_, ch = vs / p_;
+        index_t from = starts[static_cast<std::size_t>(r)];
+        for (int c2 = 0; c2 < ch; ++c2) from += all_sizes[static_cast<std::size_t>(r * V + c2)];
+        const index_t k = all_sizes[static_cast<std::size_t>(r * V + ch)];
+        std::memcpy(ordered.data() + at, all.data() + from, static_cast<std::size_t>(k) * sizeof(float));
+        at += k;
+      }
+      return ordered;
+    }
   }
   int stage() const noexcept { return stage_; }
   int stages() const noexcept { return p_; }
   int replicas() const noexcept { return d_; }
   int model_degree() const noexcept { return model_comm_->size(); }
-  std::vector<int> stage_blocks() const { return part_.blocks(); }
+  std::vector<int> stage_blocks() const { return parts_[0].blocks(); }
+  int chunks() const noexcept { return V; }
   int micro_batches() const noexcept { return m_; }
   int peak_live_micro_batches() const noexcept { return peak_live_; }
   int activation_slots_used() const noexcept { return max_slot_; }
@@ -320,7 +372,7 @@ template <class P> class executor {
   std::size_t comm_buffers() const noexcept { return zero_.comm_buffers(); }
   const plan_options& options() const noexcept { return o_; }
   const tracer& trace() const noexcept { return tr_; }
-  auto& model() noexcept { return part_.model(); }
+  auto& model() noexcept { return parts_[0].model(); }
   /// Gather every rank's spans (collective over the world), write the Chrome
   /// trace to options().trace_path on rank 0 if set, and return the merged events.
   std::vector<trace_event> finish_trace() {
@@ -331,8 +383,10 @@ template <class P> class executor {
   }
   friend std::ostream& operator<<(std::ostream& os, const executor& e) {
     os << "plan: " << layer_name<P>() << " over " << e.ctx_->mesh().shape() << "\n";
-    if (e.p_ > 1)
-      for (int s = 0; s < e.p_; ++s) os << "  stage " << s << ": " << e.part_.describe(s) << (s == e.stage_ ? "  <- this rank" : "") << "\n";
+    if (e.p_ * V > 1)
+      for (int s = 0; s < e.p_ * V; ++s)
+        os << "  stage " << s % e.p_ << (V > 1 ? " chunk " + std::to_string(s / e.p_) : std::string()) << ": "
+           << e.parts_[0].describe(s) << (s % e.p_ == e.stage_ ? "  <- this rank" : "") << "\n";
     if (level) os << "  ZeRO-" << level << " over data:" << e.d_ << "\n";
     if (e.d_ > 1)
       os << "  data: " << e.d_ << " replica(s); "
@@ -365,6 +419,7 @@ template <class P> class executor {
  private:
   void bind(seed s, index_t n) {
     if constexpr (level == 3) {
+      auto& part_ = parts_[0];
       zero_.setup(*data_, level, part_.begin(), n, zopts());
       tensor<float> tmp({n}, mem_kind::workspace);  // init from the whole stage's streams, keep the owned range
       part_.bind_and_init(tmp.data(), nullptr, s, true);
@@ -373,12 +428,21 @@ template <class P> class executor {
     } else {
       params_ = tensor<float>({n}, mem_kind::params);
       if (level < 2) grads_ = tensor<float>({n}, mem_kind::grads);
-      part_.bind_and_init(params_.data(), level < 2 ? grads_.data() : nullptr, s, true);
+      for (int ch = 0; ch < V; ++ch) {
+        const index_t at = chunk_at_[static_cast<std::size_t>(ch)];
+        parts_[static_cast<std::size_t>(ch)].bind_and_init(params_.data() + at, level < 2 ? grads_.data() + at : nullptr, s, true);
+      }
       if (level > 0) {
-        zero_.setup(*data_, level, part_.begin(), n, zopts());
+        zero_.setup(*data_, level, parts_[0].begin(), n, zopts());
         zero_.set_full_params(params_.data());
       }
     }
+  }
+  index_t chunk_size(int ch) const { return parts_[static_cast<std::size_t>(ch)].end() - parts_[static_cast<std::size_t>(ch)].begin(); }
+  void one_chunk(const char* what) const {
+    if (V > 1)
+      throw std::logic_error(std::string("whale::executor::") + what + ": an interleaved pipe rank holds " + std::to_string(V) +
+                             " chunks, not one range; use chunk_ranges() or full_params()");
   }
   detail::zero_engine::options zopts() const { return {o_.bucket_mib, o_.prefetch, o_.max_pending}; }
 
@@ -413,7 +477,8 @@ template <class P> class executor {
   world_comm *pipe_ = nullptr, *data_ = nullptr, *model_comm_ = nullptr;
   int p_ = 1, d_ = 1, stage_ = 0, replica_ = 0, model_rank_ = 0;
   std::vector<std::pair<index_t, index_t>> no_sync_;  // ranges split over data (filled while binding)
-  stage_type part_;
+  std::array<stage_type, V> parts_;                 // this rank's chunks (one without interleaving)
+  std::array<index_t, V + 1> chunk_at_{};           // where each chunk starts in the local flat buffer
   tensor<float> params_, grads_;
   detail::zero_engine zero_;
   detail::grad_sync sync_;

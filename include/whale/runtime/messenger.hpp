@@ -13,42 +13,47 @@
 
 namespace whale::detail {
 
+/// One receive of a micro-batch pass: from pipe rank `rank` with `tag`, (rows, width) floats.
+struct peer_msg {
+  bool on = false;
+  int rank = 0, tag = 0;
+  index_t width = 0;
+};
+
 class messenger {
  public:
   void bind(world_comm& pipe) noexcept { pipe_ = &pipe; }
-  /// Per step: m micro-batches, `slots` activation slots of (rows, in_w) inputs
-  /// from the previous stage and (rows, out_w) gradients from the next one.
-  /// `grads`: a training step (a forward-only pass receives no gradients).
+  /// Per step: `keys` micro-batch passes (micro-batches × chunks), `slots`
+  /// activation slots of up to (rows, in_w) inputs and (rows, out_w) gradients;
+  /// `acts` / `grads`: whether any pass receives an activation / a gradient.
   /// Slot buffers are only ever added, so switching passes allocates nothing.
-  void start_step(int m, int slots, index_t rows, index_t in_w, index_t out_w, bool first, bool last, bool grads = true) {
-    first_ = first, last_ = last;
-    rows_ = rows, in_w_ = in_w, out_w_ = out_w;
+  void start_step(int keys, int slots, index_t rows, index_t in_w, index_t out_w, bool acts, bool grads) {
+    rows_ = rows;
     const auto n = static_cast<std::size_t>(slots);
-    if (!first) {
+    if (acts) {
       if (xin_.size() < n) xin_.resize(n);
       for (std::size_t i = 0; i < n; ++i) ensure(xin_[i], {rows, in_w}, mem_kind::activations);
     }
-    if (!last && grads) {
+    if (grads) {
       if (gin_.size() < n) gin_.resize(n);
       for (std::size_t i = 0; i < n; ++i) ensure(gin_[i], {rows, out_w}, mem_kind::comm);
     }
     act_.clear(), grad_.clear();
-    act_.resize(static_cast<std::size_t>(m)), grad_.resize(static_cast<std::size_t>(m));
+    act_.resize(static_cast<std::size_t>(keys)), grad_.resize(static_cast<std::size_t>(keys));
   }
-  /// Post micro-batch j's receives into slot `slot` (tags 2j: activation, 2j+1: gradient).
-  /// `grads`: also the gradient (a training step; a forward-only pass has none).
-  void post(int j, int slot, int stage, bool grads = true) {
-    const auto ju = static_cast<std::size_t>(j), sl = static_cast<std::size_t>(slot);
-    if (!first_) act_[ju].emplace(pipe_->irecv(xin_[sl].data(), rows_ * in_w_, dtype::f32, stage - 1, 2 * j));
-    if (!last_ && grads) grad_[ju].emplace(pipe_->irecv(gin_[sl].data(), rows_ * out_w_, dtype::f32, stage + 1, 2 * j + 1));
+  /// Post pass `key`'s receives into slot `slot`: its activation and (a training step) its gradient.
+  void post(int key, int slot, const peer_msg& act, const peer_msg& grad) {
+    const auto k = static_cast<std::size_t>(key), sl = static_cast<std::size_t>(slot);
+    if (act.on) act_[k].emplace(pipe_->irecv(xin_[sl].data(), rows_ * act.width, dtype::f32, act.rank, act.tag));
+    if (grad.on) grad_[k].emplace(pipe_->irecv(gin_[sl].data(), rows_ * grad.width, dtype::f32, grad.rank, grad.tag));
   }
-  cview<float> activation(int j, int slot) {
-    act_[static_cast<std::size_t>(j)]->wait();
-    return xin_[static_cast<std::size_t>(slot)].v();
+  cview<float> activation(int key, int slot, index_t width) {
+    act_[static_cast<std::size_t>(key)]->wait();
+    return cview<float>(xin_[static_cast<std::size_t>(slot)].data(), {rows_, width});
   }
-  cview<float> gradient(int j, int slot) {
-    grad_[static_cast<std::size_t>(j)]->wait();
-    return gin_[static_cast<std::size_t>(slot)].v();
+  cview<float> gradient(int key, int slot, index_t width) {
+    grad_[static_cast<std::size_t>(key)]->wait();
+    return cview<float>(gin_[static_cast<std::size_t>(slot)].data(), {rows_, width});
   }
   /// Send `v` to pipe rank `dst` without blocking (copied into a pooled buffer).
   void send(cview<float> v, int dst, int tag) {
@@ -85,8 +90,7 @@ class messenger {
     std::optional<world_comm::request> req;
   };
   world_comm* pipe_ = nullptr;
-  bool first_ = true, last_ = true;
-  index_t rows_ = 0, in_w_ = 0, out_w_ = 0;
+  index_t rows_ = 0;
   std::vector<tensor<float>> xin_, gin_;
   std::vector<std::optional<world_comm::request>> act_, grad_;
   std::vector<outbox> out_;

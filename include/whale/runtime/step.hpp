@@ -7,6 +7,7 @@
 // such a pass that keeps the last stage's output instead of the loss.
 #pragma once
 
+#include <array>
 #include <cstring>
 #include <tuple>
 #include <type_traits>
@@ -31,21 +32,33 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
                                 "supported with a data axis or ZeRO levels 2-3 (each call sums or scatters the "
                                 "gradients over data); accumulate inside one step: plan_options::micro_batches");
   const index_t mb = B / m, rows = mb * T;
-  const bool first = stage_ == 0, last = stage_ == p_ - 1;
-  // forward-only: every forward in order; the layers keep nothing for a backward,
-  // so all use activation slot 0, while each micro-batch's receive has its own buffer
+  // passes are keyed chunk·m + micro; chunk c of this rank is virtual stage c·p + stage
+  const int pv = p_ * V, keys = m * V;
+  auto vstage = [&](int chunk) { return chunk * p_ + stage_; };
+  auto key_of = [&](const pipe_action& a) { return a.chunk * m + a.micro; };
+  // forward-only: the schedule's forwards in order; the layers keep nothing for a
+  // backward, so all use activation slot 0, while each pass's receive has its own buffer
   fwd_only_.clear();
   if (!train)
-    for (int j = 0; j < m; ++j) fwd_only_.push_back({pipe_action::forward, j});
+    for (const auto& a : actions_)
+      if (a.kind == pipe_action::forward) fwd_only_.push_back(a);
   const auto& acts = train ? actions_ : fwd_only_;
   const auto& slot = rep_.slot[static_cast<std::size_t>(stage_)];
   const auto& free_at = rep_.free_at[static_cast<std::size_t>(stage_)];
-  auto msg_slot = [&](int j) { return train ? slot[static_cast<std::size_t>(j)] : j; };
-  auto layer_slot = [&](int j) { return train ? slot[static_cast<std::size_t>(j)] : 0; };
-  if (p_ > 1)
-    msg_.start_step(m, train ? rep_.peak_live[static_cast<std::size_t>(stage_)] : m, rows, part_.in_width(),
-                    part_.out_width(), first, last, train);
-  posted_.assign(static_cast<std::size_t>(m), 0);
+  auto msg_slot = [&](int key) { return train ? slot[static_cast<std::size_t>(key)] : key; };
+  auto layer_slot = [&](int key) { return train ? slot[static_cast<std::size_t>(key)] : 0; };
+  if (pv > 1) {
+    index_t in_w = 0, out_w = 0;
+    bool acts_in = false, grads_in = false;
+    for (int ch = 0; ch < V; ++ch) {
+      in_w = std::max(in_w, parts_[static_cast<std::size_t>(ch)].in_width());
+      out_w = std::max(out_w, parts_[static_cast<std::size_t>(ch)].out_width());
+      acts_in = acts_in || vstage(ch) > 0;
+      grads_in = grads_in || (train && vstage(ch) < pv - 1);
+    }
+    msg_.start_step(keys, train ? rep_.peak_live[static_cast<std::size_t>(stage_)] : keys, rows, in_w, out_w, acts_in, grads_in);
+  }
+  posted_.assign(static_cast<std::size_t>(keys), 0);
   auto& posted = posted_;
   if (train) sync_.start_step();
   const bool sum_data = train && sync && d_ > 1 && level < 2;
@@ -55,46 +68,55 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
 
   double share = 0;
   int backwards = 0, weights_done = 0;
+  std::array<int, V> chunk_backwards{};
   if (train) deferred_ = 0;
   // Split regions over data change the rows a pass carries (batch split <-> whole); a
   // backward starts from what its forward ended with.
-  batch_after_.assign(static_cast<std::size_t>(m), mb);
+  batch_after_.assign(static_cast<std::size_t>(keys), mb);
   auto& batch_after = batch_after_;
   for (std::size_t k = 0; k < acts.size(); ++k) {
-    if (p_ > 1)  // post the receives of every micro-batch whose slot is free by now
-      for (int j = 0; j < m; ++j) {
-        const auto ju = static_cast<std::size_t>(j);
-        if (posted[ju] || (train && free_at[ju] > static_cast<int>(k))) continue;
-        posted[ju] = 1;
-        msg_.post(j, msg_slot(j), stage_, train);
+    if (pv > 1)  // post the receives of every pass whose slot is free by now
+      for (int key = 0; key < keys; ++key) {
+        const auto ku = static_cast<std::size_t>(key);
+        if (posted[ku] || (train && free_at[ku] > static_cast<int>(k))) continue;
+        posted[ku] = 1;
+        const int ch = key / m, j = key % m, v = vstage(ch);
+        const auto& part = parts_[static_cast<std::size_t>(ch)];
+        const detail::peer_msg act{v > 0, v > 0 ? (v - 1) % p_ : 0, 2 * (j * V + ch), part.in_width()};
+        const detail::peer_msg grad{train && v < pv - 1, (v + 1) % p_, 2 * (j * V + ch) + 1, part.out_width()};
+        msg_.post(key, msg_slot(key), act, grad);
       }
     const auto a = acts[k];
+    const int key = key_of(a), v = vstage(a.chunk);
+    const auto ku = static_cast<std::size_t>(key);
+    auto& part = parts_[static_cast<std::size_t>(a.chunk)];
+    const bool first = v == 0, last = v == pv - 1;
     step_ctx mc;
     mc.batch = mb;
     mc.seq = T;
     mc.global_rows = c.global_rows > 0 ? c.global_rows : B * T;
-    mc.slot = layer_slot(a.micro);
+    mc.slot = layer_slot(key);
     mc.hooks = zc.hooks;
     mc.check_finite = c.check_finite || o_.check_finite;
     if (a.kind == pipe_action::forward) {
       cview<float> in;
       if (!first) {
         const auto t0 = tr_.now();
-        in = msg_.activation(a.micro, msg_slot(a.micro));
+        in = msg_.activation(key, msg_slot(key), part.in_width());
         tr_.add(span_kind::recv_act, step_, a.micro, t0, tr_.now());
       }
       const auto t0 = tr_.now();
       cview<input_type> x0;
       if (first) x0 = x.rows(a.micro * mb, mb);
       view<float> y;
-      if (last && logits) keep_logits(*logits, part_.logits(mc, x0, in), a.micro, m);
-      else if (last) share += part_.forward_loss(mc, x0, in, labels.rows(a.micro * rows, rows));
-      else y = part_.forward(mc, x0, in);
-      batch_after[static_cast<std::size_t>(a.micro)] = mc.batch;
+      if (last && logits) keep_logits(*logits, part.logits(mc, x0, in), a.micro, m);
+      else if (last) share += part.forward_loss(mc, x0, in, labels.rows(a.micro * rows, rows));
+      else y = part.forward(mc, x0, in);
+      batch_after[ku] = mc.batch;
       tr_.add(span_kind::forward, step_, a.micro, t0, tr_.now());
       if (!last) {
         const auto t1 = tr_.now();
-        msg_.send(y, stage_ + 1, 2 * a.micro);
+        msg_.send(y, (v + 1) % p_, 2 * (a.micro * V + (v + 1) / p_));
         tr_.add(span_kind::send_act, step_, a.micro, t1, tr_.now());
       }
       if (train) {
@@ -105,12 +127,13 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
       cview<float> dy;
       if (!last) {
         const auto t0 = tr_.now();
-        dy = msg_.gradient(a.micro, msg_slot(a.micro));
+        dy = msg_.gradient(key, msg_slot(key), part.out_width());
         tr_.add(span_kind::recv_grad, step_, a.micro, t0, tr_.now());
       }
-      mc.batch = batch_after[static_cast<std::size_t>(a.micro)];
+      mc.batch = batch_after[ku];
       // ZeRO 2-3 add each micro-batch's reduce-scattered gradients into the owned range themselves
-      mc.accumulate = (backwards > 0 && level < 2) || (c.accumulate && level < 2);
+      const int done_here = chunk_backwards[static_cast<std::size_t>(a.chunk)]++;  // this chunk's layers so far
+      mc.accumulate = (done_here > 0 && level < 2) || (c.accumulate && level < 2);
       if (level >= 2) zero_.set_accumulate(backwards > 0);
       if constexpr (split_backward) {  // the weight gradients wait for this micro-batch's W
         auto& q = weight_queue(mc.slot);
@@ -118,29 +141,29 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
         mc.deferred = &q;
       }
       const bool final_backward = ++backwards == m;
-      const index_t base = part_.begin();
-      if (final_backward && sum_data && o_.overlap && !split_backward)
+      const index_t base = part.begin();
+      if (final_backward && sum_data && o_.overlap && !split_backward && V == 1)
         mc.grads_ready = [this, base](index_t off) { sync_.ready(*data_, grads_.data(), off - base); };
       const auto t0 = tr_.now();
-      auto dx = part_.backward(mc, dy);
+      auto dx = part.backward(mc, dy);
       tr_.add(span_kind::backward, step_, a.micro, t0, tr_.now());
       if (!first) {
         const auto t1 = tr_.now();
-        msg_.send(dx, stage_ - 1, 2 * a.micro + 1);
+        msg_.send(dx, (v - 1) % p_, 2 * (a.micro * V + (v - 1) / p_) + 1);
         tr_.add(span_kind::send_grad, step_, a.micro, t1, tr_.now());
       }
       if (!split_backward) --live_;
     } else {  // W: the weight gradients the micro-batch's B put off; its slot is free after
       const auto t0 = tr_.now();
-      const auto& q = weight_queue(layer_slot(a.micro));
+      const auto& q = weight_queue(layer_slot(key));
       run_weight_tasks(q, weights_done++ > 0 || c.accumulate);
       deferred_ += q.size();
       tr_.add(span_kind::weight, step_, a.micro, t0, tr_.now());
       --live_;
     }
-    if (p_ > 1) msg_.progress();
+    if (pv > 1) msg_.progress();
   }
-  if (p_ > 1) msg_.flush();
+  if (pv > 1) msg_.flush();
   if (zero_hooks) zero_.end_pass(zc);
   if (sum_data) {
     const auto t0 = tr_.now();
@@ -152,7 +175,7 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
 }
 
 template <class P> tensor<float> executor<P>::forward(step_ctx& c, cview<input_type> x) {
-  using flat = std::remove_cvref_t<decltype(part_.model())>;
+  using flat = std::remove_cvref_t<decltype(parts_[0].model())>;
   constexpr bool plain_tail = [] {
     if constexpr (requires { typename flat::tuple_type; }) {
       using tuple = typename flat::tuple_type;

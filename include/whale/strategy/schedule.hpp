@@ -20,15 +20,19 @@ namespace whale {
 /// that split the backward) the weight-gradient pass of micro-batch `micro`.
 /// In a split schedule `backward` computes only the gradient of the stage's
 /// input (what the previous stage waits for) and `weight` the parameters'.
+/// In an interleaved schedule `chunk` says which of the rank's model chunks
+/// (virtual stages) runs: chunk c of pipe rank s is virtual stage c·p + s.
 struct pipe_action {
   enum kind_t : int { forward = 0, backward = 1, weight = 2 };
   kind_t kind = forward;
   int micro = 0;
+  int chunk = 0;
   friend bool operator==(const pipe_action&, const pipe_action&) = default;
-  /// "F3", "B0", "W1"
+  /// "F3", "B0", "W1"; with a chunk above 0, "F3/c1"
   std::string str() const {
     std::string s(1, kind == forward ? 'F' : kind == backward ? 'B' : 'W');
     s += std::to_string(micro);
+    if (chunk > 0) s += "/c" + std::to_string(chunk);
     return s;
   }
 };
@@ -45,6 +49,11 @@ concept Schedule = requires(int s, int p, int m) {
   { S::name() } -> std::convertible_to<std::string>;
   { S::actions(s, p, m) } -> std::same_as<std::vector<pipe_action>>;
 };
+/// Model chunks (virtual stages) per pipe rank of schedule S: S::chunks, or 1.
+template <class S> inline constexpr int chunks_v = [] {
+  if constexpr (requires { S::chunks; }) return static_cast<int>(S::chunks);
+  else return 1;
+}();
 /// Whether schedule S splits the backward into B (input gradient) and W (weight gradient).
 template <class S> inline constexpr bool splits_backward_v = [] {
   if constexpr (requires { S::splits_backward; }) return static_cast<bool>(S::splits_backward);
@@ -81,6 +90,48 @@ struct one_f_one_b {
   }
 };
 
+/// Interleaved 1F1B (Narayanan et al., SC'21; Megatron-LM's virtual pipeline):
+/// each pipe rank holds V model chunks — virtual stage c·p + s on rank s — so
+/// a micro-batch passes each rank V times and the bubble shrinks V-fold,
+/// (p−1)/(V·m+p−1), for V times the point-to-point messages. Rank s runs
+/// (p−s−1)·2 + (V−1)·p warm-up forwards (at most V·m), then one forward / one
+/// backward, then the remaining backwards; forwards take chunks in groups of
+/// p micro-batches (chunk 0 of micro-batches 0..p−1, chunk 1 of the same,
+/// ..., then the next p), backwards the chunks in reverse. Needs m a multiple
+/// of p, as Megatron does.
+template <int V>
+struct interleaved_1f1b {
+  static_assert(V >= 2, "whale::interleaved_1f1b<V>: V is the model chunks per pipe rank, at least 2 (V = 1 is one_f_one_b)");
+  static constexpr int chunks = V;
+  static std::string name() { return "interleaved-1f1b<" + std::to_string(V) + ">"; }
+  static std::vector<pipe_action> actions(int s, int p, int m) {
+    if (p < 1 || m % p != 0)
+      throw std::invalid_argument("whale::interleaved_1f1b<" + std::to_string(V) + ">: the micro-batch count (" +
+                                  std::to_string(m) + ") must be a multiple of the pipe ranks (" + std::to_string(p) +
+                                  "); set plan_options::micro_batches (--micro-batches) to one");
+    const int total = m * V;
+    auto key = [&](int k, bool fwd) {
+      const int c = (k / p) % V;
+      return std::pair<int, int>{fwd ? c : V - 1 - c, (k / (p * V)) * p + k % p};
+    };
+    const int warm = std::min((p - s - 1) * 2 + (V - 1) * p, total);
+    std::vector<pipe_action> a;
+    int f = 0, b = 0;
+    auto fwd = [&] {
+      const auto [c, j] = key(f++, true);
+      a.push_back({pipe_action::forward, j, c});
+    };
+    auto bwd = [&] {
+      const auto [c, j] = key(b++, false);
+      a.push_back({pipe_action::backward, j, c});
+    };
+    while (f < warm) fwd();
+    while (f < total) fwd(), bwd();
+    while (b < total) bwd();
+    return a;
+  }
+};
+
 namespace detail {
 /// The zb_h1 lists of all `p` stages, from a replay with unit-time passes (below).
 inline std::vector<std::vector<pipe_action>> zb_h1_lists(int p, int m);
@@ -109,9 +160,9 @@ struct zb_h1 {
 
 /// What check_schedule learned by replaying a schedule.
 struct schedule_report {
-  /// Per stage: the most micro-batches whose activations are alive at once.
+  /// Per stage: the most micro-batches (chunk passes, if interleaved) whose activations are alive at once.
   std::vector<int> peak_live;
-  /// Per stage, per micro-batch: its activation slot (lowest free one at its forward).
+  /// Per stage, per micro-batch (index chunk·m + micro if interleaved): its activation slot (lowest free one at its forward).
   std::vector<std::vector<int>> slot;
   /// Per stage, per micro-batch: the index of the action after which its slot is
   /// free for it (0: free from the start), i.e. when its receives may be posted.
@@ -124,64 +175,80 @@ struct schedule_report {
   double bubble = 0;
   /// Whether the lists have weight passes (the backward is split).
   bool split = false;
+  /// Model chunks per pipe rank (interleaved schedules; 1 otherwise).
+  int chunks = 1;
 };
 
 namespace detail {
-/// check_schedule for lists already made (`who` starts every message).
+/// check_schedule for lists already made (`who` starts every message): `p`
+/// pipe ranks with `V` chunks each, `m` micro-batches. Arrays per rank are
+/// indexed by chunk·m + micro (micro alone when V = 1).
 inline schedule_report check_lists(const std::vector<std::vector<pipe_action>>& lists, int p, int m, bool declared_split,
-                                   const std::string& who) {
+                                   const std::string& who, int V = 1) {
   schedule_report r;
+  const int keys = m * V;
   r.peak_live.assign(static_cast<std::size_t>(p), 0);
-  r.slot.assign(static_cast<std::size_t>(p), std::vector<int>(static_cast<std::size_t>(m), -1));
-  r.free_at.assign(static_cast<std::size_t>(p), std::vector<int>(static_cast<std::size_t>(m), 0));
+  r.slot.assign(static_cast<std::size_t>(p), std::vector<int>(static_cast<std::size_t>(keys), -1));
+  r.free_at.assign(static_cast<std::size_t>(p), std::vector<int>(static_cast<std::size_t>(keys), 0));
   r.split = declared_split;
+  r.chunks = V;
   const auto su = [](int i) { return static_cast<std::size_t>(i); };
+  const auto key = [m](const pipe_action& a) { return a.chunk * m + a.micro; };
+  const auto at_stage = [p](int vs) { return " of stage " + std::to_string(vs % p) + (vs >= p ? " (chunk " + std::to_string(vs / p) + ")" : ""); };
   std::size_t most = 0;
   for (int s = 0; s < p; ++s) {
     const auto& l = lists[su(s)];
     most = std::max(most, l.size());
     std::vector<int> at[3];
-    for (auto& v : at) v.assign(su(m), -1);
+    for (auto& v : at) v.assign(su(keys), -1);
     for (std::size_t k = 0; k < l.size(); ++k) {
       const auto a = l[k];
       if (a.micro < 0 || a.micro >= m)
         throw std::invalid_argument(who + "stage " + std::to_string(s) + " lists " + a.str() + ", but there are " +
                                     std::to_string(m) + " micro-batches (0.." + std::to_string(m - 1) + ")");
+      if (a.chunk < 0 || a.chunk >= V)
+        throw std::invalid_argument(who + "stage " + std::to_string(s) + " lists " + a.str() + ", but the schedule has " +
+                                    std::to_string(V) + " chunk(s) per pipe rank");
       if (a.kind == pipe_action::weight && !declared_split)
         throw std::invalid_argument(who + "stage " + std::to_string(s) + " lists " + a.str() +
                                     ", but the schedule does not declare splits_backward = true (its backward passes "
                                     "would compute the weight gradients already)");
       auto& v = at[static_cast<int>(a.kind)];
-      if (v[su(a.micro)] >= 0)
+      if (v[su(key(a))] >= 0)
         throw std::invalid_argument(who + "stage " + std::to_string(s) + " lists " + a.str() + " twice");
-      v[su(a.micro)] = static_cast<int>(k);
+      v[su(key(a))] = static_cast<int>(k);
     }
-    for (int j = 0; j < m; ++j) {
-      const auto f = at[0][su(j)], b = at[1][su(j)], w = at[2][su(j)];
-      if (f < 0 || b < 0 || (declared_split && w < 0))
-        throw std::invalid_argument(who + "stage " + std::to_string(s) + " never runs " +
-                                    (f < 0 ? "F" : b < 0 ? "B" : "W") + std::to_string(j) + "; every micro-batch needs " +
-                                    (declared_split ? "one forward, one backward and one weight pass" : "one forward and one backward"));
-      if (b < f)
-        throw std::invalid_argument(who + "stage " + std::to_string(s) + " runs B" + std::to_string(j) +
-                                    " before F" + std::to_string(j) + "; a backward needs its forward's activations");
-      if (declared_split && w < b)
-        throw std::invalid_argument(who + "stage " + std::to_string(s) + " runs W" + std::to_string(j) + " before B" +
-                                    std::to_string(j) + "; the weight pass needs the gradient its backward received");
-    }
+    for (int c = 0; c < V; ++c)
+      for (int j = 0; j < m; ++j) {
+        const pipe_action x{pipe_action::forward, j, c};
+        const auto f = at[0][su(key(x))], b = at[1][su(key(x))], w = at[2][su(key(x))];
+        auto name = [&](pipe_action::kind_t k) { return pipe_action{k, j, c}.str(); };
+        if (f < 0 || b < 0 || (declared_split && w < 0))
+          throw std::invalid_argument(who + "stage " + std::to_string(s) + " never runs " +
+                                      name(f < 0 ? pipe_action::forward : b < 0 ? pipe_action::backward : pipe_action::weight) +
+                                      "; every micro-batch needs " +
+                                      (declared_split ? "one forward, one backward and one weight pass" : "one forward and one backward") +
+                                      (V > 1 ? " on each chunk" : ""));
+        if (b < f)
+          throw std::invalid_argument(who + "stage " + std::to_string(s) + " runs " + name(pipe_action::backward) +
+                                      " before " + name(pipe_action::forward) + "; a backward needs its forward's activations");
+        if (declared_split && w < b)
+          throw std::invalid_argument(who + "stage " + std::to_string(s) + " runs " + name(pipe_action::weight) + " before " +
+                                      name(pipe_action::backward) + "; the weight pass needs the gradient its backward received");
+      }
     // Slots: lowest free slot at each forward; a slot frees at its last pass (B, or W if split).
     const auto frees = declared_split ? pipe_action::weight : pipe_action::backward;
-    std::vector<int> owner;  // owner[slot] = micro or -1
+    std::vector<int> owner;  // owner[slot] = key or -1
     std::vector<int> freed;  // action index after which the slot is free
     int live = 0;
     for (std::size_t k = 0; k < l.size(); ++k) {
       const auto a = l[k];
-      const auto j = su(a.micro);
+      const auto j = su(key(a));
       if (a.kind == pipe_action::forward) {
         std::size_t sl = 0;
         while (sl < owner.size() && owner[sl] >= 0) ++sl;
         if (sl == owner.size()) owner.push_back(-1), freed.push_back(0);
-        owner[sl] = a.micro;
+        owner[sl] = key(a);
         r.slot[su(s)][j] = static_cast<int>(sl);
         r.free_at[su(s)][j] = freed[sl];
         r.peak_live[su(s)] = std::max(r.peak_live[su(s)], ++live);
@@ -193,9 +260,11 @@ inline schedule_report check_lists(const std::vector<std::vector<pipe_action>>& 
       }
     }
   }
-  // Replay in rounds: each stage runs its next action if what it needs is done
-  // (W needs only its own B, which its list runs first).
-  std::vector<std::vector<char>> fdone(su(p), std::vector<char>(su(m))), bdone = fdone;
+  // Replay in rounds: each rank runs its next action if what it needs is done:
+  // forward j of virtual stage v needs forward j of v-1, backward j needs
+  // backward j of v+1 (W needs only its own B, which its list runs first).
+  const int pv = p * V;
+  std::vector<std::vector<char>> fdone(su(pv), std::vector<char>(su(m))), bdone = fdone;
   std::vector<std::size_t> next(su(p), 0);
   std::size_t left = 0;
   for (auto& l : lists) left += l.size();
@@ -206,9 +275,10 @@ inline schedule_report check_lists(const std::vector<std::vector<pipe_action>>& 
       const auto k = next[su(s)];
       if (k == l.size()) continue;
       const auto a = l[k];
+      const int vs = a.chunk * p + s;
       const auto j = su(a.micro);
-      const bool ready = a.kind == pipe_action::forward    ? (s == 0 || fdone[su(s - 1)][j])
-                         : a.kind == pipe_action::backward ? (s == p - 1 || bdone[su(s + 1)][j])
+      const bool ready = a.kind == pipe_action::forward    ? (vs == 0 || fdone[su(vs - 1)][j])
+                         : a.kind == pipe_action::backward ? (vs == pv - 1 || bdone[su(vs + 1)][j])
                                                            : true;
       if (ready) ran.push_back({s, a});
     }
@@ -219,9 +289,10 @@ inline schedule_report check_lists(const std::vector<std::vector<pipe_action>>& 
         const auto k = next[su(s)];
         if (k == l.size()) continue;
         const auto a = l[k];
+        const int vs = a.chunk * p + s;
         where += (where.empty() ? "" : ", ") + std::string("stage ") + std::to_string(s) + " waits at " + a.str() +
-                 (a.kind == pipe_action::forward ? " for F" + std::to_string(a.micro) + " of stage " + std::to_string(s - 1)
-                                                 : " for B" + std::to_string(a.micro) + " of stage " + std::to_string(s + 1));
+                 (a.kind == pipe_action::forward ? " for F" + std::to_string(a.micro) + at_stage(vs - 1)
+                                                 : " for B" + std::to_string(a.micro) + at_stage(vs + 1));
       }
       throw std::invalid_argument(who + "the schedule deadlocks with " + std::to_string(p) + " stages and " +
                                   std::to_string(m) + " micro-batches: " + where +
@@ -229,8 +300,9 @@ inline schedule_report check_lists(const std::vector<std::vector<pipe_action>>& 
                                   "backward j of stage s+1, so order each stage's list accordingly");
     }
     for (auto [s, a] : ran) {
-      if (a.kind == pipe_action::forward) fdone[su(s)][su(a.micro)] = 1;
-      if (a.kind == pipe_action::backward) bdone[su(s)][su(a.micro)] = 1;
+      const int vs = a.chunk * p + s;
+      if (a.kind == pipe_action::forward) fdone[su(vs)][su(a.micro)] = 1;
+      if (a.kind == pipe_action::backward) bdone[su(vs)][su(a.micro)] = 1;
       ++next[su(s)];
       --left;
     }
@@ -294,7 +366,7 @@ template <Schedule S> schedule_report check_schedule(int p, int m) {
     throw std::invalid_argument(who + "the micro-batch count must be at least 1 (got " + std::to_string(m) + ")");
   std::vector<std::vector<pipe_action>> lists(static_cast<std::size_t>(p));
   for (int s = 0; s < p; ++s) lists[static_cast<std::size_t>(s)] = S::actions(s, p, m);
-  return detail::check_lists(lists, p, m, splits_backward_v<S>, who);
+  return detail::check_lists(lists, p, m, splits_backward_v<S>, who, chunks_v<S>);
 }
 
 /// The idle fraction of a balanced pipeline (equal stages, free communication):
