@@ -105,13 +105,20 @@ inline void scale(index_t n, float a, float* __restrict x) {
 }
 
 inline double sum_squares(index_t n, const float* __restrict x) {
-  // Blocked float partial sums, accumulated in double: vectorizes and stays accurate.
+  // Blocked float partial sums in 16 independent lanes (which the compiler turns
+  // into vector registers without reassociating anything), accumulated in double
+  // per block: one pass at memory speed, and accurate.
   double total = 0.0;
-  constexpr index_t block = 4096;
+  constexpr index_t block = 4096, lanes = 16;
   for (index_t i0 = 0; i0 < n; i0 += block) {
     const index_t e = i0 + block < n ? i0 + block : n;
+    float acc[lanes] = {};
+    index_t i = i0;
+    for (; i + lanes <= e; i += lanes)
+      for (index_t k = 0; k < lanes; ++k) acc[k] += x[i + k] * x[i + k];
     float s = 0.f;
-    for (index_t i = i0; i < e; ++i) s += x[i] * x[i];
+    for (; i < e; ++i) s += x[i] * x[i];
+    for (index_t k = 0; k < lanes; ++k) s += acc[k];
     total += s;
   }
   return total;
