@@ -96,6 +96,15 @@ inline void sum_rows(const float* __restrict dy, float* __restrict db, index_t r
   }
 }
 
+/// A fully connected layer's parameter gradients from R rows: dW (out, in) =
+/// dy^T x and db (out) = the column sums of dy (dy: (R, out), x: (R, in));
+/// `accumulate` adds to them instead of overwriting.
+inline void linear_weight_grads(index_t R, index_t out, index_t in, const float* dy, const float* x, float* dw, float* db,
+                                bool accumulate) {
+  gemm(trans::yes, trans::no, out, in, R, 1.f, dy, x, accumulate ? 1.f : 0.f, dw);
+  sum_rows(dy, db, R, out, accumulate);
+}
+
 inline void axpy(index_t n, float a, const float* __restrict x, float* __restrict y) {
   for (index_t i = 0; i < n; ++i) y[i] += a * x[i];
 }

@@ -190,11 +190,8 @@ struct causal_self_attention {
   void weight_grads(int slot, bool accumulate) {
     auto& s = st_(slot);
     const index_t R = s.dy.numel() / D;
-    const float beta = accumulate ? 1.f : 0.f;
-    cpu::gemm(cpu::trans::yes, cpu::trans::no, D, D, R, 1.f, s.dy.data(), s.att.data(), beta, dwo_.data());
-    cpu::sum_rows(s.dy.data(), dbo_.data(), R, D, accumulate);
-    cpu::gemm(cpu::trans::yes, cpu::trans::no, 3 * D, D, R, 1.f, s.dqkv.data(), s.x.data(), beta, dwqkv_.data());
-    cpu::sum_rows(s.dqkv.data(), dbqkv_.data(), R, 3 * D, accumulate);
+    cpu::linear_weight_grads(R, D, D, s.dy.data(), s.att.data(), dwo_.data(), dbo_.data(), accumulate);
+    cpu::linear_weight_grads(R, 3 * D, D, s.dqkv.data(), s.x.data(), dwqkv_.data(), dbqkv_.data(), accumulate);
   }
 
   view<float> qkv_weight() const noexcept { return wqkv_; }

@@ -71,10 +71,7 @@ struct linear {
   /// dW = dy^T x and db = column sums of dy, from slot `slot`'s saved x and dy.
   void weight_grads(int slot, bool accumulate) {
     auto& s = st_(slot);
-    const index_t R = s.dy.numel() / Out;
-    cpu::gemm(cpu::trans::yes, cpu::trans::no, Out, In, R, 1.f, s.dy.data(), s.x.data(), accumulate ? 1.f : 0.f,
-              dw_.data());
-    cpu::sum_rows(s.dy.data(), db_.data(), R, Out, accumulate);
+    cpu::linear_weight_grads(s.dy.numel() / Out, Out, In, s.dy.data(), s.x.data(), dw_.data(), db_.data(), accumulate);
   }
 
   view<float> weight() const noexcept { return w_; }

@@ -23,6 +23,7 @@
 #include "whale/backend/cpu.hpp"
 #include "whale/comm/trace.hpp"
 #include "whale/plan/lower.hpp"
+#include "whale/runtime/grad_norm.hpp"
 #include "whale/runtime/grad_sync.hpp"
 #include "whale/runtime/messenger.hpp"
 #include "whale/runtime/options.hpp"
@@ -46,43 +47,6 @@ template <class X> struct stage_of<X, true> {
   using type = pipe_stage<X>;
   using schedule = typename X::schedule;
 };
-/// Squares of the gradients this rank counts for the global norm: each
-/// parameter once over the mesh (the first rank of every axis it is replicated
-/// over counts it; a split layer's whole tail, e.g. a row-parallel bias, on the
-/// first rank of its split axis). Sum over the world to get the norm squared.
-inline double owned_squares(const program& prog, const float* grads) {
-  double sq = 0;
-  auto first = [&](axes a) {
-    for (axis x : all_axes)
-      if (a.contains(x) && prog.coords[static_cast<std::size_t>(x)] != 0) return false;
-    return true;
-  };
-  for (const auto& h : prog.holds) {
-    if (h.local_params == 0 || !first(h.replicated_over)) continue;
-    const index_t whole = first(h.split_over) ? 0 : h.whole_tail;
-    sq += cpu::sum_squares(h.local_params - whole, grads + h.local_offset);
-  }
-  return sq;
-}
-/// ZeRO 2–3: the squares of the owned range [begin, end) of the stage's flat
-/// gradients (`owned` holds them), each parameter once over the model axis; the
-/// owned ranges partition the stage over the data axis, so every data rank counts its own.
-inline double owned_range_squares(const program& prog, const float* owned, index_t begin, index_t end) {
-  const int m = prog.coords[static_cast<std::size_t>(axis::model)];
-  double sq = 0;
-  auto add = [&](index_t b, index_t e) {
-    b = std::max(b, begin), e = std::min(e, end);
-    if (e > b) sq += cpu::sum_squares(e - b, owned + (b - begin));
-  };
-  for (const auto& h : prog.holds) {
-    if (h.local_params == 0) continue;
-    const bool copy_over_model = h.replicated_over.contains(axis::model);
-    if (copy_over_model && m != 0) continue;
-    const index_t whole = h.split_over.contains(axis::model) && m != 0 ? h.whole_tail : 0;
-    add(h.local_offset, h.local_offset + h.local_params - whole);
-  }
-  return sq;
-}
 }  // namespace detail
 
 /// The runtime of plan P on this rank; built by make<P>(ctx, seed, options).
@@ -298,64 +262,14 @@ template <class P> class executor {
   view<float> local_params() const { return level == 3 ? zero_.shard_params() : params_.v().rows(range().first, local_count()); }
   view<float> local_grads() const { return level >= 2 ? zero_.shard_grads() : grads_.v().rows(range().first, local_count()); }
   /// This stage's unsplit parameters [full_param_begin(), full_param_end()), gathered
-  /// from the shards (collective over the model and, for ZeRO 3, the data axis).
-  tensor<float> stage_params() {
-    tensor<float> local({param_count()}, mem_kind::workspace);
-    if constexpr (level == 3) zero_.gather_params(local.v());
-    else copy<float>(params_.v(), local.v());
-    index_t n = 0;
-    for (const auto& part : parts_) n += part.full_end() - part.full_begin();
-    tensor<float> full({n}, mem_kind::workspace);
-    index_t at = 0;
-    for (int ch = 0; ch < V; ++ch) {  // interleaved: the chunks' unsplit parameters one after another
-      auto& part = parts_[static_cast<std::size_t>(ch)];
-      part.gather_full(local.data() + chunk_at_[static_cast<std::size_t>(ch)], full.data() + at);
-      at += part.full_end() - part.full_begin();
-    }
-    return full;
-  }
+  /// from the shards (collective over the model and, for ZeRO 3, the data axis);
+  /// interleaved: the rank's chunks one after another. (runtime/gather.hpp)
+  tensor<float> stage_params();
   /// This stage's local parameters (param_count() floats) into `out`: collective at ZeRO level 3.
-  void gather_params(view<float> out) {
-    if (out.numel() != param_count())
-      throw std::invalid_argument("whale::" + layer_name<P>() + "::gather_params: the output holds " +
-                                  std::to_string(out.numel()) + " floats, this rank's stage has " + std::to_string(param_count()));
-    if constexpr (level == 3) zero_.gather_params(out);
-    else copy<float>(params_.v(), out);
-  }
+  void gather_params(view<float> out);
   /// The whole unsplit model's parameters on every rank, as network<unsplit model>
   /// holds them (collective over the world).
-  tensor<float> full_params() {
-    auto mine = stage_params();
-    if (p_ == 1) return mine;  // (interleaved on one rank: the chunks are already in flat order)
-    // every rank's chunk sizes, then every rank's chunks, put in virtual-stage order (chunk c of rank r is c·p + r)
-    std::array<index_t, V> sizes{};
-    for (int ch = 0; ch < V; ++ch) sizes[static_cast<std::size_t>(ch)] = parts_[static_cast<std::size_t>(ch)].full_end() - parts_[static_cast<std::size_t>(ch)].full_begin();
-    std::vector<index_t> all_sizes(static_cast<std::size_t>(p_ * V)), counts(static_cast<std::size_t>(p_)), starts(counts.size());
-    all_gather(*pipe_, view<index_t>(sizes.data(), {V}), view<index_t>(all_sizes.data(), {p_ * V}));
-    index_t total = 0;
-    for (int r = 0; r < p_; ++r) {
-      starts[static_cast<std::size_t>(r)] = total;
-      for (int ch = 0; ch < V; ++ch) counts[static_cast<std::size_t>(r)] += all_sizes[static_cast<std::size_t>(r * V + ch)];
-      total += counts[static_cast<std::size_t>(r)];
-    }
-    tensor<float> all({total}, mem_kind::workspace);
-    all_gather_v(*pipe_, cview<float>(mine.v()), all.v(), std::span<const index_t>(counts));
-    if constexpr (V == 1) {
-      return all;
-    } else {
-      tensor<float> ordered({total}, mem_kind::workspace);
-      index_t at = 0;
-      for (int vs = 0; vs < p_ * V; ++vs) {
-        const int r = vs % p_, ch = vs / p_;
-        index_t from = starts[static_cast<std::size_t>(r)];
-        for (int c2 = 0; c2 < ch; ++c2) from += all_sizes[static_cast<std::size_t>(r * V + c2)];
-        const index_t k = all_sizes[static_cast<std::size_t>(r * V + ch)];
-        std::memcpy(ordered.data() + at, all.data() + from, static_cast<std::size_t>(k) * sizeof(float));
-        at += k;
-      }
-      return ordered;
-    }
-  }
+  tensor<float> full_params();
   int stage() const noexcept { return stage_; }
   int stages() const noexcept { return p_; }
   int replicas() const noexcept { return d_; }
@@ -498,4 +412,5 @@ template <class P> class executor {
 }  // namespace whale
 
 #include "whale/runtime/diagnose.hpp"
+#include "whale/runtime/gather.hpp"
 #include "whale/runtime/step.hpp"

@@ -1,0 +1,70 @@
+// executor<P>'s parameter gathers (runtime/executor.hpp): this stage's unsplit
+// parameters from its shards, its local ones at ZeRO-3, and the whole model on
+// every rank (pipelines and interleaved chunks put back in flat order).
+#pragma once
+
+#include <array>
+#include <cstring>
+#include <span>
+#include <vector>
+
+#include "whale/runtime/executor.hpp"
+
+namespace whale {
+
+template <class P> tensor<float> executor<P>::stage_params() {
+  tensor<float> local({param_count()}, mem_kind::workspace);
+  if constexpr (level == 3) zero_.gather_params(local.v());
+  else copy<float>(params_.v(), local.v());
+  index_t n = 0;
+  for (const auto& part : parts_) n += part.full_end() - part.full_begin();
+  tensor<float> full({n}, mem_kind::workspace);
+  index_t at = 0;
+  for (int ch = 0; ch < V; ++ch) {  // interleaved: the chunks' unsplit parameters one after another
+    auto& part = parts_[static_cast<std::size_t>(ch)];
+    part.gather_full(local.data() + chunk_at_[static_cast<std::size_t>(ch)], full.data() + at);
+    at += part.full_end() - part.full_begin();
+  }
+  return full;
+}
+template <class P> void executor<P>::gather_params(view<float> out) {
+  if (out.numel() != param_count())
+    throw std::invalid_argument("whale::" + layer_name<P>() + "::gather_params: the output holds " +
+                                std::to_string(out.numel()) + " floats, this rank's stage has " + std::to_string(param_count()));
+  if constexpr (level == 3) zero_.gather_params(out);
+  else copy<float>(params_.v(), out);
+}
+template <class P> tensor<float> executor<P>::full_params() {
+  auto mine = stage_params();
+  if (p_ == 1) return mine;  // (interleaved on one rank: the chunks are already in flat order)
+  // every rank's chunk sizes, then every rank's chunks, put in virtual-stage order (chunk c of rank r is c·p + r)
+  std::array<index_t, V> sizes{};
+  for (int ch = 0; ch < V; ++ch) sizes[static_cast<std::size_t>(ch)] = parts_[static_cast<std::size_t>(ch)].full_end() - parts_[static_cast<std::size_t>(ch)].full_begin();
+  std::vector<index_t> all_sizes(static_cast<std::size_t>(p_ * V)), counts(static_cast<std::size_t>(p_)), starts(counts.size());
+  all_gather(*pipe_, view<index_t>(sizes.data(), {V}), view<index_t>(all_sizes.data(), {p_ * V}));
+  index_t total = 0;
+  for (int r = 0; r < p_; ++r) {
+    starts[static_cast<std::size_t>(r)] = total;
+    for (int ch = 0; ch < V; ++ch) counts[static_cast<std::size_t>(r)] += all_sizes[static_cast<std::size_t>(r * V + ch)];
+    total += counts[static_cast<std::size_t>(r)];
+  }
+  tensor<float> all({total}, mem_kind::workspace);
+  all_gather_v(*pipe_, cview<float>(mine.v()), all.v(), std::span<const index_t>(counts));
+  if constexpr (V == 1) {
+    return all;
+  } else {
+    tensor<float> ordered({total}, mem_kind::workspace);
+    index_t at = 0;
+    for (int vs = 0; vs < p_ * V; ++vs) {
+      const int r = vs % p_, ch = vs / p_;
+      index_t from = starts[static_cast<std::size_t>(r)];
+      for (int c2 = 0; c2 < ch; ++c2) from += all_sizes[static_cast<std::size_t>(r * V + c2)];
+      const index_t k = all_sizes[static_cast<std::size_t>(r * V + ch)];
+      std::memcpy(ordered.data() + at, all.data() + from, static_cast<std::size_t>(k) * sizeof(float));
+      at += k;
+    }
+    return ordered;
+  }
+}
+
+}  // namespace whale

@@ -1,0 +1,50 @@
+// The squares of the gradients one rank counts for the global gradient norm
+// (clipping, and the trainer's non-finite check), from its lowered program's
+// holdings: each parameter once over the mesh. Non-template, compiled once.
+#pragma once
+
+#include <algorithm>
+
+#include "whale/backend/cpu.hpp"
+#include "whale/plan/program.hpp"
+
+namespace whale::detail {
+
+/// Squares of the gradients this rank counts for the global norm: each
+/// parameter once over the mesh (the first rank of every axis it is replicated
+/// over counts it; a split layer's whole tail, e.g. a row-parallel bias, on the
+/// first rank of its split axis). Sum over the world to get the norm squared.
+inline double owned_squares(const program& prog, const float* grads) {
+  double sq = 0;
+  auto first = [&](axes a) {
+    for (axis x : all_axes)
+      if (a.contains(x) && prog.coords[static_cast<std::size_t>(x)] != 0) return false;
+    return true;
+  };
+  for (const auto& h : prog.holds) {
+    if (h.local_params == 0 || !first(h.replicated_over)) continue;
+    const index_t whole = first(h.split_over) ? 0 : h.whole_tail;
+    sq += cpu::sum_squares(h.local_params - whole, grads + h.local_offset);
+  }
+  return sq;
+}
+/// ZeRO 2–3: the squares of the owned range [begin, end) of the stage's flat
+/// gradients (`owned` holds them), each parameter once over the model axis; the
+/// owned ranges partition the stage over the data axis, so every data rank counts its own.
+inline double owned_range_squares(const program& prog, const float* owned, index_t begin, index_t end) {
+  const int m = prog.coords[static_cast<std::size_t>(axis::model)];
+  double sq = 0;
+  auto add = [&](index_t b, index_t e) {
+    b = std::max(b, begin), e = std::min(e, end);
+    if (e > b) sq += cpu::sum_squares(e - b, owned + (b - begin));
+  };
+  for (const auto& h : prog.holds) {
+    if (h.local_params == 0) continue;
+    const bool copy_over_model = h.replicated_over.contains(axis::model);
+    if (copy_over_model && m != 0) continue;
+    const index_t whole = h.split_over.contains(axis::model) && m != 0 ? h.whole_tail : 0;
+    add(h.local_offset, h.local_offset + h.local_params - whole);
+  }
+  return sq;
+}
+}  // namespace whale::detail

@@ -1,0 +1,221 @@
+// The column- and row-parallel forms of linear<In, Out> (Megatron's pair),
+// each holding its slice of the unsplit layer's parameters along one mesh axis
+// (same initial values, element by element), and what every sharded form
+// shares: the run-time degree check and the per-rank cost.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#include "whale/backend/cpu.hpp"
+#include "whale/nn/linear.hpp"
+#include "whale/strategy/layout.hpp"
+
+namespace whale {
+
+namespace detail {
+/// Runtime twin of the static degree check: the axis size must divide `n`.
+inline void check_divides(const std::string& layer, const char* what, index_t n, int p, axis a) {
+  if (p <= 0 || n % p != 0)
+    throw std::invalid_argument("whale::split: " + layer + ": the split degree must divide " + what + " (" +
+                                std::to_string(n) + " % " + std::to_string(p) + " != 0) on the " +
+                                axis_name(a) + " axis; choose a mesh whose " + axis_name(a) +
+                                " size divides it");
+}
+/// A layer's per-rank cost when `degree` ranks share it: its arithmetic and
+/// activations divided among them, `split` parameters divided, `whole` held by each.
+constexpr cost_info shard_of(cost_info c, index_t degree, index_t split, index_t whole) {
+  const double d = degree < 1 ? 1.0 : static_cast<double>(degree);
+  c.fwd_flops /= d;
+  c.bwd_flops /= d;
+  c.seq_flops /= d;
+  c.act_bytes /= d;
+  c.params = split / (degree < 1 ? 1 : degree) + whole;
+  return c;
+}
+}  // namespace detail
+
+/// linear<In, Out> split by output features (column-parallel): replicated in,
+/// split<1> out; d(input) is partial (each rank's slice contributes).
+template <index_t In, index_t Out, axis A>
+class column_linear {
+ public:
+  static constexpr index_t split_extent = Out;  ///< the dimension shared among the ranks
+  using input_type = float;
+  static constexpr index_t in_features = In;
+  static constexpr index_t out_features = Out;
+  static std::string name() {
+    return "column_linear<" + std::to_string(In) + ", " + std::to_string(Out) + ">/" + axis_name(A);
+  }
+  static constexpr cost_info cost() { return linear<In, Out>::cost(); }
+  /// Parameters divided among the ranks of the axis, and those every rank holds whole.
+  static constexpr index_t split_params = (In + 1) * Out, replicated_params = 0;
+  /// What one of `degree` ranks holds and computes per row.
+  static constexpr cost_info shard_cost(index_t degree) {
+    return detail::shard_of(cost(), degree, split_params, replicated_params);
+  }
+
+  void configure(const split_env& e) {
+    comm_ = &e.comm(A);
+    p_ = comm_->size();
+    r_ = comm_->rank();
+    detail::check_divides(linear<In, Out>::name(), "out_features", Out, p_, A);
+    n_ = Out / p_;
+  }
+  /// W (Out, In) then b (Out), gathered from the row blocks of every rank.
+  void gather_full(const float* local, float* full) {
+    all_gather(*comm_, cview<float>(local, {n_ * In}), view<float>(full, {Out * In}));
+    all_gather(*comm_, cview<float>(local + n_ * In, {n_}), view<float>(full + Out * In, {Out}));
+  }
+  index_t param_count() const { return n_ * In + n_; }
+  void bind(param_binder& b) {
+    auto w = b.take({n_, In});
+    auto bias = b.take({n_});
+    w_ = w.value, dw_ = w.grad, b_ = bias.value, db_ = bias.grad;
+  }
+  // Rows o0..o0+n of W (Out, In) and of b: the unsplit layer's values.
+  void init(const counter_rng& r) {
+    const double k = 1.0 / std::sqrt(static_cast<double>(In));
+    const index_t o0 = r_ * n_;
+    for (index_t i = 0; i < n_ * In; ++i)
+      w_[i] = static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(o0 * In + i)) - 1) * k);
+    for (index_t o = 0; o < n_; ++o)
+      b_[o] = static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(In * Out + o0 + o)) - 1) * k);
+  }
+  // x: (R, In) -> y: (R, Out/p)
+  view<float> forward(step_ctx& c, cview<float> x) {
+    auto& s = st_(c.slot);
+    const index_t R = x.numel() / In;
+    s.x = x;
+    auto y = detail::ensure(s.y, {R, n_});
+    for (index_t r = 0; r < R; ++r) std::memcpy(y.data() + r * n_, b_.data(), static_cast<std::size_t>(n_) * sizeof(float));
+    cpu::gemm(cpu::trans::no, cpu::trans::yes, R, n_, In, 1.f, x.data(), w_.data(), 1.f, y.data());
+    return y;
+  }
+  // dy: (R, Out/p) -> dx: (R, In), partial
+  view<float> backward(step_ctx& c, cview<float> dy) {
+    auto& s = st_(c.slot);
+    const index_t R = dy.numel() / n_;
+    s.dy = dy;
+    if (!defer_weights(c, this)) weight_grads(c.slot, c.accumulate);
+    if (!c.need_input_grad) return {};
+    auto dx = detail::ensure(s.dx, {R, In});
+    cpu::gemm(cpu::trans::no, cpu::trans::no, R, In, n_, 1.f, dy.data(), w_.data(), 0.f, dx.data());
+    return dx;
+  }
+  /// This rank's rows of dW and db from slot `slot`'s saved x and dy.
+  void weight_grads(int slot, bool accumulate) {
+    auto& s = st_(slot);
+    cpu::linear_weight_grads(s.dy.numel() / n_, n_, In, s.dy.data(), s.x.data(), dw_.data(), db_.data(), accumulate);
+  }
+
+ private:
+  struct state {
+    cview<float> x, dy;
+    tensor<float> y, dx;
+  };
+  world_comm* comm_ = nullptr;
+  int p_ = 1, r_ = 0;
+  index_t n_ = Out;
+  view<float> w_, dw_, b_, db_;
+  slots<state> st_;
+};
+
+/// linear<In, Out> split by input features (row-parallel): split<1> in,
+/// partial out. The bias is replicated and added by rank 0 of the axis only,
+/// so the sum of the partials holds it once; its gradient is the same on every rank.
+template <index_t In, index_t Out, axis A>
+class row_linear {
+ public:
+  static constexpr index_t split_extent = In;
+  using input_type = float;
+  static constexpr index_t in_features = In;
+  static constexpr index_t out_features = Out;
+  static std::string name() {
+    return "row_linear<" + std::to_string(In) + ", " + std::to_string(Out) + ">/" + axis_name(A);
+  }
+  static constexpr cost_info cost() { return linear<In, Out>::cost(); }
+  /// Parameters divided among the ranks of the axis, and those every rank holds whole.
+  static constexpr index_t split_params = In * Out, replicated_params = Out;
+  /// What one of `degree` ranks holds and computes per row.
+  static constexpr cost_info shard_cost(index_t degree) {
+    return detail::shard_of(cost(), degree, split_params, replicated_params);
+  }
+
+  void configure(const split_env& e) {
+    comm_ = &e.comm(A);
+    p_ = comm_->size();
+    r_ = comm_->rank();
+    detail::check_divides(linear<In, Out>::name(), "in_features", In, p_, A);
+    k_ = In / p_;
+  }
+  /// W (Out, In) from the column blocks of every rank, then the (replicated) bias.
+  void gather_full(const float* local, float* full) {
+    tensor<float> t({static_cast<index_t>(p_) * Out * k_}, mem_kind::comm);
+    all_gather(*comm_, cview<float>(local, {Out * k_}), t.v());
+    for (int q = 0; q < p_; ++q)
+      for (index_t o = 0; o < Out; ++o)
+        std::memcpy(full + o * In + q * k_, t.data() + (q * Out + o) * k_, static_cast<std::size_t>(k_) * sizeof(float));
+    std::memcpy(full + Out * In, local + Out * k_, static_cast<std::size_t>(Out) * sizeof(float));
+  }
+  index_t param_count() const { return Out * k_ + Out; }
+  void bind(param_binder& b) {
+    auto w = b.take({Out, k_});
+    auto bias = b.take({Out});
+    w_ = w.value, dw_ = w.grad, b_ = bias.value, db_ = bias.grad;
+  }
+  // Columns i0..i0+k of W (Out, In); the whole bias.
+  void init(const counter_rng& r) {
+    const double s = 1.0 / std::sqrt(static_cast<double>(In));
+    const index_t i0 = r_ * k_;
+    for (index_t o = 0; o < Out; ++o)
+      for (index_t j = 0; j < k_; ++j)
+        w_[o * k_ + j] = static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(o * In + i0 + j)) - 1) * s);
+    for (index_t o = 0; o < Out; ++o)
+      b_[o] = static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(In * Out + o)) - 1) * s);
+  }
+  // x: (R, In/p) -> y: (R, Out) partial
+  view<float> forward(step_ctx& c, cview<float> x) {
+    auto& s = st_(c.slot);
+    const index_t R = x.numel() / k_;
+    s.x = x;
+    auto y = detail::ensure(s.y, {R, Out});
+    if (r_ == 0) {
+      for (index_t r = 0; r < R; ++r) std::memcpy(y.data() + r * Out, b_.data(), static_cast<std::size_t>(Out) * sizeof(float));
+    }
+    cpu::gemm(cpu::trans::no, cpu::trans::yes, R, Out, k_, 1.f, x.data(), w_.data(), r_ == 0 ? 1.f : 0.f, y.data());
+    return y;
+  }
+  // dy: (R, Out) replicated -> dx: (R, In/p)
+  view<float> backward(step_ctx& c, cview<float> dy) {
+    auto& s = st_(c.slot);
+    const index_t R = dy.numel() / Out;
+    s.dy = dy;
+    if (!defer_weights(c, this)) weight_grads(c.slot, c.accumulate);
+    if (!c.need_input_grad) return {};
+    auto dx = detail::ensure(s.dx, {R, k_});
+    cpu::gemm(cpu::trans::no, cpu::trans::no, R, k_, Out, 1.f, dy.data(), w_.data(), 0.f, dx.data());
+    return dx;
+  }
+  /// This rank's columns of dW, and the whole db, from slot `slot`'s saved x and dy.
+  void weight_grads(int slot, bool accumulate) {
+    auto& s = st_(slot);
+    cpu::linear_weight_grads(s.dy.numel() / Out, Out, k_, s.dy.data(), s.x.data(), dw_.data(), db_.data(), accumulate);
+  }
+
+ private:
+  struct state {
+    cview<float> x, dy;
+    tensor<float> y, dx;
+  };
+  world_comm* comm_ = nullptr;
+  int p_ = 1, r_ = 0;
+  index_t k_ = In;
+  view<float> w_, dw_, b_, db_;
+  slots<state> st_;
+};
+
+}  // namespace whale
