@@ -187,7 +187,7 @@ TEST_CASE("law: a plan with every strategy, degree 1 where unused, trains as the
   // mesh, the tensor-parallel gpt. Each pair trains to the same parameters on every rank.
   const int n = world_size();
   using all = zero_3d<1>;
-  for (const std::string spec : {"data=" + std::to_string(n), "pipe=" + std::to_string(n), "model=" + std::to_string(n)}) {
+  for (const std::string& spec : {"data=" + std::to_string(n), "pipe=" + std::to_string(n), "model=" + std::to_string(n)}) {
     if (n > 4 && spec.rfind("data", 0) != 0) continue;  // 4 heads, 4 blocks: at most 4 model ranks, 6 stages
     auto ctx = test::on_mesh(spec);
     plan_options o;

@@ -20,7 +20,14 @@ struct parse_error : std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
-inline std::string quoted(std::string_view v) { return "'" + std::string(v) + "'"; }
+inline std::string quoted(std::string_view v) {
+  std::string s;
+  s.reserve(v.size() + 2);
+  s += '\'';
+  s.append(v);
+  s += '\'';
+  return s;
+}
 
 /// An integer in [lo, hi]: `origin` is the flag or variable ("--steps", "WHALE_BUCKET_MIB").
 inline long long parse_int(std::string_view text, std::string_view origin, long long lo = 0,
