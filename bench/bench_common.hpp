@@ -53,7 +53,12 @@ class json_line {
     field(k) << json;
     return *this;
   }
-  std::string str() const { return "{" + s_.str() + "}"; }
+  std::string str() const {
+    std::string out = "{";  // appended, not "{" + ...: GCC 12's -Wrestrict false positive
+    out += s_.str();
+    out += '}';
+    return out;
+  }
   void print() const { std::printf("%s\n", str().c_str()); std::fflush(stdout); }
 
  private:

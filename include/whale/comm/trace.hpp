@@ -69,11 +69,17 @@ struct trace_event {
   span_kind what() const noexcept { return static_cast<span_kind>(kind); }
   /// "F3", "B3", "W3", "recv act 3", "optimizer", ...
   std::string name() const {
-    if (what() == span_kind::forward) return "F" + std::to_string(micro);
-    if (what() == span_kind::backward) return "B" + std::to_string(micro);
-    if (what() == span_kind::weight) return "W" + std::to_string(micro);
-    std::string n = to_string(what());
-    if (micro >= 0) n += " " + std::to_string(micro);
+    // Appends rather than "F" + std::to_string(...): GCC 12 warns falsely (-Wrestrict) on the latter.
+    std::string n;
+    if (what() == span_kind::forward) n = "F";
+    else if (what() == span_kind::backward) n = "B";
+    else if (what() == span_kind::weight) n = "W";
+    else {
+      n = to_string(what());
+      if (micro < 0) return n;
+      n += ' ';
+    }
+    n += std::to_string(micro);
     return n;
   }
 };
