@@ -312,6 +312,16 @@ template <class L, class Env> void configure_layer(L& l, const Env& e) {
   if constexpr (requires { l.configure(e); }) l.configure(e);
 }
 
+/// Where a sharded layer's local parameters lie in the unsplit layer's: `count`
+/// floats from `local` (its local flat order) are those at `full` (the unsplit
+/// layer's flat order). `whole`: held whole by every rank of the split axis (a
+/// row-parallel bias), so one of them is enough. Sharded forms report theirs
+/// with a static `param_runs(rank, degree, out)`; checkpoints read and write by them.
+struct param_run {
+  index_t local = 0, full = 0, count = 0;
+  bool whole = false;
+};
+
 /// Write the unsplit parameters of `l` to `full`, given its local parameters
 /// at `local`. A layer that holds a shard gathers it (collectively) through
 /// its `gather_full`; any other layer's local parameters are already the

@@ -18,6 +18,7 @@ struct adamw {
   struct state {
     tensor<float> m, v;
     std::int64_t steps = 0;
+    std::vector<state_vector> vectors() { return {{"exp_avg", m.v()}, {"exp_avg_sq", v.v()}}; }
   };
   static constexpr const char* name() { return "adamw"; }
   state make_state(index_t n) const {

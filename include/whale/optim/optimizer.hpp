@@ -5,6 +5,7 @@
 #include <cmath>
 #include <concepts>
 #include <cstdint>
+#include <vector>
 
 #include "whale/backend/cpu.hpp"
 #include "whale/tensor/tensor.hpp"
@@ -17,6 +18,20 @@ concept Optimizer = requires(const O& o, typename O::state& s, view<float> p, cv
   typename O::state;
   { o.make_state(index_t{}) } -> std::same_as<typename O::state>;
   o.update(s, p, g);
+};
+
+/// One per-parameter vector of an optimizer's state (as long as its slice of
+/// parameters), named for checkpoints: "exp_avg", "momentum_buffer", ...
+struct state_vector {
+  const char* name;
+  view<float> values;
+};
+/// Optimizer state that a checkpoint can save and restore: its per-parameter
+/// vectors and its step counter.
+template <class S>
+concept CheckpointableState = requires(S& s) {
+  { s.vectors() } -> std::same_as<std::vector<state_vector>>;
+  { s.steps } -> std::convertible_to<std::int64_t>;
 };
 
 /// Scale factor that brings a gradient of global norm `norm` to at most `max_norm`.

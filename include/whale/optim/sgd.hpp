@@ -15,6 +15,10 @@ struct sgd {
   struct state {
     tensor<float> buf;
     std::int64_t steps = 0;
+    std::vector<state_vector> vectors() {
+      if (buf.numel() == 0) return {};
+      return {{"momentum_buffer", buf.v()}};
+    }
   };
   static constexpr const char* name() { return "sgd"; }
   state make_state(index_t n) const {

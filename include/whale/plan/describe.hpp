@@ -25,6 +25,7 @@ enum class unit_kind : std::uint8_t { layer, loss, convert };
 /// One leaf layer, or a conversion a split region inserted, in flat order.
 struct unit_desc {
   std::string name;
+  std::string unsplit;           ///< the name of the layer it is a form of (its own name unless sharded)
   unit_kind kind = unit_kind::layer;
   int element = 0;               ///< top-level element of the model (a stage, for explicit pipelines)
   int block = -1;                ///< block of the top-level repeat it belongs to (-1: none)
@@ -40,6 +41,8 @@ struct unit_desc {
   bool split_loss = false;       ///< class-split softmax cross-entropy (two all-reduces of row statistics)
   int recompute_group = -1;      ///< recompute<Block> it lies in (-1: none)
   bool defers = false;           ///< can put its weight gradients off to a W pass (split schedules)
+  /// Sharded forms: where rank r of p's parameters lie in the unsplit layer's (its param_runs).
+  void (*runs)(int r, int p, std::vector<param_run>& out) = nullptr;
 
   /// Parameters one of `degree` ranks of its split axis holds.
   index_t local_params(int degree) const {
@@ -97,6 +100,7 @@ struct describer {
   template <class L> void leaf() {
     unit_desc u;
     u.name = layer_name<L>();
+    u.unsplit = u.name;
     u.element = element;
     u.block = block;
     u.split_axis = split_axis;
@@ -122,6 +126,8 @@ struct describer {
         u.sharded = true;
         u.split_params = L::split_params;
         u.replicated_params = L::replicated_params;
+        if constexpr (requires { typename L::unsplit_type; }) u.unsplit = layer_name<typename L::unsplit_type>();
+        if constexpr (requires(std::vector<param_run>& v) { L::param_runs(0, 1, v); }) u.runs = &L::param_runs;
       }
       u.split_loss = is_split_loss<L>::value;
       u.defers = recompute_group < 0 && requires(L& l) { l.weight_grads(0, false); };

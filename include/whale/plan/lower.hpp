@@ -105,6 +105,13 @@ class lowering {
         h.layout_in = u.in;
         h.recompute = u.recompute_group >= 0;
         if (u.sharded) h.split_over = axes(static_cast<axis>(u.split_axis)), h.whole_tail = u.replicated_params;
+        if (u.sharded && h.full_params > 0) {
+          if (!u.runs)
+            throw std::logic_error("whale: lowering: the sharded layer " + u.name + " does not say where its parameters lie (param_runs)");
+          u.runs(p_.coords[static_cast<std::size_t>(u.split_axis)], degree(u), h.runs);
+        } else if (h.local_params > 0) {
+          h.runs.push_back({0, 0, h.local_params});
+        }
         if (M_ > 1 && !(u.sharded && u.split_axis == static_cast<int>(axis::model))) h.replicated_over = h.replicated_over | axis::model;
         const bool data_whole = !(u.sharded && u.split_axis == static_cast<int>(axis::data));
         if (D_ > 1 && data_whole && zero_ < 3) h.replicated_over = h.replicated_over | axis::data;

@@ -33,6 +33,8 @@ struct holding {
   int zero_level = 0;        ///< ZeRO level partitioning its state over the data axis (0: none)
   lay layout_in = lay::R;    ///< layout of its input on its split axis (or replicated)
   bool recompute = false;    ///< its forward runs again during backward
+  /// Where its local parameters lie in the unsplit layer's (one run unless it is a shard).
+  std::vector<param_run> runs;
 };
 
 /// What an operation of the step does.

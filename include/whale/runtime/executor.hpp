@@ -223,6 +223,8 @@ template <class P> class executor {
     return std::sqrt(sq);
   }
   int rank() const noexcept { return ctx_->rank(); }
+  /// The job's world communicator (checkpoints agree on errors and gather file records over it).
+  world_comm& world() const noexcept { return ctx_->world(); }
   int world_size() const noexcept { return ctx_->size(); }
   /// Optimizer state for the range this rank updates.
   template <class O> typename O::state make_optimizer_state(const O& opt) const { return opt.make_state(local_count()); }

@@ -121,6 +121,7 @@ class vocab_embedding {
     return "vocab_embedding<" + std::to_string(Vocab) + ", " + std::to_string(D) + ">/" + axis_name(A);
   }
   static constexpr cost_info cost() { return embedding<Vocab, D>::cost(); }
+  using unsplit_type = embedding<Vocab, D>;  ///< the layer it is a shard of
   /// Parameters divided among the ranks of the axis, and those every rank holds whole.
   static constexpr index_t split_params = Vocab * D, replicated_params = 0;
   /// What one of `degree` ranks holds and computes per row.
@@ -134,6 +135,11 @@ class vocab_embedding {
     r_ = comm_->rank();
     detail::check_divides(embedding<Vocab, D>::name(), "the vocabulary", Vocab, p_, A);
     n_ = Vocab / p_;
+  }
+  /// Rank r of p holds rows [r n, r n + n) of the table (Vocab, D).
+  static void param_runs(int r, int p, std::vector<param_run>& out) {
+    const index_t n = Vocab / p;
+    out.push_back({0, r * n * D, n * D});
   }
   void gather_full(const float* local, float* full) {
     all_gather(*comm_, cview<float>(local, {n_ * D}), view<float>(full, {Vocab * D}));
@@ -210,6 +216,7 @@ class head_attention {
     return "head_attention<" + std::to_string(D) + ", " + std::to_string(Heads) + ">/" + axis_name(A);
   }
   static constexpr cost_info cost() { return causal_self_attention<D, Heads>::cost(); }
+  using unsplit_type = causal_self_attention<D, Heads>;  ///< the layer it is a shard of
   /// Parameters divided among the ranks of the axis, and those every rank holds whole.
   static constexpr index_t split_params = 4 * D * D + 3 * D, replicated_params = D;
   /// What one of `degree` ranks holds and computes per row.
@@ -247,6 +254,16 @@ class head_attention {
     for (index_t o = 0; o < D; ++o)
       for (index_t j = 0; j < w_; ++j) wo_[o * w_ + j] = u(3 * D * D + 3 * D + o * D + r_ * w_ + j);
     for (index_t o = 0; o < D; ++o) bo_[o] = u(4 * D * D + 3 * D + o);
+  }
+  /// Rank r of p holds its heads' rows of each of Q, K, V in W_qkv (3D, D) and
+  /// b_qkv, their columns of W_o (D, D), and the whole b_o.
+  static void param_runs(int r, int p, std::vector<param_run>& out) {
+    const index_t w = (Heads / p) * (D / Heads);
+    for (index_t q = 0; q < 3; ++q) out.push_back({q * w * D, q * D * D + r * w * D, w * D});
+    for (index_t q = 0; q < 3; ++q) out.push_back({3 * w * D + q * w, 3 * D * D + q * D + r * w, w});
+    const index_t lo = 3 * w * D + 3 * w, fo = 3 * D * D + 3 * D;
+    for (index_t o = 0; o < D; ++o) out.push_back({lo + o * w, fo + o * D + r * w, w});
+    out.push_back({lo + D * w, fo + D * D, D, true});
   }
   void gather_full(const float* local, float* full) {
     for (index_t q = 0; q < 3; ++q) {

@@ -51,6 +51,7 @@ class column_linear {
     return "column_linear<" + std::to_string(In) + ", " + std::to_string(Out) + ">/" + axis_name(A);
   }
   static constexpr cost_info cost() { return linear<In, Out>::cost(); }
+  using unsplit_type = linear<In, Out>;  ///< the layer it is a shard of
   /// Parameters divided among the ranks of the axis, and those every rank holds whole.
   static constexpr index_t split_params = (In + 1) * Out, replicated_params = 0;
   /// What one of `degree` ranks holds and computes per row.
@@ -64,6 +65,12 @@ class column_linear {
     r_ = comm_->rank();
     detail::check_divides(linear<In, Out>::name(), "out_features", Out, p_, A);
     n_ = Out / p_;
+  }
+  /// Rank r of p holds rows [r n, r n + n) of W (Out, In) and the same entries of b.
+  static void param_runs(int r, int p, std::vector<param_run>& out) {
+    const index_t n = Out / p;
+    out.push_back({0, r * n * In, n * In});
+    out.push_back({n * In, Out * In + r * n, n});
   }
   /// W (Out, In) then b (Out), gathered from the row blocks of every rank.
   void gather_full(const float* local, float* full) {
@@ -138,6 +145,7 @@ class row_linear {
     return "row_linear<" + std::to_string(In) + ", " + std::to_string(Out) + ">/" + axis_name(A);
   }
   static constexpr cost_info cost() { return linear<In, Out>::cost(); }
+  using unsplit_type = linear<In, Out>;  ///< the layer it is a shard of
   /// Parameters divided among the ranks of the axis, and those every rank holds whole.
   static constexpr index_t split_params = In * Out, replicated_params = Out;
   /// What one of `degree` ranks holds and computes per row.
@@ -151,6 +159,12 @@ class row_linear {
     r_ = comm_->rank();
     detail::check_divides(linear<In, Out>::name(), "in_features", In, p_, A);
     k_ = In / p_;
+  }
+  /// Rank r of p holds columns [r k, r k + k) of each row of W (Out, In), and the whole bias.
+  static void param_runs(int r, int p, std::vector<param_run>& out) {
+    const index_t k = In / p;
+    for (index_t o = 0; o < Out; ++o) out.push_back({o * k, o * In + r * k, k});
+    out.push_back({Out * k, Out * In, Out, true});
   }
   /// W (Out, In) from the column blocks of every rank, then the (replicated) bias.
   void gather_full(const float* local, float* full) {

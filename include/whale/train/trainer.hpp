@@ -17,6 +17,7 @@
 #include "whale/nn/layer.hpp"
 #include "whale/optim/optimizer.hpp"
 #include "whale/plan/describe.hpp"
+#include "whale/train/checkpoint.hpp"
 #include "whale/train/data.hpp"
 #include "whale/train/progress.hpp"
 
@@ -56,6 +57,14 @@ struct trainer_options {
   /// Debugging: check every leaf layer's output and input gradient for NaN/Inf
   /// (a pass over every activation; also plan_options::check_finite, --check-finite).
   bool check_finite = false;
+  /// Checkpoints (train/checkpoint.hpp): run() saves to `checkpoint_dir` after
+  /// every `save_every` data steps (0: never), keeping the newest `keep_last`
+  /// (0: all); with `resume`, run() first loads the newest complete checkpoint
+  /// in `checkpoint_dir` if there is one, and continues from its step.
+  std::string checkpoint_dir;
+  std::int64_t save_every = 0;
+  int keep_last = 0;
+  bool resume = false;
 };
 
 /// What a run did.
@@ -106,8 +115,38 @@ template <class Net> std::string first_nonfinite_grad_of(const Net& net) {
 template <Trainable Net, Optimizer Opt>
 class trainer {
  public:
+  /// Whether save(), load() and the checkpoint options work with this network and optimizer.
+  static constexpr bool checkpoints = Checkpointable<Net> && CheckpointableState<typename Opt::state>;
+
   trainer(Net& net, Opt opt, trainer_options o = {})
-      : net_(net), opt_(std::move(opt)), o_(o), state_(net.make_optimizer_state(opt_)) {}
+      : net_(net), opt_(std::move(opt)), o_(std::move(o)), state_(net.make_optimizer_state(opt_)), next_(o_.first_step) {
+    if (o_.save_every < 0) throw std::invalid_argument("whale::trainer: save_every must be >= 0 (got " + std::to_string(o_.save_every) + ")");
+    if (o_.keep_last < 0) throw std::invalid_argument("whale::trainer: keep_last must be >= 0 (got " + std::to_string(o_.keep_last) + ")");
+    if ((o_.save_every > 0 || o_.resume) && o_.checkpoint_dir.empty())
+      throw std::invalid_argument("whale::trainer: save_every and resume need trainer_options::checkpoint_dir");
+    if ((o_.save_every > 0 || o_.resume) && !checkpoints)
+      throw std::invalid_argument("whale::trainer: save_every and resume need a Checkpointable network (network<M> or a plan "
+                                  "made by make<P>) and an optimizer whose state has vectors() (sgd, adamw)");
+  }
+
+  /// The data step run() trains next (first_step, advanced by run() and by load()).
+  std::int64_t next_step() const noexcept { return next_; }
+  /// Save a checkpoint of the model, the optimizer state and next_step() under
+  /// `dir` (default: checkpoint_dir) as dir/step-<next_step()>/ (collective); returns that directory.
+  std::string save(std::string dir = {})
+    requires checkpoints
+  {
+    return save_checkpoint(dir.empty() ? o_.checkpoint_dir : dir, net_, opt_, state_, next_, o_.keep_last);
+  }
+  /// Load a checkpoint (a step directory, or the newest in a checkpoint
+  /// directory) saved under any plan; run() continues from its step (collective).
+  checkpoint_info load(const std::string& path)
+    requires checkpoints
+  {
+    auto info = load_checkpoint(path, net_, opt_, state_);
+    next_ = info.step;
+    return info;
+  }
 
   /// This rank's rows of data step `step` (no training).
   template <class Data> auto fetch(Data& data, std::int64_t step) {
@@ -168,14 +207,27 @@ class trainer {
     const bool seqs = data.seq() > 1;
     const index_t rows = data.global_batch() * data.seq();
     const double flops = model_flops<typename Net::model_type>(rows, data.seq());
+    if constexpr (checkpoints) {
+      if (o_.resume && !resumed_) {
+        resumed_ = true;
+        if (!ckpt::latest(o_.checkpoint_dir).empty()) {
+          const auto info = load(o_.checkpoint_dir);
+          if (o_.progress && net_.rank() == 0 && o_.out)
+            std::fprintf(o_.out, "resumed from %s (step %lld, saved under %s)\n", info.dir.c_str(), static_cast<long long>(info.step), info.plan.c_str());
+        }
+      }
+    }
     progress_line line(n.value, seqs, (o_.progress && net_.rank() == 0) ? o_.out : nullptr, o_.plain_every);
     for (std::int64_t s = 0; s < n.value; ++s) {
       const auto t0 = std::chrono::steady_clock::now();
-      const double loss = step(data, o_.first_step + s);
+      const double loss = step(data, next_);
+      ++next_;
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       r.losses.push_back(loss);
       r.step_seconds.push_back(dt);
       line.update(s + 1, loss, dt, static_cast<double>(rows), flops / static_cast<double>(net_.world_size()));
+      if constexpr (checkpoints)
+        if (o_.save_every > 0 && next_ % o_.save_every == 0) save();
     }
     return r;
   }
@@ -206,6 +258,8 @@ class trainer {
   Opt opt_;
   trainer_options o_;
   typename Opt::state state_;
+  std::int64_t next_ = 0;
+  bool resumed_ = false;
 };
 
 }  // namespace whale

@@ -1,0 +1,311 @@
+// Checkpoints of any plan: `save_checkpoint` / `load_checkpoint` (collective),
+// sharded by what each rank owns, and loadable under any other plan or mesh.
+//
+// Each rank writes only the unsplit-parameter slices it owns (with their
+// optimizer state): a replica group's slices once (data coordinate 0, or the
+// ZeRO owner of each range), a tensor-parallel shard once per shard, a
+// replicated tail (a row-parallel bias) once. Loading reads, on every rank,
+// exactly the slices its lowered program places there, from whichever files
+// hold them: no gather, and any plan, mesh or world size on either side. The
+// files and their format: train/checkpoint_format.hpp, docs/training.md.
+#pragma once
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <filesystem>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "whale/comm/collectives.hpp"
+#include "whale/nn/layer.hpp"
+#include "whale/optim/optimizer.hpp"
+#include "whale/plan/describe.hpp"
+#include "whale/plan/program.hpp"
+#include "whale/train/checkpoint_format.hpp"
+
+namespace whale {
+
+/// What a load found.
+struct checkpoint_info {
+  std::string dir;            ///< the step directory that was read
+  std::int64_t step = 0;      ///< the data step to train next (steps done so far)
+  std::string plan, mesh;     ///< what it was saved under
+  int ranks = 1;
+};
+
+/// A network whose parameters a checkpoint can address: a single-process
+/// network<M>, or a plan's executor (its lowered program places each slice).
+template <class N>
+concept Checkpointable = requires(N& n) {
+  typename N::model_type;
+  { n.params() } -> std::convertible_to<view<float>>;
+  { n.param_count() } -> std::convertible_to<index_t>;
+  { n.rank() } -> std::convertible_to<int>;
+  { n.world_size() } -> std::convertible_to<int>;
+};
+
+namespace ckpt {
+
+/// Where this rank's flat buffer lies in the unsplit model, and what of it the rank writes.
+struct layout {
+  std::vector<piece> all;   ///< every local parameter
+  std::vector<piece> mine;  ///< what this rank writes (it owns them)
+  index_t resident_first = 0, resident_end = 0;  ///< local indices present in params()
+  index_t state_first = 0, state_end = 0;        ///< local indices the optimizer state covers
+};
+
+/// The parts of `ps` whose local index lies in [a, b).
+inline std::vector<piece> clip(const std::vector<piece>& ps, index_t a, index_t b) {
+  std::vector<piece> out;
+  for (const auto& p : ps) {
+    const index_t lo = std::max(a, p.local), hi = std::min(b, p.local + p.count);
+    if (lo < hi) out.push_back({p.full + (lo - p.local), lo, hi - lo});
+  }
+  return out;
+}
+
+/// A rank's layout from its lowered program.
+inline layout layout_of(const program& p, index_t resident_first, index_t resident_end, index_t state_first, index_t state_end) {
+  layout L{{}, {}, resident_first, resident_end, state_first, state_end};
+  const bool zero = p.zero_level > 0;
+  for (const auto& h : p.holds)
+    for (const auto& r : h.runs) {
+      const piece pc{h.full_offset + r.full, h.local_offset + r.local, r.count};
+      L.all.push_back(pc);
+      bool writes = true;
+      for (int a = 0; a < axis_count; ++a) {
+        const auto ax = static_cast<axis>(a);
+        const bool copies = h.replicated_over.contains(ax) || (r.whole && h.split_over.contains(ax));
+        // under ZeRO, ownership of ranges (below) decides over the data axis
+        if (copies && p.coords[static_cast<std::size_t>(a)] != 0 && !(zero && ax == axis::data)) writes = false;
+      }
+      if (zero && p.mesh.size(axis::data) > 1 && h.split_over.contains(axis::data))
+        throw std::invalid_argument("whale: checkpoints: " + h.name + " is split over the data axis under ZeRO; not supported");
+      if (writes) L.mine.push_back(pc);
+    }
+  if (zero) L.mine = clip(L.mine, p.owned_begin, p.owned_end);
+  L.mine = clip(L.mine, state_first, state_end);
+  return L;
+}
+
+template <class Net> layout layout_for(Net& net) {
+  if constexpr (requires { net.placement(); }) {
+    const index_t n = net.param_count();
+    const auto [sb, se] = net.range();
+    const bool all = net.params().numel() == n;  // ZeRO 3 keeps only the owned range
+    return layout_of(net.placement(), all ? 0 : sb, all ? n : se, sb, se);
+  } else {
+    const index_t n = net.param_count();
+    return {{{0, 0, n}}, {{0, 0, n}}, 0, n, 0, n};
+  }
+}
+template <class Net> std::string plan_name(Net& net) {
+  if constexpr (requires { net.placement(); }) return net.placement().plan;
+  else return "network<" + layer_name<typename Net::model_type>() + ">";
+}
+template <class Net> std::string mesh_name(Net& net) {
+  if constexpr (requires { net.placement(); }) {
+    std::ostringstream o;
+    o << net.placement().mesh;
+    return o.str();
+  } else {
+    return "one process";
+  }
+}
+
+/// Every rank learns whether any rank failed, and throws that rank's message (the lowest failing rank).
+template <class Net> void agree(Net& net, const std::string& err) {
+  if constexpr (requires { net.world(); }) {
+    auto& c = net.world();
+    int first = err.empty() ? INT_MAX : c.rank();
+    all_reduce(c, view<int>(&first, {1}), reduce_op::min);
+    if (first == INT_MAX) return;
+    std::int64_t n = static_cast<std::int64_t>(err.size());
+    broadcast(c, view<std::int64_t>(&n, {1}), first);
+    std::string msg = err;
+    msg.resize(static_cast<std::size_t>(n));
+    broadcast(c, view<char>(msg.data(), {static_cast<index_t>(n)}), first);
+    throw std::runtime_error(first == c.rank() ? msg : "rank " + std::to_string(first) + " reports: " + msg);
+  } else {
+    if (!err.empty()) throw std::runtime_error(err);
+  }
+}
+template <class F> std::string catching(F&& f) {
+  try {
+    f();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return {};
+}
+
+template <class M> std::vector<unit_rec> units_of() {
+  std::vector<unit_rec> u;
+  index_t at = 0;
+  for (const auto& d : describe<M>().units) {
+    if (d.full_params > 0) u.push_back({at, d.full_params, d.unsplit});
+    at += d.full_params;
+  }
+  return u;
+}
+template <class Opt> std::vector<std::string> vector_names(const Opt& opt) {
+  std::vector<std::string> v{"param"};
+  auto s = opt.make_state(1);
+  for (const auto& sv : s.vectors()) v.push_back(sv.name);
+  return v;
+}
+
+}  // namespace ckpt
+
+/// Save a checkpoint of step `step` (the data steps done) under `dir` as
+/// `dir/step-<step>/`, collective over the world: every rank writes its shard,
+/// rank 0 the metadata, and the directory appears only once complete. With
+/// `keep_last` > 0, older step directories beyond that many are removed.
+/// Returns the step directory. Throws on every rank if any rank fails.
+template <Checkpointable Net, class Opt>
+  requires CheckpointableState<typename Opt::state>
+std::string save_checkpoint(const std::string& dir, Net& net, const Opt& opt, typename Opt::state& st, std::int64_t step,
+                            int keep_last = 0) {
+  namespace fs = std::filesystem;
+  const int rank = net.rank(), world = net.world_size();
+  std::string err;
+  ckpt::layout L;
+  err = ckpt::catching([&] { L = ckpt::layout_for(net); });
+  ckpt::agree(net, err);
+  const std::string final_dir = dir + "/" + ckpt::step_name(step), part = final_dir + ".partial";
+  if (rank == 0) err = ckpt::catching([&] {
+    if (dir.empty()) throw std::invalid_argument("whale::save_checkpoint: the checkpoint directory is empty");
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) throw std::runtime_error("whale::save_checkpoint: cannot create '" + dir + "': " + ec.message());
+    fs::remove_all(part, ec);
+    if (!fs::create_directory(part, ec)) throw std::runtime_error("whale::save_checkpoint: cannot create '" + part + "': " + ec.message());
+  });
+  ckpt::agree(net, err);
+  const auto names = ckpt::vector_names(opt);
+  ckpt::file_rec mine;
+  err = ckpt::catching([&] {
+    std::vector<ckpt::vec_src> vecs{{net.params().data(), L.resident_first}};
+    auto sv = st.vectors();
+    for (std::size_t k = 1; k < names.size(); ++k)
+      vecs.push_back({k - 1 < sv.size() ? sv[k - 1].values.data() : nullptr, L.state_first});
+    if (sv.size() + 1 != names.size() && !L.mine.empty())
+      throw std::logic_error("whale::save_checkpoint: the optimizer state has " + std::to_string(sv.size()) + " vectors, expected " +
+                             std::to_string(names.size() - 1));
+    mine = ckpt::write_shard(part + "/" + ckpt::rank_file(rank), L.mine, vecs);
+  });
+  ckpt::agree(net, err);
+  std::vector<std::uint64_t> recs(static_cast<std::size_t>(2 * world), 0);
+  recs[static_cast<std::size_t>(2 * rank)] = mine.bytes;
+  recs[static_cast<std::size_t>(2 * rank + 1)] = mine.checksum;
+  if constexpr (requires { net.world(); })
+    all_reduce(net.world(), view<std::int64_t>(reinterpret_cast<std::int64_t*>(recs.data()), {2 * world}));
+  if (rank == 0) err = ckpt::catching([&] {
+    ckpt::meta m;
+    m.model = layer_name<typename Net::model_type>();
+    m.plan = ckpt::plan_name(net);
+    m.mesh = ckpt::mesh_name(net);
+    m.ranks = world;
+    m.step = step;
+    m.params = describe<typename Net::model_type>().full_params;
+    m.optimizer = Opt::name();
+    m.optimizer_steps = st.steps;
+    m.vectors = names;
+    m.units = ckpt::units_of<typename Net::model_type>();
+    for (int r = 0; r < world; ++r)
+      m.files.push_back({ckpt::rank_file(r), recs[static_cast<std::size_t>(2 * r)], recs[static_cast<std::size_t>(2 * r + 1)]});
+    detail::write_file_atomically(part + "/meta.txt", m.text(), "whale::save_checkpoint");
+    std::error_code ec;
+    if (fs::exists(final_dir)) fs::remove_all(final_dir, ec);
+    fs::rename(part, final_dir, ec);
+    if (ec) throw std::runtime_error("whale::save_checkpoint: cannot rename '" + part + "' to '" + final_dir + "': " + ec.message());
+    if (keep_last > 0) {
+      std::vector<std::string> steps;
+      for (const auto& e : fs::directory_iterator(dir)) {
+        const auto n = e.path().filename().string();
+        if (n.size() == 13 && n.rfind("step-", 0) == 0 && n.find_first_not_of("0123456789", 5) == std::string::npos) steps.push_back(n);
+      }
+      std::sort(steps.begin(), steps.end());
+      for (std::size_t i = 0; i + static_cast<std::size_t>(keep_last) < steps.size(); ++i) fs::remove_all(dir + "/" + steps[i], ec);
+    }
+  });
+  ckpt::agree(net, err);
+  return final_dir;
+}
+
+/// Load a checkpoint into `net` and `st` (collective): `path` is a step
+/// directory, or a checkpoint directory whose newest complete step is taken.
+/// Any plan, mesh and world size may have saved it; every rank reads the
+/// slices its program places there. The optimizer must be of the same kind.
+/// Throws on every rank, naming the file or the tensor, if it is missing,
+/// corrupt, truncated or of another model.
+template <Checkpointable Net, class Opt>
+  requires CheckpointableState<typename Opt::state>
+checkpoint_info load_checkpoint(const std::string& path, Net& net, const Opt& opt, typename Opt::state& st) {
+  namespace fs = std::filesystem;
+  using M = typename Net::model_type;
+  checkpoint_info info;
+  ckpt::meta m;
+  ckpt::layout L;
+  std::string err = ckpt::catching([&] {
+    L = ckpt::layout_for(net);
+    if (fs::exists(fs::path(path) / "meta.txt")) info.dir = path;
+    else if (fs::is_directory(path)) info.dir = ckpt::latest(path);
+    if (info.dir.empty())
+      throw std::runtime_error("whale::load_checkpoint: '" + path + "' is neither a checkpoint step directory (with meta.txt) nor a "
+                               "directory holding one (step-<N>/meta.txt)");
+    m = ckpt::parse_meta(info.dir + "/meta.txt");
+    // the same model: the same unsplit tensors in the same order (any plan of it)
+    auto where = "whale::load_checkpoint: '" + info.dir + "' ";
+    const auto units = ckpt::units_of<M>();
+    const std::string other = where + "holds another model (saved from " + m.plan + "; this is " + layer_name<M>() + "): ";
+    if (m.params != describe<M>().full_params || m.units.size() != units.size())
+      throw std::runtime_error(other + std::to_string(m.params) + " parameters in " + std::to_string(m.units.size()) +
+                               " tensors there, " + std::to_string(describe<M>().full_params) + " in " + std::to_string(units.size()) + " here");
+    for (std::size_t k = 0; k < units.size(); ++k)
+      if (m.units[k].name != units[k].name || m.units[k].count != units[k].count || m.units[k].offset != units[k].offset)
+        throw std::runtime_error(other + "tensor " + std::to_string(k) + " is " + m.units[k].name + " (" + std::to_string(m.units[k].count) +
+                                 " parameters) there, " + units[k].name + " (" + std::to_string(units[k].count) + ") here");
+    const auto names = ckpt::vector_names(opt);
+    if (m.optimizer != Opt::name() || m.vectors != names)
+      throw std::runtime_error(where + "holds the state of optimizer " + m.optimizer + " (" + std::to_string(m.vectors.size() - 1) +
+                               " vectors); this run uses " + Opt::name() + " (" + std::to_string(names.size() - 1) + ")");
+    // what this rank needs: its resident parameters, and the state of its range
+    auto needs_of = [](const std::vector<ckpt::piece>& ps) {
+      std::vector<ckpt::need> n;
+      for (const auto& p : ps) n.push_back({p.full, p.local, p.count});
+      std::sort(n.begin(), n.end(), [](const ckpt::need& a, const ckpt::need& b) { return a.full < b.full; });
+      return n;
+    };
+    const auto pn = needs_of(ckpt::clip(L.all, L.resident_first, L.resident_end));
+    const auto sn = needs_of(ckpt::clip(L.all, L.state_first, L.state_end));
+    std::vector<ckpt::vec_dst> dst{{net.params().data(), L.resident_first, &pn}};
+    auto sv = st.vectors();
+    for (std::size_t k = 0; k < sv.size(); ++k) dst.push_back({sv[k].values.data(), L.state_first, &sn});
+    ckpt::read_shards(info.dir, m, dst);
+    for (std::size_t v = 0; v < dst.size(); ++v) {
+      const auto& ns = *dst[v].needs;
+      for (std::size_t i = 0; i < ns.size(); ++i)
+        if (dst[v].got[i] != ns[i].count) {
+          std::string unit = "?";
+          for (const auto& u : units)
+            if (ns[i].full >= u.offset && ns[i].full < u.offset + u.count) unit = u.name;
+          throw std::runtime_error(where + "lacks " + m.vectors[v] + " values of " + unit + " (unsplit parameters [" +
+                                   std::to_string(ns[i].full) + ", " + std::to_string(ns[i].full + ns[i].count) + ")): a shard file is missing from its metadata");
+        }
+    }
+  });
+  ckpt::agree(net, err);
+  st.steps = m.optimizer_steps;
+  info.step = m.step;
+  info.plan = m.plan;
+  info.mesh = m.mesh;
+  info.ranks = m.ranks;
+  return info;
+}
+
+}  // namespace whale
