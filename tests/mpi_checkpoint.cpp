@@ -19,6 +19,7 @@
 #include "whale/optim/adamw.hpp"
 #include "whale/optim/sgd.hpp"
 #include "whale/runtime/make.hpp"
+#include "whale/train/safetensors.hpp"
 #include "whale/train/trainer.hpp"
 #include "support/plan_check.hpp"
 
@@ -326,5 +327,49 @@ TEST_CASE("corrupt, truncated, missing and foreign checkpoints are refused on ev
     std::ofstream(step_dir + "/meta.txt") << "whale-checkpoint 1\nmodel x\nbogus 1\n";
   });
   refused(w, "bad metadata", "meta.txt', line 3: unknown entry 'bogus'", [&] { fresh().load(step_dir); });
+  remove_dir(w, dir);
+}
+
+TEST_CASE("safetensors: the unsplit model exported under one plan imports under another and into one process") {
+  const int n = world_size();
+  auto ctx = test::on_mesh(spec_for("tp", n));
+  auto& w = ctx.world();
+  const auto dir = shared_dir(w, "safetensors");
+  const auto file = dir + "/model.safetensors";
+  auto net = make<tp>(ctx, seed{42});
+  trainer t(net, clipped(), clip_opts());
+  auto data = batches();
+  t.run(data, steps{2});
+  export_safetensors(file, net, t.next_step());
+  const auto full = net.full_params();
+  {
+    auto c2 = test::on_mesh(spec_for("pp", n));
+    auto p = make<pp>(c2, seed{3});
+    import_safetensors(file, p);
+    CHECK(bit_diffs(w, p.full_params().v(), full.v()) == 0);
+  }
+  network<small_gpt> single(seed{1});
+  import_safetensors(file, single);
+  CHECK(bit_diffs(w, single.params(), full.v()) == 0);
+  // the header is what a reader expects: 8-byte length, JSON naming F32 tensors
+  if (w.rank() == 0) {
+    std::ifstream in(file, std::ios::binary);
+    std::uint64_t len = 0;
+    in.read(reinterpret_cast<char*>(&len), 8);
+    std::string h(len, ' ');
+    in.read(h.data(), static_cast<std::streamsize>(len));
+    CHECK(h.find("\"000.embedding<64, 32>\":{\"dtype\":\"F32\",\"shape\":[2048],\"data_offsets\":[0,8192]}") != std::string::npos);
+    CHECK(8 + len + 4 * static_cast<std::uint64_t>(full.numel()) == fs::file_size(file));
+    fs::resize_file(file, fs::file_size(file) - 4);
+  }
+  barrier(w);
+  refused(w, "truncated safetensors", "lies past the end of the file (truncated)", [&] { import_safetensors(file, net); });
+  refused(w, "missing safetensors", "cannot be opened", [&] { import_safetensors(dir + "/none.safetensors", net); });
+  {
+    auto c3 = test::on_mesh("data=" + std::to_string(n));
+    auto other = make<replicate<other_gpt>>(c3, seed{1});
+    refused(w, "other model", "tensor 000.embedding<64, 48> is missing (another model?)", [&] { import_safetensors(file, other); });
+  }
+  refused(w, "unwritable export", "cannot create a file in", [&] { export_safetensors("/nonexistent-whale-dir/m.safetensors", net); });
   remove_dir(w, dir);
 }

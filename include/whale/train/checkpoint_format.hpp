@@ -15,6 +15,7 @@
 #pragma once
 
 #include <algorithm>
+#include <bit>
 #include <cerrno>
 #include <cstdint>
 #include <cstdio>
@@ -31,6 +32,8 @@
 #include "whale/tensor/tensor.hpp"
 
 namespace whale::ckpt {
+
+static_assert(std::endian::native == std::endian::little, "whale checkpoints are little-endian files written from memory");
 
 inline constexpr char magic[8] = {'W', 'H', 'A', 'L', 'E', 'C', 'K', '1'};
 inline constexpr int format_version = 1;
