@@ -5,7 +5,12 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <new>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
 
 #include "whale/models/mlp.hpp"
 #include "whale/models/xc.hpp"
@@ -134,4 +139,81 @@ TEST_CASE("no allocation after the first step") {
   for (int s = 1; s < 5; ++s) t.step(data, s);
   CHECK(g_news == news);
   CHECK(memory_snapshot().allocations == whale_allocs);
+}
+
+TEST_CASE("learning-rate schedules: values, and refused arguments") {
+  const warmup_cosine wc(1.0, 10, 110, 0.1);
+  CHECK(wc(0) == doctest::Approx(0.1));
+  CHECK(wc(9) == doctest::Approx(1.0));
+  CHECK(wc(10) == doctest::Approx(1.0));
+  CHECK(wc(60) == doctest::Approx(0.55));
+  CHECK(wc(110) == doctest::Approx(0.1));
+  CHECK(wc(500) == doctest::Approx(0.1));
+  const linear_decay ld(1.0, 100);
+  CHECK(ld(0) == doctest::Approx(1.0));
+  CHECK(ld(50) == doctest::Approx(0.5));
+  CHECK(ld(100) == doctest::Approx(0.0));
+  CHECK(constant_lr{0.3}(7) == doctest::Approx(0.3));
+  CHECK_THROWS_WITH_AS(warmup_cosine(std::nan(""), 1, 10), doctest::Contains("peak rate must be finite and positive"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(warmup_cosine(1.0, -5, 10), doctest::Contains("warm-up steps must be >= 0 (got -5)"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(linear_decay(1.0, 10, 20), doctest::Contains("total steps must be >= 1 and >= the warm-up"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(linear_decay(1.0, 10, 0, 2.0), doctest::Contains("final rate must be in [0, peak]"), std::invalid_argument);
+}
+
+TEST_CASE("the trainer applies the schedule, reports each step to on_step and writes the metrics log") {
+  network<small> net(seed{1});
+  teacher_data data(seed{2}, 32, 16, 8);
+  auto o = quiet();
+  o.lr_schedule = [](std::int64_t s) { return s == 1 ? 0.0 : 0.1; };
+  const auto log = std::string(std::getenv("TMPDIR") ? std::getenv("TMPDIR") : "/tmp") + "/whale-test-log-" + std::to_string(::getpid()) + ".jsonl";
+  o.log_path = log;
+  std::vector<step_report> seen;
+  std::vector<std::vector<float>> after;
+  o.on_step = [&](const step_report& r) {
+    seen.push_back(r);
+    after.emplace_back(net.params().data(), net.params().data() + net.param_count());
+  };
+  trainer t(net, sgd{.lr = 0.5f}, o);
+  const auto r = t.run(data, steps{3});
+  REQUIRE(seen.size() == 3);
+  CHECK(seen[0].lr == doctest::Approx(0.1));
+  CHECK(seen[1].lr == 0.0);
+  CHECK(seen[2].lr == doctest::Approx(0.1));
+  CHECK(seen[1].step == 1);
+  CHECK(seen[1].loss == r.losses[1]);
+  CHECK(seen[1].grad_norm > 0);
+  CHECK(after[1] == after[0]);  // a zero rate leaves the parameters as they were
+  CHECK(after[2] != after[1]);
+  std::ifstream in(log);
+  std::string line;
+  int n = 0;
+  while (std::getline(in, line)) {
+    CHECK(line.rfind("{\"step\":" + std::to_string(n) + ",\"loss\":", 0) == 0);
+    CHECK(line.find("\"grad_norm\":") != std::string::npos);
+    ++n;
+  }
+  CHECK(n == 3);
+  std::remove(log.c_str());
+  auto bad = quiet();
+  bad.log_path = "/nonexistent-whale-dir/log.jsonl";
+  CHECK_THROWS_WITH_AS(trainer(net, sgd{}, bad), doctest::Contains("the metrics log (trainer_options::log_path, --log) '/nonexistent-whale-dir/log.jsonl': cannot create a file in"),
+                       std::runtime_error);
+}
+
+TEST_CASE("OpenBLAS threads: WHALE_THREADS, else OPENBLAS_NUM_THREADS, else 1; bad values are errors") {
+  const char* w = std::getenv("WHALE_THREADS");
+  const char* b = std::getenv("OPENBLAS_NUM_THREADS");
+  const std::string ws = w ? w : "", bs = b ? b : "";
+  ::unsetenv("WHALE_THREADS");
+  ::setenv("OPENBLAS_NUM_THREADS", "3", 1);
+  CHECK(cpu::default_threads() == 3);
+  ::setenv("OPENBLAS_NUM_THREADS", "2x", 1);
+  CHECK_THROWS_WITH_AS(cpu::default_threads(), doctest::Contains("OPENBLAS_NUM_THREADS"), std::invalid_argument);
+  ::setenv("WHALE_THREADS", "2", 1);
+  CHECK(cpu::default_threads() == 2);
+  ::unsetenv("OPENBLAS_NUM_THREADS");
+  ::unsetenv("WHALE_THREADS");
+  CHECK(cpu::default_threads() == 1);
+  if (w) ::setenv("WHALE_THREADS", ws.c_str(), 1);
+  if (b) ::setenv("OPENBLAS_NUM_THREADS", bs.c_str(), 1);
 }

@@ -65,12 +65,15 @@ inline void gemm_strided_batched(trans ta, trans tb, index_t M, index_t N, index
          ldc);
 }
 
-/// OpenBLAS threads for this process. Default 1 (one rank per core); WHALE_THREADS overrides.
+/// OpenBLAS threads for this process: WHALE_THREADS, else OPENBLAS_NUM_THREADS
+/// (OpenBLAS's own variable, respected), else 1 (one rank per core).
 inline void set_threads(int n) { openblas_set_num_threads(n < 1 ? 1 : n); }
 inline int threads() { return openblas_get_num_threads(); }
 inline int default_threads() {
   if (const char* e = std::getenv("WHALE_THREADS"))
     return static_cast<int>(whale::detail::parse_int(e, "WHALE_THREADS", 1, 4096));  // "2x", "0", "-1" are errors
+  if (const char* e = std::getenv("OPENBLAS_NUM_THREADS"))
+    return static_cast<int>(whale::detail::parse_int(e, "OPENBLAS_NUM_THREADS", 1, 4096));
   return 1;
 }
 

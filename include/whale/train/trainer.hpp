@@ -7,14 +7,18 @@
 #include <chrono>
 #include <cmath>
 #include <concepts>
+#include <functional>
 #include <cstdint>
 #include <cstdio>
+#include <limits>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "whale/nn/layer.hpp"
+#include "whale/optim/lr_schedule.hpp"
 #include "whale/optim/optimizer.hpp"
 #include "whale/plan/describe.hpp"
 #include "whale/train/checkpoint.hpp"
@@ -43,6 +47,16 @@ concept Trainable = requires(N& n, const N& cn, step_ctx& c, index_t g, double d
   { cn.world_size() } -> std::convertible_to<int>;
 };
 
+/// What one step did, for trainer_options::on_step and the metrics log.
+struct step_report {
+  std::int64_t step = 0;     ///< the data step (from 0)
+  double loss = 0;           ///< global mean loss
+  double lr = 0;             ///< the learning rate applied (the optimizer's, or the schedule's)
+  double grad_norm = 0;      ///< global gradient norm before clipping (NaN if not computed)
+  double seconds = 0;        ///< wall time of the step
+  double tokens_per_s = 0;   ///< rows (tokens, or samples) of the global batch per second
+};
+
 struct trainer_options {
   double max_grad_norm = 0;      ///< clip gradients to this global norm (0: no clipping)
   bool progress = true;          ///< print the progress line (rank 0 only)
@@ -62,6 +76,14 @@ struct trainer_options {
   /// (0: all); with `resume`, run() first loads the newest complete checkpoint
   /// in `checkpoint_dir` if there is one, and continues from its step.
   std::string checkpoint_dir;
+  std::string log_path;
+  /// The learning rate of each data step (e.g. warmup_cosine{3e-4, 100, 2000}; optim/lr_schedule.hpp),
+  /// set on the optimizer (its `lr`) before each update. Empty: the optimizer's own rate.
+  std::function<double(std::int64_t)> lr_schedule;
+  /// Called on every rank after each step of run() (e.g. to evaluate every k steps).
+  std::function<void(const step_report&)> on_step;
+  /// Metrics log: rank 0 appends one JSON object per step of run() to this file (flushed per line):
+  /// {"step", "loss", "lr", "grad_norm", "step_s", "tokens_per_s"}. Checked when the trainer is made.
   std::int64_t save_every = 0;
   int keep_last = 0;
   bool resume = false;
@@ -127,6 +149,19 @@ class trainer {
     if ((o_.save_every > 0 || o_.resume) && !checkpoints)
       throw std::invalid_argument("whale::trainer: save_every and resume need a Checkpointable network (network<M> or a plan "
                                   "made by make<P>) and an optimizer whose state has vectors() (sgd, adamw)");
+    if constexpr (!requires { opt_.lr; })
+      if (o_.lr_schedule) throw std::invalid_argument(std::string("whale::trainer: lr_schedule needs an optimizer with a member `lr`; ") + Opt::name() + " has none");
+    if (!o_.log_path.empty()) {  // checked on every rank (collective when the network has a world)
+      std::string err;
+      if (net_.rank() == 0) {
+        if (auto why = detail::output_path_problem(o_.log_path); !why.empty())
+          err = "whale::trainer: the metrics log (trainer_options::log_path, --log) '" + o_.log_path + "': " + why + "; nothing was run";
+        else if (log_.reset(std::fopen(o_.log_path.c_str(), "w")); !log_)
+          err = "whale::trainer: the metrics log '" + o_.log_path + "' cannot be opened: " + detail::system_reason(errno);
+      }
+      if constexpr (Checkpointable<Net>) ckpt::agree(net_, err);
+      else if (!err.empty()) throw std::runtime_error(err);
+    }
   }
 
   /// The data step run() trains next (first_step, advanced by run() and by load()).
@@ -180,8 +215,10 @@ class trainer {
                                "; check the data for NaN/Inf, lower the learning rate" + clip() +
                                ", or run with --check-finite to name the first layer whose output is not finite");
     float scale = 1.f;
+    last_norm_ = std::numeric_limits<double>::quiet_NaN();
     if (o_.max_grad_norm > 0 || o_.check_grad_norm) {
       const double norm = net_.grad_norm();
+      last_norm_ = norm;
       if (!std::isfinite(norm)) {
         std::string where;
         if constexpr (requires { net_.first_nonfinite_grad(); }) where = net_.first_nonfinite_grad();  // collective
@@ -194,6 +231,15 @@ class trainer {
                                  ", or run with --check-finite to name the first layer whose output is not finite");
       }
       if (o_.max_grad_norm > 0) scale = clip_coefficient(norm, o_.max_grad_norm);
+    }
+    if constexpr (requires { opt_.lr; }) {
+      if (o_.lr_schedule) {
+        const double lr = o_.lr_schedule(step);
+        if (!std::isfinite(lr) || lr < 0)
+          throw std::invalid_argument(at() + "the learning-rate schedule gave " + std::to_string(lr) + "; it must be finite and >= 0");
+        opt_.lr = static_cast<float>(lr);
+      }
+      last_lr_ = opt_.lr;
     }
     net_.apply_optimizer(opt_, state_, scale);
     return loss;
@@ -226,6 +272,16 @@ class trainer {
       r.losses.push_back(loss);
       r.step_seconds.push_back(dt);
       line.update(s + 1, loss, dt, static_cast<double>(rows), flops / static_cast<double>(net_.world_size()));
+      if (o_.on_step || log_) {
+        const step_report rep{next_ - 1, loss, last_lr_, last_norm_, dt, dt > 0 ? static_cast<double>(rows) / dt : 0};
+        if (log_) {
+          std::fprintf(log_.get(), "{\"step\":%lld,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%s,\"step_s\":%.6g,\"tokens_per_s\":%.6g}\n",
+                       static_cast<long long>(rep.step), rep.loss, rep.lr,
+                       std::isfinite(rep.grad_norm) ? std::to_string(rep.grad_norm).c_str() : "null", rep.seconds, rep.tokens_per_s);
+          std::fflush(log_.get());
+        }
+        if (o_.on_step) o_.on_step(rep);
+      }
       if constexpr (checkpoints)
         if (o_.save_every > 0 && next_ % o_.save_every == 0) save();
     }
@@ -260,6 +316,11 @@ class trainer {
   typename Opt::state state_;
   std::int64_t next_ = 0;
   bool resumed_ = false;
+  double last_norm_ = 0, last_lr_ = 0;
+  struct file_close {
+    void operator()(std::FILE* f) const { std::fclose(f); }
+  };
+  std::unique_ptr<std::FILE, file_close> log_;
 };
 
 }  // namespace whale
