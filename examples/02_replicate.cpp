@@ -5,7 +5,7 @@
 // process would on the whole batch (the same losses at 1, 2 or 4 ranks), in less
 // time. The loss falls slowly from ln(1024) ≈ 6.93: 1024 teacher classes.
 //
-//   mpirun -np 2 ./build/examples/example_02_replicate [--steps N] [--threads T]
+//   mpirun -np 2 ./build/examples/example_02_replicate [--steps N] [--save DIR [--save-every K]] [--resume DIR] [--log FILE] [--threads T]
 //
 // Legend of shape comments: B the global batch (256), B/p the rows of one of p ranks.
 #include <whale/whale.hpp>
@@ -23,11 +23,11 @@ int main(int argc, char** argv) {
   // 1. Start: MPI, the mesh (default: every rank on the `data` axis), --threads.
   auto ctx = context::init(argc, argv);
   return ctx.guard([&] {
-    std::int64_t n_steps = 20;
+    run_flags flags(20);  // --steps --save --save-every --resume --log
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if (a == "--steps" && i + 1 < argc) n_steps = whale::detail::parse_int(argv[++i], "--steps", 1, 100000000);
-      else throw std::invalid_argument("example_02: unknown argument " + a + " (have --steps, --threads)");
+      if (flags.take(i, argc, argv)) continue;
+      else throw std::invalid_argument("example_02: unknown argument " + a + " (have " + std::string(run_flags::names) + ", --threads)");
     }
 
     // 2. The plan is the type: replicate<mlp> = mlp, data parallel over `data`.
@@ -41,13 +41,14 @@ int main(int argc, char** argv) {
     // 4. Train: the trainer gives each rank its rows of every global batch and
     //    prints the progress line on rank 0; the loss it reports is global.
     auto data = models::mlp_data(seed{7});  // 256 samples per step, whatever the rank count
-    trainer t(net, sgd{.lr = 0.1f, .momentum = 0.9f});
-    const auto r = t.run(data, steps{n_steps});
+    trainer t(net, sgd{.lr = 0.1f, .momentum = 0.9f}, flags.options());
+    const auto r = flags.run(t, data);  // resumes, trains to --steps, saves
 
     // 5. The same numbers on every rank; rank 0 says them.
     if (ctx.rank() == 0)
       std::printf("%d rank(s): loss %.4f -> %.4f, median step %.3f s\n", ctx.size(), r.loss_first(),
                   r.loss_last(), r.median_step_s());
+    print_params_checksum(net);  // collective
     return 0;
   });
 }

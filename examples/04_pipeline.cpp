@@ -7,7 +7,7 @@
 // rank); each step ends with a flush, so it trains exactly as one process would.
 //
 //   mpirun -np 2 ./example_04_pipeline --mesh pipe=2 [--micro-batches 8] [--stage-blocks 3,1]
-//          [--schedule gpipe|1f1b|zb-h1|interleaved] [--trace out.json] [--steps N]
+//          [--schedule gpipe|1f1b|zb-h1|interleaved] [--trace out.json] [--steps N] [--save DIR [--save-every K]] [--resume DIR] [--log FILE]
 //   mpirun -np 4 ./example_04_pipeline --mesh data=2,pipe=2     (replicate<pipeline<...>>)
 //
 // Open out.json in https://ui.perfetto.dev: one row per rank, a span per
@@ -26,13 +26,13 @@
 
 using namespace whale;
 
-template <class Plan> int train(const context& ctx, const plan_options& o, std::int64_t n_steps) {
+template <class Plan> int train(const context& ctx, const plan_options& o, const run_flags& flags) {
   auto net = make<Plan>(ctx, seed{42}, o);  // checks the mesh, the stage cut and the schedule on every rank
   if (ctx.rank() == 0) std::cout << net;
   auto data = models::gpt_data(seed{7});  // 16 sequences x 128 tokens per step
   // Each stage sends (B/m * T, C) activations forward and their gradients back.
-  trainer t(net, sgd{.lr = 0.01f, .momentum = 0.9f});
-  const auto r = t.run(data, steps{n_steps});
+  trainer t(net, sgd{.lr = 0.01f, .momentum = 0.9f}, flags.options());
+  const auto r = flags.run(t, data);  // resumes, trains to --steps, saves
   // Predictions: the logits of this replica's rows of a held-out step, by a
   // forward-only pass (every micro-batch forward; the last stage's output is
   // broadcast to the replica's other stages). (B*T, V) on every rank.
@@ -61,6 +61,7 @@ template <class Plan> int train(const context& ctx, const plan_options& o, std::
       std::printf("bubble: busiest stage %.3f (the schedule's, passes of equal time: %.3f), mean over stages %.3f\n",
                   b.bottleneck, net.schedule_info().bubble, b.mean);
   }
+  print_params_checksum(net);  // collective
   return 0;
 }
 
@@ -70,28 +71,28 @@ int main(int argc, char** argv) {
     auto o = plan_options::from_args(argc, argv);  // --micro-batches, --stage-blocks, --trace
     if (o.micro_batches == 0) o.micro_batches = 8;
     o.trace = true;  // record spans in memory, for the bubble line
-    std::int64_t n_steps = 10;
+    run_flags flags(10);  // --steps --save --save-every --resume --log
     std::string schedule = "1f1b";
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if (a == "--steps" && i + 1 < argc) n_steps = whale::detail::parse_int(argv[++i], "--steps", 1, 100000000);
+      if (flags.take(i, argc, argv)) continue;
       else if (a == "--schedule" && i + 1 < argc) schedule = argv[++i];
-      else throw std::invalid_argument("example_04: unknown argument " + a);
+      else throw std::invalid_argument("example_04: unknown argument " + a + " (have " + std::string(run_flags::names) + ", --schedule, --mesh, --micro-batches, --stage-blocks, --trace, --threads)");
     }
     const bool replicated = ctx.mesh().shape().size(axis::data) > 1;
     // The plan is a type: the schedule and replicate<...> are chosen at compile time.
     if (schedule == "gpipe")
-      return replicated ? train<replicate<pipeline<gpipe, models::gpt>>>(ctx, o, n_steps)
-                        : train<pipeline<gpipe, models::gpt>>(ctx, o, n_steps);
+      return replicated ? train<replicate<pipeline<gpipe, models::gpt>>>(ctx, o, flags)
+                        : train<pipeline<gpipe, models::gpt>>(ctx, o, flags);
     if (schedule == "1f1b")
-      return replicated ? train<replicate<pipeline<one_f_one_b, models::gpt>>>(ctx, o, n_steps)
-                        : train<pipeline<one_f_one_b, models::gpt>>(ctx, o, n_steps);
+      return replicated ? train<replicate<pipeline<one_f_one_b, models::gpt>>>(ctx, o, flags)
+                        : train<pipeline<one_f_one_b, models::gpt>>(ctx, o, flags);
     if (schedule == "zb-h1")
-      return replicated ? train<replicate<pipeline<zb_h1, models::gpt>>>(ctx, o, n_steps)
-                        : train<pipeline<zb_h1, models::gpt>>(ctx, o, n_steps);
+      return replicated ? train<replicate<pipeline<zb_h1, models::gpt>>>(ctx, o, flags)
+                        : train<pipeline<zb_h1, models::gpt>>(ctx, o, flags);
     if (schedule == "interleaved")
-      return replicated ? train<replicate<pipeline<interleaved_1f1b<2>, models::gpt>>>(ctx, o, n_steps)
-                        : train<pipeline<interleaved_1f1b<2>, models::gpt>>(ctx, o, n_steps);
+      return replicated ? train<replicate<pipeline<interleaved_1f1b<2>, models::gpt>>>(ctx, o, flags)
+                        : train<pipeline<interleaved_1f1b<2>, models::gpt>>(ctx, o, flags);
     throw std::invalid_argument("example_04: --schedule " + schedule + ": have gpipe, 1f1b, zb-h1, interleaved");
   });
 }

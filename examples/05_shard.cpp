@@ -5,7 +5,7 @@
 // exactly as one process would on the whole batch; what changes is the memory
 // each rank holds, printed by category after the first step.
 //
-//   mpirun -np 2 ./build/examples/example_05_shard [--steps N] [--level 1|2|3] [--threads T]
+//   mpirun -np 2 ./build/examples/example_05_shard [--steps N] [--save DIR [--save-every K]] [--resume DIR] [--log FILE] [--level 1|2|3] [--threads T]
 //
 // Legend of shape comments: B sequences (16 per step, B/p per rank), T tokens (128), C width (256).
 #include <whale/whale.hpp>
@@ -27,7 +27,7 @@ using gpt_recomputed =
     sequential<embedding<8192, 256>, position_embedding<128, 256>, repeat<4, recompute<transformer_block<256, 4, 1024>>>,
                layer_norm<256>, linear<256, 8192>, softmax_cross_entropy>;
 
-template <int Level> int train(const context& ctx, std::int64_t n_steps) {
+template <int Level> int train(const context& ctx, const run_flags& flags) {
   // 1. The plan is the type: shard<M, Level>. make() builds its runtime.
   auto net = make<shard<gpt_recomputed, Level>>(ctx, seed{42});
   if (ctx.rank() == 0) std::cout << net;
@@ -35,41 +35,39 @@ template <int Level> int train(const context& ctx, std::int64_t n_steps) {
   // 2. One step, then the memory each rank holds (params/grads/optimizer are the
   //    model state; comm holds gathered parameters and gradients in flight).
   auto data = models::gpt_data(seed{7});
-  trainer_options o;
-  o.progress = false;
-  trainer t(net, sgd{.lr = 0.01f, .momentum = 0.9f}, o);
-  reset_memory_peaks();
-  const double first = t.step(data, 0);
-  if (ctx.rank() == 0) std::cout << "after step 1, rank 0: " << memory_snapshot() << "\n";
+  trainer t(net, sgd{.lr = 0.01f, .momentum = 0.9f}, flags.options());
+  if (!flags.resume.empty()) t.load(flags.resume);
+  if (flags.remaining(t) > 0) {
+    reset_memory_peaks();
+    const auto r1 = t.run(data, steps{1});
+    if (ctx.rank() == 0) std::cout << "after step " << t.next_step() << ", rank 0: " << memory_snapshot() << "\n";
 
-  // 3. The rest, with the progress line.
-  o.progress = true;
-  o.first_step = 1;
-  trainer rest(net, sgd{.lr = 0.01f, .momentum = 0.9f}, o);
-  rest.optimizer_state() = std::move(t.optimizer_state());
-  const auto r = rest.run(data, steps{n_steps - 1});
-  if (ctx.rank() == 0)
-    std::printf("ZeRO-%d on %d rank(s): loss %.4f -> %.4f, median step %.3f s\n", Level, ctx.size(), first,
-                r.loss_last(), r.median_step_s());
+    // 3. The rest, with the progress line; then the final save of --save.
+    const auto r = t.run(data, steps{flags.remaining(t)});
+    if (ctx.rank() == 0)
+      std::printf("ZeRO-%d on %d rank(s): loss %.4f -> %.4f, median step %.3f s\n", Level, ctx.size(), r1.loss_first(),
+                  r.losses.empty() ? r1.loss_last() : r.loss_last(), r.losses.empty() ? r1.median_step_s() : r.median_step_s());
+  }
+  flags.finish(t);
+  print_params_checksum(net);  // collective
   return 0;
 }
 
 int main(int argc, char** argv) {
   auto ctx = context::init(argc, argv);
   return ctx.guard([&] {
-    std::int64_t n_steps = 10;
+    run_flags flags(10);  // --steps --save --save-every --resume --log
     int level = 3;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if (a == "--steps" && i + 1 < argc) n_steps = whale::detail::parse_int(argv[++i], "--steps", 1, 100000000);
+      if (flags.take(i, argc, argv)) continue;
       else if (a == "--level" && i + 1 < argc) level = static_cast<int>(whale::detail::parse_int(argv[++i], "--level", 1, 3));
-      else throw std::invalid_argument("example_05: unknown argument " + a + " (have --steps, --level, --threads)");
+      else throw std::invalid_argument("example_05: unknown argument " + a + " (have " + std::string(run_flags::names) + ", --level, --threads)");
     }
-    if (n_steps < 2) throw std::invalid_argument("example_05: --steps must be at least 2");
     switch (level) {
-      case 1: return train<1>(ctx, n_steps);
-      case 2: return train<2>(ctx, n_steps);
-      case 3: return train<3>(ctx, n_steps);
+      case 1: return train<1>(ctx, flags);
+      case 2: return train<2>(ctx, flags);
+      case 3: return train<3>(ctx, flags);
       default: throw std::invalid_argument("example_05: --level must be 1, 2 or 3");
     }
   });

@@ -4,7 +4,7 @@
 // data × model mesh. The collectives between layers are chosen at compile
 // time from the layouts; the plan prints them.
 //
-//   mpirun -np 4 ./example_06_hybrid_gpt --mesh data=2,model=2 [--steps N]
+//   mpirun -np 4 ./example_06_hybrid_gpt --mesh data=2,model=2 [--steps N] [--save DIR [--save-every K]] [--resume DIR] [--log FILE]
 //
 // Legend: B sequences per data rank, T = 128 tokens, C = 256 width, V = 8192.
 #include <whale/whale.hpp>
@@ -22,23 +22,24 @@ using model = split<models::gpt, axis::model>;
 int main(int argc, char** argv) {
   auto ctx = context::init(argc, argv);
   return ctx.guard([&] {
-    std::int64_t n_steps = 300;
+    run_flags flags(300);  // --steps --save --save-every --resume --log
     float lr = 3e-3f;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if (a == "--steps" && i + 1 < argc) n_steps = whale::detail::parse_int(argv[++i], "--steps", 1, 100000000);
+      if (flags.take(i, argc, argv)) continue;
       else if (a == "--lr" && i + 1 < argc) lr = static_cast<float>(whale::detail::parse_double(argv[++i], "--lr", 0, 10, true));
-      else throw std::invalid_argument("example_06: unknown argument " + a + " (have --steps, --lr, --mesh, --threads)");
+      else throw std::invalid_argument("example_06: unknown argument " + a + " (have " + std::string(run_flags::names) + ", --lr, --mesh, --threads)");
     }
     auto net = make<model>(ctx, seed{42});
     if (ctx.rank() == 0) std::cout << ctx.mesh() << "\n" << net;
 
     auto data = models::gpt_data(seed{7});  // 16 sequences x 128 tokens per step, split over data
-    trainer t(net, adamw{.lr = lr, .weight_decay = 0.0f});
-    const auto r = t.run(data, steps{n_steps});
+    trainer t(net, adamw{.lr = lr, .weight_decay = 0.0f}, flags.options());
+    const auto r = flags.run(t, data);  // resumes, trains to --steps, saves
     if (ctx.rank() == 0)
       std::cout << "loss " << r.loss_first() << " -> " << r.loss_last() << " (floor ln 8 = 2.079), median step "
                 << r.median_step_s() << " s\n";
+    print_params_checksum(net);  // collective
     return 0;
   });
 }

@@ -73,6 +73,10 @@
 #include "whale/train/progress.hpp"
 #include "whale/comm/trace.hpp"
 #include "whale/train/trainer.hpp"
+#include "whale/train/checkpoint.hpp"
+#include "whale/train/safetensors.hpp"
+#include "whale/train/run_flags.hpp"
+#include "whale/optim/lr_schedule.hpp"
 
 // the reference workloads
 #include "whale/models/gpt.hpp"

@@ -119,6 +119,36 @@ class context {
   context& operator=(const context&) = delete;
   ~context() { shut_down(); }
 
+  /// Another context over the same ranks on the mesh `spec` (e.g. "model=4"), to run a
+  /// second plan beside the first (e.g. load a checkpoint under another plan). It
+  /// does not own MPI. Collective; a bad spec throws mesh_error on every rank.
+  context with_mesh(const std::string& spec) const {
+    world_comm world =
+#ifdef WHALE_HAS_MPI
+        mpi_comm::world();
+#else
+        local_comm("world");
+#endif
+    std::string error;
+    mesh_shape shape;
+    try {
+      shape = mesh_shape::parse(spec, world.size(), "with_mesh");
+    } catch (const detail::parse_error& e) {
+      error = e.what();
+    } catch (const mesh_error& e) {
+      error = e.what();
+    }
+    int bad = error.empty() ? 0 : 1;
+#ifdef WHALE_HAS_MPI
+    int any = 0;
+    MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, world.native());
+    if (any && !bad) error = "whale: another rank rejected the mesh '" + spec + "'; see its message";
+    bad = any;
+#endif
+    if (bad) throw mesh_error(error);
+    return context(std::make_unique<state>(false, s_->threads, std::move(world), shape));
+  }
+
   int rank() const noexcept { return s_->world.rank(); }
   int size() const noexcept { return s_->world.size(); }
   int threads() const noexcept { return s_->threads; }

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "whale/comm/collectives.hpp"
+#include "whale/comm/context.hpp"
 #include "whale/nn/layer.hpp"
 #include "whale/optim/optimizer.hpp"
 #include "whale/plan/describe.hpp"
@@ -117,23 +118,30 @@ template <class Net> std::string mesh_name(Net& net) {
   }
 }
 
-/// Every rank learns whether any rank failed, and throws that rank's message (the lowest failing rank).
-template <class Net> void agree(Net& net, const std::string& err) {
-  if constexpr (requires { net.world(); }) {
-    auto& c = net.world();
-    int first = err.empty() ? INT_MAX : c.rank();
-    all_reduce(c, view<int>(&first, {1}), reduce_op::min);
-    if (first == INT_MAX) return;
-    std::int64_t n = static_cast<std::int64_t>(err.size());
-    broadcast(c, view<std::int64_t>(&n, {1}), first);
-    std::string msg = err;
-    msg.resize(static_cast<std::size_t>(n));
-    broadcast(c, view<char>(msg.data(), {static_cast<index_t>(n)}), first);
-    throw std::runtime_error(first == c.rank() ? msg : "rank " + std::to_string(first) + " reports: " + msg);
-  } else {
-    if (!err.empty()) throw std::runtime_error(err);
-  }
+/// The world communicator of a plan, or null for a single process.
+template <class Net> world_comm* world_of(Net& net) {
+  if constexpr (requires { net.world(); }) return &net.world();
+  else return nullptr;
 }
+
+/// Every rank learns whether any rank failed, and throws that rank's message
+/// (the lowest failing rank's). `c` null: a single process.
+inline void agree(world_comm* c, const std::string& err) {
+  if (!c) {
+    if (!err.empty()) throw std::runtime_error(err);
+    return;
+  }
+  int first = err.empty() ? INT_MAX : c->rank();
+  all_reduce(*c, view<int>(&first, {1}), reduce_op::min);
+  if (first == INT_MAX) return;
+  std::int64_t n = static_cast<std::int64_t>(err.size());
+  broadcast(*c, view<std::int64_t>(&n, {1}), first);
+  std::string msg = err;
+  msg.resize(static_cast<std::size_t>(n));
+  broadcast(*c, view<char>(msg.data(), {static_cast<index_t>(n)}), first);
+  throw std::runtime_error(first == c->rank() ? msg : "rank " + std::to_string(first) + " reports: " + msg);
+}
+template <class Net> void agree(Net& net, const std::string& err) { agree(world_of(net), err); }
 template <class F> std::string catching(F&& f) {
   try {
     f();
@@ -143,15 +151,17 @@ template <class F> std::string catching(F&& f) {
   return {};
 }
 
-template <class M> std::vector<unit_rec> units_of() {
+/// The unsplit model's tensors (its leaf layers with parameters, flat order).
+inline std::vector<unit_rec> units_of(const model_desc& d) {
   std::vector<unit_rec> u;
   index_t at = 0;
-  for (const auto& d : describe<M>().units) {
-    if (d.full_params > 0) u.push_back({at, d.full_params, d.unsplit});
-    at += d.full_params;
+  for (const auto& x : d.units) {
+    if (x.full_params > 0) u.push_back({at, x.full_params, x.unsplit});
+    at += x.full_params;
   }
   return u;
 }
+template <class M> std::vector<unit_rec> units_of() { return units_of(describe<M>()); }
 template <class Opt> std::vector<std::string> vector_names(const Opt& opt) {
   std::vector<std::string> v{"param"};
   auto s = opt.make_state(1);
@@ -159,25 +169,45 @@ template <class Opt> std::vector<std::string> vector_names(const Opt& opt) {
   return v;
 }
 
-}  // namespace ckpt
+/// What save and load need of a network and its optimizer, without their types.
+struct target {
+  world_comm* comm = nullptr;
+  int rank = 0, world = 1;
+  layout L;
+  float* params = nullptr;              ///< its resident parameters (local index L.resident_first)
+  std::vector<float*> state;            ///< its optimizer vectors (local index L.state_first)
+  std::int64_t* optimizer_steps = nullptr;
+  meta expected;                        ///< model, plan, mesh, params, optimizer, vectors, units (no files, no step)
+};
+template <class Net, class Opt> target target_of(Net& net, const Opt& opt, typename Opt::state& st) {
+  target t;
+  t.comm = world_of(net);
+  t.rank = net.rank(), t.world = net.world_size();
+  std::string err = catching([&] { t.L = layout_for(net); });
+  agree(t.comm, err);
+  t.params = net.params().data();
+  for (auto& v : st.vectors()) t.state.push_back(v.values.data());
+  t.optimizer_steps = &st.steps;
+  auto& m = t.expected;
+  m.model = layer_name<typename Net::model_type>();
+  m.plan = plan_name(net);
+  m.mesh = mesh_name(net);
+  m.ranks = t.world;
+  const auto d = describe<typename Net::model_type>();
+  m.params = d.full_params;
+  m.units = units_of(d);
+  m.optimizer = Opt::name();
+  m.optimizer_steps = st.steps;
+  m.vectors = vector_names(opt);
+  return t;
+}
 
-/// Save a checkpoint of step `step` (the data steps done) under `dir` as
-/// `dir/step-<step>/`, collective over the world: every rank writes its shard,
-/// rank 0 the metadata, and the directory appears only once complete. With
-/// `keep_last` > 0, older step directories beyond that many are removed.
-/// Returns the step directory. Throws on every rank if any rank fails.
-template <Checkpointable Net, class Opt>
-  requires CheckpointableState<typename Opt::state>
-std::string save_checkpoint(const std::string& dir, Net& net, const Opt& opt, typename Opt::state& st, std::int64_t step,
-                            int keep_last = 0) {
+/// save_checkpoint's work, for any network (see there).
+inline std::string save(const std::string& dir, target& t, std::int64_t step, int keep_last) {
   namespace fs = std::filesystem;
-  const int rank = net.rank(), world = net.world_size();
   std::string err;
-  ckpt::layout L;
-  err = ckpt::catching([&] { L = ckpt::layout_for(net); });
-  ckpt::agree(net, err);
-  const std::string final_dir = dir + "/" + ckpt::step_name(step), part = final_dir + ".partial";
-  if (rank == 0) err = ckpt::catching([&] {
+  const std::string final_dir = dir + "/" + step_name(step), part = final_dir + ".partial";
+  if (t.rank == 0) err = catching([&] {
     if (dir.empty()) throw std::invalid_argument("whale::save_checkpoint: the checkpoint directory is empty");
     std::error_code ec;
     fs::create_directories(dir, ec);
@@ -185,39 +215,29 @@ std::string save_checkpoint(const std::string& dir, Net& net, const Opt& opt, ty
     fs::remove_all(part, ec);
     if (!fs::create_directory(part, ec)) throw std::runtime_error("whale::save_checkpoint: cannot create '" + part + "': " + ec.message());
   });
-  ckpt::agree(net, err);
-  const auto names = ckpt::vector_names(opt);
-  ckpt::file_rec mine;
-  err = ckpt::catching([&] {
-    std::vector<ckpt::vec_src> vecs{{net.params().data(), L.resident_first}};
-    auto sv = st.vectors();
-    for (std::size_t k = 1; k < names.size(); ++k)
-      vecs.push_back({k - 1 < sv.size() ? sv[k - 1].values.data() : nullptr, L.state_first});
-    if (sv.size() + 1 != names.size() && !L.mine.empty())
-      throw std::logic_error("whale::save_checkpoint: the optimizer state has " + std::to_string(sv.size()) + " vectors, expected " +
+  agree(t.comm, err);
+  const auto& names = t.expected.vectors;
+  file_rec mine;
+  err = catching([&] {
+    std::vector<vec_src> vecs{{t.params, t.L.resident_first}};
+    for (std::size_t k = 1; k < names.size(); ++k) vecs.push_back({k - 1 < t.state.size() ? t.state[k - 1] : nullptr, t.L.state_first});
+    if (t.state.size() + 1 != names.size() && !t.L.mine.empty())
+      throw std::logic_error("whale::save_checkpoint: the optimizer state has " + std::to_string(t.state.size()) + " vectors, expected " +
                              std::to_string(names.size() - 1));
-    mine = ckpt::write_shard(part + "/" + ckpt::rank_file(rank), L.mine, vecs);
+    mine = write_shard(part + "/" + rank_file(t.rank), t.L.mine, vecs);
   });
-  ckpt::agree(net, err);
-  std::vector<std::uint64_t> recs(static_cast<std::size_t>(2 * world), 0);
-  recs[static_cast<std::size_t>(2 * rank)] = mine.bytes;
-  recs[static_cast<std::size_t>(2 * rank + 1)] = mine.checksum;
-  if constexpr (requires { net.world(); })
-    all_reduce(net.world(), view<std::int64_t>(reinterpret_cast<std::int64_t*>(recs.data()), {2 * world}));
-  if (rank == 0) err = ckpt::catching([&] {
-    ckpt::meta m;
-    m.model = layer_name<typename Net::model_type>();
-    m.plan = ckpt::plan_name(net);
-    m.mesh = ckpt::mesh_name(net);
-    m.ranks = world;
+  agree(t.comm, err);
+  std::vector<std::int64_t> recs(static_cast<std::size_t>(2 * t.world), 0);
+  recs[static_cast<std::size_t>(2 * t.rank)] = static_cast<std::int64_t>(mine.bytes);
+  recs[static_cast<std::size_t>(2 * t.rank + 1)] = static_cast<std::int64_t>(mine.checksum);
+  if (t.comm) all_reduce(*t.comm, view<std::int64_t>(recs.data(), {2 * t.world}));
+  if (t.rank == 0) err = catching([&] {
+    meta m = t.expected;
     m.step = step;
-    m.params = describe<typename Net::model_type>().full_params;
-    m.optimizer = Opt::name();
-    m.optimizer_steps = st.steps;
-    m.vectors = names;
-    m.units = ckpt::units_of<typename Net::model_type>();
-    for (int r = 0; r < world; ++r)
-      m.files.push_back({ckpt::rank_file(r), recs[static_cast<std::size_t>(2 * r)], recs[static_cast<std::size_t>(2 * r + 1)]});
+    m.optimizer_steps = *t.optimizer_steps;
+    for (int r = 0; r < t.world; ++r)
+      m.files.push_back({rank_file(r), static_cast<std::uint64_t>(recs[static_cast<std::size_t>(2 * r)]),
+                         static_cast<std::uint64_t>(recs[static_cast<std::size_t>(2 * r + 1)])});
     detail::write_file_atomically(part + "/meta.txt", m.text(), "whale::save_checkpoint");
     std::error_code ec;
     if (fs::exists(final_dir)) fs::remove_all(final_dir, ec);
@@ -233,8 +253,82 @@ std::string save_checkpoint(const std::string& dir, Net& net, const Opt& opt, ty
       for (std::size_t i = 0; i + static_cast<std::size_t>(keep_last) < steps.size(); ++i) fs::remove_all(dir + "/" + steps[i], ec);
     }
   });
-  ckpt::agree(net, err);
+  agree(t.comm, err);
   return final_dir;
+}
+
+/// load_checkpoint's work, for any network (see there).
+inline checkpoint_info load(const std::string& path, target& t) {
+  namespace fs = std::filesystem;
+  checkpoint_info info;
+  meta m;
+  std::string err = catching([&] {
+    if (fs::exists(fs::path(path) / "meta.txt")) info.dir = path;
+    else if (fs::is_directory(path)) info.dir = latest(path);
+    if (info.dir.empty())
+      throw std::runtime_error("whale::load_checkpoint: '" + path + "' is neither a checkpoint step directory (with meta.txt) nor a "
+                               "directory holding one (step-<N>/meta.txt)");
+    m = parse_meta(info.dir + "/meta.txt");
+    // the same model: the same unsplit tensors in the same order (any plan of it)
+    const auto& e = t.expected;
+    const auto where = "whale::load_checkpoint: '" + info.dir + "' ";
+    const std::string other = where + "holds another model (saved from " + m.plan + "; this is " + e.model + "): ";
+    if (m.params != e.params || m.units.size() != e.units.size())
+      throw std::runtime_error(other + std::to_string(m.params) + " parameters in " + std::to_string(m.units.size()) + " tensors there, " +
+                               std::to_string(e.params) + " in " + std::to_string(e.units.size()) + " here");
+    for (std::size_t k = 0; k < e.units.size(); ++k)
+      if (m.units[k].name != e.units[k].name || m.units[k].count != e.units[k].count || m.units[k].offset != e.units[k].offset)
+        throw std::runtime_error(other + "tensor " + std::to_string(k) + " is " + m.units[k].name + " (" + std::to_string(m.units[k].count) +
+                                 " parameters) there, " + e.units[k].name + " (" + std::to_string(e.units[k].count) + ") here");
+    if (m.optimizer != e.optimizer || m.vectors != e.vectors)
+      throw std::runtime_error(where + "holds the state of optimizer " + m.optimizer + " (" + std::to_string(m.vectors.size() - 1) +
+                               " vectors); this run uses " + e.optimizer + " (" + std::to_string(e.vectors.size() - 1) + ")");
+    // what this rank needs: its resident parameters, and the state of its range
+    auto needs_of = [](const std::vector<piece>& ps) {
+      std::vector<need> n;
+      for (const auto& p : ps) n.push_back({p.full, p.local, p.count});
+      std::sort(n.begin(), n.end(), [](const need& a, const need& b) { return a.full < b.full; });
+      return n;
+    };
+    const auto pn = needs_of(clip(t.L.all, t.L.resident_first, t.L.resident_end));
+    const auto sn = needs_of(clip(t.L.all, t.L.state_first, t.L.state_end));
+    std::vector<vec_dst> dst{{t.params, t.L.resident_first, &pn}};
+    for (float* s : t.state) dst.push_back({s, t.L.state_first, &sn});
+    read_shards(info.dir, m, dst);
+    for (std::size_t v = 0; v < dst.size(); ++v) {
+      const auto& ns = *dst[v].needs;
+      for (std::size_t i = 0; i < ns.size(); ++i)
+        if (dst[v].got[i] != ns[i].count) {
+          std::string unit = "?";
+          for (const auto& u : e.units)
+            if (ns[i].full >= u.offset && ns[i].full < u.offset + u.count) unit = u.name;
+          throw std::runtime_error(where + "lacks " + m.vectors[v] + " values of " + unit + " (unsplit parameters [" + std::to_string(ns[i].full) +
+                                   ", " + std::to_string(ns[i].full + ns[i].count) + ")): a shard file is missing from its metadata");
+        }
+    }
+  });
+  agree(t.comm, err);
+  *t.optimizer_steps = m.optimizer_steps;
+  info.step = m.step;
+  info.plan = m.plan;
+  info.mesh = m.mesh;
+  info.ranks = m.ranks;
+  return info;
+}
+
+}  // namespace ckpt
+
+/// Save a checkpoint of step `step` (the data steps done) under `dir` as
+/// `dir/step-<step>/`, collective over the world: every rank writes its shard,
+/// rank 0 the metadata, and the directory appears only once complete. With
+/// `keep_last` > 0, older step directories beyond that many are removed.
+/// Returns the step directory. Throws on every rank if any rank fails.
+template <Checkpointable Net, class Opt>
+  requires CheckpointableState<typename Opt::state>
+std::string save_checkpoint(const std::string& dir, Net& net, const Opt& opt, typename Opt::state& st, std::int64_t step,
+                            int keep_last = 0) {
+  auto t = ckpt::target_of(net, opt, st);
+  return ckpt::save(dir, t, step, keep_last);
 }
 
 /// Load a checkpoint into `net` and `st` (collective): `path` is a step
@@ -246,66 +340,8 @@ std::string save_checkpoint(const std::string& dir, Net& net, const Opt& opt, ty
 template <Checkpointable Net, class Opt>
   requires CheckpointableState<typename Opt::state>
 checkpoint_info load_checkpoint(const std::string& path, Net& net, const Opt& opt, typename Opt::state& st) {
-  namespace fs = std::filesystem;
-  using M = typename Net::model_type;
-  checkpoint_info info;
-  ckpt::meta m;
-  ckpt::layout L;
-  std::string err = ckpt::catching([&] {
-    L = ckpt::layout_for(net);
-    if (fs::exists(fs::path(path) / "meta.txt")) info.dir = path;
-    else if (fs::is_directory(path)) info.dir = ckpt::latest(path);
-    if (info.dir.empty())
-      throw std::runtime_error("whale::load_checkpoint: '" + path + "' is neither a checkpoint step directory (with meta.txt) nor a "
-                               "directory holding one (step-<N>/meta.txt)");
-    m = ckpt::parse_meta(info.dir + "/meta.txt");
-    // the same model: the same unsplit tensors in the same order (any plan of it)
-    auto where = "whale::load_checkpoint: '" + info.dir + "' ";
-    const auto units = ckpt::units_of<M>();
-    const std::string other = where + "holds another model (saved from " + m.plan + "; this is " + layer_name<M>() + "): ";
-    if (m.params != describe<M>().full_params || m.units.size() != units.size())
-      throw std::runtime_error(other + std::to_string(m.params) + " parameters in " + std::to_string(m.units.size()) +
-                               " tensors there, " + std::to_string(describe<M>().full_params) + " in " + std::to_string(units.size()) + " here");
-    for (std::size_t k = 0; k < units.size(); ++k)
-      if (m.units[k].name != units[k].name || m.units[k].count != units[k].count || m.units[k].offset != units[k].offset)
-        throw std::runtime_error(other + "tensor " + std::to_string(k) + " is " + m.units[k].name + " (" + std::to_string(m.units[k].count) +
-                                 " parameters) there, " + units[k].name + " (" + std::to_string(units[k].count) + ") here");
-    const auto names = ckpt::vector_names(opt);
-    if (m.optimizer != Opt::name() || m.vectors != names)
-      throw std::runtime_error(where + "holds the state of optimizer " + m.optimizer + " (" + std::to_string(m.vectors.size() - 1) +
-                               " vectors); this run uses " + Opt::name() + " (" + std::to_string(names.size() - 1) + ")");
-    // what this rank needs: its resident parameters, and the state of its range
-    auto needs_of = [](const std::vector<ckpt::piece>& ps) {
-      std::vector<ckpt::need> n;
-      for (const auto& p : ps) n.push_back({p.full, p.local, p.count});
-      std::sort(n.begin(), n.end(), [](const ckpt::need& a, const ckpt::need& b) { return a.full < b.full; });
-      return n;
-    };
-    const auto pn = needs_of(ckpt::clip(L.all, L.resident_first, L.resident_end));
-    const auto sn = needs_of(ckpt::clip(L.all, L.state_first, L.state_end));
-    std::vector<ckpt::vec_dst> dst{{net.params().data(), L.resident_first, &pn}};
-    auto sv = st.vectors();
-    for (std::size_t k = 0; k < sv.size(); ++k) dst.push_back({sv[k].values.data(), L.state_first, &sn});
-    ckpt::read_shards(info.dir, m, dst);
-    for (std::size_t v = 0; v < dst.size(); ++v) {
-      const auto& ns = *dst[v].needs;
-      for (std::size_t i = 0; i < ns.size(); ++i)
-        if (dst[v].got[i] != ns[i].count) {
-          std::string unit = "?";
-          for (const auto& u : units)
-            if (ns[i].full >= u.offset && ns[i].full < u.offset + u.count) unit = u.name;
-          throw std::runtime_error(where + "lacks " + m.vectors[v] + " values of " + unit + " (unsplit parameters [" +
-                                   std::to_string(ns[i].full) + ", " + std::to_string(ns[i].full + ns[i].count) + ")): a shard file is missing from its metadata");
-        }
-    }
-  });
-  ckpt::agree(net, err);
-  st.steps = m.optimizer_steps;
-  info.step = m.step;
-  info.plan = m.plan;
-  info.mesh = m.mesh;
-  info.ranks = m.ranks;
-  return info;
+  auto t = ckpt::target_of(net, opt, st);
+  return ckpt::load(path, t);
 }
 
 }  // namespace whale

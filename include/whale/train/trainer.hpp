@@ -151,6 +151,19 @@ class trainer {
                                   "made by make<P>) and an optimizer whose state has vectors() (sgd, adamw)");
     if constexpr (!requires { opt_.lr; })
       if (o_.lr_schedule) throw std::invalid_argument(std::string("whale::trainer: lr_schedule needs an optimizer with a member `lr`; ") + Opt::name() + " has none");
+    if constexpr (checkpoints) {
+      if (!o_.checkpoint_dir.empty()) {  // made and checked before any work, on every rank
+        std::string err;
+        if (net_.rank() == 0) {
+          std::error_code ec;
+          std::filesystem::create_directories(o_.checkpoint_dir, ec);
+          if (ec) err = "cannot create it: " + ec.message();
+          else err = detail::output_path_problem(o_.checkpoint_dir + "/.whale-probe");
+          if (!err.empty()) err = "whale::trainer: the checkpoint directory (trainer_options::checkpoint_dir, --save) '" + o_.checkpoint_dir + "': " + err + "; nothing was run";
+        }
+        ckpt::agree(net_, err);
+      }
+    }
     if (!o_.log_path.empty()) {  // checked on every rank (collective when the network has a world)
       std::string err;
       if (net_.rank() == 0) {
