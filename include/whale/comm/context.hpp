@@ -123,12 +123,7 @@ class context {
   /// second plan beside the first (e.g. load a checkpoint under another plan). It
   /// does not own MPI. Collective; a bad spec throws mesh_error on every rank.
   context with_mesh(const std::string& spec) const {
-    world_comm world =
-#ifdef WHALE_HAS_MPI
-        mpi_comm::world();
-#else
-        local_comm("world");
-#endif
+    world_comm world = new_world();
     std::string error;
     mesh_shape shape;
     try {
@@ -138,14 +133,7 @@ class context {
     } catch (const mesh_error& e) {
       error = e.what();
     }
-    int bad = error.empty() ? 0 : 1;
-#ifdef WHALE_HAS_MPI
-    int any = 0;
-    MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, world.native());
-    if (any && !bad) error = "whale: another rank rejected the mesh '" + spec + "'; see its message";
-    bad = any;
-#endif
-    if (bad) throw mesh_error(error);
+    if (any_rank_failed(world, error, "the mesh '" + spec + "'")) throw mesh_error(error);
     return context(std::make_unique<state>(false, s_->threads, std::move(world), shape));
   }
 
@@ -170,6 +158,26 @@ class context {
  private:
   explicit context(std::unique_ptr<state> s) : s_(std::move(s)) {}
 
+  /// A world communicator of its own (an MPI_COMM_WORLD duplicate, or the single process).
+  static world_comm new_world() {
+#ifdef WHALE_HAS_MPI
+    return mpi_comm::world();
+#else
+    return local_comm("world");
+#endif
+  }
+  /// Whether any rank's `error` is set (collective); a rank without one gets a message saying so.
+  static bool any_rank_failed([[maybe_unused]] world_comm& world, std::string& error, [[maybe_unused]] const std::string& what) {
+    int bad = error.empty() ? 0 : 1;
+#ifdef WHALE_HAS_MPI
+    int any = 0;
+    MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, world.native());
+    if (any && !bad) error = "whale: another rank rejected " + what + "; see its message";
+    bad = any;
+#endif
+    return bad != 0;
+  }
+
   static context init_impl(int* argc, char*** argv) {
     bool owns = false;
 #ifdef WHALE_HAS_MPI
@@ -184,12 +192,7 @@ class context {
     }
 #endif
     detail::install_terminate_handler();
-    world_comm world =
-#ifdef WHALE_HAS_MPI
-        mpi_comm::world();
-#else
-        local_comm("world");
-#endif
+    world_comm world = new_world();
     // Validate everything before any work; every rank learns whether any failed.
     std::string error;
     mesh_shape shape;
@@ -216,14 +219,7 @@ class context {
         error += " (this program was built without MPI; link whale::mpi to run on several ranks)";
 #endif
     }
-    int bad = error.empty() ? 0 : 1;
-#ifdef WHALE_HAS_MPI
-    int any = 0;
-    MPI_Allreduce(&bad, &any, 1, MPI_INT, MPI_MAX, world.native());
-    if (any && !bad) error = "whale: another rank rejected the mesh or flags; see its message";
-    bad = any;
-#endif
-    if (bad) {
+    if (any_rank_failed(world, error, "the mesh or flags")) {
       if (!owns) throw mesh_error(error);
       // "whale: rank R: whale: ..." reads badly; drop the inner prefix.
       std::string_view msg = error;

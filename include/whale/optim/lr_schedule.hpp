@@ -13,6 +13,13 @@
 namespace whale {
 
 namespace detail {
+/// Linear warm-up to `peak` over `warmup` steps, `floor` from `total` on, and
+/// `decay(t)` of the fraction t in [0, 1) of the steps between.
+template <class F> double warmup_then(std::int64_t step, double peak, std::int64_t warmup, std::int64_t total, double floor, F decay) {
+  if (step < warmup) return peak * static_cast<double>(step + 1) / static_cast<double>(warmup);
+  if (step >= total) return floor;
+  return decay(static_cast<double>(step - warmup) / static_cast<double>(std::max<std::int64_t>(1, total - warmup)));
+}
 inline void check_lr_args(const char* who, double peak, std::int64_t warmup, std::int64_t total, double floor) {
   auto bad = [&](const std::string& why) { throw std::invalid_argument(std::string("whale::") + who + ": " + why); };
   if (!(peak > 0) || !std::isfinite(peak)) bad("the peak rate must be finite and positive (got " + std::to_string(peak) + ")");
@@ -39,10 +46,8 @@ struct warmup_cosine {
     detail::check_lr_args("warmup_cosine", peak, warmup, total, floor);
   }
   double operator()(std::int64_t step) const {
-    if (step < warmup) return peak * static_cast<double>(step + 1) / static_cast<double>(warmup);
-    if (step >= total) return floor;
-    const double t = static_cast<double>(step - warmup) / static_cast<double>(std::max<std::int64_t>(1, total - warmup));
-    return floor + 0.5 * (peak - floor) * (1 + std::cos(std::numbers::pi * t));
+    return detail::warmup_then(step, peak, warmup, total, floor,
+                               [&](double t) { return floor + 0.5 * (peak - floor) * (1 + std::cos(std::numbers::pi * t)); });
   }
 };
 
@@ -56,10 +61,7 @@ struct linear_decay {
     detail::check_lr_args("linear_decay", peak, warmup, total, floor);
   }
   double operator()(std::int64_t step) const {
-    if (step < warmup) return peak * static_cast<double>(step + 1) / static_cast<double>(warmup);
-    if (step >= total) return floor;
-    const double t = static_cast<double>(step - warmup) / static_cast<double>(std::max<std::int64_t>(1, total - warmup));
-    return peak + (floor - peak) * t;
+    return detail::warmup_then(step, peak, warmup, total, floor, [&](double t) { return peak + (floor - peak) * t; });
   }
 };
 
