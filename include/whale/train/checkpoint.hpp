@@ -247,7 +247,7 @@ inline std::string save(const std::string& dir, target& t, std::int64_t step, in
       std::vector<std::string> steps;
       for (const auto& e : fs::directory_iterator(dir)) {
         const auto n = e.path().filename().string();
-        if (n.size() == 13 && n.rfind("step-", 0) == 0 && n.find_first_not_of("0123456789", 5) == std::string::npos) steps.push_back(n);
+        if (is_step_name(n)) steps.push_back(n);
       }
       std::sort(steps.begin(), steps.end());
       for (std::size_t i = 0; i + static_cast<std::size_t>(keep_last) < steps.size(); ++i) fs::remove_all(dir + "/" + steps[i], ec);

@@ -89,6 +89,10 @@ inline std::string step_name(std::int64_t step) {
   std::snprintf(b, sizeof b, "step-%08lld", static_cast<long long>(step));
   return b;
 }
+/// Whether a directory name is a step's, as step_name writes it ("step-" and 8 digits).
+inline bool is_step_name(const std::string& n) {
+  return n.size() == 13 && n.rfind("step-", 0) == 0 && n.find_first_not_of("0123456789", 5) == std::string::npos;
+}
 inline std::string rank_file(int r) {
   char b[32];
   std::snprintf(b, sizeof b, "rank-%05d.bin", r);
@@ -321,7 +325,7 @@ inline std::string latest(const std::string& dir) {
   std::string best;
   for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
     const std::string n = e.path().filename().string();
-    if (n.size() == 13 && n.rfind("step-", 0) == 0 && n.find_first_not_of("0123456789", 5) == std::string::npos &&
+    if (is_step_name(n) &&
         std::filesystem::exists(e.path() / "meta.txt") && n > best)
       best = n;
   }
