@@ -76,14 +76,15 @@ struct trainer_options {
   /// (0: all); with `resume`, run() first loads the newest complete checkpoint
   /// in `checkpoint_dir` if there is one, and continues from its step.
   std::string checkpoint_dir;
+  /// Metrics log: rank 0 writes one JSON object per step of run() to this file (flushed per line):
+  /// {"step", "loss", "lr", "grad_norm", "step_s", "tokens_per_s"}. Checked when the trainer is made.
   std::string log_path;
-  /// The learning rate of each data step (e.g. warmup_cosine{3e-4, 100, 2000}; optim/lr_schedule.hpp),
+  /// The learning rate of each data step (e.g. warmup_cosine(3e-4, 100, 2000); optim/lr_schedule.hpp),
   /// set on the optimizer (its `lr`) before each update. Empty: the optimizer's own rate.
   std::function<double(std::int64_t)> lr_schedule;
-  /// Called on every rank after each step of run() (e.g. to evaluate every k steps).
+  /// Called on every rank after each step of run() (e.g. to log, or to stop and evaluate).
   std::function<void(const step_report&)> on_step;
-  /// Metrics log: rank 0 appends one JSON object per step of run() to this file (flushed per line):
-  /// {"step", "loss", "lr", "grad_norm", "step_s", "tokens_per_s"}. Checked when the trainer is made.
+  /// (checkpoints, continued: see checkpoint_dir above)
   std::int64_t save_every = 0;
   int keep_last = 0;
   bool resume = false;
