@@ -19,6 +19,7 @@
 #include "whale/optim/adamw.hpp"
 #include "whale/optim/sgd.hpp"
 #include "whale/runtime/make.hpp"
+#include "whale/train/init.hpp"
 #include "whale/train/safetensors.hpp"
 #include "whale/train/trainer.hpp"
 #include "support/plan_check.hpp"
@@ -216,6 +217,27 @@ TEST_CASE("resharding: a checkpoint saved under one plan loads under another") {
   reshard<pp, zero3>("pp", "zero3");
   reshard<zero3, pp>("zero3", "pp");
   reshard<zero1_tp, hybrid>("zero1_tp", "hybrid");
+}
+
+/// gpt2_init under plan P: the gathered unsplit parameters equal one process's, bit for bit, on every rank.
+template <class P> void same_init(const std::string& plan) {
+  auto ctx = test::on_mesh(spec_for(plan, world_size()));
+  auto net = make<P>(ctx, seed{42});
+  initialize(net, seed{11});
+  network<small_gpt> single(seed{1});
+  initialize(single, seed{11});
+  const auto bad = bit_diffs(ctx.world(), net.full_params().v(), single.params());
+  if (bad != 0 && ctx.rank() == 0) MESSAGE(plan << ": " << bad << " parameters differ");
+  CHECK(bad == 0);
+}
+
+TEST_CASE("gpt2_init gives every plan the unsplit model's values, bit for bit, on every rank") {
+  same_init<dp>("dp");
+  same_init<tp>("tp");
+  same_init<pp>("pp");
+  same_init<zero3>("zero3");
+  same_init<zero1_tp>("zero1_tp");
+  same_init<hybrid>("hybrid");
 }
 
 TEST_CASE("one process <-> the world: network<M>'s checkpoint loads under a plan, and back") {

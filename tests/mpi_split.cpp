@@ -163,6 +163,18 @@ TEST_CASE("gpt with tensor parallelism (vocab-split embedding and head, Megatron
   auto data = [] { return markov_data(seed{9}, 64, 16, 4); };
   check_split<split<tiny>, tiny>(all_on("model", world), data);
   if (world == 4) check_split<split<tiny>, tiny>("data=2,model=2", data);
+  // labels of ignore_index (one in five) leave the split loss's mean and gradient to the others
+  auto masked = [] {
+    markov_data m(seed{9}, 64, 16, 8);
+    const auto b = m.get(0, 0, 8);
+    tensor<std::int32_t> x({8, 16}), y({8, 16});
+    for (index_t i = 0; i < 8 * 16; ++i) {
+      x[i] = b.inputs[i];
+      y[i] = i % 5 == 2 ? ignore_index : b.labels[i];
+    }
+    return tensor_data<std::int32_t>(std::move(x), std::move(y), 4, {.seed = seed{2}});
+  };
+  check_split<split<tiny>, tiny>(all_on("model", world), masked);
 }
 
 TEST_CASE("split plans with AdamW, weight decay and active clipping equal single-process training on every rank") {

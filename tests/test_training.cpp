@@ -44,6 +44,7 @@ static trainer_options quiet() {
 // examples and benchmarks show it.)
 template <class Data>
 struct fixed_batch {
+  using input_type = typename Data::input_type;
   Data inner;
   index_t global_batch() const { return inner.global_batch(); }
   index_t seq() const { return inner.seq(); }

@@ -74,6 +74,7 @@
 #include "whale/comm/trace.hpp"
 #include "whale/train/trainer.hpp"
 #include "whale/train/checkpoint.hpp"
+#include "whale/train/init.hpp"
 #include "whale/train/safetensors.hpp"
 #include "whale/train/run_flags.hpp"
 #include "whale/optim/lr_schedule.hpp"

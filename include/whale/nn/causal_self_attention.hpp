@@ -3,6 +3,7 @@
 // dropout, no KV cache, no cross-attention; the head-split form is in strategy/.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -123,6 +124,11 @@ struct causal_self_attention {
     return c;
   }
   static constexpr index_t param_count() noexcept { return 4 * D * D + 4 * D; }
+  /// W_qkv (3D, D), b_qkv, then the output projection W_o (D, D), b_o.
+  static constexpr std::array<param_tensor, 4> param_tensors() {
+    return {{{"qkv.weight", param_role::weight, 3 * D * D, D}, {"qkv.bias", param_role::bias, 3 * D, D},
+             {"out.weight", param_role::weight, D * D, D}, {"out.bias", param_role::bias, D, D}}};
+  }
 
   void bind(param_binder& b) {
     auto wqkv = b.take({3 * D, D});

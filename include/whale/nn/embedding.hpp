@@ -3,6 +3,7 @@
 // input/output embeddings and vocabulary-split forms are not here.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -35,6 +36,7 @@ struct embedding {
     return c;
   }
   static constexpr index_t param_count() noexcept { return Vocab * D; }
+  static constexpr std::array<param_tensor, 1> param_tensors() { return {{{"table", param_role::table, Vocab * D, D}}}; }
 
   void bind(param_binder& b) {
     auto t = b.take({Vocab, D});
@@ -115,6 +117,7 @@ struct position_embedding {
     return c;
   }
   static constexpr index_t param_count() noexcept { return MaxSeq * D; }
+  static constexpr std::array<param_tensor, 1> param_tensors() { return {{{"table", param_role::table, MaxSeq * D, D}}}; }
 
   void bind(param_binder& b) {
     auto t = b.take({MaxSeq, D});

@@ -62,11 +62,22 @@ struct weight_task {
   void (*run)(void* owner, int slot, bool accumulate) = nullptr;
 };
 
+/// A label that counts for nothing: no loss and no gradient, and it is left
+/// out of the mean (PyTorch's ignore_index default; e.g. padding).
+inline constexpr std::int32_t ignore_index = -100;
+
 /// What one forward/backward pass needs to know at run time.
 struct step_ctx {
   index_t batch = 0;        ///< sequences (or samples) on this rank in this pass
   index_t seq = 1;          ///< tokens per sequence; 1 for non-sequence models
-  index_t global_rows = 0;  ///< loss terms in the global batch (the loss is their mean)
+  index_t global_rows = 0;  ///< rows (samples, or tokens) of the global batch
+  /// Labels of the global batch that count (not ignore_index): the loss is
+  /// their mean. -1: every row counts (global_rows).
+  std::int64_t loss_terms = -1;
+  /// The loss's denominator: loss_terms, or global_rows when every row counts.
+  double loss_count() const noexcept {
+    return static_cast<double>(loss_terms >= 0 ? loss_terms : global_rows);
+  }
   int slot = 0;             ///< activation slot: which in-flight micro-batch this is
   bool accumulate = false;  ///< add to parameter gradients instead of overwriting them
   bool need_input_grad = true;  ///< whether the caller needs d(input) from backward
@@ -311,6 +322,22 @@ template <class L> view<float> run_backward_loss(L& l, step_ctx& c, index_t offs
 template <class L, class Env> void configure_layer(L& l, const Env& e) {
   if constexpr (requires { l.configure(e); }) l.configure(e);
 }
+
+/// What a parameter tensor is, for initialisation schemes (train/init.hpp).
+enum class param_role : std::uint8_t {
+  weight,  ///< a matrix multiplying the input (fan_in: its input width)
+  bias,    ///< added to an output
+  gain,    ///< a scale (e.g. layer_norm's), 1 at init
+  table,   ///< rows looked up by index (embeddings)
+};
+/// One tensor of a layer's parameters; a layer with parameters lists them in
+/// flat order with a static `param_tensors()` (their counts add up to its params).
+struct param_tensor {
+  const char* name = "";
+  param_role role = param_role::weight;
+  index_t count = 0;
+  index_t fan_in = 0;
+};
 
 /// Where a sharded layer's local parameters lie in the unsplit layer's: `count`
 /// floats from `local` (its local flat order) are those at `full` (the unsplit

@@ -2,6 +2,7 @@
 // bias (eps 1e-5), as torch.nn.LayerNorm(D). No RMSNorm, no other axes.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
@@ -33,6 +34,9 @@ struct layer_norm {
     return c;
   }
   static constexpr index_t param_count() noexcept { return 2 * D; }
+  static constexpr std::array<param_tensor, 2> param_tensors() {
+    return {{{"gain", param_role::gain, D, D}, {"bias", param_role::bias, D, D}}};
+  }
 
   void bind(param_binder& b) {
     auto g = b.take({D});

@@ -2,6 +2,7 @@
 // The unsplit layer only; its column- and row-parallel forms are in strategy/.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <string>
 
@@ -30,6 +31,9 @@ struct linear {
     return c;
   }
   static constexpr index_t param_count() noexcept { return In * Out + Out; }
+  static constexpr std::array<param_tensor, 2> param_tensors() {
+    return {{{"weight", param_role::weight, In * Out, In}, {"bias", param_role::bias, Out, In}}};
+  }
 
   void bind(param_binder& b) {
     auto w = b.take({Out, In});

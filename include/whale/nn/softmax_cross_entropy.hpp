@@ -12,8 +12,10 @@
 
 namespace whale {
 
-/// Mean cross-entropy over the global batch. forward_loss returns this rank's
-/// rows' share (sum of their losses / global_rows), so shares add up to the mean.
+/// Mean cross-entropy over the labels of the global batch. forward_loss returns
+/// this rank's rows' share (sum of their losses / step_ctx::loss_count()), so
+/// shares add up to the mean. A row labelled ignore_index adds no loss and
+/// gets a zero gradient.
 struct softmax_cross_entropy : stateless_params {
   using input_type = float;
   static constexpr index_t in_features = any_features;
@@ -38,15 +40,21 @@ struct softmax_cross_entropy : stateless_params {
                                   " logits do not form " + std::to_string(R) + " rows");
     auto& s = st_(c.slot);
     auto p = detail::ensure(s.grad, {R, C});
-    const double inv = c.global_rows > 0 ? 1.0 / static_cast<double>(c.global_rows) : 1.0 / R;
+    const double n = c.global_rows > 0 ? c.loss_count() : static_cast<double>(R);
+    const double inv = n > 0 ? 1.0 / n : 0.0;
     double total = 0.0;
     for (index_t r = 0; r < R; ++r) {
       const float* __restrict z = logits.data() + r * C;
       float* __restrict q = p.data() + r * C;
       const std::int32_t y = labels[r];
+      if (y == ignore_index) {
+        for (index_t j = 0; j < C; ++j) q[j] = 0.f;
+        continue;
+      }
       if (y < 0 || y >= C)
         throw std::out_of_range("whale::softmax_cross_entropy: label " + std::to_string(y) +
-                                " out of range for " + std::to_string(C) + " classes");
+                                " out of range for " + std::to_string(C) + " classes (ignore_index is " +
+                                std::to_string(ignore_index) + ")");
       float m = z[0];
       for (index_t j = 1; j < C; ++j) m = z[j] > m ? z[j] : m;
       float sum = 0.f;

@@ -43,6 +43,9 @@ struct unit_desc {
   bool defers = false;           ///< can put its weight gradients off to a W pass (split schedules)
   /// Sharded forms: where rank r of p's parameters lie in the unsplit layer's (its param_runs).
   void (*runs)(int r, int p, std::vector<param_run>& out) = nullptr;
+  /// The unsplit layer's parameter tensors in flat order (its param_tensors()); null: none listed.
+  std::vector<param_tensor> (*tensors)() = nullptr;
+  bool residual_out = false;     ///< the last layer with parameters in a residual branch (it writes the stream)
 
   /// Parameters one of `degree` ranks of its split axis holds.
   index_t local_params(int degree) const {
@@ -88,6 +91,8 @@ template <class T> struct is_convert : std::false_type {};
 template <axis A, lay F, lay T, lay GF, lay GT> struct is_convert<convert<A, F, T, GF, GT>> : std::true_type {};
 template <class T> struct is_split_loss : std::false_type {};
 template <axis A> struct is_split_loss<split_softmax_cross_entropy<A>> : std::true_type {};
+template <class L> struct unsplit_of { using type = L; };
+template <class L> requires requires { typename L::unsplit_type; } struct unsplit_of<L> { using type = typename L::unsplit_type; };
 template <class T> struct is_recompute : std::false_type {};
 template <class B> struct is_recompute<recompute<B>> : std::true_type {};
 
@@ -96,6 +101,19 @@ struct describer {
   int element = 0, depth = 0, block = -1, split_axis = -1, recompute_group = -1, recompute_groups = 0;
   lay in = lay::R;
   index_t width = any_features;
+
+  template <class U> static std::vector<param_tensor> tensors_of() {
+    const auto a = U::param_tensors();
+    return {a.begin(), a.end()};
+  }
+  // Marks the last layer with parameters among the units from `first` as the branch's output.
+  void mark_residual_out(std::size_t first) {
+    for (auto k = d->units.size(); k-- > first;)
+      if (d->units[k].kind == unit_kind::layer && d->units[k].full_params > 0) {
+        d->units[k].residual_out = true;
+        return;
+      }
+  }
 
   template <class L> void leaf() {
     unit_desc u;
@@ -129,6 +147,8 @@ struct describer {
         if constexpr (requires { typename L::unsplit_type; }) u.unsplit = layer_name<typename L::unsplit_type>();
         if constexpr (requires(std::vector<param_run>& v) { L::param_runs(0, 1, v); }) u.runs = &L::param_runs;
       }
+      using unsplit = typename unsplit_of<L>::type;
+      if constexpr (requires { unsplit::param_tensors(); }) u.tensors = &tensors_of<unsplit>;
       u.split_loss = is_split_loss<L>::value;
       u.defers = recompute_group < 0 && requires(L& l) { l.weight_grads(0, false); };
     }
@@ -161,7 +181,9 @@ struct describer {
       }(std::make_index_sequence<T::size>{});
       split_axis = saved;
     } else if constexpr (requires { typename T::chain_type; }) {  // split_residual
+      const auto first = d->units.size();
       walk<typename T::chain_type>();
+      mark_residual_out(first);
     } else if constexpr (requires { typename T::block_type; T::count; }) {  // repeat
       const int saved = block;
       const bool top = depth == 1;
@@ -178,7 +200,9 @@ struct describer {
       walk<typename T::block_type>();
       recompute_group = saved;
     } else if constexpr (requires { typename T::inner_type; }) {  // residual
+      const auto first = d->units.size();
       walk<typename T::inner_type>();
+      mark_residual_out(first);
     } else if constexpr (requires { typename T::tuple_type; }) {  // sequential (and flat pipelines)
       const bool top = depth == 0;
       ++depth;

@@ -95,6 +95,7 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
     mc.batch = mb;
     mc.seq = T;
     mc.global_rows = c.global_rows > 0 ? c.global_rows : B * T;
+    mc.loss_terms = c.loss_terms;
     mc.slot = layer_slot(key);
     mc.hooks = zc.hooks;
     mc.check_finite = c.check_finite || o_.check_finite;

@@ -77,18 +77,27 @@ class split_softmax_cross_entropy : public stateless_params {
       }
       tg[r] = acc;
       const index_t y = labels[r];
+      if (y == ignore_index) {
+        tg[R + r] = 0.f;
+        continue;
+      }
       if (y < 0 || y >= n * p_)
         throw std::out_of_range("whale::split_softmax_cross_entropy: label " + std::to_string(y) +
                                 " out of range for " + std::to_string(n * p_) + " classes");
       tg[R + r] = (y >= c0 && y < c0 + n) ? z[y - c0] : 0.f;
     }
     all_reduce(*comm_, tg);  // row sums, and the target logits (one rank each)
-    const double inv = 1.0 / static_cast<double>(c.global_rows);
+    const double count = c.loss_count();
+    const double inv = count > 0 ? 1.0 / count : 0.0;
     double total = 0;
     for (index_t r = 0; r < R; ++r) {
+      float* q = g.data() + r * n;
+      if (labels[r] == ignore_index) {  // no loss, no gradient
+        for (index_t j = 0; j < n; ++j) q[j] = 0.f;
+        continue;
+      }
       total += std::log(static_cast<double>(tg[r])) + mx[r] - tg[R + r];
       const float scale = static_cast<float>(inv) / tg[r];
-      float* q = g.data() + r * n;
       for (index_t j = 0; j < n; ++j) q[j] *= scale;
       const index_t y = labels[r];
       if (y >= c0 && y < c0 + n) q[y - c0] -= static_cast<float>(inv);

@@ -90,14 +90,11 @@ class markov_data {
  public:
   using input_type = std::int32_t;
   markov_data(seed s, index_t vocab, index_t seq, index_t global_batch, index_t fanout = 8)
-      : rng_(s, 2), vocab_(vocab), seq_(seq), global_batch_(global_batch), fanout_(fanout),
-        succ_(static_cast<std::size_t>(vocab * fanout)) {
-    if (vocab <= 1 || seq <= 0 || global_batch <= 0 || fanout <= 0)
-      throw std::invalid_argument("whale::markov_data: sizes must be positive (vocab > 1)");
-    const auto t = rng_.child(0);
-    for (index_t i = 0; i < vocab * fanout; ++i)
-      succ_[static_cast<std::size_t>(i)] =
-          static_cast<std::int32_t>(t.below(static_cast<std::uint64_t>(i), static_cast<std::uint64_t>(vocab)));
+      : markov_data(s, vocab, seq, global_batch, fanout, 1) {}
+  /// Sequences of the same chain that training never sees (another sample
+  /// stream), `global_batch` per step: for evaluation.
+  markov_data held_out(index_t global_batch) const {
+    return markov_data(seed_, vocab_, seq_, global_batch, fanout_, stream_ + 1);
   }
   index_t global_batch() const noexcept { return global_batch_; }
   index_t seq() const noexcept { return seq_; }
@@ -111,7 +108,7 @@ class markov_data {
                               std::to_string(global_batch_));
     tokens_.resize({count, seq_});
     labels_.resize({count * seq_});
-    const auto xs = rng_.child(1);
+    const auto xs = rng_.child(stream_);
     for (index_t r = 0; r < count; ++r) {
       const auto g = static_cast<std::uint64_t>(step * global_batch_ + begin + r);
       const auto base = g * static_cast<std::uint64_t>(seq_ + 1);
@@ -127,6 +124,18 @@ class markov_data {
   }
 
  private:
+  markov_data(seed s, index_t vocab, index_t seq, index_t global_batch, index_t fanout, std::uint64_t stream)
+      : seed_(s), stream_(stream), rng_(s, 2), vocab_(vocab), seq_(seq), global_batch_(global_batch), fanout_(fanout),
+        succ_(static_cast<std::size_t>(vocab > 0 && fanout > 0 ? vocab * fanout : 0)) {
+    if (vocab <= 1 || seq <= 0 || global_batch <= 0 || fanout <= 0)
+      throw std::invalid_argument("whale::markov_data: sizes must be positive (vocab > 1)");
+    const auto t = rng_.child(0);
+    for (index_t i = 0; i < vocab * fanout; ++i)
+      succ_[static_cast<std::size_t>(i)] =
+          static_cast<std::int32_t>(t.below(static_cast<std::uint64_t>(i), static_cast<std::uint64_t>(vocab)));
+  }
+  seed seed_;
+  std::uint64_t stream_ = 1;  // the sample stream (the chain is the seed's)
   counter_rng rng_;
   index_t vocab_, seq_, global_batch_, fanout_;
   std::vector<std::int32_t> succ_;

@@ -12,12 +12,26 @@
 
 namespace whale {
 
-/// Prints training progress to a FILE* (stderr by default).
+/// Prints training progress to a FILE* (stderr by default). `total` 0: the
+/// number of steps is not known (stepping by hand): no ETA.
 class progress_line {
  public:
   progress_line(std::int64_t total, bool tokens, std::FILE* out = stderr, int plain_every = 10)
       : total_(total), tokens_(tokens), out_(out), every_(plain_every < 1 ? 1 : plain_every),
         tty_(out && ::isatty(::fileno(out))) {}
+  progress_line(const progress_line&) = delete;
+  progress_line& operator=(const progress_line&) = delete;
+  ~progress_line() {
+    if (tty_ && open_) std::fputc('\n', out_);
+  }
+
+  /// A line of its own (e.g. an evaluation), above the progress line.
+  void note(const char* text) {
+    if (!out_) return;
+    std::fprintf(out_, "%s%s\n", tty_ && open_ ? "\r\033[K" : "", text);
+    open_ = false;
+    std::fflush(out_);
+  }
 
   /// Report step `step` (1-based) that took `seconds`, processed `units`
   /// samples (or tokens) and `flops` model FLOPs, with mean loss `loss`.
@@ -36,11 +50,16 @@ class progress_line {
     const double gflops = per > 0 ? flops / per / 1e9 : 0;
     const double eta = per * static_cast<double>(total_ - step);
     char buf[256];
-    std::snprintf(buf, sizeof buf, "step %lld/%lld  loss %.4f  %.4g %s/s  %.2f GFLOP/s  ETA %s",
-                  static_cast<long long>(step), static_cast<long long>(total_), loss, rate,
-                  tokens_ ? "tokens" : "samples", gflops, format_eta(eta).c_str());
+    if (total_ > 0)
+      std::snprintf(buf, sizeof buf, "step %lld/%lld  loss %.4f  %.4g %s/s  %.2f GFLOP/s  ETA %s",
+                    static_cast<long long>(step), static_cast<long long>(total_), loss, rate,
+                    tokens_ ? "tokens" : "samples", gflops, format_eta(eta).c_str());
+    else
+      std::snprintf(buf, sizeof buf, "step %lld  loss %.4f  %.4g %s/s  %.2f GFLOP/s", static_cast<long long>(step),
+                    loss, rate, tokens_ ? "tokens" : "samples", gflops);
     if (tty_) {
       std::fprintf(out_, "\r\033[K%s", buf);
+      open_ = step != total_;
       if (step == total_) std::fputc('\n', out_);
     } else if (step == 1 || step % every_ == 0 || step == total_) {
       std::fprintf(out_, "%s\n", buf);
@@ -62,6 +81,7 @@ class progress_line {
   std::FILE* out_;
   int every_;
   bool tty_;
+  bool open_ = false;  // a terminal line without its newline yet
   double sum_s_ = 0, warm_s_ = 0;
   std::int64_t n_ = 0, warm_n_ = 0;
 };

@@ -60,6 +60,13 @@ struct run_flags {
     finish(t);
     return r;
   }
+  /// The same, evaluating on `eval` every trainer_options::eval_every steps.
+  template <class T, class Data, class Eval> train_result run(T& t, Data& data, Eval& eval) const {
+    if (!resume.empty()) t.load(resume);
+    const auto r = t.run(data, whale::steps{remaining(t)}, eval);
+    finish(t);
+    return r;
+  }
   /// Steps left until data step `steps`.
   template <class T> std::int64_t remaining(const T& t) const { return std::max<std::int64_t>(0, steps - t.next_step()); }
   /// The final save of --save (unless --save-every just saved this step).

@@ -12,6 +12,8 @@
 #include <cstdio>
 #include <limits>
 #include <memory>
+#include <type_traits>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -23,14 +25,11 @@
 #include "whale/plan/describe.hpp"
 #include "whale/train/checkpoint.hpp"
 #include "whale/train/data.hpp"
+#include "whale/train/data_source.hpp"
 #include "whale/train/progress.hpp"
+#include "whale/train/trainer_options.hpp"
 
 namespace whale {
-
-/// Number of training steps, as users write it: `steps{100}`.
-struct steps {
-  std::int64_t value = 0;
-};
 
 /// A network the trainer can drive: it says which rows of a global batch this
 /// rank feeds, runs forward+backward (with whatever communication its plan
@@ -45,66 +44,6 @@ concept Trainable = requires(N& n, const N& cn, step_ctx& c, index_t g, double d
   { n.grad_norm() } -> std::convertible_to<double>;
   { cn.rank() } -> std::convertible_to<int>;
   { cn.world_size() } -> std::convertible_to<int>;
-};
-
-/// What one step did, for trainer_options::on_step and the metrics log.
-struct step_report {
-  std::int64_t step = 0;     ///< the data step (from 0)
-  double loss = 0;           ///< global mean loss
-  double lr = 0;             ///< the learning rate applied (the optimizer's, or the schedule's)
-  double grad_norm = 0;      ///< global gradient norm before clipping (NaN if not computed)
-  double seconds = 0;        ///< wall time of the step
-  double tokens_per_s = 0;   ///< rows (tokens, or samples) of the global batch per second
-};
-
-struct trainer_options {
-  double max_grad_norm = 0;      ///< clip gradients to this global norm (0: no clipping)
-  bool progress = true;          ///< print the progress line (rank 0 only)
-  std::FILE* out = stderr;       ///< where the progress line goes
-  int plain_every = 10;          ///< without a terminal, print every this many steps
-  std::int64_t first_step = 0;   ///< data step of the first step (for resuming)
-  /// Compute the global gradient norm every step (also without clipping) and
-  /// fail, naming the step and the first layer with a non-finite gradient, if
-  /// it is NaN or Inf: one pass over this rank's gradients and an 8-byte
-  /// all-reduce per step. false: only when clipping.
-  bool check_grad_norm = true;
-  /// Debugging: check every leaf layer's output and input gradient for NaN/Inf
-  /// (a pass over every activation; also plan_options::check_finite, --check-finite).
-  bool check_finite = false;
-  /// Checkpoints (train/checkpoint.hpp): run() saves to `checkpoint_dir` after
-  /// every `save_every` data steps (0: never), keeping the newest `keep_last`
-  /// (0: all); with `resume`, run() first loads the newest complete checkpoint
-  /// in `checkpoint_dir` if there is one, and continues from its step.
-  std::string checkpoint_dir;
-  /// Metrics log: rank 0 writes one JSON object per step of run() to this file (flushed per line):
-  /// {"step", "loss", "lr", "grad_norm", "step_s", "tokens_per_s"}. Checked when the trainer is made.
-  std::string log_path;
-  /// The learning rate of each data step (e.g. warmup_cosine(3e-4, 100, 2000); optim/lr_schedule.hpp),
-  /// set on the optimizer (its `lr`) before each update. Empty: the optimizer's own rate.
-  std::function<double(std::int64_t)> lr_schedule;
-  /// Called on every rank after each step of run() (e.g. to log, or to stop and evaluate).
-  std::function<void(const step_report&)> on_step;
-  /// (checkpoints, continued: see checkpoint_dir above)
-  std::int64_t save_every = 0;
-  int keep_last = 0;
-  bool resume = false;
-};
-
-/// What a run did.
-struct train_result {
-  std::vector<double> losses;       ///< mean loss over the global batch, per step
-  std::vector<double> step_seconds; ///< wall time per step
-  double loss_first() const { return losses.empty() ? 0 : losses.front(); }
-  double loss_last() const { return losses.empty() ? 0 : losses.back(); }
-  /// Median step time, skipping `warmup` steps.
-  double median_step_s(std::size_t warmup = 2) const {
-    std::vector<double> s(step_seconds.begin() + static_cast<std::ptrdiff_t>(std::min(warmup, step_seconds.size())),
-                          step_seconds.end());
-    if (s.empty()) s = step_seconds;
-    if (s.empty()) return 0;
-    std::nth_element(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(s.size() / 2), s.end());
-    return s[s.size() / 2];
-  }
 };
 
 /// Model FLOPs of one step over `rows` rows (samples, or tokens) in sequences of `seq`.
@@ -144,6 +83,12 @@ class trainer {
   trainer(Net& net, Opt opt, trainer_options o = {})
       : net_(net), opt_(std::move(opt)), o_(std::move(o)), state_(net.make_optimizer_state(opt_)), next_(o_.first_step) {
     if (o_.save_every < 0) throw std::invalid_argument("whale::trainer: save_every must be >= 0 (got " + std::to_string(o_.save_every) + ")");
+    auto at_least = [](std::int64_t v, std::int64_t lo, const char* name) {
+      if (v < lo) throw std::invalid_argument(std::string("whale::trainer: ") + name + " must be >= " + std::to_string(lo) + " (got " + std::to_string(v) + ")");
+    };
+    at_least(o_.eval_every, 0, "eval_every");
+    at_least(o_.eval_steps, 1, "eval_steps");
+    at_least(o_.total_steps, 0, "total_steps");
     if (o_.keep_last < 0) throw std::invalid_argument("whale::trainer: keep_last must be >= 0 (got " + std::to_string(o_.keep_last) + ")");
     if ((o_.save_every > 0 || o_.resume) && o_.checkpoint_dir.empty())
       throw std::invalid_argument("whale::trainer: save_every and resume need trainer_options::checkpoint_dir");
@@ -197,25 +142,58 @@ class trainer {
     return info;
   }
 
+  /// Whether `Data` is a DataSource this network can train on (a
+  /// static_assert names what is missing; train/data_source.hpp).
+  template <class Data> static constexpr bool data_ok = detail::data_source_for<Data, typename Net::input_type>();
+
   /// This rank's rows of data step `step` (no training).
   template <class Data> auto fetch(Data& data, std::int64_t step) {
-    const auto [begin, count] = net_.local_batch(data.global_batch());
-    return data.get(step, begin, count);
+    if constexpr (data_ok<Data>) {
+      const auto [begin, count] = net_.local_batch(data.global_batch());
+      return data.get(step, begin, count);
+    } else {
+      return batch_view<typename Net::input_type>{};
+    }
   }
 
-  /// One step on data step `step`; returns the global mean loss.
+  /// One step on data step `step`, with what run() does around each step:
+  /// the progress line (of trainer_options::total_steps steps), the metrics
+  /// log, on_step and save_every. Returns the global mean loss; next_step() becomes step + 1.
   template <class Data> double step(Data& data, std::int64_t step) {
-    return step_on(fetch(data, step), data.global_batch(), step);
+    if constexpr (data_ok<Data>) {
+      const auto t0 = std::chrono::steady_clock::now();
+      const double loss = step_on(fetch(data, step), data.global_batch(), step, labelled(data, step));
+      next_ = step + 1;
+      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      last_dt_ = dt;
+      const index_t rows = data.global_batch() * data.seq();
+      if (!line_) line_.emplace(o_.total_steps, data.seq() > 1, (o_.progress && net_.rank() == 0) ? o_.out : nullptr, o_.plain_every);
+      line_->update(++line_steps_, loss, dt, static_cast<double>(rows),
+                    model_flops<typename Net::model_type>(rows, data.seq()) / static_cast<double>(net_.world_size()));
+      if (o_.on_step || log_) {
+        const step_report rep{step, loss, last_lr_, last_norm_, dt, dt > 0 ? static_cast<double>(rows) / dt : 0};
+        if (log_) {
+          std::fprintf(log_.get(), "{\"step\":%lld,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%s,\"step_s\":%.6g,\"tokens_per_s\":%.6g}\n",
+                       static_cast<long long>(rep.step), rep.loss, rep.lr,
+                       std::isfinite(rep.grad_norm) ? std::to_string(rep.grad_norm).c_str() : "null", rep.seconds, rep.tokens_per_s);
+          std::fflush(log_.get());
+        }
+        if (o_.on_step) o_.on_step(rep);
+      }
+      if constexpr (checkpoints)
+        if (o_.save_every > 0 && next_ % o_.save_every == 0) save();
+      return loss;
+    } else {
+      return 0;
+    }
   }
 
   /// One step on a fetched batch (this rank's rows of a global batch of
-  /// `global_batch` sequences); returns the global mean loss.
-  template <class In> double step_on(const batch_view<In>& b, index_t global_batch, std::int64_t step) {
-    step_ctx c;
-    c.batch = b.sequences;
-    c.seq = b.seq;
-    c.global_rows = global_batch * b.seq;
-    c.check_finite = o_.check_finite;
+  /// `global_batch` sequences, of which `loss_terms` labels count; -1: all)
+  /// and nothing else: no progress line, log or hooks. Returns the global mean loss.
+  template <class In>
+  double step_on(const batch_view<In>& b, index_t global_batch, std::int64_t step, std::int64_t loss_terms = -1) {
+    step_ctx c = context_of(b, global_batch, loss_terms);
     const double share = net_.train_step(c, b.inputs, b.labels);
     const double loss = net_.reduce_loss(share);
     // steps are named from 1, as the progress line counts them (strings only when failing: no allocation per step)
@@ -259,47 +237,17 @@ class trainer {
     return loss;
   }
 
-  /// Train for `n` steps; prints progress on rank 0.
+  /// Train for `n` steps from next_step(); prints progress on rank 0.
   template <class Data> train_result run(Data& data, steps n) {
-    train_result r;
-    r.losses.reserve(static_cast<std::size_t>(n.value));
-    r.step_seconds.reserve(static_cast<std::size_t>(n.value));
-    const bool seqs = data.seq() > 1;
-    const index_t rows = data.global_batch() * data.seq();
-    const double flops = model_flops<typename Net::model_type>(rows, data.seq());
-    if constexpr (checkpoints) {
-      if (o_.resume && !resumed_) {
-        resumed_ = true;
-        if (!ckpt::latest(o_.checkpoint_dir).empty()) {
-          const auto info = load(o_.checkpoint_dir);
-          if (o_.progress && net_.rank() == 0 && o_.out)
-            std::fprintf(o_.out, "resumed from %s (step %lld, saved under %s)\n", info.dir.c_str(), static_cast<long long>(info.step), info.plan.c_str());
-        }
-      }
-    }
-    progress_line line(n.value, seqs, (o_.progress && net_.rank() == 0) ? o_.out : nullptr, o_.plain_every);
-    for (std::int64_t s = 0; s < n.value; ++s) {
-      const auto t0 = std::chrono::steady_clock::now();
-      const double loss = step(data, next_);
-      ++next_;
-      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      r.losses.push_back(loss);
-      r.step_seconds.push_back(dt);
-      line.update(s + 1, loss, dt, static_cast<double>(rows), flops / static_cast<double>(net_.world_size()));
-      if (o_.on_step || log_) {
-        const step_report rep{next_ - 1, loss, last_lr_, last_norm_, dt, dt > 0 ? static_cast<double>(rows) / dt : 0};
-        if (log_) {
-          std::fprintf(log_.get(), "{\"step\":%lld,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%s,\"step_s\":%.6g,\"tokens_per_s\":%.6g}\n",
-                       static_cast<long long>(rep.step), rep.loss, rep.lr,
-                       std::isfinite(rep.grad_norm) ? std::to_string(rep.grad_norm).c_str() : "null", rep.seconds, rep.tokens_per_s);
-          std::fflush(log_.get());
-        }
-        if (o_.on_step) o_.on_step(rep);
-      }
-      if constexpr (checkpoints)
-        if (o_.save_every > 0 && next_ % o_.save_every == 0) save();
-    }
-    return r;
+    if (o_.eval_every > 0)
+      throw std::invalid_argument("whale::trainer: eval_every is set but run() was given no evaluation data; "
+                                  "call run(data, steps, eval_data)");
+    return run_with<Data, void>(data, n, nullptr);
+  }
+  /// Train for `n` steps, evaluating on `eval` every trainer_options::eval_every data steps.
+  template <class Data, class Eval> train_result run(Data& data, steps n, Eval& eval) {
+    if constexpr (data_ok<Eval>) return run_with(data, n, &eval);
+    else return {};
   }
 
   /// The global mean loss of `n` data steps from `first` (no backward, no update):
@@ -307,30 +255,90 @@ class trainer {
   template <class Data> double evaluate(Data& data, steps n, std::int64_t first = 0)
     requires requires(Net& m, step_ctx& c, cview<typename Net::input_type> x, cview<std::int32_t> y) { m.evaluate(c, x, y); }
   {
-    if (n.value < 1) throw std::invalid_argument("whale::trainer::evaluate: at least one step (got " + std::to_string(n.value) + ")");
-    double sum = 0;
-    for (std::int64_t s = 0; s < n.value; ++s) {
-      const auto b = fetch(data, first + s);
-      step_ctx c;
-      c.batch = b.sequences;
-      c.seq = b.seq;
-      c.global_rows = data.global_batch() * b.seq;
-      c.check_finite = o_.check_finite;
-      sum += net_.reduce_loss(net_.evaluate(c, b.inputs, b.labels));
+    if constexpr (data_ok<Data>) {
+      if (n.value < 1) throw std::invalid_argument("whale::trainer::evaluate: at least one step (got " + std::to_string(n.value) + ")");
+      double sum = 0;
+      for (std::int64_t s = 0; s < n.value; ++s) {
+        const auto b = fetch(data, first + s);
+        step_ctx c = context_of(b, data.global_batch(), labelled(data, first + s));
+        sum += net_.reduce_loss(net_.evaluate(c, b.inputs, b.labels));
+      }
+      return sum / static_cast<double>(n.value);
+    } else {
+      return 0;
     }
-    return sum / static_cast<double>(n.value);
   }
 
   typename Opt::state& optimizer_state() noexcept { return state_; }
 
  private:
+  template <class In> step_ctx context_of(const batch_view<In>& b, index_t global_batch, std::int64_t loss_terms) const {
+    step_ctx c;
+    c.batch = b.sequences;
+    c.seq = b.seq;
+    c.global_rows = global_batch * b.seq;
+    c.loss_terms = loss_terms;
+    c.check_finite = o_.check_finite;
+    return c;
+  }
+  /// The labels of step `s`'s global batch that count, if the data says (-1: all).
+  template <class Data> static std::int64_t labelled(const Data& data, std::int64_t s) {
+    if constexpr (requires { { data.labelled(s) } -> std::convertible_to<std::int64_t>; }) return data.labelled(s);
+    else return -1;
+  }
+  template <class Data, class Eval> train_result run_with(Data& data, steps n, Eval* eval) {
+    train_result r;
+    if constexpr (data_ok<Data>) {
+      if (n.value < 0) throw std::invalid_argument("whale::trainer::run: steps must be >= 0 (got " + std::to_string(n.value) + ")");
+      r.losses.reserve(static_cast<std::size_t>(n.value));
+      r.step_seconds.reserve(static_cast<std::size_t>(n.value));
+      if constexpr (checkpoints) {
+        if (o_.resume && !resumed_) {
+          resumed_ = true;
+          if (!ckpt::latest(o_.checkpoint_dir).empty()) {
+            const auto info = load(o_.checkpoint_dir);
+            if (o_.progress && net_.rank() == 0 && o_.out)
+              std::fprintf(o_.out, "resumed from %s (step %lld, saved under %s)\n", info.dir.c_str(), static_cast<long long>(info.step), info.plan.c_str());
+          }
+        }
+      }
+      line_.emplace(n.value, data.seq() > 1, (o_.progress && net_.rank() == 0) ? o_.out : nullptr, o_.plain_every);
+      line_steps_ = 0;
+      for (std::int64_t s = 0; s < n.value; ++s) {
+        r.losses.push_back(step(data, next_));
+        r.step_seconds.push_back(last_dt_);
+        if constexpr (!std::is_void_v<Eval>)
+          if (o_.eval_every > 0 && next_ % o_.eval_every == 0) run_eval(*eval);
+      }
+      line_.reset();  // manual steps after run() start a line of their own
+    }
+    return r;
+  }
+  template <class Eval> void run_eval(Eval& eval) {
+    if constexpr (requires { evaluate(eval, steps{1}, 0); }) {
+      const eval_report rep{next_, evaluate(eval, steps{o_.eval_steps}, 0)};
+      char buf[96];
+      std::snprintf(buf, sizeof buf, "eval after step %lld  loss %.4f", static_cast<long long>(rep.step), rep.loss);
+      if (line_) line_->note(buf);
+      if (log_) {
+        std::fprintf(log_.get(), "{\"step\":%lld,\"eval_loss\":%.9g}\n", static_cast<long long>(rep.step), rep.loss);
+        std::fflush(log_.get());
+      }
+      if (o_.on_eval) o_.on_eval(rep);
+    } else {
+      static_assert(requires { evaluate(eval, steps{1}, 0); }, "whale::trainer: this network has no forward-only evaluate()");
+    }
+  }
+
   Net& net_;
   Opt opt_;
   trainer_options o_;
   typename Opt::state state_;
   std::int64_t next_ = 0;
   bool resumed_ = false;
-  double last_norm_ = 0, last_lr_ = 0;
+  double last_norm_ = 0, last_lr_ = 0, last_dt_ = 0;
+  std::optional<progress_line> line_;  // of run(), or of manual steps
+  std::int64_t line_steps_ = 0;
   struct file_close {
     void operator()(std::FILE* f) const { std::fclose(f); }
   };

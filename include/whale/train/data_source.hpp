@@ -1,0 +1,351 @@
+// What the trainer reads batches from: the `DataSource` concept (checked with
+// messages that name the missing piece), and two adapters: `tensor_data`
+// (arrays in memory) and `token_file` (a memory-mapped flat file of token ids,
+// as llm.c and nanoGPT write them, with a held-out split). The synthetic data
+// of the reference workloads is in train/data.hpp.
+#pragma once
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <concepts>
+#include <cstdint>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "whale/detail/io.hpp"
+#include "whale/nn/layer.hpp"
+#include "whale/tensor/random.hpp"
+#include "whale/tensor/tensor.hpp"
+#include "whale/train/data.hpp"
+
+namespace whale {
+
+/// A source of global batches: step s's global batch has global_batch()
+/// samples (or sequences of seq() tokens), and get(s, begin, count) returns
+/// samples [begin, begin + count) of it. Each sample must be a pure function
+/// of (s, index), so every plan (whatever rows each rank asks for) trains on
+/// the same batch. Optional: `labelled(s)`, the labels of step s's global
+/// batch other than ignore_index (the loss is their mean; without it, every
+/// label is counted).
+template <class D>
+concept DataSource = requires(D& d, const D& cd, std::int64_t step, index_t i) {
+  typename D::input_type;
+  { cd.global_batch() } -> std::convertible_to<index_t>;
+  { cd.seq() } -> std::convertible_to<index_t>;
+  { d.get(step, i, i) } -> std::same_as<batch_view<typename D::input_type>>;
+};
+
+namespace detail {
+/// Whether `D` is a data source a model with input element `In` can train on;
+/// a static_assert names the first thing missing.
+template <class D, class In> constexpr bool data_source_for() {
+  if constexpr (!requires { typename D::input_type; }) {
+    static_assert(requires { typename D::input_type; },
+                  "whale: a data source names its input element type: `using input_type = float;` (features) or "
+                  "`using input_type = std::int32_t;` (tokens). See docs/training.md, 'Writing a data source'");
+    return false;
+  } else if constexpr (!requires(const D& d) { { d.global_batch() } -> std::convertible_to<index_t>; }) {
+    static_assert(requires(const D& d) { { d.global_batch() } -> std::convertible_to<index_t>; },
+                  "whale: a data source needs `index_t global_batch() const`: the samples (or sequences) of each step");
+    return false;
+  } else if constexpr (!requires(const D& d) { { d.seq() } -> std::convertible_to<index_t>; }) {
+    static_assert(requires(const D& d) { { d.seq() } -> std::convertible_to<index_t>; },
+                  "whale: a data source needs `index_t seq() const`: tokens per sequence (1 for non-sequence data)");
+    return false;
+  } else if constexpr (!requires(D& d, std::int64_t s, index_t i) {
+                         { d.get(s, i, i) } -> std::same_as<batch_view<typename D::input_type>>;
+                       }) {
+    static_assert(requires(D& d, std::int64_t s, index_t i) {
+                    { d.get(s, i, i) } -> std::same_as<batch_view<typename D::input_type>>;
+                  },
+                  "whale: a data source needs `batch_view<input_type> get(std::int64_t step, index_t begin, index_t "
+                  "count)`: samples [begin, begin + count) of that step's global batch");
+    return false;
+  } else if constexpr (!std::is_same_v<typename D::input_type, In>) {
+    static_assert(std::is_same_v<typename D::input_type, In> || !std::is_same_v<In, std::int32_t>,
+                  "whale: the model's first layer takes token ids (std::int32_t), but the data source's input_type "
+                  "is not std::int32_t");
+    static_assert(std::is_same_v<typename D::input_type, In> || !std::is_same_v<In, float>,
+                  "whale: the model's first layer takes features (float), but the data source's input_type is not float");
+    static_assert(std::is_same_v<typename D::input_type, In> || std::is_same_v<In, float> || std::is_same_v<In, std::int32_t>,
+                  "whale: the data source's input_type is not the input element type of the model's first layer");
+    return false;
+  } else {
+    return true;
+  }
+}
+
+/// A bijection of [0, n) keyed by `key` (a 4-round Feistel network on the
+/// next power of four, walked until it lands inside): a shuffled order with no
+/// table, the same on every rank.
+inline std::uint64_t permute(std::uint64_t i, std::uint64_t n, std::uint64_t key) {
+  if (n <= 1) return 0;
+  int half = 1;
+  while ((std::uint64_t{1} << (2 * half)) < n) ++half;
+  const std::uint64_t mask = (std::uint64_t{1} << half) - 1;
+  do {
+    std::uint64_t l = i >> half, r = i & mask;
+    for (std::uint64_t round = 0; round < 4; ++round) {
+      const std::uint64_t f = mix64(key ^ mix64(r + (round << 56))) & mask;
+      const std::uint64_t next = l ^ f;
+      l = r;
+      r = next;
+    }
+    i = (l << half) | r;
+  } while (i >= n);
+  return i;
+}
+
+/// The shuffled (or sequential) position of global sample `g` in a data set of `n`: epochs of n, each in its own order.
+inline std::uint64_t epoch_order(std::uint64_t g, std::uint64_t n, bool shuffle, std::uint64_t key) {
+  const std::uint64_t epoch = g / n, pos = g % n;
+  return shuffle ? permute(pos, n, mix64(key ^ mix64(epoch + 0x5eed))) : pos;
+}
+
+inline void check_rows(const char* who, index_t begin, index_t count, index_t total) {
+  if (begin < 0 || count < 0 || begin + count > total)
+    throw std::out_of_range(std::string("whale::") + who + ": rows [" + std::to_string(begin) + ", " +
+                            std::to_string(begin + count) + ") outside the global batch of " + std::to_string(total));
+}
+}  // namespace detail
+
+struct tensor_data_options {
+  bool shuffle = true;     ///< each epoch in its own order (from `seed`); false: in order
+  whale::seed seed{0};
+};
+
+/// Arrays in memory as a DataSource. x: N samples (N, features) of float, or
+/// N sequences (N, T) of token ids; y: N class labels, or (N, T) next-token
+/// labels. Labels may be ignore_index (no loss, no gradient). Step s's batch
+/// holds global samples [s B, s B + B), each sample k of epoch k / N at the
+/// epoch's k % N-th position (shuffled per epoch, the same on every rank).
+template <class In>
+class tensor_data {
+  static_assert(std::is_same_v<In, float> || std::is_same_v<In, std::int32_t>,
+                "whale::tensor_data: inputs are float features or std::int32_t token ids");
+
+ public:
+  using input_type = In;
+  tensor_data(tensor<In> x, tensor<std::int32_t> y, index_t global_batch, tensor_data_options o = {})
+      : x_(std::move(x)), y_(std::move(y)), batch_(global_batch), o_(o) {
+    if (x_.shape().rank() < 1 || x_.shape()[0] < 1)
+      throw std::invalid_argument("whale::tensor_data: x needs at least one sample (shape (N, ...))");
+    n_ = x_.shape()[0];
+    width_ = x_.numel() / n_;
+    if (global_batch < 1)
+      throw std::invalid_argument("whale::tensor_data: global_batch must be >= 1 (got " + std::to_string(global_batch) + ")");
+    if (y_.numel() == n_) seq_ = 1;
+    else if (std::is_same_v<In, std::int32_t> && y_.numel() == x_.numel()) seq_ = width_;
+    else
+      throw std::invalid_argument("whale::tensor_data: y has " + std::to_string(y_.numel()) + " labels for " +
+                                  std::to_string(n_) + " samples of " + std::to_string(width_) +
+                                  (std::is_same_v<In, float> ? " features; give one label per sample"
+                                                             : " tokens; give one label per sample or one per token"));
+    for (index_t i = 0; i < y_.numel(); ++i) {
+      if (y_[i] == ignore_index) ignored_ = true;
+      else if (y_[i] < 0)
+        throw std::invalid_argument("whale::tensor_data: label " + std::to_string(i) + " is " + std::to_string(y_[i]) +
+                                    "; labels are class ids >= 0, or ignore_index (" + std::to_string(ignore_index) + ")");
+    }
+  }
+  index_t global_batch() const noexcept { return batch_; }
+  index_t seq() const noexcept { return seq_; }
+  index_t size() const noexcept { return n_; }  ///< samples in the data set
+
+  /// Samples [begin, begin + count) of step `step`'s global batch.
+  batch_view<In> get(std::int64_t step, index_t begin, index_t count) {
+    detail::check_rows("tensor_data", begin, count, batch_);
+    bx_.resize({count, width_});
+    by_.resize({count * seq_});
+    for (index_t r = 0; r < count; ++r) {
+      const auto k = static_cast<index_t>(sample(step, begin + r));
+      std::memcpy(bx_.data() + r * width_, x_.data() + k * width_, static_cast<std::size_t>(width_) * sizeof(In));
+      std::memcpy(by_.data() + r * seq_, y_.data() + k * seq_, static_cast<std::size_t>(seq_) * sizeof(std::int32_t));
+    }
+    return {bx_.v(), by_.v(), count, seq_};
+  }
+  /// Labels of step `step`'s global batch that count (not ignore_index).
+  std::int64_t labelled(std::int64_t step) const {
+    const std::int64_t all = static_cast<std::int64_t>(batch_) * seq_;
+    if (!ignored_) return all;
+    std::int64_t n = 0;
+    for (index_t r = 0; r < batch_; ++r) {
+      const auto k = static_cast<index_t>(sample(step, r));
+      for (index_t t = 0; t < seq_; ++t) n += y_[k * seq_ + t] != ignore_index;
+    }
+    return n;
+  }
+
+ private:
+  std::uint64_t sample(std::int64_t step, index_t i) const {
+    if (step < 0) throw std::out_of_range("whale::tensor_data: step " + std::to_string(step) + " is negative");
+    const auto g = static_cast<std::uint64_t>(step) * static_cast<std::uint64_t>(batch_) + static_cast<std::uint64_t>(i);
+    return detail::epoch_order(g, static_cast<std::uint64_t>(n_), o_.shuffle, o_.seed.value);
+  }
+  tensor<In> x_;
+  tensor<std::int32_t> y_;
+  index_t batch_ = 0, n_ = 0, width_ = 0, seq_ = 1;
+  tensor_data_options o_;
+  bool ignored_ = false;
+  tensor<In> bx_;
+  tensor<std::int32_t> by_;
+};
+
+/// Width of the token ids in a token file.
+enum class token_width : std::uint8_t { u16 = 2, u32 = 4 };
+/// Which part of a token file a token_file reads.
+enum class token_split : std::uint8_t { train, held_out };
+
+struct token_file_options {
+  token_width width = token_width::u16;  ///< of a headerless file (llm.c's header says its own)
+  double held_out = 0;                   ///< the fraction of tokens at the end kept for evaluation, in [0, 1)
+  token_split split = token_split::train;
+  index_t vocab = 0;                     ///< > 0: every token read is checked to be below it
+  bool shuffle = true;                   ///< windows of each epoch in their own order (from `seed`)
+  whale::seed seed{0};
+};
+
+/// A memory-mapped file of token ids as a DataSource of next-token sequences:
+/// a flat little-endian array of uint16 or uint32 ids (nanoGPT's train.bin), or
+/// llm.c's format (a header of 256 int32: 20240520, 1, token count; then
+/// uint16 ids). The split's tokens are cut into windows of seq + 1 tokens,
+/// overlapping by one (inputs are a window's first seq, labels its last seq);
+/// step s takes global windows [s B, s B + B), each epoch in its own order.
+class token_file {
+ public:
+  using input_type = std::int32_t;
+  token_file(const std::string& path, index_t seq, index_t global_batch, token_file_options o = {})
+      : path_(path), seq_(seq), batch_(global_batch), o_(o) {
+    auto fail = [&](const std::string& why) { return std::invalid_argument("whale::token_file '" + path + "': " + why); };
+    if (seq < 1) throw fail("seq must be >= 1 (got " + std::to_string(seq) + ")");
+    if (global_batch < 1) throw fail("global_batch must be >= 1 (got " + std::to_string(global_batch) + ")");
+    if (!(o.held_out >= 0 && o.held_out < 1)) throw fail("held_out must be in [0, 1) (got " + std::to_string(o.held_out) + ")");
+    if (o.vocab < 0) throw fail("vocab must be >= 0 (got " + std::to_string(o.vocab) + ")");
+    if (o.width != token_width::u16 && o.width != token_width::u32) throw fail("width must be token_width::u16 or u32");
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) throw fail("cannot open it: " + detail::system_reason(errno));
+    struct stat st{};
+    if (::fstat(fd, &st) != 0 || st.st_size <= 0) {
+      const int e = errno;
+      ::close(fd);
+      throw fail(st.st_size == 0 ? std::string("the file is empty") : "cannot stat it: " + detail::system_reason(e));
+    }
+    bytes_ = static_cast<std::size_t>(st.st_size);
+    void* m = ::mmap(nullptr, bytes_, PROT_READ, MAP_SHARED, fd, 0);
+    const int e = errno;
+    ::close(fd);
+    if (m == MAP_FAILED) throw fail("cannot map it: " + detail::system_reason(e));
+    map_ = static_cast<const unsigned char*>(m);
+    try {
+      locate(fail);
+    } catch (...) {
+      ::munmap(const_cast<unsigned char*>(map_), bytes_);
+      throw;
+    }
+    ::madvise(const_cast<unsigned char*>(map_), bytes_, MADV_RANDOM);
+  }
+  token_file(const token_file&) = delete;
+  token_file& operator=(const token_file&) = delete;
+  token_file(token_file&& o) noexcept { *this = std::move(o); }
+  token_file& operator=(token_file&& o) noexcept {
+    if (this != &o) {
+      release();
+      path_ = std::move(o.path_);
+      seq_ = o.seq_, batch_ = o.batch_, o_ = o.o_;
+      map_ = std::exchange(o.map_, nullptr), bytes_ = std::exchange(o.bytes_, 0);
+      data_ = o.data_, width_ = o.width_, first_ = o.first_, count_ = o.count_, windows_ = o.windows_;
+    }
+    return *this;
+  }
+  ~token_file() { release(); }
+
+  index_t global_batch() const noexcept { return batch_; }
+  index_t seq() const noexcept { return seq_; }
+  std::int64_t tokens() const noexcept { return count_; }    ///< tokens of this split
+  std::int64_t windows() const noexcept { return windows_; }  ///< sequences per epoch
+
+  /// Sequences [begin, begin + count) of step `step`: inputs (count, seq), labels the next tokens.
+  batch_view<std::int32_t> get(std::int64_t step, index_t begin, index_t count) {
+    detail::check_rows("token_file", begin, count, batch_);
+    if (step < 0) throw std::out_of_range("whale::token_file: step " + std::to_string(step) + " is negative");
+    x_.resize({count, seq_});
+    y_.resize({count * seq_});
+    for (index_t r = 0; r < count; ++r) {
+      const auto g = static_cast<std::uint64_t>(step) * static_cast<std::uint64_t>(batch_) + static_cast<std::uint64_t>(begin + r);
+      const auto w = detail::epoch_order(g, static_cast<std::uint64_t>(windows_), o_.shuffle, o_.seed.value);
+      const std::int64_t at = first_ + static_cast<std::int64_t>(w) * seq_;
+      for (index_t t = 0; t < seq_; ++t) {
+        x_[r * seq_ + t] = token(at + t);
+        y_[r * seq_ + t] = token(at + t + 1);
+      }
+    }
+    return {x_.v(), y_.v(), count, seq_};
+  }
+
+ private:
+  template <class Fail> void locate(Fail& fail) {
+    std::int32_t h[3] = {0, 0, 0};
+    if (bytes_ >= 1024) std::memcpy(h, map_, sizeof h);
+    std::int64_t total = 0;
+    if (bytes_ >= 1024 && h[0] == 20240520) {  // llm.c
+      if (h[1] != 1) throw fail("llm.c header version " + std::to_string(h[1]) + "; only version 1 (uint16 ids) is read");
+      total = h[2];
+      if (total < 0 || 1024 + static_cast<std::size_t>(total) * 2 != bytes_)
+        throw fail("its llm.c header says " + std::to_string(h[2]) + " tokens but the file has " + std::to_string(bytes_) +
+                   " bytes (truncated?)");
+      data_ = map_ + 1024;
+      width_ = 2;
+    } else {
+      width_ = static_cast<int>(o_.width);
+      if (bytes_ % static_cast<std::size_t>(width_) != 0)
+        throw fail(std::to_string(bytes_) + " bytes is not a whole number of " + std::to_string(width_) + "-byte token ids");
+      total = static_cast<std::int64_t>(bytes_ / static_cast<std::size_t>(width_));
+      data_ = map_;
+    }
+    const auto held = static_cast<std::int64_t>(std::floor(o_.held_out * static_cast<double>(total)));
+    first_ = o_.split == token_split::train ? 0 : total - held;
+    count_ = o_.split == token_split::train ? total - held : held;
+    windows_ = count_ > seq_ ? (count_ - 1) / seq_ : 0;
+    if (windows_ < 1)
+      throw fail("its " + std::string(o_.split == token_split::train ? "training" : "held-out") + " part has " +
+                 std::to_string(count_) + " tokens, fewer than one sequence of " + std::to_string(seq_) + " + 1" +
+                 (o_.split == token_split::held_out && o_.held_out == 0 ? " (set token_file_options::held_out)" : ""));
+  }
+  std::int32_t token(std::int64_t i) const {
+    std::uint32_t v = 0;
+    if (width_ == 2) {
+      std::uint16_t u;
+      std::memcpy(&u, data_ + i * 2, 2);
+      v = u;
+    } else {
+      std::memcpy(&v, data_ + i * 4, 4);
+    }
+    if ((o_.vocab > 0 && v >= static_cast<std::uint32_t>(o_.vocab)) || v > 0x7fffffffu)
+      throw std::out_of_range("whale::token_file '" + path_ + "': token " + std::to_string(v) + " at position " +
+                              std::to_string(i) + " is outside the vocabulary of " + std::to_string(o_.vocab));
+    return static_cast<std::int32_t>(v);
+  }
+  void release() noexcept {
+    if (map_) ::munmap(const_cast<unsigned char*>(map_), bytes_);
+    map_ = nullptr;
+  }
+  std::string path_;
+  index_t seq_ = 0, batch_ = 0;
+  token_file_options o_;
+  const unsigned char* map_ = nullptr;
+  std::size_t bytes_ = 0;
+  const unsigned char* data_ = nullptr;
+  int width_ = 2;
+  std::int64_t first_ = 0, count_ = 0, windows_ = 0;
+  tensor<std::int32_t> x_, y_;
+};
+
+}  // namespace whale

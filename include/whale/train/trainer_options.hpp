@@ -1,0 +1,96 @@
+// What a training run is told and what it reports: `trainer_options`,
+// `step_report`, `eval_report`, `train_result` and `steps`. Plain data; the
+// loop that reads them is train/trainer.hpp.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace whale {
+
+/// Number of training steps, as users write it: `steps{100}`.
+struct steps {
+  std::int64_t value = 0;
+};
+
+/// What one step did, for trainer_options::on_step and the metrics log.
+struct step_report {
+  std::int64_t step = 0;     ///< the data step (from 0)
+  double loss = 0;           ///< global mean loss
+  double lr = 0;             ///< the learning rate applied (the optimizer's, or the schedule's)
+  double grad_norm = 0;      ///< global gradient norm before clipping (NaN if not computed)
+  double seconds = 0;        ///< wall time of the step
+  double tokens_per_s = 0;   ///< rows (tokens, or samples) of the global batch per second
+};
+
+/// What one evaluation did, for trainer_options::on_eval and the metrics log.
+struct eval_report {
+  std::int64_t step = 0;  ///< data steps trained when it ran (the next data step)
+  double loss = 0;        ///< global mean loss over the evaluation steps
+};
+
+struct trainer_options {
+  double max_grad_norm = 0;      ///< clip gradients to this global norm (0: no clipping)
+  bool progress = true;          ///< print the progress line (rank 0 only)
+  std::FILE* out = stderr;       ///< where the progress line goes
+  int plain_every = 10;          ///< without a terminal, print every this many steps
+  std::int64_t first_step = 0;   ///< data step of the first step (for resuming)
+  /// Compute the global gradient norm every step (also without clipping) and
+  /// fail, naming the step and the first layer with a non-finite gradient, if
+  /// it is NaN or Inf: one pass over this rank's gradients and an 8-byte
+  /// all-reduce per step. false: only when clipping.
+  bool check_grad_norm = true;
+  /// Debugging: check every leaf layer's output and input gradient for NaN/Inf
+  /// (a pass over every activation; also plan_options::check_finite, --check-finite).
+  bool check_finite = false;
+  /// Checkpoints (train/checkpoint.hpp): run() saves to `checkpoint_dir` after
+  /// every `save_every` data steps (0: never), keeping the newest `keep_last`
+  /// (0: all); with `resume`, run() first loads the newest complete checkpoint
+  /// in `checkpoint_dir` if there is one, and continues from its step.
+  std::string checkpoint_dir;
+  /// Metrics log: rank 0 writes one JSON object per step to this file (flushed per line):
+  /// {"step", "loss", "lr", "grad_norm", "step_s", "tokens_per_s"}. Checked when the trainer is made.
+  std::string log_path;
+  /// The learning rate of each data step (e.g. warmup_cosine(3e-4, 100, 2000); optim/lr_schedule.hpp),
+  /// set on the optimizer (its `lr`) before each update. Empty: the optimizer's own rate.
+  std::function<double(std::int64_t)> lr_schedule;
+  /// Called on every rank after each step (e.g. to log, or to stop and evaluate).
+  std::function<void(const step_report&)> on_step;
+  /// Evaluation during run(data, n, eval_data): every `eval_every` data steps
+  /// (0: never), the global mean loss of `eval_steps` steps of eval_data (from
+  /// its step 0, so every evaluation sees the same batches), printed on rank 0,
+  /// written to the metrics log as {"step", "eval_loss"} and passed to on_eval.
+  std::int64_t eval_every = 0;
+  std::int64_t eval_steps = 1;
+  std::function<void(const eval_report&)> on_eval;
+  /// The step count the progress line shows when stepping by hand (step());
+  /// 0: none (no ETA). run() shows its own.
+  std::int64_t total_steps = 0;
+  /// (checkpoints, continued: see checkpoint_dir above)
+  std::int64_t save_every = 0;
+  int keep_last = 0;
+  bool resume = false;
+};
+
+/// What a run did.
+struct train_result {
+  std::vector<double> losses;       ///< mean loss over the global batch, per step
+  std::vector<double> step_seconds; ///< wall time per step
+  double loss_first() const { return losses.empty() ? 0 : losses.front(); }
+  double loss_last() const { return losses.empty() ? 0 : losses.back(); }
+  /// Median step time, skipping `warmup` steps.
+  double median_step_s(std::size_t warmup = 2) const {
+    std::vector<double> s(step_seconds.begin() + static_cast<std::ptrdiff_t>(std::min(warmup, step_seconds.size())),
+                          step_seconds.end());
+    if (s.empty()) s = step_seconds;
+    if (s.empty()) return 0;
+    std::nth_element(s.begin(), s.begin() + static_cast<std::ptrdiff_t>(s.size() / 2), s.end());
+    return s[s.size() / 2];
+  }
+};
+
+}  // namespace whale
