@@ -1,6 +1,8 @@
 // nccl_comm on GPUs: every collective against host-computed values, one rank
 // per GPU. Built whenever whale::cuda exists; without enough GPUs it says so and
-// exits 77, which ctest reports as skipped. Registered in failure/CMakeLists.txt.
+// exits 77, which ctest reports as skipped; with no GPU at all it first checks
+// that nccl_comm refuses with its own message on every rank (exit 1 if not).
+// Registered in failure/CMakeLists.txt.
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -114,6 +116,24 @@ int main(int argc, char** argv) {
   int ok = e == cudaSuccess && devices >= size ? 1 : 0, all = 0;
   MPI_Allreduce(&ok, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
   if (!all) {
+    if (e != cudaSuccess || devices == 0) {  // no device anywhere: nccl_comm must say so itself, on every rank
+      std::string msg;
+      {
+        auto world = mpi_comm::world();
+        try {
+          nccl_comm n(world);
+        } catch (const std::exception& x) {
+          msg = x.what();
+        }
+      }
+      const bool named = msg.find("no CUDA device was found on rank(s) 0") != std::string::npos;
+      std::printf("nccl_comm: rank %d: without a device, nccl_comm said: %s\n", rank, msg.empty() ? "(nothing)" : msg.c_str());
+      if (!named) {
+        std::fprintf(stderr, "nccl_comm test: rank %d: FAILED: no clear no-device error\n", rank);
+        MPI_Finalize();
+        return 1;
+      }
+    }
     if (rank == 0)
       std::printf("nccl_comm: skipped: %s\n",
                   e != cudaSuccess ? (std::string("no CUDA device (cudaGetDeviceCount: ") + cudaGetErrorString(e) + ")").c_str()

@@ -11,6 +11,11 @@
 //                   the message, and the job still ends (the context cannot finalize)
 //   trace_path      replicate<mlp> with a trace file in a directory that does not exist:
 //                   refused on every rank before any step
+//   disagree_micro  rank 1 makes the plan with micro_batches 4, rank 0 with 2 (as if launched with other flags)
+//   disagree_mesh   rank 1 on the mesh data=1,pipe=2, rank 0 on data=2
+//   killed          rank 1 kills itself (SIGKILL) before an all_reduce (mpirun may name it first)
+//   frozen          rank 1 stops itself (SIGSTOP) before an all_reduce; rank 0 names it by its heartbeat
+#include <csignal>
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -93,6 +98,27 @@ int main(int argc, char** argv) {
       auto net = make<replicate<mlp>>(ctx, seed{1}, o);
       std::printf("whale failure test: rank %d built the plan; it should not have\n", ctx.rank());
     });
+  } else if (mode == "disagree_micro" || mode == "disagree_mesh") {
+    // as if rank 1 were launched with other flags: --micro-batches 4, or --mesh data=1,pipe=2
+    run_guarded(ctx, [&] {
+      plan_options o;
+      o.micro_batches = mode == "disagree_micro" && ctx.rank() == 1 ? 4 : 2;
+      if (mode == "disagree_micro") {
+        auto net = make<replicate<mlp>>(ctx, seed{1}, o);
+      } else {
+        auto c = ctx.with_mesh(ctx.rank() == 1 ? "data=1,pipe=2" : "data=2");  // (its unwinding prints a line of its own)
+        auto net = make<replicate<mlp>>(c, seed{1}, o);
+      }
+      std::printf("whale failure test: rank %d built the plan; it should not have\n", ctx.rank());
+    });
+  } else if (mode == "killed") {  // rank 1 is killed (SIGKILL) before the all-reduce
+    barrier(w);
+    if (ctx.rank() == 1) ::raise(SIGKILL);
+    all_reduce(w, x);
+  } else if (mode == "frozen") {  // rank 1 stops (SIGSTOP) before the all-reduce: its heartbeat stops too
+    barrier(w);
+    if (ctx.rank() == 1) ::raise(SIGSTOP);
+    all_reduce(w, x);
   } else if (mode == "watchdog") {
     barrier(w);
     if (ctx.rank() == 1) stall();

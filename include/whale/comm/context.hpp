@@ -210,6 +210,7 @@ class context {
       else if (const char* e = std::getenv("WHALE_MESH")) spec = e, origin = "WHALE_MESH";
       shape = mesh_shape::parse(spec, world.size(), origin);
       set_watchdog_timeout(detail::parse_watchdog_env());
+      set_heartbeat_timeout(detail::parse_heartbeat_env());
     } catch (const detail::parse_error& e) {
       error = e.what();
     } catch (const mesh_error& e) {

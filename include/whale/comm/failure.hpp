@@ -38,7 +38,32 @@ inline std::atomic<double>& watchdog_seconds() noexcept {
   static std::atomic<double> s{watchdog_from_env()};
   return s;
 }
+/// WHALE_HEARTBEAT_S, strictly: seconds in [0, 3600] (0: off). Throws parse_error naming it.
+inline double parse_heartbeat_env() {
+  const char* e = std::getenv("WHALE_HEARTBEAT_S");
+  return e ? parse_double(e, "WHALE_HEARTBEAT_S", 0, 3600) : 10.0;
+}
+inline std::atomic<double>& heartbeat_seconds() noexcept {
+  static std::atomic<double> s{[] {
+    try {
+      return parse_heartbeat_env();
+    } catch (...) {
+      return 10.0;
+    }
+  }()};
+  return s;
+}
 }  // namespace detail
+
+/// Seconds without a heartbeat after which a rank on this node counts as
+/// frozen (stopped, or hung where its heartbeat thread cannot run): a rank
+/// blocked in a communication call checks the peers of that communicator once
+/// a second and ends the job naming a dead or frozen one. Default 10, or
+/// WHALE_HEARTBEAT_S (seconds in [0, 3600]; anything else is an error of
+/// context::init); 0 turns the check off. A slow rank keeps beating, so only
+/// the watchdog's timeout ends a job waiting for it.
+inline double heartbeat_timeout() noexcept { return detail::heartbeat_seconds().load(); }
+inline void set_heartbeat_timeout(double seconds) noexcept { detail::heartbeat_seconds().store(seconds); }
 
 /// Seconds a blocking operation (or request::wait) may take before the
 /// watchdog reports it and aborts the job. Default 300, or WHALE_WATCHDOG_S

@@ -25,6 +25,7 @@
 
 #include "whale/comm/communicator.hpp"
 #include "whale/comm/detail/cost.hpp"
+#include "whale/comm/detail/flight.hpp"
 #include "whale/comm/detail/watchdog.hpp"
 #include "whale/comm/failure.hpp"
 
@@ -98,7 +99,8 @@ struct mpi_comm_state {
   std::vector<int> world_ranks;  // world rank of each member, for messages
   MPI_Comm node = MPI_COMM_NULL;  // the members on this node, for the shared window
   MPI_Win win = MPI_WIN_NULL;     // node-shared: every local member's `slot`
-  std::int64_t* slot = nullptr;   // [0]: number of collectives entered, [1]: the last one (coll)
+  // [0]: number of collectives entered, [1]: the last one (coll), [2]: heartbeat (monotonic_ms), [3]: pid
+  std::int64_t* slot = nullptr;
   std::vector<std::int64_t*> peer_slot;  // by rank in comm; nullptr: on another node
   std::int64_t seq = 0;
   comm_stats stats{};
@@ -125,10 +127,12 @@ struct mpi_comm_state {
       node = MPI_COMM_NULL;
     void* base = nullptr;
     if (node != MPI_COMM_NULL &&
-        MPI_Win_allocate_shared(2 * sizeof(std::int64_t), sizeof(std::int64_t), MPI_INFO_NULL, node,
+        MPI_Win_allocate_shared(4 * sizeof(std::int64_t), sizeof(std::int64_t), MPI_INFO_NULL, node,
                                 &base, &win) == MPI_SUCCESS) {
       slot = static_cast<std::int64_t*>(base);
       slot[0] = slot[1] = 0;
+      slot[3] = static_cast<std::int64_t>(::getpid());
+      heartbeat::instance().add(&slot[2]);
       int nsize = 0;
       MPI_Comm_size(node, &nsize);
       MPI_Group ng, cg;
@@ -153,6 +157,7 @@ struct mpi_comm_state {
   mpi_comm_state(const mpi_comm_state&) = delete;
   mpi_comm_state& operator=(const mpi_comm_state&) = delete;
   ~mpi_comm_state() {
+    if (slot) heartbeat::instance().remove(&slot[2]);
     // Freeing is collective; during unwinding (a failing rank) leave it to the abort.
     if (comm == MPI_COMM_NULL || !mpi_active() || std::uncaught_exceptions() > 0) return;
     if (win != MPI_WIN_NULL) MPI_Win_free(&win);
@@ -242,6 +247,7 @@ class mpi_comm {
       std::swap(active_, o.active_);
       std::swap(op_, o.op_);
       std::swap(seq_, o.seq_);
+      std::swap(flight_, o.flight_);
       std::swap(count_, o.count_);
       std::swap(type_, o.type_);
       std::swap(rop_, o.rop_);
@@ -256,7 +262,7 @@ class mpi_comm {
     template <class F> void guarded(F&& call, const char* name) {
       int rc;
       {
-        detail::watchdog::scope w({this, &describe}, watchdog_timeout());
+        detail::watchdog::scope w({this, &describe, &dead_peer}, watchdog_timeout());
         rc = call();
       }
       c_->check(rc, name);
@@ -264,9 +270,13 @@ class mpi_comm {
     }
     void finish() {
       active_ = false;
+      detail::flight_recorder::instance().done(flight_);
       if (avg_buf_) detail::divide(avg_buf_, avg_n_, type_, c_->size);
       avg_buf_ = nullptr;
     }
+    static std::string dead_peer(const void* self) { return static_cast<const request*>(self)->peer_problem(); }
+    std::string operation() const;
+    std::string peer_problem() const;
     static std::string describe(const void* self, double seconds) {
       return static_cast<const request*>(self)->message(seconds);
     }
@@ -277,6 +287,7 @@ class mpi_comm {
     bool active_ = false;
     detail::coll op_ = detail::coll::none;
     std::int64_t seq_ = 0;
+    std::uint64_t flight_ = 0;  // its ticket in the flight recorder
     index_t count_ = 0;
     dtype type_ = dtype::f32;
     reduce_op rop_ = reduce_op::sum;
@@ -353,9 +364,11 @@ class mpi_comm {
   mpi_comm split(int color, int key = 0) { return split(color, key, name() + "/" + std::to_string(color)); }
   mpi_comm split(int color, int key, std::string name) {
     auto& s = state();
-    s.enter(detail::coll::split);
+    const auto seq = s.enter(detail::coll::split);
+    const auto ticket = detail::flight_recorder::instance().begin("split", s.name, seq, 0, "");
     MPI_Comm c = MPI_COMM_NULL;
     s.check(MPI_Comm_split(s.comm, color < 0 ? MPI_UNDEFINED : color, key, &c), "MPI_Comm_split");
+    detail::flight_recorder::instance().done(ticket);
     if (c == MPI_COMM_NULL) return {};
     return mpi_comm(c, std::move(name));
   }
@@ -520,6 +533,7 @@ class mpi_comm {
     r.count_ = n;
     r.type_ = t;
     r.seq_ = s_->enter(op);
+    r.flight_ = detail::flight_recorder::instance().begin(detail::to_string(op), s_->name, r.seq_, n, whale::to_string(t));
     return r;
   }
   request p2p(detail::coll op, index_t n, dtype t, int peer, int tag) {
@@ -531,6 +545,7 @@ class mpi_comm {
     r.type_ = t;
     r.peer_ = peer;
     r.tag_ = tag;
+    r.flight_ = detail::flight_recorder::instance().begin(detail::to_string(op), s_->name, 0, n, whale::to_string(t));
     return r;
   }
   void check_rank(int r, const char* op) const {
@@ -560,77 +575,8 @@ class mpi_comm {
   std::unique_ptr<detail::mpi_comm_state> s_;
 };
 
-/// The watchdog's report. For a collective numbered #k on a communicator, it
-/// reads every peer's count of collectives entered there (from node-shared
-/// memory: no help from the peer needed) and names the ranks with a count
-/// below k: those have not arrived. Ranks on other nodes cannot be read and are
-/// listed as "progress could not be read".
-/// For send/recv it names the peer whose matching operation has not come.
-inline std::string mpi_comm::request::message(double limit) const {
-  using detail::to_string;
-  const auto& s = *c_;
-  auto wr = [&](int r) { return std::to_string(s.world_ranks[static_cast<std::size_t>(r)]); };
-  std::string m = "watchdog: " + std::string(to_string(op_)) + " (";
-  if (op_ == detail::coll::all_reduce || op_ == detail::coll::reduce_scatter ||
-      op_ == detail::coll::reduce_scatter_v)
-    m += std::string(whale::to_string(rop_)) + ", ";
-  if (op_ != detail::coll::barrier)
-    m += std::to_string(count_) + " × " + whale::to_string(type_);
-  if (op_ == detail::coll::broadcast) m += ", root rank " + wr(peer_);
-  if (op_ == detail::coll::send || op_ == detail::coll::recv) m += ", tag " + std::to_string(tag_);
-  m += ") on communicator '" + s.name + "' " + s.members();
-  char secs[32];
-  std::snprintf(secs, sizeof secs, "%g", limit);
-  m += " has not completed after " + std::string(secs) + " s";
-
-  if (op_ == detail::coll::send || op_ == detail::coll::recv) {
-    m += op_ == detail::coll::send ? "; rank " + wr(peer_) + " has not received it (no matching recv)"
-                                   : "; the matching send from rank " + wr(peer_) + " has not arrived";
-    m += "; ranks that did not arrive: " + wr(peer_);
-  } else {
-    std::vector<std::int64_t> v(2 * static_cast<std::size_t>(s.size), -1);
-    std::vector<int> got(static_cast<std::size_t>(s.size), 0);
-    for (int i = 0; i < s.size; ++i) {
-      auto k = static_cast<std::size_t>(i);
-      if (std::int64_t* p = s.peer_slot[k]) {
-        v[2 * k] = std::atomic_ref<std::int64_t>(p[0]).load(std::memory_order_acquire);
-        v[2 * k + 1] = std::atomic_ref<std::int64_t>(p[1]).load(std::memory_order_relaxed);
-        got[k] = 1;
-      }
-    }
-    std::string missing, other, unknown;
-    auto item = [](std::string& list, const std::string& x) {
-      if (!list.empty()) list += ", ";
-      list += x;
-    };
-    for (int i = 0; i < s.size; ++i) {
-      auto k = static_cast<std::size_t>(i);
-      if (i == s.rank) continue;
-      if (got[k] != 1) {
-        item(unknown, wr(i));
-        continue;
-      }
-      const auto seq = v[2 * k];
-      const auto last = static_cast<detail::coll>(v[2 * k + 1]);
-      if (seq < seq_)
-        item(missing, wr(i) + (seq ? " (its last collective there is #" + std::to_string(seq) + ", a " +
-                                         to_string(last) + ")"
-                                   : std::string(" (no collective there yet)")));
-      else if (seq == seq_ && last != op_)
-        item(other, wr(i) + " (its collective #" + std::to_string(seq) + " there is a " +
-                        to_string(last) + ")");
-    }
-    m += " (it is collective #" + std::to_string(seq_) + " on that communicator)";
-    m += "; ranks that did not arrive: " + (missing.empty() ? std::string("none known") : missing);
-    if (!other.empty()) m += "; ranks that entered a different collective: " + other;
-    if (!unknown.empty()) m += "; ranks whose progress could not be read: " + unknown;
-    if (missing.empty() && other.empty() && unknown.empty())
-      m += " (every rank entered it; the transport is stuck or the ranks disagree on sizes)";
-  }
-  m += "; aborting the job";
-  return m;
-}
-
 static_assert(Communicator<mpi_comm>);
 
 }  // namespace whale
+
+#include "whale/comm/detail/mpi_reports.hpp"

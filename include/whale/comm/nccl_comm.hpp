@@ -172,14 +172,37 @@ class nccl_comm {
   nccl_comm() = default;
   /// Collective over `over`: NCCL rank i is `over`'s rank i, on each rank's
   /// current CUDA device. Rank 0 makes the unique id; MPI broadcasts it.
+  /// Without a CUDA device on some rank, every rank throws std::runtime_error
+  /// naming those ranks (not NCCL's "unhandled cuda error").
   explicit nccl_comm(mpi_comm& over, std::string name = {}) : s_(std::make_unique<detail::nccl_state>()) {
     s_->name = name.empty() ? over.name() : std::move(name);
+    require_devices(over);
     ncclUniqueId id{};
     if (over.rank() == 0) s_->check(ncclGetUniqueId(&id), "ncclGetUniqueId");
     over.broadcast(&id, static_cast<index_t>(sizeof id), dtype::u8, 0);
     ncclComm_t c = nullptr;
     s_->check(ncclCommInitRank(&c, over.size(), id, over.rank()), "ncclCommInitRank");
     s_->adopt(c);
+  }
+
+  /// Collective over `over`: whether every rank sees a CUDA device; if not, the same error on every rank.
+  void require_devices(mpi_comm& over) const {
+    int n = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    int have = e == cudaSuccess && n > 0 ? 1 : 0;
+    std::vector<int> all(static_cast<std::size_t>(over.size()));
+    over.all_gather(&have, all.data(), 1, dtype::i32);
+    std::string missing;
+    for (int r = 0; r < over.size(); ++r)
+      if (!all[static_cast<std::size_t>(r)]) {
+        if (!missing.empty()) missing += ',';
+        missing += std::to_string(r);
+      }
+    if (missing.empty()) return;
+    throw std::runtime_error("whale::nccl_comm '" + s_->name + "': no CUDA device was found on rank(s) " + missing + " of '" +
+                             over.name() + "'" + (have ? std::string() : std::string(" (here cudaGetDeviceCount says: ") +
+                             (e == cudaSuccess ? std::string("0 devices") : std::string(cudaGetErrorString(e))) + ")") +
+                             "; NCCL needs one GPU per rank: run where every rank has one, or communicate with mpi_comm");
   }
 
   bool valid() const noexcept { return s_ != nullptr; }

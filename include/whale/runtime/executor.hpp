@@ -23,6 +23,7 @@
 #include "whale/backend/cpu.hpp"
 #include "whale/comm/trace.hpp"
 #include "whale/plan/lower.hpp"
+#include "whale/runtime/agree.hpp"
 #include "whale/runtime/grad_norm.hpp"
 #include "whale/runtime/grad_sync.hpp"
 #include "whale/runtime/messenger.hpp"
@@ -83,6 +84,8 @@ template <class P> class executor {
   executor(const context& ctx, seed s, plan_options o = plan_options::from_env()) : ctx_(&ctx), o_(std::move(o)) {
     const auto& shape = ctx.mesh().shape();
     const std::string who = "whale::" + layer_name<P>() + ": ";
+    // first: a rank launched differently is named before it can hang the others
+    detail::check_ranks_agree(ctx.world(), detail::launch_fields(layer_name<P>(), shape, o_), who);
     if (!(o_.bucket_mib > 0)) throw std::invalid_argument(who + "the bucket size must be positive (got " + std::to_string(o_.bucket_mib) + " MiB)");
     if (o_.micro_batches * V > max_micro)
       throw std::invalid_argument(who + "at most " + std::to_string(max_micro / V) + " micro-batches" +
@@ -203,6 +206,16 @@ template <class P> class executor {
   /// order, the last stage's output broadcast over the pipe axis); collective
   /// over the replica's ranks. The model must end in a plain loss layer.
   tensor<float> forward(step_ctx& c, cview<input_type> x);
+  /// Whether forward() compiles: the model ends in a plain loss layer, not in a split region.
+  static constexpr bool gives_logits() {
+    using flat = std::remove_cvref_t<decltype(std::declval<executor&>().parts_[0].model())>;
+    if constexpr (requires { typename flat::tuple_type; }) {
+      using tuple = typename flat::tuple_type;
+      return !is_container<std::tuple_element_t<std::tuple_size_v<tuple> - 1, tuple>>;
+    } else {
+      return false;
+    }
+  }
   /// The global mean loss: shares summed over the world, once per model group.
   double reduce_loss(double share) {
     const auto t0 = tr_.now();

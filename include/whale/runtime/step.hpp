@@ -176,16 +176,7 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
 }
 
 template <class P> tensor<float> executor<P>::forward(step_ctx& c, cview<input_type> x) {
-  using flat = std::remove_cvref_t<decltype(parts_[0].model())>;
-  constexpr bool plain_tail = [] {
-    if constexpr (requires { typename flat::tuple_type; }) {
-      using tuple = typename flat::tuple_type;
-      return !is_container<std::tuple_element_t<std::tuple_size_v<tuple> - 1, tuple>>;
-    } else {
-      return false;
-    }
-  }();
-  static_assert(plain_tail,
+  static_assert(gives_logits(),
                 "whale::executor::forward: the model does not end in a plain loss layer (its last element is a "
                 "container, e.g. split<sequential<..., Loss>>, whose class-split logits are never gathered, or the "
                 "whole model is one split region); end the model in softmax_cross_entropy after the split region "

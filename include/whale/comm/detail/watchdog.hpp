@@ -1,23 +1,79 @@
 // The watchdog thread: while this rank is blocked in a communication call it
 // holds a deadline; past it, the thread prints the operation's description and
-// ends the process. It never calls MPI (MPI stays single-threaded, FUNNELED).
+// ends the process. Until then it asks, once a second, whether a peer has died
+// or frozen (the heartbeat thread below keeps each rank's heartbeat in memory
+// its peers on the node read). Neither thread calls MPI (MPI stays FUNNELED).
 #pragma once
 
+#include <time.h>
+
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <cstdlib>
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "whale/comm/failure.hpp"
 
 namespace whale::detail {
 
-/// What the watchdog prints for a stuck operation: `describe(what, seconds)`.
+/// What the watchdog prints for a stuck operation: `describe(what, seconds)`;
+/// `peers(what)`: a dead or frozen peer described, or empty (null: not checked).
 struct watched {
   const void* what = nullptr;
   std::string (*describe)(const void* what, double seconds) = nullptr;
+  std::string (*peers)(const void* what) = nullptr;
+};
+
+/// Milliseconds of CLOCK_MONOTONIC: one clock for every process of a node.
+inline std::int64_t monotonic_ms() noexcept {
+  timespec t{};
+  ::clock_gettime(CLOCK_MONOTONIC, &t);
+  return static_cast<std::int64_t>(t.tv_sec) * 1000 + t.tv_nsec / 1000000;
+}
+
+/// The heartbeat thread: every 0.5 s it writes monotonic_ms() into each
+/// registered word (a communicator's node-shared slot). A stopped process
+/// stops beating; a busy one does not. Never destroyed (it may outlive main).
+class heartbeat {
+ public:
+  static heartbeat& instance() {
+    static heartbeat* h = new heartbeat;
+    return *h;
+  }
+  void add(std::int64_t* word) {
+    std::lock_guard<std::mutex> l(m_);
+    std::atomic_ref<std::int64_t>(*word).store(monotonic_ms(), std::memory_order_relaxed);
+    words_.push_back(word);
+    if (!started_) {
+      started_ = true;
+      std::thread([this] { loop(); }).detach();
+    }
+  }
+  void remove(std::int64_t* word) {
+    std::lock_guard<std::mutex> l(m_);
+    words_.erase(std::remove(words_.begin(), words_.end(), word), words_.end());
+  }
+
+ private:
+  heartbeat() = default;
+  void loop() {
+    std::unique_lock<std::mutex> l(m_);
+    for (;;) {
+      const auto now = monotonic_ms();
+      for (auto* w : words_) std::atomic_ref<std::int64_t>(*w).store(now, std::memory_order_relaxed);
+      cv_.wait_for(l, std::chrono::milliseconds(500));
+    }
+  }
+  std::mutex m_;
+  std::condition_variable cv_;
+  std::vector<std::int64_t*> words_;
+  bool started_ = false;
 };
 
 class watchdog {
@@ -78,8 +134,17 @@ class watchdog {
       }
       const auto e = epoch_;
       const auto d = deadline_;
-      cv_.wait_until(l, d);
-      if (stop_ || e != epoch_ || !cur_.what || clock::now() < d) continue;
+      const bool check = cur_.peers && heartbeat_timeout() > 0;
+      cv_.wait_until(l, check ? std::min(d, clock::now() + std::chrono::seconds(1)) : d);
+      if (stop_ || e != epoch_ || !cur_.what) continue;
+      if (clock::now() < d) {  // not yet the deadline: is a peer dead or frozen?
+        if (check)
+          if (std::string m = cur_.peers(cur_.what); !m.empty()) {
+            report(m);
+            std::_Exit(1);
+          }
+        continue;
+      }
       // Still the same call, past its deadline. Ends the process: exiting without
       // MPI_Finalize makes mpirun terminate every other rank.
       std::string m = cur_.describe(cur_.what, seconds_);
