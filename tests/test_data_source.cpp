@@ -165,6 +165,10 @@ TEST_CASE("token_file: windows of seq + 1 tokens, the held-out tail, llm.c heade
 TEST_CASE("token_file: missing, odd-sized and too-short files, and out-of-vocabulary tokens, are named errors") {
   const auto missing = temp_path("missing.bin");
   CHECK(message_of([&] { token_file(missing, 8, 2); }).find(missing + "': cannot open it") != std::string::npos);
+  const auto empty = temp_path("empty.bin");
+  write_file(empty, std::vector<std::uint16_t>{});
+  CHECK(message_of([&] { token_file(empty, 8, 2); }).find("the file is empty") != std::string::npos);
+  std::remove(empty.c_str());
   const auto odd = temp_path("odd.bin");
   write_file(odd, std::vector<std::uint8_t>(33, 1));
   CHECK(message_of([&] { token_file(odd, 4, 2); }).find("33 bytes is not a whole number of 2-byte token ids") != std::string::npos);
@@ -215,12 +219,36 @@ TEST_CASE("run() evaluates every eval_every steps; manual steps print a progress
   o.eval_steps = 2;
   const auto log = temp_path("eval.jsonl");
   o.log_path = log;
+  // accuracy: rows whose largest logit is the label
+  auto accuracy = [](cview<float> logits, cview<std::int32_t> y) {
+    metric_share m;
+    const index_t rows = y.numel(), classes = logits.numel() / rows;
+    for (index_t r = 0; r < rows; ++r) {
+      index_t best = 0;
+      for (index_t j = 1; j < classes; ++j)
+        if (logits[r * classes + j] > logits[r * classes + best]) best = j;
+      m.sum += best == y[r];
+      m.count += 1;
+    }
+    return m;
+  };
+  o.eval_metric = accuracy;
+  std::vector<double> direct_metric;  // the same metric from net.forward by hand
   std::vector<eval_report> evals;
   std::vector<double> direct;  // evaluate() called at the same moment
   trainer<network<small>, sgd>* self = nullptr;
   o.on_eval = [&](const eval_report& r) {
     evals.push_back(r);
     direct.push_back(self->evaluate(held, steps{2}));
+    metric_share all;
+    for (std::int64_t s = 0; s < 2; ++s) {
+      const auto b = held.get(s, 0, 8);
+      step_ctx c;
+      c.batch = 8;
+      const auto m = accuracy(net.forward(c, b.inputs).v(), b.labels);
+      all.sum += m.sum, all.count += m.count;
+    }
+    direct_metric.push_back(all.sum / all.count);
   };
   trainer t(net, sgd{.lr = 0.05f}, o);
   self = &t;
@@ -230,10 +258,16 @@ TEST_CASE("run() evaluates every eval_every steps; manual steps print a progress
   CHECK(evals[1].step == 4);
   CHECK(evals[1].loss == direct[1]);
   CHECK(evals[0].loss != evals[1].loss);
+  CHECK(evals[0].metric == direct_metric[0]);
+  CHECK(evals[1].metric == direct_metric[1]);
   std::ifstream f(log);
   std::string line;
-  int evals_logged = 0, steps_logged = 0;
-  while (std::getline(f, line)) (line.find("\"eval_loss\"") != std::string::npos ? evals_logged : steps_logged)++;
+  int evals_logged = 0, steps_logged = 0, metrics_logged = 0;
+  while (std::getline(f, line)) {
+    (line.find("\"eval_loss\"") != std::string::npos ? evals_logged : steps_logged)++;
+    metrics_logged += line.find("\"eval_metric\":") != std::string::npos;
+  }
+  CHECK(metrics_logged == 2);
   CHECK(evals_logged == 2);
   CHECK(steps_logged == 5);
   std::remove(log.c_str());

@@ -233,10 +233,14 @@ class token_file {
     const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) throw fail("cannot open it: " + detail::system_reason(errno));
     struct stat st{};
-    if (::fstat(fd, &st) != 0 || st.st_size <= 0) {
+    if (::fstat(fd, &st) != 0) {
       const int e = errno;
       ::close(fd);
-      throw fail(st.st_size == 0 ? std::string("the file is empty") : "cannot stat it: " + detail::system_reason(e));
+      throw fail("cannot stat it: " + detail::system_reason(e));
+    }
+    if (st.st_size <= 0) {
+      ::close(fd);
+      throw fail("the file is empty");
     }
     bytes_ = static_cast<std::size_t>(st.st_size);
     void* m = ::mmap(nullptr, bytes_, PROT_READ, MAP_SHARED, fd, 0);

@@ -54,6 +54,11 @@ template <class M> constexpr double model_flops(index_t rows, index_t seq) {
 }
 
 namespace detail {
+/// Whether `N::forward` gives logits (a plan whose model ends in a split region does not).
+template <class N> constexpr bool gives_logits_v = [] {
+  if constexpr (requires { N::gives_logits(); }) return N::gives_logits();
+  else return true;
+}();
 /// A single-process network's first layer (flat order) with a non-finite gradient, named; empty if none.
 template <class Net> std::string first_nonfinite_grad_of(const Net& net) {
   if constexpr (requires { net.grads(); }) {
@@ -316,17 +321,45 @@ class trainer {
   }
   template <class Eval> void run_eval(Eval& eval) {
     if constexpr (requires { evaluate(eval, steps{1}, 0); }) {
-      const eval_report rep{next_, evaluate(eval, steps{o_.eval_steps}, 0)};
-      char buf[96];
-      std::snprintf(buf, sizeof buf, "eval after step %lld  loss %.4f", static_cast<long long>(rep.step), rep.loss);
+      const eval_report rep{next_, evaluate(eval, steps{o_.eval_steps}, 0), o_.eval_metric ? metric_of(eval) : std::nan("")};
+      char buf[128];
+      const int n = std::snprintf(buf, sizeof buf, "eval after step %lld  loss %.4f", static_cast<long long>(rep.step), rep.loss);
+      if (o_.eval_metric && n > 0) std::snprintf(buf + n, sizeof buf - static_cast<std::size_t>(n), "  metric %.4f", rep.metric);
       if (line_) line_->note(buf);
       if (log_) {
-        std::fprintf(log_.get(), "{\"step\":%lld,\"eval_loss\":%.9g}\n", static_cast<long long>(rep.step), rep.loss);
+        std::fprintf(log_.get(), "{\"step\":%lld,\"eval_loss\":%.9g", static_cast<long long>(rep.step), rep.loss);
+        if (o_.eval_metric) std::fprintf(log_.get(), ",\"eval_metric\":%.9g", rep.metric);
+        std::fputs("}\n", log_.get());
         std::fflush(log_.get());
       }
       if (o_.on_eval) o_.on_eval(rep);
     } else {
       static_assert(requires { evaluate(eval, steps{1}, 0); }, "whale::trainer: this network has no forward-only evaluate()");
+    }
+  }
+
+  /// trainer_options::eval_metric over eval_steps steps of `eval`: the global sum / count.
+  template <class Eval> double metric_of(Eval& eval) {
+    if constexpr (!detail::gives_logits_v<Net>) {
+      throw std::invalid_argument("whale::trainer: eval_metric needs the logits, and this plan does not gather them (its model "
+                                  "ends in a split region: end it in softmax_cross_entropy after the region)");
+    } else {
+      metric_share m;
+      for (std::int64_t s = 0; s < o_.eval_steps; ++s) {
+        const auto b = fetch(eval, s);
+        step_ctx c = context_of(b, eval.global_batch(), -1);
+        const auto logits = net_.forward(c, b.inputs);
+        const auto share = o_.eval_metric(logits.v(), b.labels);
+        m.sum += share.sum, m.count += share.count;
+      }
+      // every rank of a replica holds the same rows: the world sum counts each replica equally often
+      if constexpr (Checkpointable<Net>)
+        if (auto* w = ckpt::world_of(net_)) {
+          double v[2] = {m.sum, m.count};
+          all_reduce(*w, view<double>(v, {2}));
+          m.sum = v[0], m.count = v[1];
+        }
+      return m.count > 0 ? m.sum / m.count : std::nan("");
     }
   }
 

@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "whale/tensor/tensor.hpp"
+
 namespace whale {
 
 /// Number of training steps, as users write it: `steps{100}`.
@@ -31,6 +33,14 @@ struct step_report {
 struct eval_report {
   std::int64_t step = 0;  ///< data steps trained when it ran (the next data step)
   double loss = 0;        ///< global mean loss over the evaluation steps
+  double metric = 0;      ///< trainer_options::eval_metric over the same steps (NaN without one)
+};
+
+/// A metric's share of one batch: the sum of its per-row values and the rows
+/// (or weight) they count for; the evaluation reports sum / count over the
+/// global batches.
+struct metric_share {
+  double sum = 0, count = 0;
 };
 
 struct trainer_options {
@@ -66,6 +76,12 @@ struct trainer_options {
   /// written to the metrics log as {"step", "eval_loss"} and passed to on_eval.
   std::int64_t eval_every = 0;
   std::int64_t eval_steps = 1;
+  /// A metric of the logits, e.g. accuracy: called on every rank with the
+  /// unsplit logits (rows, classes) of the rows it fetched and their labels;
+  /// the evaluation reports the global sum / count (eval_report::metric, the
+  /// log's "eval_metric"). Needs a model that ends in a plain loss layer (the
+  /// logits are gathered); empty: none.
+  std::function<metric_share(cview<float> logits, cview<std::int32_t> labels)> eval_metric;
   std::function<void(const eval_report&)> on_eval;
   /// The step count the progress line shows when stepping by hand (step());
   /// 0: none (no ETA). run() shows its own.
