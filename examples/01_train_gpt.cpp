@@ -38,7 +38,7 @@ int main(int argc, char** argv) {
     auto data = models::gpt_data(seed{7});  // 16 sequences x 128 tokens per step
     auto o = flags.options();
     o.max_grad_norm = 1.0;
-    o.lr_schedule = warmup_cosine(lr, 30, flags.steps, lr / 10);
+    o.lr_schedule = warmup_cosine(lr, std::min<std::int64_t>(30, flags.steps / 10), flags.steps, lr / 10);
     trainer t(net, adamw{.lr = lr, .weight_decay = 0.0f}, o);
     const auto r = flags.run(t, data);  // resumes, trains to --steps, saves
     std::printf("loss %.4f -> %.4f (floor ln 8 = 2.0794), median step %.3f s\n", r.loss_first(), r.loss_last(),

@@ -40,7 +40,7 @@ int main(int argc, char** argv) {
     auto held = data.held_out(16);          // the same chain, sequences training never sees
     auto o = flags.options();
     o.max_grad_norm = 1.0;
-    o.lr_schedule = warmup_cosine(lr, 30, flags.steps, lr / 10);
+    o.lr_schedule = warmup_cosine(lr, std::min<std::int64_t>(30, flags.steps / 10), flags.steps, lr / 10);
     o.eval_every = 100;
     o.eval_steps = 2;
     trainer t(net, adamw{.lr = lr, .weight_decay = 0.0f}, o);

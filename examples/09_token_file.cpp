@@ -4,7 +4,7 @@
 // writes such a file from a random Markov chain (8 successors per token: the
 // loss floor is ln 8 = 2.08), so it runs as it is.
 //
-//   ./example_09_token_file [--data FILE.bin [--vocab V]] [--u32] [--steps N] [--log FILE] [--threads T]
+//   ./example_09_token_file [--data FILE.bin [--vocab V]] [--u32] [--steps N] [--save DIR [--save-every K]] [--resume DIR] [--log FILE] [--threads T]
 //   mpirun -np 2 ./example_09_token_file        (data parallel over the ranks)
 //
 // Legend: T = 64 tokens per sequence, 16 sequences per step, width 128, 2 blocks.
@@ -45,18 +45,18 @@ std::string write_demo_file(const std::string& path) {
 int main(int argc, char** argv) {
   auto ctx = context::init(argc, argv);
   return ctx.guard([&] {
-    std::int64_t n_steps = 200;
-    std::string path, log;
+    run_flags flags(200);  // --steps --save --save-every --resume --log
+    std::string path;
     index_t v = vocab;
     bool u32 = false;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if (a == "--data" && i + 1 < argc) path = argv[++i];
+      if (flags.take(i, argc, argv)) continue;
+      else if (a == "--data" && i + 1 < argc) path = argv[++i];
       else if (a == "--vocab" && i + 1 < argc) v = detail::parse_int(argv[++i], "--vocab", 2, vocab);
       else if (a == "--u32") u32 = true;
-      else if (a == "--steps" && i + 1 < argc) n_steps = detail::parse_int(argv[++i], "--steps", 1, 100000000);
-      else if (a == "--log" && i + 1 < argc) log = argv[++i];
-      else throw std::invalid_argument("example_09: unknown argument " + a + " (have --data, --vocab, --u32, --steps, --log, --threads)");
+      else throw std::invalid_argument("example_09: unknown argument " + a + " (have " + std::string(run_flags::names) +
+                                       ", --data, --vocab, --u32, --threads)");
     }
     std::string demo;
     if (path.empty()) {  // rank 0 writes it; the others wait for the rename
@@ -79,14 +79,14 @@ int main(int argc, char** argv) {
 
     auto net = make<replicate<model>>(ctx, seed{42});
     initialize(net, seed{42}, gpt2_init{});
-    trainer_options to;
+    auto to = flags.options();
     to.max_grad_norm = 1.0;
-    to.lr_schedule = warmup_cosine(3e-3, 20, n_steps, 3e-4);
+    to.lr_schedule = warmup_cosine(3e-3, std::min<std::int64_t>(20, flags.steps / 10), flags.steps, 3e-4);
     to.eval_every = 50;
     to.eval_steps = 4;
-    to.log_path = log;
+    to.eval_metric = accuracy;  // next-token top-1 on the held-out part
     trainer t(net, adamw{.lr = 3e-3f, .weight_decay = 0.0f}, to);
-    const auto r = t.run(train, steps{n_steps}, held);
+    const auto r = flags.run(t, train, held);  // resumes, trains to --steps (evaluating), saves
     const double eval = t.evaluate(held, steps{4});
     if (ctx.rank() == 0) std::printf("loss %.4f -> %.4f, held-out %.4f (the demo file's floor: ln 8 = 2.0794)\n", r.loss_first(), r.loss_last(), eval);
     print_params_checksum(net);

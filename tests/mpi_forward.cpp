@@ -69,20 +69,6 @@ template <class Single, class Net> void check_logits(const context& c, Net& net,
   CHECK(d.bad == 0);
 }
 
-/// Next-token accuracy: rows whose largest logit is the label.
-metric_share token_accuracy(cview<float> logits, cview<std::int32_t> y) {
-  metric_share m;
-  const index_t rows = y.numel(), classes = logits.numel() / rows;
-  for (index_t r = 0; r < rows; ++r) {
-    index_t best = 0;
-    for (index_t j = 1; j < classes; ++j)
-      if (logits[r * classes + j] > logits[r * classes + best]) best = j;
-    m.sum += best == y[r];
-    m.count += 1;
-  }
-  return m;
-}
-
 /// eval_metric after 20 AdamW steps on held-out batches (accuracy 7 to 12 rows
 /// of 256, above chance, 4): the plan's global accuracy against one process's,
 /// on every rank, within one flipped argmax (the plans round differently).
@@ -91,7 +77,7 @@ template <class Single, class Net> void check_metric(const context& c, Net& net,
     auto o = test::quiet();
     o.eval_every = 20;
     o.eval_steps = 2;
-    o.eval_metric = token_accuracy;
+    o.eval_metric = accuracy;  // next-token accuracy (train/metrics.hpp)
     double got = -1;
     o.on_eval = [&](const eval_report& r) { got = r.metric; };
     auto data = gpt_batches();

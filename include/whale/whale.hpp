@@ -75,6 +75,8 @@
 #include "whale/train/trainer.hpp"
 #include "whale/train/checkpoint.hpp"
 #include "whale/train/init.hpp"
+#include "whale/train/data_source.hpp"
+#include "whale/train/metrics.hpp"
 #include "whale/train/safetensors.hpp"
 #include "whale/train/run_flags.hpp"
 #include "whale/optim/lr_schedule.hpp"

@@ -26,6 +26,7 @@
 #include "whale/train/checkpoint.hpp"
 #include "whale/train/data.hpp"
 #include "whale/train/data_source.hpp"
+#include "whale/train/metrics.hpp"
 #include "whale/train/progress.hpp"
 #include "whale/train/trainer_options.hpp"
 
