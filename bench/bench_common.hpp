@@ -23,6 +23,8 @@
 #include "whale/models/gpt.hpp"
 #include "whale/models/mlp.hpp"
 #include "whale/models/xc.hpp"
+#include "whale/plan/lower.hpp"
+#include "whale/plan/memory.hpp"
 #include "whale/tensor/memory.hpp"
 #include "whale/tensor/tensor.hpp"
 #include "whale/train/trainer.hpp"
@@ -294,6 +296,21 @@ inline whale::memory_stats max_memory(whale::context& ctx) {
                     whale::reduce_op::max);
   for (std::size_t i = 0; i < peak.size(); ++i) m.peak[i] = static_cast<std::int64_t>(peak[i]);
   return m;
+}
+
+/// The plan's predicted memory (plan/memory.hpp) by category, max over ranks, in MiB, as a JSON object.
+inline std::string predicted_memory_json(whale::context& ctx, const whale::memory_estimate& e) {
+  double v[6] = {static_cast<double>(e.params), static_cast<double>(e.grads), static_cast<double>(e.optimizer),
+                 static_cast<double>(e.activations), static_cast<double>(e.comm), static_cast<double>(e.total())};
+  whale::all_reduce(ctx.world(), whale::view<double>(v, {6}), whale::reduce_op::max);
+  const char* names[6] = {"params", "grads", "optimizer", "activations", "comm", "total"};
+  std::string s = "{";
+  for (int i = 0; i < 6; ++i) {
+    char b[96];
+    std::snprintf(b, sizeof b, "%s\"%s\": %.2f", i ? ", " : "", names[i], v[i] / 1048576.0);
+    s += b;
+  }
+  return s + "}";
 }
 
 /// One row of bench_workloads' plan table: the name users pass to --plan, a

@@ -19,6 +19,7 @@
 #include "whale/models/xc.hpp"
 #include "whale/nn/recompute.hpp"
 #include "whale/plan/lower.hpp"
+#include "whale/plan/memory.hpp"
 
 using namespace whale;
 
@@ -155,7 +156,7 @@ int run(int argc, char** argv) {
   if (a.rank >= mesh.size()) usage("whale_plan: --rank " + std::to_string(a.rank) + " is not in a mesh of " + std::to_string(mesh.size()) + " ranks");
 
   const auto t0 = std::chrono::steady_clock::now();
-  std::int64_t max_sent = 0, sum_sent = 0, max_state = 0;
+  std::int64_t max_sent = 0, sum_sent = 0, max_state = 0, max_memory = 0;
   index_t max_held = 0;
   double max_flops = 0;
   program mine;
@@ -167,6 +168,7 @@ int run(int argc, char** argv) {
     max_held = std::max(max_held, t.params_held);
     max_state = std::max(max_state, t.param_bytes + t.grad_bytes + t.optimizer_bytes);
     max_flops = std::max(max_flops, t.flops);
+    max_memory = std::max(max_memory, predict_memory(d, p).total());
     if (r == a.rank) mine = std::move(p);
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -174,18 +176,19 @@ int run(int argc, char** argv) {
     std::printf("{\"workload\": \"%s\", \"plan\": \"%s\", \"mesh\": \"%s\", \"ranks\": %d, \"zero\": %d, "
                 "\"micro_batches\": %d, \"schedule\": \"%s\", \"lower_s\": %.4f, \"max_bytes_sent_per_rank_per_step\": %lld, "
                 "\"total_bytes_sent_per_step\": %lld, \"max_params_per_rank\": %lld, \"max_model_state_bytes_per_rank\": %lld, "
-                "\"max_gflop_per_rank_per_step\": %.4f}\n",
+                "\"max_gflop_per_rank_per_step\": %.4f, \"max_predicted_memory_mib_per_rank\": %.2f}\n",
                 a.workload.c_str(), a.plan.c_str(), mesh.spec().c_str(), mesh.size(), mine.zero_level,
                 mine.micro_batches, mine.schedule.c_str(), secs, static_cast<long long>(max_sent),
                 static_cast<long long>(sum_sent), static_cast<long long>(max_held), static_cast<long long>(max_state),
-                max_flops / 1e9);
+                max_flops / 1e9, static_cast<double>(max_memory) / 1048576.0);
     return 0;
   }
-  if (!a.summary) std::cout << mine;
+  if (!a.summary) std::cout << mine << "  predicted memory: " << predict_memory(d, mine) << "\n";
   std::cout << "all " << mesh.size() << " ranks lowered in " << secs << " s: at most " << max_sent
             << " B sent per rank per step (" << sum_sent << " B in all), at most " << max_held
             << " parameters and " << max_state << " B of model state per rank, at most " << max_flops / 1e9
-            << " GFLOP per rank per step\n";
+            << " GFLOP per rank per step, at most " << static_cast<double>(max_memory) / 1048576.0
+            << " MiB of predicted memory per rank\n";
   return 0;
 }
 

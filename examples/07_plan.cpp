@@ -3,7 +3,8 @@
 // and parameters) and every operation of one training step — compute,
 // collectives, point-to-point messages, the optimizer — with its bytes and
 // FLOPs. Lowering is pure: no MPI, no model tensors, so a 1,024-rank mesh is
-// inspected on a laptop. This is a single-process program (no mpirun).
+// inspected on a laptop; it ends with the memory the rank will need. This is a
+// single-process program (no mpirun).
 //
 //   ./build/examples/example_07_plan [--mesh data=8,pipe=2,model=2] [--rank R]
 //
@@ -61,6 +62,9 @@ int main(int argc, char** argv) {
     std::printf("bytes sent per step over data: %lld, pipe: %lld, model: %lld\n",
                 static_cast<long long>(p.bytes_sent_over(axis::data)), static_cast<long long>(p.bytes_sent_over(axis::pipe)),
                 static_cast<long long>(p.bytes_sent_over(axis::model)));
+    // 5. The memory the rank needs for such a step (plan/memory.hpp): model state,
+    // activations of the micro-batches the schedule keeps, communication buffers.
+    std::cout << "predicted memory of this rank: " << predict_memory(describe<plan>(), p) << "\n";
   } catch (const std::exception& e) {
     std::fprintf(stderr, "example_07_plan: %s\n", e.what());
     return 2;

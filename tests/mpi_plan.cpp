@@ -6,7 +6,9 @@
 #include <doctest/doctest.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <sstream>
 #include <string>
 
@@ -16,6 +18,7 @@
 #include "whale/nn/relu.hpp"
 #include "whale/optim/sgd.hpp"
 #include "whale/plan/lower.hpp"
+#include "whale/plan/memory.hpp"
 #include "whale/runtime/make.hpp"
 #include "whale/train/trainer.hpp"
 #include "support/plan_check.hpp"
@@ -35,11 +38,14 @@ using tp_gpt = sequential<split<embedding<64, 32>>, position_embedding<16, 32>, 
 
 struct measured {
   std::int64_t sent = 0, received = 0;
+  memory_stats memory;  ///< peaks by category over the run, less what was live before it
 };
 
 /// Train plan P for 3 steps on `spec`; the traffic of the third step on this rank,
 /// and the parameters this rank holds.
 template <class P, class Data> std::pair<measured, index_t> run(const context& ctx, Data data) {
+  const auto start = memory_snapshot();
+  reset_memory_peaks();
   auto net = make<P>(ctx, seed{42});
   trainer t(net, sgd{.lr = 0.01f, .momentum = 0.9f}, test::quiet());
   auto stats = [&] {
@@ -52,7 +58,9 @@ template <class P, class Data> std::pair<measured, index_t> run(const context& c
   const auto before = stats();
   t.step(data, 2);
   const auto after = stats();
-  return {{after.bytes_sent - before.bytes_sent, after.bytes_received - before.bytes_received}, net.param_count()};
+  auto mem = memory_snapshot();
+  for (int k = 0; k < mem_kind_count; ++k) mem.peak[static_cast<std::size_t>(k)] -= start.live[static_cast<std::size_t>(k)];
+  return {{after.bytes_sent - before.bytes_sent, after.bytes_received - before.bytes_received, mem}, net.param_count()};
 }
 
 template <class P, class Data>
@@ -60,6 +68,7 @@ void check_plan(const std::string& spec, Data make_data, index_t batch, index_t 
   auto ctx = test::on_mesh(spec);
   o.global_batch = batch;
   o.seq = seq;
+  o.optimizer_bytes_per_param = 4;  // SGD with momentum
   try {  // a plan error is the same on every rank: report it here, before the context goes
     const auto prog = lower<P>(ctx.mesh().shape(), ctx.rank(), o);
     const auto [m, held] = run<P>(ctx, make_data());
@@ -68,6 +77,23 @@ void check_plan(const std::string& spec, Data make_data, index_t batch, index_t 
     CHECK(t.bytes_sent == m.sent);
     CHECK(t.bytes_received == m.received);
     CHECK(t.params_held == held);
+    // the predicted memory (plan/memory.hpp) against the tracker's peaks: model
+    // state exactly, activations and buffers within 15%
+    const auto e = predict_memory(describe<P>(), prog);
+    INFO("predicted " << e << "\nmeasured " << m.memory);
+    CHECK(e.params == m.memory.peak_of(mem_kind::params));
+    CHECK(e.grads == m.memory.peak_of(mem_kind::grads));
+    CHECK(e.optimizer == m.memory.peak_of(mem_kind::optimizer));
+    const auto near = [](std::int64_t predicted, std::int64_t measured) {
+      return static_cast<double>(std::llabs(predicted - measured)) <= 0.15 * static_cast<double>(std::max<std::int64_t>(measured, 1)) + 4096;
+    };
+    CHECK(near(e.activations, m.memory.peak_of(mem_kind::activations)));
+    // pipelines: one outgoing copy per live micro-batch is an upper bound (as many exist as sends are unfinished)
+    const auto comm = m.memory.peak_of(mem_kind::comm);
+    if (!(prog.zero_level >= 2 && ctx.mesh().shape().size(axis::data) == 1)) {  // (ZeRO on one data rank: buffers for no collective, not predicted)
+      CHECK(e.comm >= comm - 4096);
+      CHECK(e.comm <= 2 * comm + 4096);
+    }
   } catch (const std::exception& e) {
     FAIL_CHECK("plan " << layer_name<P>() << " on " << spec << ": " << std::string(e.what()));
   }

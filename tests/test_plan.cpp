@@ -14,6 +14,8 @@
 #include "whale/nn/recompute.hpp"
 #include "whale/nn/relu.hpp"
 #include "whale/plan/lower.hpp"
+#include "whale/plan/memory.hpp"
+#include "whale/nn/residual.hpp"
 
 using namespace whale;
 
@@ -248,4 +250,38 @@ TEST_CASE("lowering the reference gpt on 1,024 ranks (data 64 x pipe 4 x model 4
   std::ostringstream os;
   os << lower(d, m, 5, o);
   CHECK(os.str().find("program of rank 5") != std::string::npos);
+}
+
+TEST_CASE("predicted memory, by hand: model state by ZeRO level, activations by schedule, residual sums") {
+  using M = sequential<linear<16, 32>, gelu, linear<32, 8>, softmax_cross_entropy>;
+  const index_t n = 16 * 32 + 32 + 32 * 8 + 8;  // 808 parameters
+  // per row: linear 4(16+32), gelu 8 x 32, linear 4(32+8), loss 4 x 8 = 640 bytes
+  auto o = batch(8);
+  o.optimizer_bytes_per_param = 4;
+  const auto one = predict_memory(describe<M>(), lower<M>(mesh_shape(1, 1, 1), 0, o));
+  CHECK(one.params == 4 * n);
+  CHECK(one.grads == 4 * n);
+  CHECK(one.optimizer == 4 * n);
+  CHECK(one.activations == 640 * 8);
+  CHECK(one.comm == 0);
+  CHECK(one.total() == 12 * n + 640 * 8);
+  // ZeRO-2 on two data ranks: gradients and optimizer state halved, 4 rows each
+  const auto z = predict_memory(describe<shard<M, 2>>(), lower<shard<M, 2>>(mesh_shape(2, 1, 1), 0, o));
+  CHECK(z.params == 4 * n);
+  CHECK(z.grads == 4 * (n / 2));
+  CHECK(z.optimizer == 4 * (n / 2));
+  CHECK(z.activations == 640 * 4);
+  CHECK(z.comm > 0);  // the reduce-scatter buffers of the leaves in flight
+  // GPipe on two stages, 4 micro-batches of 2 rows: stage 0 keeps all 4
+  // (linear<8, 16> 96 B + relu 128 B per row), plus its outgoing message copies
+  auto m4 = batch(8);
+  m4.micro_batches = 4;
+  const auto g = predict_memory(describe<two_stages>(), lower<two_stages>(mesh_shape(1, 2, 1), 0, m4));
+  CHECK(g.live_micro_batches == 4);
+  CHECK(g.rows == 2);
+  CHECK(g.activations == 4 * 2 * (4 * (8 + 16) + 8 * 16));
+  // a residual keeps its sum and its input gradient (8 bytes per feature), which no leaf counts
+  using R = sequential<residual<linear<16, 16>>, linear<16, 4>, softmax_cross_entropy>;
+  const auto r = predict_memory(describe<R>(), lower<R>(mesh_shape(1, 1, 1), 0, batch(2)));
+  CHECK(r.activations == 2 * (4 * 32 + 8 * 16 + 4 * 20 + 4 * 4));
 }

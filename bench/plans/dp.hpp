@@ -68,6 +68,7 @@ struct dp {
     // Read before the limit measurements below, which allocate on their own.
     const double rss = max_over_ranks(ctx, peak_rss_mib());
     const auto mem = max_memory(ctx);
+    const auto predicted_mem = predicted_memory_json(ctx, net.predicted_memory(global, data.seq(), 4));  // SGD with momentum
 
     // ---- compute limit 1: this rank's GEMMs alone, all ranks at once ----
     barrier(ctx.world());
@@ -128,6 +129,7 @@ struct dp {
     j.add("comm_bytes_per_rank_per_step", static_cast<long long>(sent / timed_steps));
     j.add("peak_rss_mib_per_rank", rss);
     j.raw("memory_mib", memory_json(mem));
+    j.raw("predicted_memory_mib", predicted_mem);
     j.add("sgemm_gflops", gl.flops / gemm_s / 1e9).add("gemm_only_step_s", gemm_s);
     j.add("compute_only_step_s", compute_s);
     j.add("comm_only_s", comm_s).add("comm_only_bucketed_s", comm_b_s);

@@ -46,6 +46,9 @@ struct single {
     const double step_s = median(std::vector<double>(secs.begin() + 2, secs.end()));
     const double rss = peak_rss_mib();
     const auto mem = memory_snapshot();
+    lower_options lo;
+    lo.global_batch = global, lo.seq = data.seq(), lo.optimizer_bytes_per_param = 4;  // SGD with momentum
+    const auto predicted_mem = predicted_memory_json(*c.ctx, predict_memory(describe<M>(), lower<M>(mesh_shape(1, 1, 1), 0, lo)));
     const auto gl = time_gemms(log);
 
     json_line j;
@@ -53,6 +56,7 @@ struct single {
     j.add("comm_bytes_per_rank_per_step", 0LL);
     j.add("peak_rss_mib_per_rank", rss);
     j.raw("memory_mib", memory_json(mem));
+    j.raw("predicted_memory_mib", predicted_mem);
     j.add("sgemm_gflops", gl.gflops()).add("gemm_only_step_s", gl.seconds).add("step_over_gemm", step_s / gl.seconds);
     j.add("compute_only_step_s", step_s);
     j.add("loss_first", losses.front()).add("loss_last", losses.back());

@@ -109,6 +109,7 @@ struct threed {
     const double state = max_over_ranks(ctx, static_cast<double>(tot.param_bytes + tot.grad_bytes + tot.optimizer_bytes));
     const double rss = max_over_ranks(ctx, peak_rss_mib());
     const auto mem = max_memory(ctx);
+    const auto predicted_mem = predicted_memory_json(ctx, net.predicted_memory(global, data.seq(), 4));  // SGD with momentum
     if (ctx.rank() != 0) return;
     char plan[256];
     std::snprintf(plan, sizeof plan, "3d: gpt tensor parallel over model:%d, %s pipeline over pipe:%d (m=%d%s), data:%d%s",
@@ -124,6 +125,7 @@ struct threed {
     j.add("model_state_mib_per_rank", state / 1048576.0);
     j.add("peak_rss_mib_per_rank", rss);
     j.raw("memory_mib", memory_json(mem));
+    j.raw("predicted_memory_mib", predicted_mem);
     j.add("loss_first", losses.front()).add("loss_last", losses.back());
     j.print();
   }

@@ -87,6 +87,7 @@ template <int Level> struct zero {
     const double step_s = median(std::vector<double>(secs.begin() + 2, secs.end()));
     const double rss = max_over_ranks(ctx, peak_rss_mib());
     const auto mem = max_memory(ctx);
+    const auto predicted_mem = predicted_memory_json(ctx, net.predicted_memory(global, data.seq(), 4));  // SGD with momentum
     const double state_mib = max_over_ranks(ctx, static_cast<double>(model_state)) / 1048576.0;
     const double formula_mib =
         max_over_ranks(ctx, static_cast<double>(zero_model_state_bytes(Level, net.param_count(), net.local_count(), 4))) /
@@ -102,6 +103,7 @@ template <int Level> struct zero {
     j.add("comm_bytes_per_rank_per_step", static_cast<long long>(sent / timed_steps));
     j.add("peak_rss_mib_per_rank", rss);
     j.raw("memory_mib", memory_json(mem));
+    j.raw("predicted_memory_mib", predicted_mem);
     j.add("model_state_mib_per_rank", state_mib).add("model_state_formula_mib", formula_mib);
     j.add("recompute", rc ? 1 : 0);
     j.add("loss_first", losses.front()).add("loss_last", losses.back());

@@ -60,6 +60,7 @@
 // plan/
 #include "whale/plan/describe.hpp"
 #include "whale/plan/lower.hpp"
+#include "whale/plan/memory.hpp"
 #include "whale/plan/partition.hpp"
 #include "whale/plan/program.hpp"
 

@@ -15,6 +15,8 @@
 //   disagree_mesh   rank 1 on the mesh data=1,pipe=2, rank 0 on data=2
 //   killed          rank 1 kills itself (SIGKILL) before an all_reduce (mpirun may name it first)
 //   frozen          rank 1 stops itself (SIGSTOP) before an all_reduce; rank 0 names it by its heartbeat
+//   memory          replicate<mlp> on a batch of 4096 under WHALE_MEMORY_LIMIT_MIB (the test sets it):
+//                   refused before the parameters, or before the first step's activations
 #include <csignal>
 #include <algorithm>
 #include <chrono>
@@ -79,6 +81,17 @@ int main(int argc, char** argv) {
       trainer_options to;
       to.progress = false;
       trainer(net, sgd{.lr = 0.1f}, to).run(data, steps{6});
+    });
+  } else if (mode == "memory") {
+    run_guarded(ctx, [&] {
+      auto net = make<replicate<mlp>>(ctx, seed{1});
+      std::printf("whale failure test: rank %d allocated the parameters\n", ctx.rank());
+      std::fflush(stdout);
+      teacher_data data(seed{7}, 8, 4, 4096);
+      trainer_options to;
+      to.progress = false;
+      trainer(net, sgd{.lr = 0.1f}, to).run(data, steps{2});
+      std::printf("whale failure test: rank %d trained; it should not have\n", ctx.rank());
     });
   } else if (mode == "unwind") {
     try {

@@ -112,8 +112,8 @@ struct causal_self_attention {
   }
   /// Per token: projections 8 D^2 forward, 16 D^2 backward; Q K^T and P V are
   /// 4 D FLOPs per token of context (seq_flops; backward is twice that; the
-  /// full T x T scores are computed, the mask is applied after). act_bytes
-  /// leaves out the probabilities, H * T floats per token.
+  /// full T x T scores are computed, the mask is applied after). The
+  /// probabilities, H * T floats per token, are seq_act_bytes.
   static constexpr cost_info cost() {
     cost_info c;
     c.fwd_flops = 8.0 * D * D;
@@ -121,6 +121,7 @@ struct causal_self_attention {
     c.params = 4 * D * D + 4 * D;
     c.act_bytes = 4.0 * 10 * D;  // qkv, heads' output, y; and in backward d(att), d(qkv), dx
     c.seq_flops = 4.0 * D;
+    c.seq_act_bytes = 4.0 * Heads;
     return c;
   }
   static constexpr index_t param_count() noexcept { return 4 * D * D + 4 * D; }

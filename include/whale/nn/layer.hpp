@@ -28,6 +28,7 @@ struct cost_info {
   index_t params = 0;      ///< parameter count
   double act_bytes = 0;    ///< bytes kept for backward per row
   double seq_flops = 0;    ///< extra forward FLOPs per row per token of context (attention)
+  double seq_act_bytes = 0;  ///< extra bytes kept per row per token of context (attention's probabilities)
   bool per_feature = false;  ///< flops and bytes are per feature: scale by the width
   constexpr cost_info& operator+=(const cost_info& o) {
     fwd_flops += o.fwd_flops;
@@ -35,6 +36,7 @@ struct cost_info {
     params += o.params;
     act_bytes += o.act_bytes;
     seq_flops += o.seq_flops;
+    seq_act_bytes += o.seq_act_bytes;
     return *this;
   }
   constexpr cost_info scaled(double width) const {

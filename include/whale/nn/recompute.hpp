@@ -99,6 +99,7 @@ class recompute {
   static constexpr cost_info cost() {
     cost_info c = Block::cost();
     c.bwd_flops += c.fwd_flops;
+    c.seq_act_bytes = 0;  // the probabilities exist only while the block runs
     if constexpr (in_features == any_features || out_features == any_features) {
       c.act_bytes = c.per_feature ? 8.0 : 0.0;
     } else {

@@ -33,6 +33,8 @@ struct unit_desc {
   int split_axis = -1;           ///< axis of the split region it is in (-1: none)
   bool sharded = false;          ///< a sharded form: split_params divided over split_axis
   index_t split_params = 0, replicated_params = 0;
+  /// Sharded forms: what one of `degree` ranks holds and computes per row (unscaled; scale by in_width).
+  cost_info (*shard_cost)(index_t degree) = nullptr;
   lay in = lay::R;               ///< layout it receives on split_axis
   cost_info cost;                ///< unsplit cost per row, scaled by its input width
   index_t in_width = any_features, out_width = any_features;  ///< full widths
@@ -46,6 +48,9 @@ struct unit_desc {
   /// The unsplit layer's parameter tensors in flat order (its param_tensors()); null: none listed.
   std::vector<param_tensor> (*tensors)() = nullptr;
   bool residual_out = false;     ///< the last layer with parameters in a residual branch (it writes the stream)
+  /// Bytes per row kept by the containers that end at this unit: a residual's
+  /// sum and its input gradient (8 per feature), which no leaf counts.
+  double container_act_bytes = 0;
 
   /// Parameters one of `degree` ranks of its split axis holds.
   index_t local_params(int degree) const {
@@ -107,6 +112,9 @@ struct describer {
     return {a.begin(), a.end()};
   }
   // Marks the last layer with parameters among the units from `first` as the branch's output.
+  void add_container_bytes(std::size_t first, double per_row) {
+    if (d->units.size() > first && per_row > 0) d->units.back().container_act_bytes += per_row;
+  }
   void mark_residual_out(std::size_t first) {
     for (auto k = d->units.size(); k-- > first;)
       if (d->units[k].kind == unit_kind::layer && d->units[k].full_params > 0) {
@@ -144,6 +152,7 @@ struct describer {
         u.sharded = true;
         u.split_params = L::split_params;
         u.replicated_params = L::replicated_params;
+        if constexpr (requires { L::shard_cost(index_t{1}); }) u.shard_cost = &L::shard_cost;
         if constexpr (requires { typename L::unsplit_type; }) u.unsplit = layer_name<typename L::unsplit_type>();
         if constexpr (requires(std::vector<param_run>& v) { L::param_runs(0, 1, v); }) u.runs = &L::param_runs;
       }
@@ -184,6 +193,7 @@ struct describer {
       const auto first = d->units.size();
       walk<typename T::chain_type>();
       mark_residual_out(first);
+      add_container_bytes(first, T::in_features == any_features ? 8.0 * static_cast<double>(width) : 8.0 * static_cast<double>(T::in_features));
     } else if constexpr (requires { typename T::block_type; T::count; }) {  // repeat
       const int saved = block;
       const bool top = depth == 1;
@@ -203,6 +213,7 @@ struct describer {
       const auto first = d->units.size();
       walk<typename T::inner_type>();
       mark_residual_out(first);
+      add_container_bytes(first, T::in_features == any_features ? 8.0 * static_cast<double>(width) : 8.0 * static_cast<double>(T::in_features));
     } else if constexpr (requires { typename T::tuple_type; }) {  // sequential (and flat pipelines)
       const bool top = depth == 0;
       ++depth;

@@ -23,6 +23,7 @@
 #include "whale/backend/cpu.hpp"
 #include "whale/comm/trace.hpp"
 #include "whale/plan/lower.hpp"
+#include "whale/plan/memory.hpp"
 #include "whale/runtime/agree.hpp"
 #include "whale/runtime/grad_norm.hpp"
 #include "whale/runtime/grad_sync.hpp"
@@ -138,9 +139,11 @@ template <class P> class executor {
     lo.bucket_mib = o_.bucket_mib;
     prog_ = lower<P>(shape, ctx.rank(), lo);
     const index_t n = chunk_at_[V];
-    if (n != prog_.totals().params_held)
+    const auto held = prog_.totals();
+    if (n != held.params_held)
       throw std::logic_error(who + "the runtime holds " + std::to_string(n) + " parameters, the program " +
-                             std::to_string(prog_.totals().params_held));
+                             std::to_string(held.params_held));
+    check_state_memory(held, n);  // before the parameters are allocated: do they fit on this node?
     bind(s, n);
     if constexpr (level < 3) {  // replicated parameters start equal: rank 0 of each data group wins (split-over-data shards differ by design)
       if (d_ > 1 && level == 0)
@@ -239,6 +242,10 @@ template <class P> class executor {
   /// The job's world communicator (checkpoints agree on errors and gather file records over it).
   world_comm& world() const noexcept { return ctx_->world(); }
   int world_size() const noexcept { return ctx_->size(); }
+  /// The memory this rank's program needs for steps of `global_batch`
+  /// sequences of `seq` tokens (plan/memory.hpp), the optimizer at
+  /// `optimizer_bytes_per_param` per owned parameter (AdamW 8, SGD with momentum 4).
+  memory_estimate predicted_memory(index_t global_batch, index_t seq, int optimizer_bytes_per_param = 8) const;
   /// Optimizer state for the range this rank updates.
   template <class O> typename O::state make_optimizer_state(const O& opt) const { return opt.make_state(local_count()); }
   /// Scale the gradients (clipping), update this rank's range; ZeRO 1–2 then all-gather the parameters.
@@ -373,6 +380,11 @@ template <class P> class executor {
       throw std::logic_error(std::string("whale::executor::") + what + ": an interleaved pipe rank holds " + std::to_string(V) +
                              " chunks, not one range; use chunk_ranges() or full_params()");
   }
+  /// (runtime/memory_step.hpp) The lowering options of real steps; the memory
+  /// checks before the parameters and before the first step's activations.
+  lower_options step_lowering(index_t global_batch, index_t seq, int optimizer_bytes_per_param) const;
+  void check_state_memory(const program_totals& held, index_t n) const;
+  void check_step_memory(const step_ctx& c) const;
   detail::zero_engine::options zopts() const { return {o_.bucket_mib, o_.prefetch, o_.max_pending}; }
 
   int micro_count(index_t batch) const {
@@ -420,6 +432,7 @@ template <class P> class executor {
   std::vector<char> posted_;
   std::vector<index_t> batch_after_;
   int live_ = 0, peak_live_ = 0, max_slot_ = 0, step_ = 0;
+  bool memory_checked_ = false;
   tracer tr_;
   bool trace_written_ = false;
 };
@@ -428,4 +441,5 @@ template <class P> class executor {
 
 #include "whale/runtime/diagnose.hpp"
 #include "whale/runtime/gather.hpp"
+#include "whale/runtime/memory_step.hpp"
 #include "whale/runtime/step.hpp"

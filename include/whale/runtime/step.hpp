@@ -31,6 +31,10 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
                                 ": accumulating gradients across train_step calls (step_ctx::accumulate) is not "
                                 "supported with a data axis or ZeRO levels 2-3 (each call sums or scatters the "
                                 "gradients over data); accumulate inside one step: plan_options::micro_batches");
+  if (train && !memory_checked_) {
+    memory_checked_ = true;
+    check_step_memory(c);
+  }
   const index_t mb = B / m, rows = mb * T;
   // passes are keyed chunk·m + micro; chunk c of this rank is virtual stage c·p + stage
   const int pv = p_ * V, keys = m * V;

@@ -135,7 +135,9 @@ class vocab_embedding {
   static constexpr index_t split_params = Vocab * D, replicated_params = 0;
   /// What one of `degree` ranks holds and computes per row.
   static constexpr cost_info shard_cost(index_t degree) {
-    return detail::shard_of(cost(), degree, split_params, replicated_params);
+    auto c = detail::shard_of(cost(), degree, split_params, replicated_params);
+    c.act_bytes = cost().act_bytes;  // every rank writes whole rows (zeros outside its vocabulary)
+    return c;
   }
 
   void configure(const split_env& e) {
@@ -230,7 +232,10 @@ class head_attention {
   static constexpr index_t split_params = 4 * D * D + 3 * D, replicated_params = D;
   /// What one of `degree` ranks holds and computes per row.
   static constexpr cost_info shard_cost(index_t degree) {
-    return detail::shard_of(cost(), degree, split_params, replicated_params);
+    auto c = detail::shard_of(cost(), degree, split_params, replicated_params);
+    // its heads' Q, K, V, outputs and their gradients; y and d(input) whole
+    c.act_bytes = 4.0 * static_cast<double>(8 * D / (degree < 1 ? 1 : degree) + 2 * D);
+    return c;
   }
 
   void configure(const split_env& e) {

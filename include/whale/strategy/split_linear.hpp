@@ -33,6 +33,7 @@ constexpr cost_info shard_of(cost_info c, index_t degree, index_t split, index_t
   c.bwd_flops /= d;
   c.seq_flops /= d;
   c.act_bytes /= d;
+  c.seq_act_bytes /= d;
   c.params = split / (degree < 1 ? 1 : degree) + whole;
   return c;
 }
@@ -56,7 +57,9 @@ class column_linear {
   static constexpr index_t split_params = (In + 1) * Out, replicated_params = 0;
   /// What one of `degree` ranks holds and computes per row.
   static constexpr cost_info shard_cost(index_t degree) {
-    return detail::shard_of(cost(), degree, split_params, replicated_params);
+    auto c = detail::shard_of(cost(), degree, split_params, replicated_params);
+    c.act_bytes = 4.0 * static_cast<double>(In + Out / (degree < 1 ? 1 : degree));  // y split, d(input) whole
+    return c;
   }
 
   void configure(const split_env& e) {
@@ -150,7 +153,9 @@ class row_linear {
   static constexpr index_t split_params = In * Out, replicated_params = Out;
   /// What one of `degree` ranks holds and computes per row.
   static constexpr cost_info shard_cost(index_t degree) {
-    return detail::shard_of(cost(), degree, split_params, replicated_params);
+    auto c = detail::shard_of(cost(), degree, split_params, replicated_params);
+    c.act_bytes = 4.0 * static_cast<double>(Out + In / (degree < 1 ? 1 : degree));  // y whole (partial sums), d(input) split
+    return c;
   }
 
   void configure(const split_env& e) {

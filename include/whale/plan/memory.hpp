@@ -1,0 +1,207 @@
+// `predict_memory(desc, program)`: the bytes one rank's program needs, by the
+// categories the memory tracker counts (tensor/memory.hpp): parameters,
+// gradients and optimizer state by ZeRO level; the activations the layers
+// keep (each leaf's act_bytes per row × the rows of a micro-batch × the
+// micro-batches alive at once under the schedule; a recompute<Block> keeps its
+// boundary copies and one block's buffers); the buffers of pipeline messages
+// and ZeRO collectives. Pure, like lowering: no MPI, no tensors.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "whale/plan/describe.hpp"
+#include "whale/plan/program.hpp"
+#include "whale/strategy/split_linear.hpp"
+
+namespace whale {
+
+/// Predicted peak bytes of one rank, by category.
+struct memory_estimate {
+  std::int64_t params = 0, grads = 0, optimizer = 0, activations = 0, comm = 0;
+  int live_micro_batches = 1;  ///< micro-batches whose activations are kept at once (the schedule's peak)
+  index_t rows = 0;            ///< rows (samples, or tokens) of one micro-batch on this rank
+
+  std::int64_t model_state() const noexcept { return params + grads + optimizer; }
+  std::int64_t total() const noexcept { return model_state() + activations + comm; }
+
+  /// "params 96.0 MiB, grads 96.0 MiB, ..., total 308.2 MiB"
+  friend std::ostream& operator<<(std::ostream& os, const memory_estimate& e) {
+    const auto put = [&](const char* n, std::int64_t b) {
+      os << n << ' ' << static_cast<double>(b) / 1048576.0 << " MiB";
+    };
+    const auto f = os.flags();
+    const auto pr = os.precision();
+    os.setf(std::ios::fixed);
+    os.precision(1);
+    put("params", e.params), os << ", ";
+    put("grads", e.grads), os << ", ";
+    put("optimizer", e.optimizer), os << ", ";
+    put("activations", e.activations);
+    os << " (" << e.live_micro_batches << " micro-batch(es) of " << e.rows << " rows kept), ";
+    put("comm", e.comm), os << "; total ";
+    os << static_cast<double>(e.total()) / 1048576.0 << " MiB";
+    os.flags(f);
+    os.precision(pr);
+    return os;
+  }
+};
+
+/// The runtime options that change buffers but not the program (plan_options' names).
+struct memory_options {
+  int max_pending = 2;   ///< ZeRO 2-3: leaves whose reduce-scatters may be in flight
+  bool prefetch = true;  ///< ZeRO 3: the next leaf gathered while the current one runs
+};
+
+namespace detail {
+/// Bytes of the ZeRO engine's buffer pool after one step of program `p`: a
+/// gradient buffer per leaf in backward (back to the pool when its
+/// reduce-scatters end, at most `max_pending` leaves later), an accumulation
+/// buffer per bucket in micro-batches after the first, and at level 3 the
+/// gathered parameters of the running leaf and of the prefetched one.
+inline std::int64_t zero_pool_bytes(const program& p, const memory_options& o) {
+  std::map<std::int64_t, std::pair<int, int>> pool;  // size -> (buffers, free)
+  auto take = [&](std::int64_t n) {
+    auto& b = pool[n];
+    if (b.second > 0) --b.second;
+    else ++b.first;
+  };
+  auto give = [&](std::int64_t n) { ++pool[n].second; };
+  std::vector<std::int64_t> gathered;                 // level 3: in use, oldest first
+  std::vector<std::vector<std::int64_t>> in_flight;   // per leaf: its gradient buffer and accumulation buffers
+  const int D = p.mesh.size(axis::data);
+  const int keep = o.prefetch ? 2 : 1;
+  int micro = -1;
+  for (std::size_t i = 0; i < p.ops.size(); ++i) {
+    const auto& op = p.ops[i];
+    if (op.micro >= 0 && op.micro != micro) {  // a pass ends: every buffer back in the pool
+      for (auto n : gathered) give(n);
+      for (const auto& l : in_flight)
+        for (auto n : l) give(n);
+      gathered.clear(), in_flight.clear();
+      micro = op.micro;
+    }
+    if (op.kind == op_kind::collective && op.coll == coll_kind::all_gather && op.what.starts_with("ZeRO-3 gather")) {
+      while (static_cast<int>(gathered.size()) >= keep) give(gathered.front()), gathered.erase(gathered.begin());
+      take(op.elements), gathered.push_back(op.elements);
+    } else if (op.kind == op_kind::backward) {
+      std::vector<std::int64_t> bufs;
+      for (std::size_t k = i + 1; k < p.ops.size(); ++k) {  // its reduce-scatters follow it
+        const auto& rs = p.ops[k];
+        if (rs.kind != op_kind::collective || rs.coll != coll_kind::reduce_scatter) break;
+        if (bufs.empty()) bufs.push_back(0);
+        bufs.front() += rs.elements;
+        if (op.micro > 0) bufs.push_back((rs.elements + D - 1) / D);
+      }
+      if (bufs.empty()) continue;
+      for (auto n : bufs) take(n);
+      in_flight.push_back(std::move(bufs));
+      while (static_cast<int>(in_flight.size()) > o.max_pending) {
+        for (auto n : in_flight.front()) give(n);
+        in_flight.erase(in_flight.begin());
+      }
+    }
+  }
+  std::int64_t bytes = 0;
+  for (const auto& [n, b] : pool) bytes += 4 * n * b.first;
+  return bytes;
+}
+/// A split region's inserted conversion (strategy/layout.hpp): the buffer its
+/// forward writes, the one its backward writes, and for column collectives
+/// the staging buffer they share. Widths: the stream's full width, divided
+/// where the layout splits the features; rows: local, or every row of the
+/// global batch where the data-axis layout is whole.
+inline void convert_bytes(const unit_desc& u, int p, index_t rows_local, index_t rows_all, double& kept, double& comm) {
+  if (u.in_width == any_features) return;
+  const bool data = u.split_axis == static_cast<int>(axis::data);
+  auto out = [&](conv_op k, lay to) {
+    if (k == conv_op::none) return 0.0;
+    const double w = static_cast<double>(to == lay::S1 ? u.in_width / p : u.in_width);
+    const double r = static_cast<double>(data && to != lay::S0 ? rows_all : rows_local);
+    return 4.0 * w * r;
+  };
+  kept += out(u.fwd, u.to) + out(u.bwd, u.grad_to);
+  auto cols = [](conv_op k) { return k == conv_op::gather_cols || k == conv_op::reduce_scatter_cols; };
+  if (cols(u.fwd) || cols(u.bwd)) comm += 4.0 * static_cast<double>(u.in_width) * static_cast<double>(rows_local);
+}
+}  // namespace detail
+
+/// The memory rank `p.rank` needs to run program `p` of plan `d` (lower(d, ...)):
+/// the optimizer at p.optimizer_bytes_per_param per owned parameter. Data
+/// batches and short-lived temporaries (the tracker's `workspace`) are not included.
+inline memory_estimate predict_memory(const model_desc& d, const program& p, const memory_options& o = {}) {
+  memory_estimate e;
+  const auto t = p.totals();
+  e.params = t.param_bytes, e.grads = t.grad_bytes, e.optimizer = t.optimizer_bytes;
+  const int m = std::max(1, p.micro_batches);
+  const index_t micro_seqs = p.local_sequences / m;
+  e.rows = micro_seqs * p.seq;
+  const index_t all_rows = p.global_batch / m * p.seq;  // layers that see every row of the global batch
+  int live = 1;
+  if (d.pipeline && d.check) {
+    const auto rep = d.check(p.stages, m);
+    live = rep.peak_live[static_cast<std::size_t>(p.stage)];
+  }
+  e.live_micro_batches = live;
+  auto degree = [&](const unit_desc& u) { return u.split_axis < 0 ? 1 : p.mesh.size(static_cast<axis>(u.split_axis)); };
+  std::map<int, double> group;  // recompute group -> its inner buffers for one micro-batch
+  double kept = 0;               // bytes kept per micro-batch in flight
+  double comm_per_micro = 0;     // conversions' staging buffers, per micro-batch in flight
+  for (const auto& h : p.holds) {
+    const auto& u = d.units[static_cast<std::size_t>(h.unit)];
+    const cost_info c = !u.sharded ? u.cost
+                        : u.shard_cost ? u.shard_cost(degree(u)).scaled(u.in_width == any_features ? 0.0 : static_cast<double>(u.in_width))
+                                       : detail::shard_of(u.cost, degree(u), u.split_params, u.replicated_params);
+    if (u.kind == unit_kind::convert) {  // its output and gradient buffers, and a staging buffer for column collectives
+      detail::convert_bytes(u, p.mesh.size(static_cast<axis>(u.split_axis)), e.rows, all_rows, kept, comm_per_micro);
+      continue;
+    }
+    const double rows = static_cast<double>(u.all_rows() ? all_rows : e.rows);
+    // a row-wise layer on features split over its axis holds its share of the width
+    const double share = !u.sharded && u.split_axis >= 0 && u.in == lay::S1 ? 1.0 / degree(u) : 1.0;
+    const double per_row = (c.act_bytes + c.seq_act_bytes * static_cast<double>(p.seq)) * share + u.container_act_bytes;
+    (u.recompute_group < 0 ? kept : group[u.recompute_group]) += per_row * rows;
+  }
+  // a recompute<Block> keeps its output and input-gradient copies (rows × (in + out))
+  std::map<int, std::pair<index_t, index_t>> edges;  // group -> (first unit's in width, last unit's out width)
+  for (const auto& h : p.holds) {
+    const auto& u = d.units[static_cast<std::size_t>(h.unit)];
+    if (u.recompute_group < 0) continue;
+    auto [it, fresh] = edges.try_emplace(u.recompute_group, u.in_width, u.out_width);
+    if (!fresh) it->second.second = u.out_width;
+  }
+  for (const auto& [g, w] : edges) kept += 4.0 * static_cast<double>(w.first + w.second) * static_cast<double>(e.rows);
+  double pool = 0;  // one block's buffers at a time, reused by every recomputed block
+  for (const auto& [g, b] : group) pool = std::max(pool, b);
+  e.activations = static_cast<std::int64_t>(kept * live + pool);
+  e.comm += static_cast<std::int64_t>(comm_per_micro * live);
+  // pipeline messages: received activations (activations) and gradients (comm)
+  // in one buffer per live slot, and as many pooled outgoing copies
+  if (p.stages * p.chunks > 1) {
+    index_t in_w = 0, out_w = 0;
+    bool first = false, last = false;
+    for (const auto& h : p.holds) {
+      const int v = h.chunk * p.stages + h.stage;
+      if (v == 0) first = true;
+      if (v == p.stages * p.chunks - 1) last = true;
+    }
+    for (const auto& o : p.ops) {
+      if (o.kind == op_kind::recv && o.what.starts_with("activation")) in_w = std::max<index_t>(in_w, o.elements / std::max<index_t>(1, e.rows));
+      if (o.kind == op_kind::send && o.what.starts_with("activation")) out_w = std::max<index_t>(out_w, o.elements / std::max<index_t>(1, e.rows));
+    }
+    const auto slot = [&](index_t w) { return 4 * static_cast<std::int64_t>(live) * e.rows * w; };
+    if (!first || p.chunks > 1) e.activations += slot(in_w);
+    if (!last || p.chunks > 1) e.comm += slot(out_w);
+    e.comm += slot(std::max(in_w, out_w));
+  }
+  // ZeRO collectives (levels 2-3): buffers from a pool taken by exact size, as
+  // runtime/zero.hpp takes them, replayed over the step's operations
+  if (p.zero_level >= 2 && p.mesh.size(axis::data) > 1) e.comm += detail::zero_pool_bytes(p, o);
+  return e;
+}
+
+}  // namespace whale
