@@ -20,6 +20,8 @@
 #include "whale/nn/recompute.hpp"
 #include "whale/plan/lower.hpp"
 #include "whale/plan/memory.hpp"
+#include "whale/plan/simulate.hpp"
+#include "whale/detail/io.hpp"
 
 using namespace whale;
 
@@ -29,6 +31,8 @@ struct args {
   std::string workload, plan, mesh = "data=1", schedule = "1f1b";
   int rank = 0, zero = -1;
   bool recompute = false, summary = false, json = false;
+  std::string profile, trace;  ///< --simulate PROFILE: replay every rank's program on it; --trace: its spans
+  int per_node = 0;            ///< --ranks-per-node K: nodes of K ranks (0: one node)
   lower_options o;
 };
 
@@ -37,7 +41,7 @@ struct args {
       why + "\nusage: whale_plan --workload mlp|xc|gpt --plan single|dp|hybrid|pipeline|zero1|zero2|zero3|3d "
             "--mesh data=D,pipe=P,model=M [--rank R] [--batch B] [--seq T] [--micro-batches M] "
             "[--schedule gpipe|1f1b] [--zero 0..3] [--recompute] [--no-grad-norm] [--bucket-mib X] "
-            "[--stage-blocks 1,2,...] [--summary] [--json]");
+            "[--stage-blocks 1,2,...] [--summary] [--json] [--optimizer-bytes 8|4|0] [--simulate PROFILE [--ranks-per-node K] [--trace FILE]]");
 }
 
 args parse(int argc, char** argv) {
@@ -70,12 +74,17 @@ args parse(int argc, char** argv) {
     } else if (f == "--recompute") a.recompute = true;
     else if (f == "--clip") a.o.grad_norm = true;  // the default: the trainer computes the norm every step
     else if (f == "--no-grad-norm") a.o.grad_norm = false;
+    else if (f == "--simulate") a.profile = value();
+    else if (f == "--optimizer-bytes") a.o.optimizer_bytes_per_param = static_cast<int>(detail::parse_int(value(), "--optimizer-bytes", 0, 64));
+    else if (f == "--trace") a.trace = value();
+    else if (f == "--ranks-per-node") a.per_node = static_cast<int>(detail::parse_int(value(), "--ranks-per-node", 1, 1 << 20));
     else if (f == "--summary") a.summary = true;
     else if (f == "--json") a.json = true;
     else if (f == "--help" || f == "-h") usage("whale_plan: lowers a reference workload's plan for a mesh");
     else usage("whale_plan: unknown option '" + f + "'");
   }
   if (a.workload.empty() || a.plan.empty()) usage("whale_plan: --workload and --plan are required");
+  if (!a.trace.empty() && a.profile.empty()) usage("whale_plan: --trace needs --simulate PROFILE");
   if (a.schedule != "gpipe" && a.schedule != "1f1b") usage("whale_plan: --schedule must be gpipe or 1f1b (got '" + a.schedule + "')");
   return a;
 }
@@ -160,8 +169,15 @@ int run(int argc, char** argv) {
   index_t max_held = 0;
   double max_flops = 0;
   program mine;
+  const bool simulating = !a.profile.empty();
+  const device_profile dev = simulating ? device_profile::load(a.profile) : device_profile{};
+  if (!a.trace.empty()) {
+    if (const auto why = detail::output_path_problem(a.trace); !why.empty()) usage("whale_plan: --trace '" + a.trace + "': " + why);
+  }
+  std::vector<program> all;
   for (int r = 0; r < mesh.size(); ++r) {
     auto p = lower(d, mesh, r, a.o);
+    if (simulating) all.push_back(p);
     const auto t = p.totals();
     max_sent = std::max(max_sent, t.bytes_sent);
     sum_sent += t.bytes_sent;
@@ -172,6 +188,29 @@ int run(int argc, char** argv) {
     if (r == a.rank) mine = std::move(p);
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (simulating) {
+    const auto sim = simulate(d, all, dev, a.per_node);
+    if (!a.trace.empty()) write_trace(a.trace, sim.spans);
+    const auto& rt = sim.ranks[static_cast<std::size_t>(a.rank)];
+    if (a.json) {
+      std::printf("{\"workload\": \"%s\", \"plan\": \"%s\", \"mesh\": \"%s\", \"ranks\": %d, \"profile\": \"%s\", "
+                  "\"predicted_step_s\": %.6f, \"predicted_bubble\": %.4f, \"rank\": %d, \"compute_s\": %.6f, \"comm_s\": %.6f, "
+                  "\"wait_s\": %.6f, \"max_predicted_memory_mib_per_rank\": %.2f}\n",
+                  a.workload.c_str(), a.plan.c_str(), mesh.spec().c_str(), mesh.size(), dev.name.c_str(), sim.step_s,
+                  sim.bubble(), a.rank, rt.compute_s, rt.comm_s, rt.wait_s, static_cast<double>(max_memory) / 1048576.0);
+      return 0;
+    }
+    std::cout << "simulated step of " << a.workload << " " << a.plan << " on " << mesh.spec() << " with profile '" << dev.name
+              << "': " << sim.step_s << " s (busiest rank idle " << sim.bubble() * 100 << "%)\n";
+    for (int r = 0; r < mesh.size() && r < 16; ++r) {
+      const auto& q = sim.ranks[static_cast<std::size_t>(r)];
+      std::cout << "  rank " << r << ": compute " << q.compute_s << " s, communication " << q.comm_s << " s, waiting " << q.wait_s << " s";
+      for (const auto& [what, t] : q.comm_by_what) std::cout << "; " << what << " " << t << " s";
+      std::cout << "\n";
+    }
+    if (mesh.size() > 16) std::cout << "  (" << mesh.size() - 16 << " more ranks)\n";
+    return 0;
+  }
   if (a.json) {
     std::printf("{\"workload\": \"%s\", \"plan\": \"%s\", \"mesh\": \"%s\", \"ranks\": %d, \"zero\": %d, "
                 "\"micro_batches\": %d, \"schedule\": \"%s\", \"lower_s\": %.4f, \"max_bytes_sent_per_rank_per_step\": %lld, "

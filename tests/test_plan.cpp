@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <cmath>
 #include <sstream>
 #include <string>
 
@@ -15,6 +16,7 @@
 #include "whale/nn/relu.hpp"
 #include "whale/plan/lower.hpp"
 #include "whale/plan/memory.hpp"
+#include "whale/plan/simulate.hpp"
 #include "whale/nn/residual.hpp"
 
 using namespace whale;
@@ -284,4 +286,72 @@ TEST_CASE("predicted memory, by hand: model state by ZeRO level, activations by 
   using R = sequential<residual<linear<16, 16>>, linear<16, 4>, softmax_cross_entropy>;
   const auto r = predict_memory(describe<R>(), lower<R>(mesh_shape(1, 1, 1), 0, batch(2)));
   CHECK(r.activations == 2 * (4 * 32 + 8 * 16 + 4 * 20 + 4 * 4));
+}
+
+namespace {
+device_profile flat_profile() {  // 100 GFLOP/s at every size, 10 GB/s, 10 us + 1 GB/s links
+  std::istringstream in("device flat\ngemm 64 64 64 0 0 100\nbandwidth 10\nlink node all_reduce 2 10 1\n"
+                        "link node all_gather 2 10 1\nlink node reduce_scatter 2 10 1\nlink node p2p 2 10 1\n");
+  return device_profile::parse(in, "flat");
+}
+}  // namespace
+
+TEST_CASE("device profile: the text format, interpolated GEMM rates, α–β links, errors with file and line") {
+  std::istringstream in("# a comment\ndevice d\ngemm 100 100 100 0 0 10\ngemm 1000 1000 1000 0 1 40\nbandwidth 8\n"
+                        "link node all_reduce 4 20 2\n");
+  const auto p = device_profile::parse(in, "d.txt");
+  CHECK(p.name == "d");
+  CHECK(p.gemm_rate(2e6) == doctest::Approx(10e9));    // the smallest shape's rate below it
+  CHECK(p.gemm_rate(2e9) == doctest::Approx(40e9));    // the largest's above it
+  CHECK(p.gemm_rate(std::sqrt(2e6 * 2e9)) == doctest::Approx(25e9));  // halfway in log(size)
+  CHECK(p.link_time(link_level::node, link_kind::all_reduce, 4, 2e9) == doctest::Approx(20e-6 + 1.0));
+  CHECK(p.link_time(link_level::node, link_kind::all_reduce, 7, 0) == doctest::Approx(40e-6));  // 6 ring steps against 3
+  CHECK_THROWS_WITH_AS(p.link_time(link_level::net, link_kind::all_reduce, 4, 1), doctest::Contains("no all_reduce figures for the net level"), std::logic_error);
+  std::ostringstream round;
+  round << p;
+  std::istringstream again(round.str());
+  CHECK(device_profile::parse(again, "again").gemm.size() == 2);
+  auto bad = [](const char* text) {
+    std::istringstream s(text);
+    return device_profile::parse(s, "bad.txt");
+  };
+  CHECK_THROWS_WITH_AS(bad("gemm 1 2\n"), doctest::Contains("bad.txt:1: 'gemm' takes M N K TA TB GFLOPS"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 fast\nbandwidth 1\n"), doctest::Contains("bad.txt:1: GFLOPS 'fast'"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 1\nbandwidth 1\nlink lan p2p 2 1 1\n"), doctest::Contains("bad.txt:3: link level 'lan'"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("bandwidth 1\n"), doctest::Contains("no 'gemm' line"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("speed 3\n"), doctest::Contains("unknown entry 'speed'"), std::invalid_argument);
+}
+
+TEST_CASE("simulate: data parallel ranks end together, communication is the sum of α–β times, a pipeline idles") {
+  const auto dev = flat_profile();
+  using M = sequential<linear<64, 64>, relu, linear<64, 8>, softmax_cross_entropy>;
+  auto o = batch(64);
+  // one rank: compute only, GEMMs at 100 GFLOP/s plus the kept bytes at 10 GB/s, nothing waits
+  const auto d1 = describe<M>();
+  const auto one = simulate(d1, {lower(d1, mesh_shape(1, 1, 1), 0, o)}, dev);
+  CHECK(one.ranks[0].comm_s == 0);
+  CHECK(one.ranks[0].wait_s == 0);
+  CHECK(one.step_s == doctest::Approx(one.ranks[0].compute_s));
+  const double gemm = 3 * 2.0 * (64 * 64 + 64 + 64 * 8 + 8) * 64;  // forward and backward (twice) of both linears
+  CHECK(one.ranks[0].compute_s > gemm / 100e9);
+  // two replicas: the same end, and their communication is each collective's α + bytes/β
+  const auto d2 = describe<replicate<M>>();
+  std::vector<program> ps;
+  for (int r = 0; r < 2; ++r) ps.push_back(lower(d2, mesh_shape(2, 1, 1), r, o));
+  const auto two = simulate(d2, ps, dev);
+  CHECK(two.ranks[0].end_s == doctest::Approx(two.ranks[1].end_s));
+  double comm = 0;
+  for (const auto& op : ps[0].ops)
+    if (op.kind == op_kind::collective) comm += 10e-6 + static_cast<double>(op.bytes_sent) / 1e9;
+  CHECK(two.ranks[0].comm_s == doctest::Approx(comm));
+  CHECK(two.step_s == doctest::Approx(two.ranks[0].compute_s + comm + two.ranks[0].wait_s));
+  // a pipeline of two stages: each rank waits for the other (the bubble)
+  std::vector<program> pp;
+  auto m = batch(8);
+  m.micro_batches = 4;
+  for (int r = 0; r < 2; ++r) pp.push_back(lower(describe<two_stages>(), mesh_shape(1, 2, 1), r, m));
+  const auto pipe = simulate(describe<two_stages>(), pp, dev);
+  CHECK(pipe.bubble() > 0);
+  CHECK(pipe.step_s > pipe.ranks[0].compute_s);
+  CHECK(pipe.spans.size() > pp[0].ops.size());
 }

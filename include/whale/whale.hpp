@@ -59,10 +59,12 @@
 
 // plan/
 #include "whale/plan/describe.hpp"
+#include "whale/plan/device.hpp"
 #include "whale/plan/lower.hpp"
 #include "whale/plan/memory.hpp"
 #include "whale/plan/partition.hpp"
 #include "whale/plan/program.hpp"
+#include "whale/plan/simulate.hpp"
 
 // runtime/
 #include "whale/runtime/executor.hpp"

@@ -204,6 +204,7 @@ class lowering {
     o.unit = unit;
     o.micro = micro;
     o.what = u.name;
+    o.rows = rows;
     const double r = static_cast<double>(rows);
     o.flops = k == op_kind::backward ? r * (c.bwd_flops + 2 * seqf) : r * (c.fwd_flops + seqf);
     if (d_.split_backward && u.defers && (k == op_kind::backward || k == op_kind::weight)) {

@@ -65,6 +65,7 @@ struct op {
   std::int64_t bytes_received = 0;  ///< by this rank
   std::int64_t elements = 0;        ///< elements of the collective's full buffer (or message)
   double flops = 0;          ///< compute and optimizer operations
+  index_t rows = 0;          ///< compute: rows (samples, or tokens) it runs on
   std::string what;          ///< the layer, or why the communication happens
   std::vector<int> deps;     ///< indices of operations that must be done first
 };

@@ -1,0 +1,166 @@
+// whale_profile (scripts/profile): measures this machine for the planner's
+// cost model and writes a device profile (plan/device.hpp, docs/planning.md).
+// Every rank measures at once, as they run in training (ranks share cores and
+// memory bandwidth): GEMM rates at shapes from 64 to 2048 with the transposes
+// backward uses, elementwise bandwidth, and — when launched on 2 or more
+// ranks — latency and bandwidth of all-reduce, all-gather, reduce-scatter
+// and messages, fitted by least squares over sizes from 4 KiB to 32 MiB. The
+// slowest rank's figures are written (by rank 0, atomically).
+//
+//   mpirun -np 4 ./whale_profile --out profiles/this-machine-4.txt [--name NAME]
+#include <whale/whale.hpp>
+#include <whale/comm/detail/cost.hpp>
+#include <whale/detail/io.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+using namespace whale;
+
+namespace {
+using clock_type = std::chrono::steady_clock;
+
+/// Median seconds of `reps` runs of f on every rank at once: from a barrier to
+/// the end of the last rank's run (a rank that waits for a core is counted
+/// waiting), less the time of an empty such phase.
+template <class F> double timed(world_comm& w, int reps, F&& f) {
+  auto phase = [&](auto&& g) {
+    std::vector<double> t;
+    for (int i = 0; i < reps; ++i) {
+      barrier(w);
+      const auto t0 = clock_type::now();
+      g();
+      barrier(w);
+      t.push_back(std::chrono::duration<double>(clock_type::now() - t0).count());
+    }
+    std::nth_element(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(t.size() / 2), t.end());
+    double m = t[t.size() / 2];
+    all_reduce(w, view<double>(&m, {1}), reduce_op::max);
+    return m;
+  };
+  f();  // warm-up
+  const double empty = phase([] {});
+  return std::max(1e-9, phase(f) - empty);
+}
+
+/// Least squares t = alpha + bytes / beta over (bytes, seconds) points, each
+/// weighted by 1/t^2 (relative error), so that small messages fix alpha.
+link_fit fit(const std::vector<std::pair<double, double>>& pts, int ranks) {
+  double sw = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
+  for (auto [x, y] : pts) {
+    const double w = 1.0 / (y * y);
+    sw += w, sx += w * x, sy += w * y, sxx += w * x * x, sxy += w * x * y;
+  }
+  const double slope = (sw * sxy - sx * sy) / (sw * sxx - sx * sx);
+  link_fit f;
+  f.ranks = ranks;
+  f.beta_bps = slope > 0 ? 1.0 / slope : 1e12;
+  f.alpha_s = std::max(0.0, (sy - slope * sx) / sw);
+  return f;
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto ctx = context::init(argc, argv);
+  return ctx.guard([&] {
+    std::string out, name = "this-machine";
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      auto value = [&]() -> std::string {
+        if (i + 1 >= argc) throw std::invalid_argument("whale_profile: " + a + " needs a value");
+        return argv[++i];
+      };
+      if (a == "--out") out = value();
+      else if (a == "--name") name = value();
+      else throw std::invalid_argument("whale_profile: unknown argument " + a + " (have --out FILE, --name NAME)");
+    }
+    if (out.empty()) throw std::invalid_argument("whale_profile: --out FILE is required");
+    auto& w = ctx.world();
+    check_output_path(w, out, "whale_profile: the profile (--out)");
+    const int p = ctx.size();
+    device_profile prof;
+    prof.name = name + "-" + std::to_string(p) + "-ranks";
+
+    // GEMM: squares per size class, and the transposes of backward at each
+    const std::vector<std::tuple<index_t, index_t, index_t>> shapes = {
+        {64, 64, 64}, {128, 128, 128}, {256, 256, 256}, {512, 512, 512}, {256, 1024, 256}, {1024, 1024, 1024},
+        {2048, 1024, 256}, {1024, 4096, 1024}, {2048, 2048, 2048}};
+    for (auto [m, n, k] : shapes) {
+      tensor<float> a({m * k}), b({k * n}), c({m * n});
+      for (auto& x : a) x = 0.5f;
+      for (auto& x : b) x = 0.25f;
+      for (int t = 0; t < 3; ++t) {
+        const bool ta = t == 2, tb = t == 1;  // NN (forward), NT (d input), TN (d weights)
+        // repeated to at least 0.1 s per run, so that the ranks' GEMMs overlap as in training
+        gemm_point g{m, n, k, ta, tb, 0};
+        const int times = std::max(1, static_cast<int>(0.1 * 30e9 / g.flops()));
+        const double s = timed(w, 3, [&] {
+          for (int r = 0; r < times; ++r)
+            cpu::gemm(ta ? cpu::trans::yes : cpu::trans::no, tb ? cpu::trans::yes : cpu::trans::no, m, n, k, 1.f, a.data(), b.data(), 0.f, c.data());
+        });
+        g.gflops = g.flops() * times / s / 1e9;
+        prof.gemm.push_back(g);
+      }
+    }
+    // elementwise: y = 2x + y over 64 MiB arrays (read x, read y, write y)
+    {
+      const index_t n = index_t{16} << 20;
+      tensor<float> x({n}), y({n});
+      for (auto& v : x) v = 1.f;
+      for (auto& v : y) v = 0.f;
+      const double s = timed(w, 5, [&] {
+        float* __restrict yy = y.data();
+        const float* __restrict xx = x.data();
+        for (index_t i = 0; i < n; ++i) yy[i] += 2.f * xx[i];
+      });
+      prof.bandwidth_bps = 12.0 * static_cast<double>(n) / s;
+    }
+    // links, inside this node
+    if (p > 1) {
+      // floats: 4 KiB .. 32 MiB (gradient buckets are 25 MiB by default)
+      const std::vector<index_t> sizes = {1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 8388608};
+      tensor<float> buf({sizes.back() * p}), out_buf({sizes.back() * p});
+      for (auto& v : buf) v = 1.f;
+      std::vector<std::pair<double, double>> ar, ag, rs, pp;
+      for (index_t n : sizes) {
+        const std::int64_t bytes = 4 * n;
+        ar.push_back({static_cast<double>(detail::all_reduce_traffic(bytes, p).sent),
+                      timed(w, 5, [&] { all_reduce(w, view<float>(buf.data(), {n})); })});
+        ag.push_back({static_cast<double>(detail::all_gather_traffic(bytes, p).sent),
+                      timed(w, 5, [&] { all_gather(w, cview<float>(buf.data(), {n}), view<float>(out_buf.data(), {n * p})); })});
+        rs.push_back({static_cast<double>(detail::reduce_scatter_traffic(bytes, p).sent),
+                      timed(w, 5, [&] { reduce_scatter(w, cview<float>(buf.data(), {n * p}), view<float>(out_buf.data(), {n})); })});
+        // messages: rank 0 to rank 1 and back, half the round trip
+        const double rt = timed(w, 5, [&] {
+          if (ctx.rank() == 0) {
+            send(w, cview<float>(buf.data(), {n}), 1, 7);
+            recv(w, view<float>(out_buf.data(), {n}), 1, 8);
+          } else if (ctx.rank() == 1) {
+            recv(w, view<float>(out_buf.data(), {n}), 0, 7);
+            send(w, cview<float>(buf.data(), {n}), 0, 8);
+          }
+        });
+        pp.push_back({static_cast<double>(bytes), rt / 2});
+      }
+      auto& node = prof.links[static_cast<std::size_t>(link_level::node)];
+      node[static_cast<std::size_t>(link_kind::all_reduce)] = fit(ar, p);
+      node[static_cast<std::size_t>(link_kind::all_gather)] = fit(ag, p);
+      node[static_cast<std::size_t>(link_kind::reduce_scatter)] = fit(rs, p);
+      node[static_cast<std::size_t>(link_kind::broadcast)] = fit(ag, p);  // (not measured: taken as an all-gather)
+      node[static_cast<std::size_t>(link_kind::p2p)] = fit(pp, 2);
+    }
+    if (ctx.rank() == 0) {
+      std::ostringstream s;
+      s << prof;
+      detail::write_file_atomically(out, s.str(), "whale_profile");
+      std::cout << s.str();
+    }
+    return 0;
+  });
+}

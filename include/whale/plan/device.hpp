@@ -1,0 +1,187 @@
+// A device profile: what one rank's device does per second, measured once
+// per machine (scripts/profile) or written from a datasheet. GEMM rates at a
+// few shapes (interpolated by size), elementwise bandwidth, and the α–β
+// parameters (latency, bandwidth) of each collective and of point-to-point
+// messages per link level (inside a node, between nodes). Plain data, a text
+// format, and the time of an operation; no measurement here.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <fstream>
+#include <ostream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "whale/detail/parse.hpp"
+#include "whale/plan/program.hpp"
+
+namespace whale {
+
+/// Where a group's ranks are: all on one node, or spread over nodes.
+enum class link_level : std::uint8_t { node, net };
+/// The communication a link entry describes (collectives of program.hpp, and messages).
+enum class link_kind : std::uint8_t { all_reduce, all_gather, reduce_scatter, broadcast, p2p };
+inline constexpr int link_kinds = 5;
+
+inline const char* link_kind_name(link_kind k) {
+  constexpr const char* n[] = {"all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p"};
+  return n[static_cast<int>(k)];
+}
+inline const char* link_level_name(link_level l) { return l == link_level::node ? "node" : "net"; }
+
+/// One measured GEMM: C(M, N) = op(A) op(B) with K the inner size, at `gflops`.
+struct gemm_point {
+  index_t m = 0, n = 0, k = 0;
+  bool ta = false, tb = false;
+  double gflops = 0;
+  double flops() const noexcept { return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k); }
+};
+
+/// t(bytes) = alpha + bytes / beta, `bytes` being what one rank sends (the
+/// ring model of comm_stats), for groups of `ranks`.
+struct link_fit {
+  double alpha_s = 0;       ///< latency, seconds
+  double beta_bps = 0;      ///< bytes per second sent by one rank
+  int ranks = 0;            ///< the group size it was measured on (0: not measured)
+};
+
+/// What one rank's device and links do per second.
+struct device_profile {
+  std::string name = "unnamed";
+  std::vector<gemm_point> gemm;  ///< sorted by size when read
+  double bandwidth_bps = 0;      ///< elementwise: bytes read plus written per second
+  int ranks_per_node = 0;        ///< devices (ranks) per node of the cluster it describes; 0: one node
+  std::array<std::array<link_fit, link_kinds>, 2> links{};  ///< [level][kind]
+
+  /// GEMM rate (FLOP/s) of a product of `flops` FLOPs: interpolated in log(size)
+  /// between the measured shapes, the end rates beyond them.
+  double gemm_rate(double flops) const {
+    if (gemm.empty()) throw std::logic_error("whale::device_profile '" + name + "': no GEMM rates");
+    if (flops <= gemm.front().flops()) return gemm.front().gflops * 1e9;
+    if (flops >= gemm.back().flops()) return gemm.back().gflops * 1e9;
+    for (std::size_t i = 1; i < gemm.size(); ++i)
+      if (flops <= gemm[i].flops()) {
+        const double a = std::log(gemm[i - 1].flops()), b = std::log(gemm[i].flops());
+        const double t = b > a ? (std::log(flops) - a) / (b - a) : 1.0;
+        return (gemm[i - 1].gflops + t * (gemm[i].gflops - gemm[i - 1].gflops)) * 1e9;
+      }
+    return gemm.back().gflops * 1e9;
+  }
+  /// Seconds of a communication that sends `bytes` per rank in a group of `ranks` at `level`.
+  double link_time(link_level level, link_kind kind, int ranks, double bytes) const {
+    if (ranks <= 1 && kind != link_kind::p2p) return 0;
+    const auto& f = links[static_cast<int>(level)][static_cast<int>(kind)];
+    if (f.ranks == 0 || !(f.beta_bps > 0))
+      throw std::logic_error("whale::device_profile '" + name + "': no " + link_kind_name(kind) + " figures for the " +
+                             link_level_name(level) + " level; profile on as many ranks, or add a 'link' line");
+    // a ring's latency grows with its steps: (p-1) of them, against (p0-1) measured
+    const double steps = kind == link_kind::p2p || f.ranks <= 1 ? 1.0 : static_cast<double>(ranks - 1) / static_cast<double>(f.ranks - 1);
+    return f.alpha_s * steps + bytes / f.beta_bps;
+  }
+
+  /// The text format (see docs/planning.md): one entry per line, '#' comments.
+  ///   device NAME
+  ///   gemm M N K TA TB GFLOPS          (TA, TB: 0 or 1)
+  ///   bandwidth GBPS                    (elementwise, read + write)
+  ///   node RANKS                        (ranks per node; absent: every rank on one node)
+  ///   link LEVEL KIND RANKS ALPHA_US BETA_GBPS   (LEVEL: node|net; KIND: all_reduce|all_gather|reduce_scatter|broadcast|p2p)
+  friend std::ostream& operator<<(std::ostream& os, const device_profile& p) {
+    os << "# whale device profile\ndevice " << p.name << "\n";
+    for (const auto& g : p.gemm)
+      os << "gemm " << g.m << ' ' << g.n << ' ' << g.k << ' ' << g.ta << ' ' << g.tb << ' ' << g.gflops << "\n";
+    os << "bandwidth " << p.bandwidth_bps / 1e9 << "\n";
+    if (p.ranks_per_node) os << "node " << p.ranks_per_node << "\n";
+    for (int l = 0; l < 2; ++l)
+      for (int k = 0; k < link_kinds; ++k) {
+        const auto& f = p.links[static_cast<std::size_t>(l)][static_cast<std::size_t>(k)];
+        if (f.ranks)
+          os << "link " << link_level_name(static_cast<link_level>(l)) << ' ' << link_kind_name(static_cast<link_kind>(k)) << ' '
+             << f.ranks << ' ' << f.alpha_s * 1e6 << ' ' << f.beta_bps / 1e9 << "\n";
+      }
+    return os;
+  }
+
+  /// Read the text format; every error names the file, the line and what is wrong.
+  static device_profile parse(std::istream& in, const std::string& origin) {
+    device_profile p;
+    std::string line;
+    int no = 0;
+    while (std::getline(in, line)) {
+      ++no;
+      if (const auto h = line.find('#'); h != std::string::npos) line.resize(h);
+      std::istringstream ss(line);
+      std::vector<std::string> w;
+      for (std::string t; ss >> t;) w.push_back(t);
+      if (w.empty()) continue;
+      const std::string at = origin + ":" + std::to_string(no);
+      auto need = [&](std::size_t n, const char* form) {
+        if (w.size() != n) throw std::invalid_argument(at + ": '" + w[0] + "' takes " + form);
+      };
+      auto num = [&](std::size_t i, const char* what, double lo, double hi, bool open) {
+        return detail::parse_double(w[i], at + ": " + what, lo, hi, open);
+      };
+      if (w[0] == "device") {
+        need(2, "a name");
+        p.name = w[1];
+      } else if (w[0] == "gemm") {
+        need(7, "M N K TA TB GFLOPS");
+        gemm_point g;
+        g.m = detail::parse_int(w[1], at + ": M", 1, 1 << 30);
+        g.n = detail::parse_int(w[2], at + ": N", 1, 1 << 30);
+        g.k = detail::parse_int(w[3], at + ": K", 1, 1 << 30);
+        g.ta = detail::parse_int(w[4], at + ": TA", 0, 1) != 0;
+        g.tb = detail::parse_int(w[5], at + ": TB", 0, 1) != 0;
+        g.gflops = num(6, "GFLOPS", 0, 1e9, true);
+        p.gemm.push_back(g);
+      } else if (w[0] == "bandwidth") {
+        need(2, "GBPS");
+        p.bandwidth_bps = num(1, "bandwidth", 0, 1e6, true) * 1e9;
+      } else if (w[0] == "node") {
+        need(2, "RANKS (ranks per node)");
+        p.ranks_per_node = static_cast<int>(detail::parse_int(w[1], at + ": RANKS", 1, 1 << 20));
+      } else if (w[0] == "link") {
+        need(6, "LEVEL KIND RANKS ALPHA_US BETA_GBPS");
+        int level = w[1] == "node" ? 0 : w[1] == "net" ? 1 : -1;
+        if (level < 0) throw std::invalid_argument(at + ": link level '" + w[1] + "' (have node, net)");
+        int kind = -1;
+        for (int k = 0; k < link_kinds; ++k)
+          if (w[2] == link_kind_name(static_cast<link_kind>(k))) kind = k;
+        if (kind < 0) throw std::invalid_argument(at + ": link kind '" + w[2] + "' (have all_reduce, all_gather, reduce_scatter, broadcast, p2p)");
+        auto& f = p.links[static_cast<std::size_t>(level)][static_cast<std::size_t>(kind)];
+        f.ranks = static_cast<int>(detail::parse_int(w[3], at + ": RANKS", 2, 1 << 20));
+        f.alpha_s = num(4, "ALPHA_US", 0, 1e9, false) * 1e-6;
+        f.beta_bps = num(5, "BETA_GBPS", 0, 1e6, true) * 1e9;
+      } else {
+        throw std::invalid_argument(at + ": unknown entry '" + w[0] + "' (have device, gemm, bandwidth, node, link)");
+      }
+    }
+    if (p.gemm.empty()) throw std::invalid_argument(origin + ": no 'gemm' line: a profile needs at least one GEMM rate");
+    if (!(p.bandwidth_bps > 0)) throw std::invalid_argument(origin + ": no 'bandwidth' line");
+    std::sort(p.gemm.begin(), p.gemm.end(), [](const gemm_point& a, const gemm_point& b) { return a.flops() < b.flops(); });
+    return p;
+  }
+  static device_profile load(const std::string& path) {
+    std::ifstream f(path);
+    if (!f) throw std::invalid_argument("whale::device_profile: cannot read '" + path + "'");
+    return parse(f, path);
+  }
+};
+
+/// The link kind of a program operation (collectives and messages).
+inline link_kind link_of(const op& o) {
+  if (o.kind == op_kind::send || o.kind == op_kind::recv) return link_kind::p2p;
+  switch (o.coll) {
+    case coll_kind::all_reduce: return link_kind::all_reduce;
+    case coll_kind::all_gather: return link_kind::all_gather;
+    case coll_kind::reduce_scatter: return link_kind::reduce_scatter;
+    case coll_kind::broadcast: return link_kind::broadcast;
+  }
+  return link_kind::all_reduce;
+}
+
+}  // namespace whale

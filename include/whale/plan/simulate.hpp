@@ -1,0 +1,235 @@
+// `simulate(desc, programs, profile)`: one training step of every rank's
+// lowered program replayed event by event on a device profile. Each rank
+// runs its operations in program order on one stream (the CPU runtime's way:
+// a collective blocks its rank); a collective starts when every rank of its
+// group has reached it and lasts α + bytes/β; a message arrives α + bytes/β
+// after its send, and a receive waits for it. Compute takes its GEMM FLOPs at
+// the profile's rate for that size, elementwise work its bytes at the
+// profile's bandwidth. Gives the step time, and per rank its compute,
+// communication and idle time, and the spans for a trace. Pure.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "whale/comm/trace.hpp"
+#include "whale/plan/describe.hpp"
+#include "whale/plan/device.hpp"
+#include "whale/plan/program.hpp"
+#include "whale/strategy/split_linear.hpp"
+
+namespace whale {
+
+/// One rank's simulated step.
+struct rank_time {
+  double end_s = 0;      ///< when its last operation ends
+  double compute_s = 0;  ///< forward, backward, recompute, weight passes and the optimizer
+  double comm_s = 0;     ///< in collectives and messages (transfer time)
+  double wait_s = 0;     ///< waiting for a group or a message (bubbles, stragglers)
+  /// Exposed communication by why ("gradient bucket ...", "ZeRO-3 gather ...", ...): first words.
+  std::map<std::string, double> comm_by_what;
+};
+
+/// A simulated step of every rank.
+struct step_simulation {
+  double step_s = 0;  ///< the slowest rank's end
+  std::vector<rank_time> ranks;
+  std::vector<trace_event> spans;  ///< Chrome trace spans (write_trace), one per operation
+  /// The busiest rank's idle fraction (waits over its end time).
+  double bubble() const {
+    double b = 0;
+    for (const auto& r : ranks) b = std::max(b, r.end_s > 0 ? r.wait_s / r.end_s : 0.0);
+    return b;
+  }
+};
+
+namespace detail {
+/// Seconds of one compute operation of unit `u` on `p`'s rank.
+inline double compute_seconds(const model_desc& d, const program& p, const op& o, const device_profile& dev) {
+  if (o.kind == op_kind::optimizer)  // read p, g and the state, write p and the state: about 6 floats per element
+    return 24.0 * static_cast<double>(o.elements) / dev.bandwidth_bps;
+  const auto& u = d.units[static_cast<std::size_t>(o.unit)];
+  const int deg = u.split_axis < 0 ? 1 : p.mesh.size(static_cast<axis>(u.split_axis));
+  const cost_info c = !u.sharded ? u.cost
+                      : u.shard_cost ? u.shard_cost(deg).scaled(u.in_width == any_features ? 0.0 : static_cast<double>(u.in_width))
+                                     : shard_of(u.cost, deg, u.split_params, u.replicated_params);
+  // GEMM work: 2 FLOPs per parameter of a weight matrix per row, plus attention's
+  // context products; the rest of a layer's FLOPs is elementwise
+  const index_t w = u.sharded ? c.params : u.full_params;
+  const double rows = static_cast<double>(o.rows);
+  double gemm = 2.0 * static_cast<double>(w) * rows;
+  if (o.kind == op_kind::backward) gemm *= 2;  // d(input) and d(weights)
+  if (o.kind == op_kind::weight) gemm = o.flops;
+  gemm = std::min(gemm, o.flops);
+  gemm += std::max(0.0, o.flops - gemm) * (c.seq_flops > 0 ? 1.0 : 0.0);  // attention's Q K^T and P V are GEMMs too
+  const int gemms = o.kind == op_kind::backward ? 2 : 1;
+  double t = gemm > 0 ? gemm / dev.gemm_rate(gemm / gemms) : 0.0;
+  // elementwise: the bytes it keeps, written once and read once
+  const double bytes = 2.0 * (c.act_bytes + c.seq_act_bytes * static_cast<double>(p.seq)) * rows;
+  t += bytes / dev.bandwidth_bps;
+  return t;
+}
+inline std::string what_key(const std::string& what) {
+  // "gradient bucket 3 [..)" -> "gradient bucket"; "ZeRO-3 gather of linear<..>" -> "ZeRO-3 gather"
+  std::size_t cut = what.find_first_of("[(<0123456789");
+  std::string k = what.substr(0, cut);
+  while (!k.empty() && (k.back() == ' ' || k.back() == 'o' || k.back() == 'f')) {
+    if (k.size() >= 3 && k.compare(k.size() - 3, 3, " of") == 0) k.resize(k.size() - 3);
+    else if (k.back() == ' ') k.pop_back();
+    else break;
+  }
+  return k.empty() ? what : k;
+}
+}  // namespace detail
+
+/// Every rank's program (`progs[r]` for rank r, from lower(d, mesh, r, ...)) replayed
+/// on `dev`; ranks in nodes of `ranks_per_node` (0: the profile's `node` entry,
+/// and without one every rank on one node).
+inline step_simulation simulate(const model_desc& d, const std::vector<program>& progs, const device_profile& dev,
+                                int ranks_per_node = 0) {
+  const int n = static_cast<int>(progs.size());
+  if (n == 0) throw std::invalid_argument("whale::simulate: no programs");
+  const auto& mesh = progs.front().mesh;
+  if (mesh.size() != n) throw std::invalid_argument("whale::simulate: " + std::to_string(n) + " programs for a mesh of " + std::to_string(mesh.size()) + " ranks");
+  const int per_node = ranks_per_node > 0 ? ranks_per_node : dev.ranks_per_node > 0 ? dev.ranks_per_node : n;
+  step_simulation sim;
+  sim.ranks.assign(static_cast<std::size_t>(n), {});
+  std::vector<std::size_t> next(static_cast<std::size_t>(n), 0);
+  std::vector<double> clock(static_cast<std::size_t>(n), 0.0);
+  std::vector<std::vector<double>> done(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) done[static_cast<std::size_t>(r)].assign(progs[static_cast<std::size_t>(r)].ops.size(), -1.0);
+  // collectives match by group (its axes and the members' other coordinates) and order within it
+  auto group_key = [&](int r, const op& o) {
+    const auto c = mesh.coords(r);
+    std::int64_t k = o.group.bits();
+    for (int a = 0; a < axis_count; ++a)
+      k = k * 4096 + ((o.group.bits() >> a) & 1u ? 0 : c[static_cast<std::size_t>(a)]);
+    return k;
+  };
+  auto members = [&](int r, const op& o) {
+    std::vector<int> m;
+    const auto c = mesh.coords(r);
+    for (int q = 0; q < n; ++q) {
+      const auto cq = mesh.coords(q);
+      bool same = true;
+      for (int a = 0; a < axis_count; ++a)
+        if (!((o.group.bits() >> a) & 1u) && cq[static_cast<std::size_t>(a)] != c[static_cast<std::size_t>(a)]) same = false;
+      if (same) m.push_back(q);
+    }
+    return m;
+  };
+  auto level_of = [&](const std::vector<int>& m) {
+    for (int q : m)
+      if (q / per_node != m.front() / per_node) return link_level::net;
+    return link_level::node;
+  };
+  std::map<std::pair<std::int64_t, int>, int> seen;      // (group, index) -> arrived ranks
+  std::vector<std::map<std::int64_t, int>> coll_index(static_cast<std::size_t>(n));  // per rank: collectives entered per group
+  std::map<std::pair<int, int>, std::vector<double>> mailbox;  // (from, to) -> arrival times, in order
+  std::map<std::pair<int, int>, std::size_t> taken;
+  auto span = [&](int r, span_kind k, int micro, double t0, double t1) {
+    trace_event e;
+    e.kind = static_cast<std::int32_t>(k);
+    e.rank = r;
+    e.stage = progs[static_cast<std::size_t>(r)].coords[1];
+    e.replica = progs[static_cast<std::size_t>(r)].coords[0];
+    e.micro = micro;
+    e.ts_us = t0 * 1e6;
+    e.dur_us = (t1 - t0) * 1e6;
+    sim.spans.push_back(e);
+  };
+  bool progress = true;
+  while (progress) {
+    progress = false;
+    for (int r = 0; r < n; ++r) {
+      const auto& p = progs[static_cast<std::size_t>(r)];
+      auto& rt = sim.ranks[static_cast<std::size_t>(r)];
+      auto& t = clock[static_cast<std::size_t>(r)];
+      while (next[static_cast<std::size_t>(r)] < p.ops.size()) {
+        const std::size_t i = next[static_cast<std::size_t>(r)];
+        const auto& o = p.ops[i];
+        if (o.kind == op_kind::collective) {
+          if (o.group_size <= 1) {
+            done[static_cast<std::size_t>(r)][i] = t, ++next[static_cast<std::size_t>(r)], progress = true;
+            continue;
+          }
+          const auto key = group_key(r, o);
+          const int idx = coll_index[static_cast<std::size_t>(r)][key];
+          auto& arrived = seen[{key, idx}];
+          // each rank counts itself once: mark arrival by a negative done
+          if (done[static_cast<std::size_t>(r)][i] > -1.5) {
+            ++arrived;
+            done[static_cast<std::size_t>(r)][i] = -2.0;
+          }
+          const auto m = members(r, o);
+          if (arrived < static_cast<int>(m.size())) break;  // wait for the group
+          // every member has arrived: its start is the latest arrival
+          double start = 0;
+          for (int q : m) start = std::max(start, clock[static_cast<std::size_t>(q)]);
+          const double dur = dev.link_time(level_of(m), link_of(o), o.group_size, static_cast<double>(o.bytes_sent));
+          for (int q : m) {
+            const auto& pq = progs[static_cast<std::size_t>(q)];
+            const std::size_t iq = next[static_cast<std::size_t>(q)];
+            auto& rq = sim.ranks[static_cast<std::size_t>(q)];
+            rq.wait_s += start - clock[static_cast<std::size_t>(q)];
+            rq.comm_s += dur;
+            rq.comm_by_what[detail::what_key(pq.ops[iq].what)] += dur;
+            span(q, span_kind::grad_all_reduce, pq.ops[iq].micro, start, start + dur);
+            clock[static_cast<std::size_t>(q)] = start + dur;
+            done[static_cast<std::size_t>(q)][iq] = start + dur;
+            ++coll_index[static_cast<std::size_t>(q)][key];
+            ++next[static_cast<std::size_t>(q)];
+          }
+          progress = true;
+          continue;
+        }
+        if (o.kind == op_kind::send) {
+          const double dur = dev.link_time(level_of({r, o.peer}), link_kind::p2p, 2, static_cast<double>(o.bytes_sent));
+          mailbox[{r, o.peer}].push_back(t + dur);
+          span(r, span_kind::send_act, o.micro, t, t);
+          done[static_cast<std::size_t>(r)][i] = t;
+          ++next[static_cast<std::size_t>(r)];
+          progress = true;
+          continue;
+        }
+        if (o.kind == op_kind::recv) {
+          auto& box = mailbox[{o.peer, r}];
+          auto& k = taken[{o.peer, r}];
+          if (k >= box.size()) break;  // its send is not simulated yet
+          const double at = box[k++];
+          if (at > t) rt.wait_s += at - t, span(r, span_kind::recv_act, o.micro, t, at), t = at;
+          done[static_cast<std::size_t>(r)][i] = t;
+          ++next[static_cast<std::size_t>(r)];
+          progress = true;
+          continue;
+        }
+        const double dur = detail::compute_seconds(d, p, o, dev);
+        span(r, o.kind == op_kind::weight ? span_kind::weight : o.kind == op_kind::backward ? span_kind::backward
+                : o.kind == op_kind::optimizer ? span_kind::optimizer : span_kind::forward,
+             o.micro, t, t + dur);
+        t += dur;
+        rt.compute_s += dur;
+        done[static_cast<std::size_t>(r)][i] = t;
+        ++next[static_cast<std::size_t>(r)];
+        progress = true;
+      }
+    }
+  }
+  for (int r = 0; r < n; ++r)
+    if (next[static_cast<std::size_t>(r)] < progs[static_cast<std::size_t>(r)].ops.size())
+      throw std::logic_error("whale::simulate: rank " + std::to_string(r) + " cannot go on at operation " +
+                             std::to_string(next[static_cast<std::size_t>(r)]) + " (" +
+                             progs[static_cast<std::size_t>(r)].ops[next[static_cast<std::size_t>(r)]].what +
+                             "): the programs do not match");
+  for (int r = 0; r < n; ++r) {
+    sim.ranks[static_cast<std::size_t>(r)].end_s = clock[static_cast<std::size_t>(r)];
+    sim.step_s = std::max(sim.step_s, clock[static_cast<std::size_t>(r)]);
+  }
+  return sim;
+}
+
+}  // namespace whale
