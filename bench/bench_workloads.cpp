@@ -10,7 +10,8 @@
 //        template <class W> static void run(bench::config&);          // rank 0 prints one JSON line
 //      read its own options from config::args (value/text/flag), then call
 //      args.done(name) before any work; see plans/dp.hpp for a full one;
-//   2. include it below and add one line to `plan_table`.
+//   2. add its table entry to one of plans/entries_*.cpp (translation units that
+//      compile in parallel), declare it below and add one line to `plan_table`.
 // Nothing else changes: parsing, workload dispatch and errors are shared
 // (bench_common.hpp), and an unsupported workload is a clear error.
 #include <cstdio>
@@ -21,25 +22,24 @@
 
 #include "bench_common.hpp"
 #include "whale/detail/parse.hpp"
-#include "plans/dp.hpp"
-#include "plans/hybrid.hpp"
-#include "plans/pipeline.hpp"
-#include "plans/single.hpp"
-#include "plans/threed.hpp"
-#include "plans/zero.hpp"
+
+namespace bench {  // plans/entries_*.cpp
+plan_entry entry_single();
+plan_entry entry_dp();
+plan_entry entry_hybrid();
+plan_entry entry_pipeline();
+plan_entry entry_threed();
+plan_entry entry_zero1();
+plan_entry entry_zero2();
+plan_entry entry_zero3();
+}  // namespace bench
 
 namespace {
 
 // ---- the plan table: one line per plan ----
 const bench::plan_entry plan_table[] = {
-    bench::plan<bench::plans::single>(),
-    bench::plan<bench::plans::dp>(),
-    bench::plan<bench::plans::hybrid>(),
-    bench::plan<bench::plans::pipeline>(),
-    bench::plan<bench::plans::zero1>(),
-    bench::plan<bench::plans::zero2>(),
-    bench::plan<bench::plans::zero3>(),
-    bench::plan<bench::plans::threed>(),
+    bench::entry_single(), bench::entry_dp(),    bench::entry_hybrid(), bench::entry_pipeline(),
+    bench::entry_zero1(),  bench::entry_zero2(), bench::entry_zero3(),  bench::entry_threed(),
 };
 
 std::string plan_list() {

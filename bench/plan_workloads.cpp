@@ -33,6 +33,8 @@ struct args {
   bool recompute = false, summary = false, json = false;
   std::string profile, trace;  ///< --simulate PROFILE: replay every rank's program on it; --trace: its spans
   int per_node = 0;            ///< --ranks-per-node K: nodes of K ranks (0: one node)
+  int search = 0;              ///< --search N: every plan of the workload on N ranks, simulated and ranked
+  double memory_limit_mib = 0; ///< --memory-limit-mib X: plans over it are refused (0: no limit)
   lower_options o;
 };
 
@@ -41,7 +43,8 @@ struct args {
       why + "\nusage: whale_plan --workload mlp|xc|gpt --plan single|dp|hybrid|pipeline|zero1|zero2|zero3|3d "
             "--mesh data=D,pipe=P,model=M [--rank R] [--batch B] [--seq T] [--micro-batches M] "
             "[--schedule gpipe|1f1b] [--zero 0..3] [--recompute] [--no-grad-norm] [--bucket-mib X] "
-            "[--stage-blocks 1,2,...] [--summary] [--json] [--optimizer-bytes 8|4|0] [--simulate PROFILE [--ranks-per-node K] [--trace FILE]]");
+            "[--stage-blocks 1,2,...] [--summary] [--json] [--optimizer-bytes 8|4|0] [--simulate PROFILE [--ranks-per-node K] [--trace FILE]] "
+            "[--search N --simulate PROFILE [--memory-limit-mib X]] (with --search, --plan and --mesh are chosen)");
 }
 
 args parse(int argc, char** argv) {
@@ -75,6 +78,8 @@ args parse(int argc, char** argv) {
     else if (f == "--clip") a.o.grad_norm = true;  // the default: the trainer computes the norm every step
     else if (f == "--no-grad-norm") a.o.grad_norm = false;
     else if (f == "--simulate") a.profile = value();
+    else if (f == "--search") a.search = static_cast<int>(detail::parse_int(value(), "--search", 1, 1 << 16));
+    else if (f == "--memory-limit-mib") a.memory_limit_mib = detail::parse_double(value(), "--memory-limit-mib", 0, 1 << 30, true);
     else if (f == "--optimizer-bytes") a.o.optimizer_bytes_per_param = static_cast<int>(detail::parse_int(value(), "--optimizer-bytes", 0, 64));
     else if (f == "--trace") a.trace = value();
     else if (f == "--ranks-per-node") a.per_node = static_cast<int>(detail::parse_int(value(), "--ranks-per-node", 1, 1 << 20));
@@ -83,6 +88,8 @@ args parse(int argc, char** argv) {
     else if (f == "--help" || f == "-h") usage("whale_plan: lowers a reference workload's plan for a mesh");
     else usage("whale_plan: unknown option '" + f + "'");
   }
+  if (a.search && a.profile.empty()) usage("whale_plan: --search needs --simulate PROFILE (the device to price the plans on)");
+  if (a.search) a.plan = "dp";  // each candidate sets its own
   if (a.workload.empty() || a.plan.empty()) usage("whale_plan: --workload and --plan are required");
   if (!a.trace.empty() && a.profile.empty()) usage("whale_plan: --trace needs --simulate PROFILE");
   if (a.schedule != "gpipe" && a.schedule != "1f1b") usage("whale_plan: --schedule must be gpipe or 1f1b (got '" + a.schedule + "')");
@@ -150,8 +157,134 @@ model_desc plan_desc(const args& a) {
   usage("whale_plan: unknown workload '" + w + "' (have mlp, xc, gpt)");
 }
 
+// The global batch of the workload on `mesh` when --batch is not given.
+index_t default_batch(const args& a, const mesh_shape& mesh) {
+  if (a.o.global_batch > 0) return a.o.global_batch;
+  const bool gpt = a.workload == "gpt";
+  return gpt ? std::max<index_t>(models::gpt_global_batch, 4 * mesh.size(axis::data))
+             : a.workload == "mlp" ? models::mlp_global_batch : models::xc_batch_per_rank * mesh.size(axis::data);
+}
+
+struct candidate {
+  args a;
+  std::string mesh;
+  bool valid = false, fits = true;
+  std::string why;  ///< not valid: the plan's error
+  double step = 0, memory_mib = 0;
+  rank_time slowest;
+  std::string label() const {
+    std::string l = a.plan;
+    if (a.plan == "pipeline" || a.plan == "3d") l += " " + a.schedule + " m=" + std::to_string(a.o.micro_batches);
+    if (a.recompute) l += " recompute";
+    return l + " on " + mesh;
+  }
+};
+
+/// Every plan of the workload on n ranks, simulated on the profile and ranked by predicted step time.
+int search(const args& base) {
+  const device_profile dev = device_profile::load(base.profile);
+  const int n = base.search;
+  std::vector<candidate> cs;
+  auto add = [&](const std::string& plan, const std::string& mesh, const std::string& sched = "1f1b", int micro = 0, bool rec = false) {
+    candidate c;
+    c.a = base;
+    c.a.plan = plan, c.a.schedule = sched, c.a.recompute = rec;
+    c.a.o.micro_batches = micro;
+    c.mesh = mesh;
+    cs.push_back(std::move(c));
+  };
+  const std::string N = std::to_string(n);
+  if (n == 1) add("single", "data=1");
+  for (const char* p : {"dp", "zero1", "zero2", "zero3"}) add(p, "data=" + N);
+  if (base.workload == "xc") add("hybrid", "data=" + N);
+  if (base.workload == "gpt") {
+    for (int m = 2; m <= n; m *= 2)
+      if (n % m == 0) add("hybrid", "data=" + std::to_string(n / m) + ",model=" + std::to_string(m));
+    for (int p = 2; p <= n; p *= 2) {
+      if (n % p) continue;
+      const std::string mesh = "data=" + std::to_string(n / p) + ",pipe=" + std::to_string(p);
+      for (const char* sched : {"1f1b", "gpipe"})
+        for (int k : {1, 2, 4}) add("pipeline", mesh, sched, k * p);
+      for (int m = 2; p * m <= n; m *= 2)
+        if (n % (p * m) == 0) {
+          const std::string m3 = "data=" + std::to_string(n / (p * m)) + ",pipe=" + std::to_string(p) + ",model=" + std::to_string(m);
+          for (int k : {1, 2, 4}) add("3d", m3, "1f1b", k * p), add("3d", m3, "1f1b", k * p, true);
+        }
+    }
+  }
+  for (auto& c : cs) {
+    try {
+      const auto mesh = mesh_of(c.mesh);
+      const auto d = plan_desc(c.a);
+      auto o = c.a.o;
+      o.global_batch = default_batch(c.a, mesh);
+      if (o.seq < 0) o.seq = c.a.workload == "gpt" ? models::gpt_seq : 1;
+      o.zero_level = c.a.zero;
+      std::vector<program> all;
+      std::int64_t mem = 0;
+      for (int r = 0; r < mesh.size(); ++r) {
+        all.push_back(lower(d, mesh, r, o));
+        mem = std::max(mem, predict_memory(d, all.back()).total());
+      }
+      const auto sim = simulate(d, all, dev, c.a.per_node);
+      c.valid = true;
+      c.step = sim.step_s;
+      c.memory_mib = static_cast<double>(mem) / 1048576.0;
+      c.fits = !(base.memory_limit_mib > 0) || c.memory_mib <= base.memory_limit_mib;
+      for (const auto& r : sim.ranks)
+        if (r.end_s >= c.slowest.end_s) c.slowest = r;
+    } catch (const std::exception& e) {
+      c.why = e.what();
+    }
+  }
+  std::stable_sort(cs.begin(), cs.end(), [](const candidate& x, const candidate& y) {
+    if (x.valid != y.valid) return x.valid;
+    if (x.fits != y.fits) return x.fits;
+    return x.step < y.step;
+  });
+  if (cs.empty() || !cs.front().valid || !cs.front().fits)
+    throw std::invalid_argument("whale_plan --search: no plan of " + base.workload + " runs on " + N + " ranks" +
+                                (base.memory_limit_mib > 0 ? " within " + std::to_string(base.memory_limit_mib) + " MiB" : std::string()));
+  const auto& best = cs.front();
+  if (base.json) {
+    for (const auto& c : cs)
+      if (c.valid)
+        std::printf("{\"workload\": \"%s\", \"candidate\": \"%s\", \"ranks\": %d, \"profile\": \"%s\", \"predicted_step_s\": %.6f, "
+                    "\"predicted_memory_mib\": %.2f, \"fits\": %s, \"chosen\": %s}\n",
+                    base.workload.c_str(), c.label().c_str(), n, dev.name.c_str(), c.step, c.memory_mib, c.fits ? "true" : "false",
+                    &c == &best ? "true" : "false");
+    return 0;
+  }
+  std::cout << "searched " << cs.size() << " plans of " << base.workload << " on " << n << " ranks with the profile '" << dev.name << "'"
+            << (base.memory_limit_mib > 0 ? " and at most " + std::to_string(base.memory_limit_mib) + " MiB per rank" : std::string()) << ":\n";
+  std::cout << "  chosen: " << best.label() << ": predicted " << best.step << " s per step, " << best.memory_mib
+            << " MiB on the largest rank (its slowest rank computes " << best.slowest.compute_s << " s, communicates "
+            << best.slowest.comm_s << " s, waits " << best.slowest.wait_s << " s)\n";
+  int shown = 0;
+  for (const auto& c : cs) {
+    if (&c == &best) continue;
+    if (!c.valid) {
+      std::cout << "  cannot run: " << c.label() << ": " << c.why << "\n";
+      continue;
+    }
+    if (!c.fits) {
+      std::cout << "  over memory: " << c.label() << ": " << c.memory_mib << " MiB\n";
+      continue;
+    }
+    if (++shown > 8) continue;
+    std::cout << "  " << c.label() << ": " << c.step << " s (+" << (c.step / best.step - 1) * 100 << "%: compute "
+              << (c.slowest.compute_s - best.slowest.compute_s >= 0 ? "+" : "") << c.slowest.compute_s - best.slowest.compute_s
+              << " s, communication " << (c.slowest.comm_s - best.slowest.comm_s >= 0 ? "+" : "") << c.slowest.comm_s - best.slowest.comm_s
+              << " s, waiting " << (c.slowest.wait_s - best.slowest.wait_s >= 0 ? "+" : "") << c.slowest.wait_s - best.slowest.wait_s
+              << " s), " << c.memory_mib << " MiB\n";
+  }
+  if (shown > 8) std::cout << "  (" << shown - 8 << " more)\n";
+  return 0;
+}
+
 int run(int argc, char** argv) {
   auto a = parse(argc, argv);
+  if (a.search) return search(a);
   const auto mesh = mesh_of(a.mesh);
   const auto d = plan_desc(a);
   const bool gpt = a.workload == "gpt";

@@ -7,7 +7,7 @@
 // and messages, fitted by least squares over sizes from 4 KiB to 32 MiB. The
 // slowest rank's figures are written (by rank 0, atomically).
 //
-//   mpirun -np 4 ./whale_profile --out profiles/this-machine-4.txt [--name NAME]
+//   mpirun -np 4 ./whale_profile --out bench/profiles/this-machine-4.txt [--name NAME]
 #include <whale/whale.hpp>
 #include <whale/comm/detail/cost.hpp>
 #include <whale/detail/io.hpp>

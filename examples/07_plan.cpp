@@ -7,6 +7,7 @@
 // single-process program (no mpirun).
 //
 //   ./build/examples/example_07_plan [--mesh data=8,pipe=2,model=2] [--rank R]
+//                                    [--simulate bench/profiles/datasheet-h200-8x-ib400.txt]
 //
 // Legend of shape comments: B sequences, T tokens, C width (256), V vocabulary (8192).
 #include <whale/whale.hpp>
@@ -15,6 +16,7 @@
 #include <cstdio>
 #include <iostream>
 #include <string>
+#include <vector>
 
 using namespace whale;
 
@@ -28,16 +30,17 @@ using tp_gpt = sequential<split<embedding<8192, 256>>, position_embedding<128, 2
 using plan = replicate<pipeline<one_f_one_b, tp_gpt>>;
 
 int main(int argc, char** argv) {
-  std::string spec = "data=8,pipe=2,model=2";
+  std::string spec = "data=8,pipe=2,model=2", profile;
   int rank = 0;
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if ((a == "--mesh" || a == "--rank") && i + 1 < argc) {
+      if ((a == "--mesh" || a == "--rank" || a == "--simulate") && i + 1 < argc) {
         if (a == "--mesh") spec = argv[++i];
+        else if (a == "--simulate") profile = argv[++i];
         else rank = static_cast<int>(detail::parse_int(argv[++i], "--rank", 0, 1 << 20));
       } else {
-        std::fprintf(stderr, "usage: example_07_plan [--mesh data=D,pipe=P,model=M] [--rank R]\n");
+        std::fprintf(stderr, "usage: example_07_plan [--mesh data=D,pipe=P,model=M] [--rank R] [--simulate PROFILE]\n");
         return 2;
       }
     }
@@ -65,6 +68,17 @@ int main(int argc, char** argv) {
     // 5. The memory the rank needs for such a step (plan/memory.hpp): model state,
     // activations of the micro-batches the schedule keeps, communication buffers.
     std::cout << "predicted memory of this rank: " << predict_memory(describe<plan>(), p) << "\n";
+    // 6. With a device profile (bench/profiles/*.txt, scripts/profile): every rank's
+    // program replayed together, for the step time and where each rank spends it.
+    if (!profile.empty()) {
+      const auto d = describe<plan>();
+      std::vector<program> all;
+      for (int r = 0; r < mesh.size(); ++r) all.push_back(lower(d, mesh, r, o));
+      const auto sim = simulate(d, all, device_profile::load(profile));
+      const auto& me = sim.ranks[static_cast<std::size_t>(rank)];
+      std::printf("simulated step: %.4f s; rank %d computes %.4f s, communicates %.4f s, waits %.4f s\n", sim.step_s, rank,
+                  me.compute_s, me.comm_s, me.wait_s);
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "example_07_plan: %s\n", e.what());
     return 2;

@@ -355,3 +355,21 @@ TEST_CASE("simulate: data parallel ranks end together, communication is the sum 
   CHECK(pipe.step_s > pipe.ranks[0].compute_s);
   CHECK(pipe.spans.size() > pp[0].ops.size());
 }
+
+TEST_CASE("the shipped device profiles parse and price a 3-D plan on 64 ranks") {
+  using P = replicate<pipeline<one_f_one_b, models::gpt_model<64, 16, 32, 2, 64, 4>>>;
+  const auto d = describe<P>();
+  const auto mesh = mesh_shape(16, 4, 1);
+  auto o = batch(64, 16);
+  o.micro_batches = 4;
+  std::vector<program> all;
+  for (int r = 0; r < mesh.size(); ++r) all.push_back(lower(d, mesh, r, o));
+  for (const char* f : {"vm-1.txt", "vm-2.txt", "vm-4.txt", "datasheet-v100-8x-25gbe.txt", "datasheet-h200-8x-ib400.txt"}) {
+    INFO(f);
+    const auto dev = device_profile::load(std::string(WHALE_PROFILES_DIR) + "/" + f);
+    if (dev.links[0][0].ranks == 0) continue;  // a one-rank profile has no links
+    const auto sim = simulate(d, all, dev);
+    CHECK(sim.step_s > 0);
+    CHECK(sim.ranks.size() == 64u);
+  }
+}

@@ -128,6 +128,7 @@ inline step_simulation simulate(const model_desc& d, const std::vector<program>&
     return link_level::node;
   };
   std::map<std::pair<std::int64_t, int>, int> seen;      // (group, index) -> arrived ranks
+  std::map<std::int64_t, std::vector<int>> member_cache;  // group -> its ranks
   std::vector<std::map<std::int64_t, int>> coll_index(static_cast<std::size_t>(n));  // per rank: collectives entered per group
   std::map<std::pair<int, int>, std::vector<double>> mailbox;  // (from, to) -> arrival times, in order
   std::map<std::pair<int, int>, std::size_t> taken;
@@ -165,7 +166,9 @@ inline step_simulation simulate(const model_desc& d, const std::vector<program>&
             ++arrived;
             done[static_cast<std::size_t>(r)][i] = -2.0;
           }
-          const auto m = members(r, o);
+          auto cached = member_cache.find(key);
+          if (cached == member_cache.end()) cached = member_cache.emplace(key, members(r, o)).first;
+          const auto& m = cached->second;
           if (arrived < static_cast<int>(m.size())) break;  // wait for the group
           // every member has arrived: its start is the latest arrival
           double start = 0;
