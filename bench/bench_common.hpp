@@ -20,6 +20,7 @@
 
 #include "whale/backend/cpu.hpp"
 #include "whale/comm/context.hpp"
+#include "whale/models/deep_mlp.hpp"
 #include "whale/models/gpt.hpp"
 #include "whale/models/mlp.hpp"
 #include "whale/models/xc.hpp"
@@ -212,23 +213,34 @@ struct config {
 struct mlp_workload {
   using model = whale::models::mlp;
   static constexpr const char* name = "mlp";
-  static constexpr bool tokens = false;
+  static constexpr bool tokens = false, time_to_loss = false;
   static whale::index_t global_batch(int /*data_ranks*/) { return whale::models::mlp_global_batch; }
   static auto data(whale::index_t global) { return whale::models::mlp_data(whale::seed{7}, global); }
 };
 struct xc_workload {
   using model = whale::models::xc;
   static constexpr const char* name = "xc";
-  static constexpr bool tokens = false;
+  static constexpr bool tokens = false, time_to_loss = false;
   static whale::index_t global_batch(int data_ranks) { return whale::models::xc_batch_per_rank * data_ranks; }
   static auto data(whale::index_t global) { return whale::models::xc_data(whale::seed{7}, global); }
 };
 struct gpt_workload {
   using model = whale::models::gpt;
   static constexpr const char* name = "gpt";
-  static constexpr bool tokens = true;
+  static constexpr bool tokens = true, time_to_loss = false;
   static whale::index_t global_batch(int /*data_ranks*/) { return whale::models::gpt_global_batch; }
   static auto data(whale::index_t global) { return whale::models::gpt_data(whale::seed{7}, global); }
+};
+
+/// For time-to-loss runs (plans hetpipe, and dp with --speeds or --target-loss).
+struct deep_mlp_workload {
+  using model = whale::models::deep_mlp;
+  static constexpr const char* name = "deep-mlp";
+  static constexpr bool tokens = false, time_to_loss = true;
+  /// The default --target-loss (docs/bench.md says how it was chosen).
+  static constexpr double default_target = 1.0;
+  static whale::index_t global_batch(int /*data_ranks*/) { return whale::models::deep_mlp_global_batch; }
+  static auto data(whale::index_t global) { return whale::models::deep_mlp_data(whale::seed{7}, global); }
 };
 
 /// Model FLOPs of one step of workload W on a global batch (workloads.md).
@@ -323,7 +335,7 @@ struct plan_entry {
 
 /// The table entry of plan P. P is a struct with
 ///   static constexpr const char* name, help;
-///   template <class W> static constexpr bool supports;   // for mlp/xc/gpt_workload
+///   template <class W> static constexpr bool supports;   // for mlp/xc/gpt/deep_mlp_workload
 ///   template <class W> static void run(config&);          // prints rank 0's JSON line
 /// A workload P does not support is a usage_error (P::run<W> is not even instantiated).
 template <class P> plan_entry plan() {
@@ -337,7 +349,8 @@ template <class P> plan_entry plan() {
             if (c.workload == "mlp") go(mlp_workload{});
             else if (c.workload == "xc") go(xc_workload{});
             else if (c.workload == "gpt") go(gpt_workload{});
-            else throw usage_error("bench: unknown workload '" + c.workload + "' (have: mlp, xc, gpt)");
+            else if (c.workload == "deep-mlp") go(deep_mlp_workload{});
+            else throw usage_error("bench: unknown workload '" + c.workload + "' (have: mlp, xc, gpt, deep-mlp)");
           }};
 }
 

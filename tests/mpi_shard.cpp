@@ -25,6 +25,7 @@
 #include "whale/optim/adamw.hpp"
 #include "whale/optim/sgd.hpp"
 #include "whale/runtime/make.hpp"
+#include "whale/strategy/pipeline.hpp"
 #include "whale/strategy/shard.hpp"
 #include "whale/train/trainer.hpp"
 #include "support/plan_check.hpp"
@@ -271,6 +272,22 @@ TEST_CASE("shard<xc, 1|2|3>: single-process parameters after 1 step (5 with WHAL
     MESSAGE("xc model state per rank at " << N << " ranks: DP " << dp << ", ZeRO-1 " << l1.model_state << ", ZeRO-2 "
                                           << l2.model_state << ", ZeRO-3 " << l3.model_state << " (DP/N = " << dp / N
                                           << ")");
+}
+
+TEST_CASE("shard<M, 3>: training and evaluation passes each keep their own gather order (no re-recording)") {
+  auto ctx = context::init();
+  // 1F1B over 2 micro-batches (one stage): training asks F0 B0 F1 B1, evaluation F0 F1
+  using small = sequential<repeat<2, sequential<linear<16, 16>, relu>>, linear<16, 8>, softmax_cross_entropy>;
+  plan_options o;
+  o.micro_batches = 2;
+  auto z = make<shard<replicate<pipeline<one_f_one_b, small>>, 3>>(ctx, seed{3}, o);
+  teacher_data d(seed{4}, 16, 8, 16);
+  trainer t(z, sgd{.lr = 0.1f}, quiet());
+  for (int s = 0; s < 3; ++s) {  // alternate: train, evaluate, train, ...
+    t.step(d, s);
+    t.evaluate(d, steps{1}, 100 + s);
+  }
+  CHECK(z.gather_rerecords() == 0);
 }
 
 TEST_CASE("shard: make<shard<M>> dispatches, prints the plan, and rejects a global batch below the degree") {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../bench_common.hpp"
+#include "hetero.hpp"
 #include "whale/runtime/make.hpp"
 #include "whale/comm/collectives.hpp"
 #include "whale/optim/sgd.hpp"
@@ -24,10 +25,24 @@ struct dp {
   static constexpr const char* name = "dp";
   static constexpr const char* help =
       "data parallel: replicate<model> over all ranks; --bucket-mib X (default 25), --no-overlap, "
-      "--nonblocking (xc: 64 samples per rank)";
+      "--nonblocking (xc: 64 samples per rank); time to loss (deep-mlp, or with --target-loss / --speeds): "
+      "--speeds 1,1,2,4, --balance, --target-loss X, --max-steps N, --curve FILE";
   template <class W> static constexpr bool supports = true;
 
   template <class W> static void run(config& c) {
+    using namespace whale;
+    if constexpr (W::time_to_loss) {
+      ttl_dp<W>(c);
+      return;
+    } else {
+      if (c.args.flag("--balance") || !c.args.text("--speeds", "").empty() || c.args.value("--target-loss", -1) >= 0)
+        throw usage_error(std::string("bench: --speeds, --balance and --target-loss are for the time-to-loss workload "
+                                      "deep-mlp (this is '") + W::name + "')");
+      run_steps_plan<W>(c);
+    }
+  }
+
+  template <class W> static void run_steps_plan(config& c) {
     using namespace whale;
     using M = replicate<typename W::model>;
     plan_options o = plan_options::from_env();

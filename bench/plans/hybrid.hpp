@@ -26,7 +26,7 @@ struct hybrid {
   static constexpr const char* help =
       "xc: replicated backbone + class-split classifier over all ranks; gpt: tensor parallel over the model "
       "axis (--mesh data=D,model=M), data parallel over data";
-  template <class W> static constexpr bool supports = !std::is_same_v<W, mlp_workload>;
+  template <class W> static constexpr bool supports = !std::is_same_v<W, mlp_workload> && !W::time_to_loss;
 
   template <class W> static auto plan_type() {
     using namespace whale;

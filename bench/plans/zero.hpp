@@ -43,7 +43,7 @@ template <int Level> struct zero {
       Level == 1 ? "ZeRO-1: shard<model, 1> (optimizer state partitioned) over all ranks; --recompute, --bucket-mib X"
       : Level == 2 ? "ZeRO-2: shard<model, 2> (plus gradients reduce-scattered); --recompute, --bucket-mib X"
                    : "ZeRO-3: shard<model, 3> (plus parameters gathered per leaf); --recompute, --bucket-mib X, --no-prefetch";
-  template <class W> static constexpr bool supports = true;
+  template <class W> static constexpr bool supports = !W::time_to_loss;
 
   template <class W> static void run(config& c) {
     const bool rc = c.args.flag("--recompute");

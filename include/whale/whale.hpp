@@ -83,8 +83,12 @@
 #include "whale/train/safetensors.hpp"
 #include "whale/train/run_flags.hpp"
 #include "whale/optim/lr_schedule.hpp"
+#ifdef WHALE_HAS_MPI
+#include "whale/train/wsp_trainer.hpp"
+#endif
 
 // the reference workloads
+#include "whale/models/deep_mlp.hpp"
 #include "whale/models/gpt.hpp"
 #include "whale/models/mlp.hpp"
 #include "whale/models/xc.hpp"

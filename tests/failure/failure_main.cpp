@@ -15,6 +15,8 @@
 //   disagree_mesh   rank 1 on the mesh data=1,pipe=2, rank 0 on data=2
 //   killed          rank 1 kills itself (SIGKILL) before an all_reduce (mpirun may name it first)
 //   frozen          rank 1 stops itself (SIGSTOP) before an all_reduce; rank 0 names it by its heartbeat
+//   wsp_stall       Wave Synchronous Parallel (D = 0) on 2 ranks; rank 1 stalls before its
+//                   third step: rank 0, polling the clocks, is stopped by the watchdog, naming the waves
 //   memory          replicate<mlp> on a batch of 4096 under WHALE_MEMORY_LIMIT_MIB (the test sets it):
 //                   refused before the parameters, or before the first step's activations
 #include <csignal>
@@ -34,6 +36,7 @@
 #include "whale/optim/sgd.hpp"
 #include "whale/runtime/make.hpp"
 #include "whale/train/trainer.hpp"
+#include "whale/train/wsp_trainer.hpp"
 
 using namespace whale;
 
@@ -132,6 +135,15 @@ int main(int argc, char** argv) {
     barrier(w);
     if (ctx.rank() == 1) ::raise(SIGSTOP);
     all_reduce(w, x);
+  } else if (mode == "wsp_stall") {
+    auto net = make<replicate<mlp>>(ctx, seed{1});
+    teacher_data data(seed{7}, 8, 4, 8);
+    wsp_trainer t(ctx, net, sgd{.lr = 0.1f}, wsp_options{.staleness = 0, .wave = 1});
+    for (int s = 0; s < 5; ++s) {
+      if (s == 2 && ctx.rank() == 1) stall();
+      t.step(data, s);
+    }
+    t.finish();
   } else if (mode == "watchdog") {
     barrier(w);
     if (ctx.rank() == 1) stall();

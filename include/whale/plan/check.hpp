@@ -3,6 +3,7 @@
 // every rank and every machine reach the same verdict. No lowering here.
 #pragma once
 
+#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -26,6 +27,10 @@ struct lower_options {
   /// step (for clipping, and the non-finite check the trainer runs by default).
   bool grad_norm = true;
   int optimizer_bytes_per_param = 8;  ///< AdamW: 8 (two moments); SGD with momentum: 4
+  /// Each data replica's share of the batch, by weight (plan_options::balance); empty: even.
+  std::vector<double> replica_weights;
+  /// Each pipeline stage's slowness for the balanced cut (empty: all equal); ignored with stage_blocks.
+  std::vector<double> stage_slowness;
 };
 
 namespace detail {
@@ -43,6 +48,11 @@ inline void check_plan(const model_desc& d, const mesh_shape& m, const lower_opt
   if (o.seq < 1) lower_fail(d, "the sequence length must be at least 1");
   if (zero < 0 || zero > 3) lower_fail(d, "the ZeRO level must be 0, 1, 2 or 3");
   if (!(o.bucket_mib > 0)) lower_fail(d, "the bucket size must be positive");
+  if (!o.replica_weights.empty() && static_cast<int>(o.replica_weights.size()) != D)
+    lower_fail(d, "the batch split has " + std::to_string(o.replica_weights.size()) + " weights for " + std::to_string(D) +
+                      " data replicas; give one per replica");
+  for (double w : o.replica_weights)
+    if (!(w > 0) || !std::isfinite(w)) lower_fail(d, "every replica's weight in the batch split must be positive and finite");
   if (d.split_backward && zero >= 2)
     lower_fail(d, "the " + d.schedule + " schedule computes weight gradients in W passes after the backward, but ZeRO " +
                       std::to_string(zero) + " reduce-scatters them right after it; use ZeRO-1 or 1f1b");
@@ -87,7 +97,11 @@ inline std::vector<int> stage_cut(const model_desc& d, int P, const lower_option
         (i < d.repeat_element ? pre : post) += balance_weight(d.element_cost[static_cast<std::size_t>(i)],
                                                               d.element_width[static_cast<std::size_t>(i)], o.balance_seq);
     const auto rep = static_cast<std::size_t>(d.repeat_element);
-    return balance_blocks(N, P, pre, post, balance_weight(d.block_cost, d.element_width[rep], o.balance_seq));
+    if (!o.stage_slowness.empty() && static_cast<int>(o.stage_slowness.size()) != P)
+      lower_fail(d, "the stage slowness list has " + std::to_string(o.stage_slowness.size()) + " factors for " +
+                        std::to_string(P) + " stages");
+    return balance_blocks(N, P, pre, post, balance_weight(d.block_cost, d.element_width[rep], o.balance_seq),
+                          o.stage_slowness);
   }
   int sum = 0;
   bool ok = static_cast<int>(blocks.size()) == P;

@@ -150,7 +150,7 @@ class lowering {
   }
 
   void schedule() {
-    const auto [b, n] = D_ > 1 ? even_slice(o_.global_batch, D_, dr_) : std::pair<index_t, index_t>{0, o_.global_batch};
+    const auto [b, n] = D_ > 1 ? weighted_slice(o_.global_batch, D_, dr_, o_.replica_weights) : std::pair<index_t, index_t>{0, o_.global_batch};
     (void)b;
     p_.local_sequences = n;
     int m = 1;
@@ -239,7 +239,7 @@ class lowering {
   // rows of layout l on the data axis for data rank r (global batch split<0> or whole)
   index_t rows_on_data(lay l, int r) const {
     if (l != lay::S0) return o_.global_batch * o_.seq;
-    return even_slice(o_.global_batch, D_, r).second * o_.seq;
+    return weighted_slice(o_.global_batch, D_, r, o_.replica_weights).second * o_.seq;
   }
 
   /// The collective that converts layout `from` into `to` for a tensor of full width `w` on axis `a`.
@@ -253,191 +253,18 @@ class lowering {
     if (after) pending_.push_back(id);
   }
 
-  // ZeRO: the counts of flat range [b, e) of the local buffer held by each data rank
-  std::vector<index_t> zero_split(index_t b, index_t e) const {
-    std::vector<index_t> c(zero_counts_.size());
-    for (std::size_t r = 0; r < c.size(); ++r) {
-      const index_t lo = std::max(b, zero_starts_[r]), hi = std::min(e, zero_starts_[r] + zero_counts_[r]);
-      c[r] = std::max<index_t>(0, hi - lo);
-    }
-    return c;
-  }
-  // ZeRO-3: gather a leaf's parameters before `event` unless it is still held from the one before
-  void zero_gather(int unit, bool backward, int micro) {
-    const auto& h = p_.holds[static_cast<std::size_t>(unit_hold_[static_cast<std::size_t>(unit)])];
-    if (zero_ < 3 || D_ == 1 || h.local_params == 0) return;
-    if (held_ == unit) return;
-    held_ = unit;
-    const auto c = zero_split(h.local_offset, h.local_offset + h.local_params);
-    const auto t = all_gather_traffic(std::span<const index_t>(c), dr_, D_, 4);
-    op o;
-    o.kind = op_kind::collective;
-    o.coll = coll_kind::all_gather;
-    o.group = axes(axis::data);
-    o.group_size = D_;
-    o.bytes_sent = t.sent;
-    o.bytes_received = t.received;
-    o.elements = h.local_params;
-    o.micro = micro;
-    o.what = "ZeRO-3 gather of " + h.name + (backward ? " for backward" : " for forward");
-    pending_.push_back(add(std::move(o)));  // prefetched: the layer waits for it, nothing before it
-  }
-
-  void forward_unit(int i, int micro, bool again) {
-    const auto& u = d_.units[static_cast<std::size_t>(i)];
-    if (u.kind == unit_kind::convert) {
-      conversion_op(u.fwd, static_cast<axis>(u.split_axis), u.from, u.to, u.in_width,
-                    std::string(lay_name(u.from)) + " -> " + lay_name(u.to) + " " + neighbours(i) +
-                        (again ? " (recompute)" : ""),
-                    micro, true);
-      return;
-    }
-    zero_gather(i, false, micro);
-    if (u.kind == unit_kind::loss && u.split_axis == static_cast<int>(axis::data) && u.in != lay::S0 && D_ > 1) {
-      std::vector<index_t> counts(static_cast<std::size_t>(D_));
-      for (int r = 0; r < D_; ++r) counts[static_cast<std::size_t>(r)] = even_slice(o_.global_batch, D_, r).second * o_.seq;
-      pending_.push_back(add_coll(coll_kind::all_gather, axes(axis::data), D_,
-                                  all_gather_traffic(std::span<const index_t>(counts), dr_, D_, 4), o_.global_batch * o_.seq,
-                                  "labels of every row for the loss", micro));
-    }
-    add_compute(again ? op_kind::recompute : op_kind::forward, i, micro, rows_for(u));
-    if (u.split_loss) {
-      const axis a = static_cast<axis>(u.split_axis);
-      const int p = p_.mesh.size(a);
-      if (p > 1) {
-        const index_t R = rows_for(u);
-        add_coll(coll_kind::all_reduce, axes(a), p, all_reduce_traffic(R * 4, p), R, "row maxima of the class-split loss", micro);
-        pending_.push_back(add_coll(coll_kind::all_reduce, axes(a), p, all_reduce_traffic(2 * R * 4, p), 2 * R,
-                                    "row sums and target logits of the class-split loss", micro));
-      }
-    }
-  }
-  // "between column_linear<8, 16>/model and gelu": the layers a conversion sits between
-  std::string neighbours(int i) const {
-    std::string before, after;
-    for (int k = i - 1; k >= 0 && before.empty(); --k)
-      if (d_.units[static_cast<std::size_t>(k)].kind != unit_kind::convert) before = d_.units[static_cast<std::size_t>(k)].name;
-    for (std::size_t k = static_cast<std::size_t>(i) + 1; k < d_.units.size() && after.empty(); ++k)
-      if (d_.units[k].kind != unit_kind::convert) after = d_.units[k].name;
-    if (before.empty()) return "into " + after;
-    if (after.empty()) return "after " + before;
-    return "between " + before + " and " + after;
-  }
-  void p2p(op_kind k, int peer_stage, index_t width, int micro, const char* what) {
-    op o;
-    o.kind = k;
-    o.group = axes(axis::pipe);
-    o.group_size = P_;
-    o.peer = p_.mesh.rank_of({dr_, peer_stage, mr_});
-    o.elements = rows_local() * width;
-    (k == op_kind::send ? o.bytes_sent : o.bytes_received) = o.elements * 4;
-    o.micro = micro;
-    o.what = what;
-    if (k == op_kind::send && last_ >= 0) o.deps.push_back(last_);
-    const int id = add(std::move(o));
-    if (k == op_kind::recv) pending_.push_back(id);
-  }
-
-  void forward(int c, int j) {
-    const int v = c * P_ + s_, pv = P_ * V_;
-    const auto cu = static_cast<std::size_t>(c);
-    if (v > 0) p2p(op_kind::recv, (v - 1) % P_, in_width_[cu], j, "activation from the previous stage");
-    for (int i : chunk_units_[cu]) forward_unit(i, j, false);
-    if (v + 1 < pv) p2p(op_kind::send, (v + 1) % P_, out_width_[cu], j, "activation to the next stage");
-  }
-
-  void backward(int c, int j, bool last_micro) {
-    const int v = c * P_ + s_, pv = P_ * V_;
-    const auto cu = static_cast<std::size_t>(c);
-    const auto& mine = chunk_units_[cu];
-    if (v + 1 < pv) p2p(op_kind::recv, (v + 1) % P_, out_width_[cu], j, "gradient from the next stage");
-    for (auto it = mine.rbegin(); it != mine.rend(); ++it) {
-      const int i = *it;
-      const auto& u = d_.units[static_cast<std::size_t>(i)];
-      // entering a recompute group from its end: its forward runs again first
-      if (u.recompute_group >= 0 && (it == mine.rbegin() || d_.units[static_cast<std::size_t>(*std::prev(it))].recompute_group != u.recompute_group)) {
-        auto first = it;
-        while (std::next(first) != mine.rend() && d_.units[static_cast<std::size_t>(*std::next(first))].recompute_group == u.recompute_group) ++first;
-        for (auto f = first;; --f) {
-          forward_unit(*f, j, true);
-          if (f == it) break;
-        }
-      }
-      if (u.kind == unit_kind::convert) {
-        conversion_op(u.bwd, static_cast<axis>(u.split_axis), u.grad_from, u.grad_to, u.in_width,
-                      std::string("gradient ") + lay_name(u.grad_from) + " -> " + lay_name(u.grad_to) + " " +
-                          neighbours(i),
-                      j, true);
-        continue;
-      }
-      zero_gather(i, true, j);
-      const int b = add_compute(op_kind::backward, i, j, rows_for(u));
-      const auto& h = p_.holds[static_cast<std::size_t>(unit_hold_[static_cast<std::size_t>(i)])];
-      if (h.local_params == 0) continue;
-      if (zero_ >= 2 && D_ > 1) zero_scatter(h, b, j);
-      if (last_micro && !d_.split_backward && V_ == 1) ready(h.local_offset, b);  // split, interleaved: all at the end
-    }
-    if (v > 0 && j >= 0) p2p(op_kind::send, (v - 1) % P_, in_width_[cu], j, "gradient to the previous stage");
-  }
-  // A split schedule's W pass: the weight gradients its backward put off
-  void weight(int c, int j) {
-    const auto& mine = chunk_units_[static_cast<std::size_t>(c)];
-    for (auto it = mine.rbegin(); it != mine.rend(); ++it) {
-      const auto& u = d_.units[static_cast<std::size_t>(*it)];
-      if (u.defers) add_compute(op_kind::weight, *it, j, rows_for(u));
-    }
-  }
-  // ZeRO-2/3: a leaf's gradients reduce-scattered into the ranges, in buckets
-  void zero_scatter(const holding& h, int after, int micro) {
-    for (index_t a = 0; a < h.local_params; a += per_bucket_) {
-      const index_t b = std::min(h.local_params, a + per_bucket_);
-      const auto c = zero_split(h.local_offset + a, h.local_offset + b);
-      const auto t = reduce_scatter_traffic(std::span<const index_t>(c), dr_, D_, 4);
-      const int id = add_coll(coll_kind::reduce_scatter, axes(axis::data), D_, t, b - a,
-                              "ZeRO gradients of " + h.name, micro);
-      p_.ops[static_cast<std::size_t>(id)].deps = {after};
-      sync_.push_back(id);
-    }
-  }
-  // Gradients at local offsets >= `offset` are final: the buckets they complete.
-  void ready(index_t offset, int after) {
-    while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].first >= offset) {
-      const auto [b, e] = buckets_[next_bucket_];
-      const int id = add_coll(coll_kind::all_reduce, axes(axis::data), D_, all_reduce_traffic((e - b) * 4, D_), e - b,
-                              "gradient bucket " + std::to_string(next_bucket_) + " [" + std::to_string(b) + ", " +
-                                  std::to_string(e) + ")" + (P_ > 1 ? " of stage " + std::to_string(s_) : ""),
-                              -1);
-      p_.ops[static_cast<std::size_t>(id)].deps = {after};
-      sync_.push_back(id);
-      ++next_bucket_;
-    }
-  }
-
-  void finish() {
-    ready(0, last_);
-    // the global loss
-    const axes lg = axes::from_bits(7u);  // shares summed over the world, once per model group
-    const int lsize = p_.mesh.size();
-    if (lsize > 1) sync_.push_back(add_coll(coll_kind::all_reduce, lg, lsize, all_reduce_traffic(8, lsize), 1, "the step's loss", -1));
-    if (o_.grad_norm && p_.mesh.size() > 1)  // each rank's squares of the parameters it counts, summed over the world
-      sync_.push_back(add_coll(coll_kind::all_reduce, axes::from_bits(7u), p_.mesh.size(),
-                               all_reduce_traffic(8, p_.mesh.size()), 1,
-                               "squared gradient norm (clipping, non-finite check)", -1));
-    op u;
-    u.kind = op_kind::optimizer;
-    u.elements = p_.owned_end - p_.owned_begin;
-    u.what = "update of parameters [" + std::to_string(p_.owned_begin) + ", " + std::to_string(p_.owned_end) + ")";
-    u.deps = sync_;
-    u.deps.insert(u.deps.end(), pending_.begin(), pending_.end());
-    pending_.clear();
-    if (last_ >= 0) u.deps.push_back(last_);
-    const int opt = add(std::move(u));
-    if ((zero_ == 1 || zero_ == 2) && D_ > 1) {
-      const auto t = all_gather_traffic(std::span<const index_t>(zero_counts_), dr_, D_, 4);
-      const int id = add_coll(coll_kind::all_gather, axes(axis::data), D_, t, n_local_, "ZeRO parameters after the update", -1);
-      p_.ops[static_cast<std::size_t>(id)].deps = {opt};
-    }
-  }
+  // ---- the operations of each pass and of the step's end (plan/lower_pass.hpp) ----
+  std::vector<index_t> zero_split(index_t b, index_t e) const;
+  void zero_gather(int unit, bool backward, int micro);
+  void forward_unit(int i, int micro, bool again);
+  std::string neighbours(int i) const;
+  void p2p(op_kind k, int peer_stage, index_t width, int micro, const char* what);
+  void forward(int c, int j);
+  void backward(int c, int j, bool last_micro);
+  void weight(int c, int j);
+  void zero_scatter(const holding& h, int after, int micro);
+  void ready(index_t offset, int after);
+  void finish();
 
   const model_desc& d_;
   lower_options o_;
@@ -468,3 +295,5 @@ template <class P> program lower(const mesh_shape& mesh, int rank, const lower_o
 }
 
 }  // namespace whale
+
+#include "whale/plan/lower_pass.hpp"

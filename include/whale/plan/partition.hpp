@@ -21,20 +21,24 @@ inline double balance_weight(cost_info c, index_t width, index_t seq) {
 
 /// Balanced cut of N equal blocks (cost `blk` each) over p stages, stage 0
 /// also carrying `pre` and stage p-1 `post`, every inner stage at least one
-/// block: minimises the most expensive stage (exact dynamic programme).
-inline std::vector<int> balance_blocks(int N, int p, double pre, double post, double blk) {
+/// block: minimises the most expensive stage (exact dynamic programme). With
+/// `slowness` (one factor per stage, e.g. its device's emulated or measured
+/// slowness), a stage's cost is its work times its factor: slow stages get less.
+inline std::vector<int> balance_blocks(int N, int p, double pre, double post, double blk,
+                                       const std::vector<double>& slowness = {}) {
+  auto f = [&](int s) { return slowness.empty() ? 1.0 : slowness.at(static_cast<std::size_t>(s)); };
   if (p <= 1) return {N};
   const double inf = std::numeric_limits<double>::infinity();
   const auto P = static_cast<std::size_t>(p), K = static_cast<std::size_t>(N) + 1;
   std::vector<double> best(P * K, inf);  // best[s*K + k]: first k blocks on stages 0..s, worst stage
   std::vector<int> choice(P * K, 0);     // blocks on stage s in that optimum
-  for (int k = 0; k <= N; ++k) best[static_cast<std::size_t>(k)] = pre + k * blk;
+  for (int k = 0; k <= N; ++k) best[static_cast<std::size_t>(k)] = (pre + k * blk) * f(0);
   for (int s = 1; s < p; ++s) {
     const bool inner = s < p - 1;
     const auto row = static_cast<std::size_t>(s) * K, prev = row - K;
     for (int k = 0; k <= N; ++k)
       for (int n = inner ? 1 : 0; n <= k; ++n) {
-        const double mine = n * blk + (s == p - 1 ? post : 0.0);
+        const double mine = (n * blk + (s == p - 1 ? post : 0.0)) * f(s);
         const double v = std::max(best[prev + static_cast<std::size_t>(k - n)], mine);
         if (v < best[row + static_cast<std::size_t>(k)] - 1e-9) {
           best[row + static_cast<std::size_t>(k)] = v;
@@ -85,6 +89,33 @@ inline index_t bucket_elements(double mib) {
 inline std::pair<index_t, index_t> even_slice(index_t global, int parts, int part) {
   const index_t q = global / parts, r = global % parts;
   return {part * q + std::min<index_t>(part, r), q + (part < r ? 1 : 0)};
+}
+
+/// Rows [begin, begin + count) of a global batch of `global` rows that part
+/// `part` of `parts` feeds, in proportion to `weights` (one per part, > 0;
+/// empty: even_slice). Largest remainders round; every part gets at least one
+/// row when global >= parts. A pure function: every rank computes every slice alike.
+inline std::pair<index_t, index_t> weighted_slice(index_t global, int parts, int part, const std::vector<double>& weights) {
+  if (weights.empty()) return even_slice(global, parts, part);
+  const auto n = static_cast<std::size_t>(parts);
+  double total = 0;
+  for (std::size_t i = 0; i < n; ++i) total += weights.at(i);
+  const index_t floor_each = global >= parts ? 1 : 0;  // one row each first, the rest by weight
+  const index_t rest = global - floor_each * parts;
+  std::vector<index_t> count(n);
+  std::vector<std::pair<double, std::size_t>> frac(n);
+  index_t given = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double exact = static_cast<double>(rest) * weights[i] / total;
+    count[i] = floor_each + static_cast<index_t>(exact);
+    given += count[i];
+    frac[i] = {exact - static_cast<double>(static_cast<index_t>(exact)), i};
+  }
+  std::stable_sort(frac.begin(), frac.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (std::size_t k = 0; given < global; ++k, ++given) ++count[frac[k % n].second];
+  index_t begin = 0;
+  for (int i = 0; i < part; ++i) begin += count[static_cast<std::size_t>(i)];
+  return {begin, count[static_cast<std::size_t>(part)]};
 }
 
 /// Default micro-batch count of a pipeline: the largest divisor of the

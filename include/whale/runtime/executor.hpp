@@ -29,6 +29,7 @@
 #include "whale/runtime/grad_sync.hpp"
 #include "whale/runtime/messenger.hpp"
 #include "whale/runtime/options.hpp"
+#include "whale/runtime/slowdown.hpp"
 #include "whale/runtime/stage.hpp"
 #include "whale/runtime/zero.hpp"
 
@@ -82,82 +83,8 @@ template <class P> class executor {
   using model_type = P;
   using input_type = typename stage_type::input_type;
 
-  executor(const context& ctx, seed s, plan_options o = plan_options::from_env()) : ctx_(&ctx), o_(std::move(o)) {
-    const auto& shape = ctx.mesh().shape();
-    const std::string who = "whale::" + layer_name<P>() + ": ";
-    // first: a rank launched differently is named before it can hang the others
-    detail::check_ranks_agree(ctx.world(), detail::launch_fields(layer_name<P>(), shape, o_), who);
-    if (!(o_.bucket_mib > 0)) throw std::invalid_argument(who + "the bucket size must be positive (got " + std::to_string(o_.bucket_mib) + " MiB)");
-    if (o_.micro_batches * V > max_micro)
-      throw std::invalid_argument(who + "at most " + std::to_string(max_micro / V) + " micro-batches" +
-                                  (V > 1 ? " with " + std::to_string(V) + " chunks per pipe rank" : std::string()));
-    if (o_.micro_batches > 1 && stage_type::splits_data)
-      throw std::invalid_argument(who + "a split<..., axis::data> region needs the whole per-replica batch in one pass "
-                                        "(it gathers every row of the global batch); use micro_batches 0 or 1");
-    if (!staged && shape.size(axis::pipe) != 1)
-      throw std::invalid_argument(who + "the mesh " + shape.spec() + " has a pipe axis, but the plan has no pipeline<...>");
-    if (shape.size(axis::model) != 1 && !has_split)
-      throw std::invalid_argument(who + "the mesh " + shape.spec() +
-                                  " has a model axis, but no stage holds a split region (the model ranks would only "
-                                  "repeat each other's work); launch without a model axis, or split layers over axis::model");
-    if (shape.size(axis::data) != 1 && !replicated && !has_split)
-      throw std::invalid_argument(who + "the mesh " + shape.spec() + " has " + std::to_string(shape.size(axis::data)) +
-                                  " ranks on the data axis, but the plan is not replicated; wrap it in replicate<...>");
-    if constexpr (staged) {
-      if constexpr (X::fixed_stages > 0) {
-        static_assert(X::fixed_stages % V == 0,
-                      "whale::pipeline<interleaved_1f1b<V>, ...>: the stage count must be a multiple of V (each pipe rank "
-                      "holds V of them)");
-        if (shape.size(axis::pipe) * V != X::fixed_stages)
-          throw std::invalid_argument(
-              who + "the pipeline has " + std::to_string(X::fixed_stages) + " stages but the mesh's pipe axis has " +
-              std::to_string(shape.size(axis::pipe)) + " rank(s) (" + shape.spec() + ")" +
-              (V > 1 ? " holding " + std::to_string(V) + " chunks each" : std::string()) +
-              "; every stage needs its own pipe rank" + (V > 1 ? " and chunk" : "") + ": launch with --mesh " +
-              (replicated ? "data=D,pipe=" : "pipe=") + std::to_string(X::fixed_stages / V));
-      }
-    }
-    if (!o_.trace_path.empty()) check_output_path(ctx.world(), o_.trace_path, "whale: the trace file (--trace, WHALE_TRACE)");
-    p_ = shape.size(axis::pipe), d_ = shape.size(axis::data);
-    stage_ = ctx.mesh().coord(axis::pipe), replica_ = ctx.mesh().coord(axis::data);
-    model_rank_ = ctx.mesh().coord(axis::model);
-    pipe_ = &ctx.mesh().comm(axis::pipe), data_ = &ctx.mesh().comm(axis::data), model_comm_ = &ctx.mesh().comm(axis::model);
-    if constexpr (has_split) {  // split regions learn their communicators before parameters are counted
-      split_env env;
-      env.data = data_, env.model = model_comm_, env.no_data_sync = &no_sync_;
-      for (auto& part : parts_) part.configure(env);
-    }
-    for (int ch = 0; ch < V; ++ch) parts_[static_cast<std::size_t>(ch)].place(p_ * V, ch * p_ + stage_, o_);
-    for (int ch = 0; ch < V; ++ch) chunk_at_[static_cast<std::size_t>(ch) + 1] = chunk_at_[static_cast<std::size_t>(ch)] + chunk_size(ch);
-    if (o_.micro_batches > 0 && staged) schedule_for(o_.micro_batches);  // a bad schedule fails here, on every rank
-    // the program of this rank: what it holds (placement only; rows do not matter here)
-    lower_options lo;  // p micro-batches of one sequence per replica: valid for every schedule
-    lo.global_batch = d_ * p_;
-    lo.micro_batches = staged ? p_ : 0;
-    lo.stage_blocks = o_.blocks;
-    lo.balance_seq = o_.balance_seq;
-    lo.bucket_mib = o_.bucket_mib;
-    prog_ = lower<P>(shape, ctx.rank(), lo);
-    const index_t n = chunk_at_[V];
-    const auto held = prog_.totals();
-    if (n != held.params_held)
-      throw std::logic_error(who + "the runtime holds " + std::to_string(n) + " parameters, the program " +
-                             std::to_string(held.params_held));
-    check_state_memory(held, n);  // before the parameters are allocated: do they fit on this node?
-    bind(s, n);
-    if constexpr (level < 3) {  // replicated parameters start equal: rank 0 of each data group wins (split-over-data shards differ by design)
-      if (d_ > 1 && level == 0)
-        for (auto [b, e] : detail::complement(no_sync_, n)) broadcast(*data_, params_.v().rows(b, e - b), 0);
-    }
-    if (d_ > 1 && level < 2)
-      sync_.plan(detail::bucket_ranges(detail::complement(no_sync_, n), detail::bucket_elements(o_.bucket_mib)), o_.blocking);
-    msg_.bind(*pipe_);
-    if (o_.trace || !o_.trace_path.empty()) {
-      tr_.enable(ctx.rank(), stage_, replica_);
-      barrier(ctx.world());
-      tr_.set_origin();
-    }
-  }
+  /// (runtime/setup.hpp) Checks the launch, lowers this rank's program, binds the parameters.
+  executor(const context& ctx, seed s, plan_options o = plan_options::from_env());
   executor(const executor&) = delete;
   executor& operator=(const executor&) = delete;
   /// Writes the trace if a path was given and finish_trace() was not called (collective).
@@ -172,7 +99,8 @@ template <class P> class executor {
   }
 
   // ---- Trainable ----
-  /// Every stage of a replica feeds the same rows: the replica's even slice of the global batch.
+  /// Every stage of a replica feeds the same rows: the replica's slice of the
+  /// global batch (even, or by speed with plan_options::balance).
   std::pair<index_t, index_t> local_batch(index_t global_batch) const {
     if (global_batch < d_)
       throw std::invalid_argument("whale::" + layer_name<P>() + ": the global batch (" + std::to_string(global_batch) +
@@ -180,9 +108,9 @@ template <class P> class executor {
                                   "); every rank needs at least one sample");
     // the same checks on every rank; ZeRO 2-3 issue collectives per micro-batch over the data
     // axis, so every replica must run as many
-    const int m0 = micro_count(detail::even_slice(global_batch, d_, 0).second);
+    const int m0 = micro_count(slice(global_batch, 0).second);
     for (int r = 1; r < d_; ++r) {
-      const int mr = micro_count(detail::even_slice(global_batch, d_, r).second);
+      const int mr = micro_count(slice(global_batch, r).second);
       if (mr != m0 && level >= 2)
         throw std::invalid_argument("whale::" + layer_name<P>() + ": the global batch (" + std::to_string(global_batch) +
                                     ") gives the data replicas " + std::to_string(m0) + " and " + std::to_string(mr) +
@@ -190,8 +118,14 @@ template <class P> class executor {
                                     " needs the same count on every replica; choose a global batch that the data "
                                     "axis divides, or set plan_options::micro_batches to a count that divides every replica's batch");
     }
-    return detail::even_slice(global_batch, d_, replica_);
+    return slice(global_batch, replica_);
   }
+  /// The replicas' weights in the batch split (empty: even); see plan_options::balance.
+  const std::vector<double>& replica_weights() const noexcept { return replica_weights_; }
+  /// Seconds this rank slept to emulate its slowness (plan_options::speeds).
+  double emulated_wait_s() const noexcept { return slow_.waited_s(); }
+  /// ZeRO level of the plan (shard<M, L>; 0 without).
+  static constexpr int zero_level = level;
   /// One step: every micro-batch forward and backward under the schedule; this
   /// rank's gradients are final (summed over the data axis, or reduce-scattered
   /// into its range) when it returns. Returns this rank's share of the loss.
@@ -306,6 +240,8 @@ template <class P> class executor {
   std::size_t deferred_weight_grads() const noexcept { return deferred_; }
   std::size_t bucket_count() const noexcept { return sync_.size(); }
   std::size_t comm_buffers() const noexcept { return zero_.comm_buffers(); }
+  /// ZeRO-3: passes whose gather order differed from the one recorded for their kind.
+  std::size_t gather_rerecords() const noexcept { return zero_.rerecords(); }
   const plan_options& options() const noexcept { return o_; }
   const tracer& trace() const noexcept { return tr_; }
   auto& model() noexcept { return parts_[0].model(); }
@@ -353,27 +289,7 @@ template <class P> class executor {
   }
 
  private:
-  void bind(seed s, index_t n) {
-    if constexpr (level == 3) {
-      auto& part_ = parts_[0];
-      zero_.setup(*data_, level, part_.begin(), n, zopts());
-      tensor<float> tmp({n}, mem_kind::workspace);  // init from the whole stage's streams, keep the owned range
-      part_.bind_and_init(tmp.data(), nullptr, s, true);
-      copy<float>(cview<float>(tmp.data() + zero_.begin(), {zero_.local_count()}), zero_.shard_params());
-      part_.bind_and_init(nullptr, nullptr, s, false);  // leaves point at gathered buffers only while they run
-    } else {
-      params_ = tensor<float>({n}, mem_kind::params);
-      if (level < 2) grads_ = tensor<float>({n}, mem_kind::grads);
-      for (int ch = 0; ch < V; ++ch) {
-        const index_t at = chunk_at_[static_cast<std::size_t>(ch)];
-        parts_[static_cast<std::size_t>(ch)].bind_and_init(params_.data() + at, level < 2 ? grads_.data() + at : nullptr, s, true);
-      }
-      if (level > 0) {
-        zero_.setup(*data_, level, parts_[0].begin(), n, zopts());
-        zero_.set_full_params(params_.data());
-      }
-    }
-  }
+  void bind(seed s, index_t n);
   index_t chunk_size(int ch) const { return parts_[static_cast<std::size_t>(ch)].end() - parts_[static_cast<std::size_t>(ch)].begin(); }
   void one_chunk(const char* what) const {
     if (V > 1)
@@ -387,6 +303,9 @@ template <class P> class executor {
   void check_step_memory(const step_ctx& c) const;
   detail::zero_engine::options zopts() const { return {o_.bucket_mib, o_.prefetch, o_.max_pending}; }
 
+  std::pair<index_t, index_t> slice(index_t global_batch, int replica) const {
+    return detail::weighted_slice(global_batch, d_, replica, replica_weights_);
+  }
   int micro_count(index_t batch) const {
     if (o_.micro_batches > 0) {
       if (batch % o_.micro_batches != 0 || batch < o_.micro_batches)
@@ -435,6 +354,8 @@ template <class P> class executor {
   bool memory_checked_ = false;
   tracer tr_;
   bool trace_written_ = false;
+  std::vector<double> replica_weights_;  // plan_options::balance: each replica's speed
+  detail::slowdown_hooks slow_;          // plan_options::speeds: this rank's emulated slowness
 };
 
 }  // namespace whale
@@ -442,4 +363,5 @@ template <class P> class executor {
 #include "whale/runtime/diagnose.hpp"
 #include "whale/runtime/gather.hpp"
 #include "whale/runtime/memory_step.hpp"
+#include "whale/runtime/setup.hpp"
 #include "whale/runtime/step.hpp"

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -41,10 +42,19 @@ struct plan_options {
   /// Check every leaf layer's output (forward) and input gradient (backward)
   /// for NaN/Inf and fail naming the layer (a pass over every activation).
   bool check_finite = false;
+  // ---- heterogeneous devices (docs/hetero.md) ----
+  /// Emulated slowness of each world rank (one factor >= 1 per rank, empty: all 1):
+  /// a rank of factor f runs each layer's forward and backward, then waits
+  /// (f - 1) times as long, as a device f times slower would.
+  std::vector<double> speeds;
+  /// Split each global batch over the data replicas in proportion to their
+  /// speed (1 / the largest factor among a replica's ranks) instead of evenly;
+  /// gradients stay those of the global batch (each row weighs 1 / global rows).
+  bool balance = false;
 
   /// WHALE_MICRO_BATCHES, WHALE_STAGE_BLOCKS ("1,3"), WHALE_TRACE (a path), WHALE_BUCKET_MIB,
-  /// WHALE_DP_OVERLAP, WHALE_DP_BLOCKING, WHALE_ZERO_PREFETCH, WHALE_CHECK_FINITE (booleans:
-  /// true/false, 1/0, yes/no, on/off).
+  /// WHALE_DP_OVERLAP, WHALE_DP_BLOCKING, WHALE_ZERO_PREFETCH, WHALE_CHECK_FINITE, WHALE_BALANCE (booleans:
+  /// true/false, 1/0, yes/no, on/off), WHALE_SPEEDS ("1,1,2,4").
   static plan_options from_env() {
     plan_options o;
     if (const char* e = std::getenv("WHALE_MICRO_BATCHES"))
@@ -56,10 +66,12 @@ struct plan_options {
     if (const char* e = std::getenv("WHALE_DP_BLOCKING")) o.blocking = detail::parse_bool(e, "WHALE_DP_BLOCKING");
     if (const char* e = std::getenv("WHALE_ZERO_PREFETCH")) o.prefetch = detail::parse_bool(e, "WHALE_ZERO_PREFETCH");
     if (const char* e = std::getenv("WHALE_CHECK_FINITE")) o.check_finite = detail::parse_bool(e, "WHALE_CHECK_FINITE");
+    if (const char* e = std::getenv("WHALE_SPEEDS")) o.speeds = parse_speeds(e, "WHALE_SPEEDS");
+    if (const char* e = std::getenv("WHALE_BALANCE")) o.balance = detail::parse_bool(e, "WHALE_BALANCE");
     return o;
   }
   /// from_env(), then --micro-batches M, --stage-blocks 1,3, --trace PATH,
-  /// --bucket-mib X and --check-finite, which are removed from argv (argv[argc] stays nullptr).
+  /// --bucket-mib X, --check-finite, --speeds 1,1,2,4 and --balance, which are removed from argv (argv[argc] stays nullptr).
   static plan_options from_args(int& argc, char** argv) {
     plan_options o = from_env();
     int out = argc > 0 ? 1 : 0;
@@ -74,6 +86,8 @@ struct plan_options {
       else if (a == "--trace") o.trace_path = value();
       else if (a == "--bucket-mib") o.bucket_mib = detail::parse_double(value(), "--bucket-mib", 0, 1 << 20, true);
       else if (a == "--check-finite") o.check_finite = true;
+      else if (a == "--speeds") o.speeds = parse_speeds(value(), "--speeds");
+      else if (a == "--balance") o.balance = true;
       else argv[out++] = argv[i];
     }
     argc = out;
@@ -90,6 +104,25 @@ struct plan_options {
       at = end + 1;
     }
     return r;
+  }
+  /// "1,1,2,4": comma-separated slowness factors, each in [1, 1000].
+  static std::vector<double> parse_speeds(const std::string& v, const char* origin) {
+    std::vector<double> r;
+    for (std::size_t at = 0; at <= v.size();) {
+      auto end = v.find(',', at);
+      if (end == std::string::npos) end = v.size();
+      r.push_back(detail::parse_double(v.substr(at, end - at), origin, 1, 1000));
+      at = end + 1;
+    }
+    return r;
+  }
+  /// This rank's factor; the list, when given, must have one per world rank.
+  double speed_of(int rank, int world) const {
+    if (speeds.empty()) return 1.0;
+    if (static_cast<int>(speeds.size()) != world)
+      throw std::invalid_argument("whale: --speeds/WHALE_SPEEDS gives " + std::to_string(speeds.size()) +
+                                  " factor(s) but the job has " + std::to_string(world) + " rank(s); give one per rank");
+    return speeds[static_cast<std::size_t>(rank)];
   }
 };
 

@@ -68,7 +68,8 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
   const bool sum_data = train && sync && d_ > 1 && level < 2;
   const bool zero_hooks = level == 3 || (train && level == 2);
   step_ctx zc = c;
-  if (zero_hooks) zero_.begin_pass(zc, false);
+  if (slow_.active()) zc.hooks = slow_.wrap(zc.hooks);  // inside ZeRO's: its gathers are not compute
+  if (zero_hooks) zero_.begin_pass(zc, false, train);
 
   double share = 0;
   int backwards = 0, weights_done = 0;

@@ -60,14 +60,20 @@ class zero_engine {
   view<float> shard_params() const noexcept { return shard_params_.v(); }
   view<float> shard_grads() const noexcept { return shard_grads_.v(); }
   std::size_t comm_buffers() const noexcept { return pool_.size(); }
+  /// Level 3: how often a pass asked for parameters in an order other than the
+  /// one recorded for its kind (each such pass prefetches nothing from there on).
+  std::size_t rerecords() const noexcept { return rerecords_; }
   /// Levels 1–2: where leaves find their parameters between uses.
   void set_full_params(float* p) noexcept { full_params_ = p; }
 
   /// Put the engine's hooks around `c.hooks` for one pass (levels 2–3).
   /// `accumulate`: add this pass's gradients to the owned ones (later micro-batches).
-  void begin_pass(step_ctx& c, bool accumulate) {
+  /// `training`: training and forward-only passes ask for parameters in different
+  /// orders; each kind keeps its own recorded order, so alternating them prefetches.
+  void begin_pass(step_ctx& c, bool accumulate, bool training = true) {
     if (level_ < 2) return;
     accumulate_ = accumulate;
+    kind_ = training ? 0 : 1;
     hooks_.next = c.hooks;
     c.hooks = &hooks_;
   }
@@ -182,7 +188,7 @@ class zero_engine {
   }
 
   // The order in which leaves ask for their parameters, recorded in the first
-  // pass and used to prefetch in later ones (a change of order re-records).
+  // pass of each kind and used to prefetch in later ones (a change of order re-records).
   struct event {
     index_t offset;
     bool backward;
@@ -190,13 +196,14 @@ class zero_engine {
   };
   float* gather_for(const leaf_info& l, event ev) {
     progress();
-    if (recording_) {
-      trace_.push_back(ev);
-    } else if (pos_ >= trace_.size() || !(trace_[pos_] == ev)) {
+    if (recording()) {
+      trace().push_back(ev);
+    } else if (pos_ >= trace().size() || !(trace()[pos_] == ev)) {
+      ++rerecords_;
       drop(next_);  // the order changed: every rank sees the same change
-      trace_.resize(pos_);
-      trace_.push_back(ev);
-      recording_ = true;
+      trace().resize(pos_);
+      trace().push_back(ev);
+      recording() = true;
     }
     ++pos_;
     if (held_.offset != l.offset) {
@@ -208,8 +215,8 @@ class zero_engine {
       held_.req->wait();
       held_.req.reset();
     }
-    if (o_.prefetch && !recording_ && pos_ < trace_.size()) {
-      const auto& nx = trace_[pos_];
+    if (o_.prefetch && !recording() && pos_ < trace().size()) {
+      const auto& nx = trace()[pos_];
       if (nx.offset != l.offset && next_.offset != nx.offset) {
         drop(next_);
         start_gather(next_, leaves_.at(nx.offset));
@@ -218,7 +225,7 @@ class zero_engine {
     return data(held_.buf);
   }
   void done_with(const leaf_info& l) {
-    const bool again = !recording_ && pos_ < trace_.size() && trace_[pos_].offset == l.offset;
+    const bool again = !recording() && pos_ < trace().size() && trace()[pos_].offset == l.offset;
     if (!again && held_.offset == l.offset) drop(held_);
   }
 
@@ -284,8 +291,8 @@ class zero_engine {
       drop(next_);
       drop(held_);
     }
-    const bool recorded = recording_;
-    recording_ = false;
+    const bool recorded = recording();
+    recording() = false;
     pos_ = 0;
     if (level_ == 3 && recorded && o_.prefetch && !dry_) rehearse();
   }
@@ -293,8 +300,8 @@ class zero_engine {
   // prefetching) without communicating, so the pool holds every buffer later passes take.
   void rehearse() {
     dry_ = true;
-    const auto trace = trace_;
-    for (const auto& e : trace) {
+    const auto order = trace();
+    for (const auto& e : order) {
       const auto& l = leaves_.at(e.offset);
       gather_for(l, e);
       if (e.backward) {
@@ -341,9 +348,13 @@ class zero_engine {
   std::vector<pending> pending_;
   int pending_leaves_ = 0, grad_buf_ = -1;
   gathered held_, next_;
-  std::vector<event> trace_;
-  std::size_t pos_ = 0;
-  bool recording_ = true, dry_ = false, accumulate_ = false;
+  std::vector<event> traces_[2];       // [0] training passes, [1] forward-only passes
+  bool recordings_[2] = {true, true};
+  int kind_ = 0;
+  std::vector<event>& trace() noexcept { return traces_[kind_]; }
+  bool& recording() noexcept { return recordings_[kind_]; }
+  std::size_t pos_ = 0, rerecords_ = 0;
+  bool dry_ = false, accumulate_ = false;
 };
 
 }  // namespace whale::detail

@@ -1,0 +1,237 @@
+// Time-to-loss runs on emulated heterogeneous ranks (docs/hetero.md): plan
+// `hetpipe` (virtual workers, each a pipeline over the pipe axis, joined by
+// Wave Synchronous Parallel) and plan `dp` with --speeds / --target-loss
+// (synchronous data parallelism, optionally speed-balanced). Both train until
+// the loss averaged over the last 10 steps reaches the target.
+#pragma once
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <deque>
+#include <filesystem>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../bench_common.hpp"
+#include "whale/optim/adamw.hpp"
+#include "whale/optim/sgd.hpp"
+#include "whale/runtime/make.hpp"
+#include "whale/strategy/pipeline.hpp"
+#include "whale/strategy/replicate.hpp"
+#include "whale/train/trainer.hpp"
+#include "whale/train/wsp_trainer.hpp"
+
+namespace bench::plans {
+
+/// The optimizer of every time-to-loss run: Adam (workloads.md lets a benchmark
+/// name it). deep-mlp's 8 unnormalised GELU layers shrink the signal layer by
+/// layer, and SGD (lr 0.01 or 0.1, momentum 0.9) left its loss at ln 16 for
+/// 600 steps, where Adam at 1e-3 halves it (docs/bench.md).
+inline whale::adamw ttl_optimizer() { return whale::adamw{.lr = 1e-3f, .weight_decay = 0.f}; }
+inline constexpr const char* ttl_optimizer_name = "adam lr 1e-3, no weight decay";
+
+/// The options every time-to-loss run takes.
+struct ttl_options {
+  double target = 0;       ///< --target-loss X (default: the workload's)
+  long max_steps = 0;      ///< --max-steps N (default 5000): give up there
+  std::string curve;       ///< --curve FILE: "seconds loss" per step, written atomically at the end
+  std::vector<double> speeds;  ///< --speeds 1,1,2,4 (one per rank)
+
+  template <class W> static ttl_options read(config& c) {
+    ttl_options o;
+    o.target = c.args.value("--target-loss", W::default_target);
+    o.max_steps = static_cast<long>(c.args.value("--max-steps", 5000));
+    o.curve = c.args.text("--curve", "");
+    const auto s = c.args.text("--speeds", "");
+    if (!s.empty()) {
+      try {
+        o.speeds = whale::plan_options::parse_speeds(s, "bench: --speeds");
+      } catch (const whale::detail::parse_error& e) {
+        throw usage_error(e.what());
+      }
+      if (static_cast<int>(o.speeds.size()) != c.ranks())
+        throw usage_error("bench: --speeds gives " + std::to_string(o.speeds.size()) + " factor(s) for " +
+                          std::to_string(c.ranks()) + " rank(s); give one per rank");
+    }
+    if (!(o.target > 0)) throw usage_error("bench: --target-loss must be above 0");
+    if (o.max_steps < 10 || o.max_steps > 10000000) throw usage_error("bench: --max-steps must be from 10 to 10000000");
+    if (!o.curve.empty()) {  // checked before any work, the same on every rank
+      const auto dir = std::filesystem::path(o.curve).parent_path();
+      if (::access(dir.empty() ? "." : dir.c_str(), W_OK) != 0)
+        throw usage_error("bench: --curve " + o.curve + ": its directory is missing or not writable");
+    }
+    return o;
+  }
+  std::string speeds_text() const {
+    std::string s;
+    for (double f : speeds) s += (s.empty() ? "" : ",") + std::to_string(f).substr(0, std::to_string(f).find('.') + 2);
+    return s.empty() ? "all 1" : s;
+  }
+};
+
+/// The loss curve of one rank, written atomically (temporary file, then rename).
+inline void write_curve(const std::string& path, const std::vector<std::pair<double, double>>& pts) {
+  if (path.empty()) return;
+  const std::string tmp = path + ".tmp";
+  std::FILE* f = std::fopen(tmp.c_str(), "w");
+  if (!f) throw std::runtime_error("bench: cannot write " + tmp);
+  std::fprintf(f, "# seconds loss (mean of the last 10 steps)\n");
+  for (const auto& [t, l] : pts) std::fprintf(f, "%.4f %.6f\n", t, l);
+  if (std::fclose(f) != 0 || std::rename(tmp.c_str(), path.c_str()) != 0)
+    throw std::runtime_error("bench: cannot write " + path);
+}
+
+/// The mean of the last (up to) 10 losses.
+struct last10 {
+  std::deque<double> v;
+  double add(double x) {
+    v.push_back(x);
+    if (v.size() > 10) v.pop_front();
+    return mean();
+  }
+  double mean() const { return v.empty() ? 0 : std::accumulate(v.begin(), v.end(), 0.0) / static_cast<double>(v.size()); }
+  bool full() const { return v.size() == 10; }
+};
+
+/// The loss of the final weights on 4 held-out global batches (data steps from 10^6), collective.
+template <class Net, class Data> double held_out_loss(Net& net, Data& data) {
+  whale::trainer_options to;
+  to.progress = false;
+  whale::trainer t(net, whale::sgd{}, to);
+  return t.evaluate(data, whale::steps{4}, 1000000);
+}
+
+/// Synchronous data parallelism until the target: replicate<M>, speeds emulated, --balance.
+template <class W> void ttl_dp(config& c) {
+  using namespace whale;
+  auto o = ttl_options::read<W>(c);
+  plan_options po;
+  po.speeds = o.speeds;
+  po.balance = c.args.flag("--balance");
+  c.args.done("dp");
+  auto& ctx = *c.ctx;
+  const index_t global = W::global_batch(ctx.size());
+  auto data = W::data(global);
+  auto net = make<replicate<typename W::model>>(ctx, seed{42}, po);
+  trainer_options to;
+  to.progress = false;
+  to.check_grad_norm = false;
+  trainer t(net, ttl_optimizer(), to);
+  last10 avg;
+  std::vector<std::pair<double, double>> curve;
+  barrier(ctx.world());
+  const auto t0 = std::chrono::steady_clock::now();
+  long s = 0;
+  bool reached = false;
+  double first = 0;
+  for (; s < o.max_steps && !reached; ++s) {
+    const double loss = t.step_on(t.fetch(data, s), global, s);
+    if (s == 0) first = loss;
+    const double m = avg.add(loss);
+    curve.emplace_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), m);
+    reached = avg.full() && m <= o.target;
+  }
+  const double secs = max_over_ranks(ctx, curve.back().first);
+  const double eval = held_out_loss(net, data);
+  if (ctx.rank() != 0) return;
+  write_curve(o.curve, curve);
+  const auto [b0, rows0] = net.local_batch(global);
+  std::string plan = std::string("dp: replicate<") + W::name + "> over data:" + std::to_string(ctx.size()) +
+                     (po.balance ? ", batch split by speed" : ", even batch") + "; emulated slowness " + o.speeds_text();
+  (void)b0;
+  json_line j;
+  head_fields<W>(j, plan, ctx.size(), secs / static_cast<double>(s), global, data.seq());
+  j.add("emulated", ctx.size() > 1 ? "speeds emulated by sleeping; ranks oversubscribed on this machine's cores" : "speeds emulated by sleeping");
+  j.add("optimizer", ttl_optimizer_name);
+  j.add("target_loss", o.target).add("reached", reached ? 1 : 0);
+  j.add("time_to_target_s", secs).add("steps_to_target", static_cast<long long>(s));
+  j.add("rank0_rows", static_cast<long long>(rows0));
+  j.add("loss_first", first).add("loss_last", avg.mean()).add("held_out_loss", eval);
+  j.print();
+}
+
+struct hetpipe {
+  static constexpr const char* name = "hetpipe";
+  static constexpr const char* help =
+      "HetPipe: virtual workers (data replicas, each a 1F1B pipeline over pipe; --mesh data=2,pipe=2) under Wave "
+      "Synchronous Parallel: --staleness D (default 0), --wave N (minibatches per wave, default 1), --speeds 1,1,2,4, "
+      "--micro-batches M, --target-loss X, --max-steps N, --curve FILE (deep-mlp)";
+  template <class W> static constexpr bool supports = W::time_to_loss;
+
+  template <class W> static void run(config& c) {
+    using namespace whale;
+    auto o = ttl_options::read<W>(c);
+    wsp_options w;
+    w.staleness = static_cast<int>(c.args.value("--staleness", 0));
+    w.wave = static_cast<int>(c.args.value("--wave", 1));
+    plan_options po;
+    po.speeds = o.speeds;
+    po.micro_batches = static_cast<int>(c.args.value("--micro-batches", 0));
+    c.args.done(name);
+    auto& ctx = *c.ctx;
+    const auto& shape = ctx.mesh().shape();
+    const index_t global = W::global_batch(ctx.size());
+    auto data = W::data(global);
+    using P = replicate<pipeline<one_f_one_b, typename W::model>>;
+    auto net = make<P>(ctx, seed{42}, po);
+    wsp_trainer t(ctx, net, ttl_optimizer(), w);
+    // the rank that sees its worker's loss: the last stage, model rank 0
+    const bool reporter = shape.coord(ctx.rank(), axis::pipe) == shape.size(axis::pipe) - 1 &&
+                          shape.coord(ctx.rank(), axis::model) == 0;
+    const int worker = shape.coord(ctx.rank(), axis::data);
+    last10 avg;
+    std::vector<std::pair<double, double>> curve;
+    barrier(ctx.world());
+    const auto t0 = std::chrono::steady_clock::now();
+    long s = 0;
+    bool asked = false;
+    double first = 0, asked_at = 0;
+    for (; s < o.max_steps && !t.stopping(); ++s) {
+      const double loss = t.step(data, s);
+      if (!reporter) continue;
+      if (s == 0) first = loss;
+      const double m = avg.add(loss);
+      const double now = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      curve.emplace_back(now, m);
+      if (!asked && avg.full() && m <= o.target) {
+        t.request_stop();
+        asked = true;
+        asked_at = now;
+      }
+    }
+    const double stopped_at = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    t.finish();
+    // what the workers did: the first stop request's time, every worker's steps, the largest lead
+    double v[4] = {asked ? -asked_at : -1e300, stopped_at, static_cast<double>(s), -static_cast<double>(s)};
+    std::int64_t lead = 0;
+    for (const auto& r : t.waves()) lead = std::max(lead, r.wave - r.min_clock);
+    all_reduce(ctx.world(), view<double>(v, {4}), reduce_op::max);
+    all_reduce(ctx.world(), view<std::int64_t>(&lead, {1}), reduce_op::max);
+    double reached = asked ? 1 : 0;
+    all_reduce(ctx.world(), view<double>(&reached, {1}), reduce_op::max);
+    const double eval = held_out_loss(net, data);
+    if (reporter && worker == 0) write_curve(o.curve, curve);
+    if (ctx.rank() != 0) return;
+    const double secs = reached > 0 ? -v[0] : v[1];
+    char plan[256];
+    std::snprintf(plan, sizeof plan,
+                  "hetpipe: %d virtual worker(s) of pipe:%d, WSP staleness %d, wave %d minibatch(es); emulated slowness %s",
+                  shape.size(axis::data), shape.size(axis::pipe), w.staleness, w.wave, o.speeds_text().c_str());
+    json_line j;
+    head_fields<W>(j, plan, ctx.size(), v[1] / v[2], global, data.seq());
+    j.add("emulated", "speeds emulated by sleeping; ranks oversubscribed on this machine's cores");
+    j.add("optimizer", ttl_optimizer_name);
+    j.add("target_loss", o.target).add("reached", static_cast<int>(reached));
+    j.add("time_to_target_s", secs).add("steps_to_target", static_cast<long long>(v[2]));
+    j.add("steps_slowest_worker", static_cast<long long>(-v[3]));
+    j.add("max_lead_waves", static_cast<long long>(lead));
+    j.add("loss_first", first).add("held_out_loss", eval);
+    j.print();
+  }
+};
+
+}  // namespace bench::plans

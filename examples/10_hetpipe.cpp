@@ -1,0 +1,92 @@
+// 10: heterogeneous devices (HetPipe). The `deep-mlp` reference workload on
+// virtual workers: the data axis holds the workers, each a 1F1B pipeline over
+// the pipe axis (pipe=1: one rank a worker). Ranks are made slower by
+// --speeds (emulation: a rank of factor f sleeps (f - 1) times each layer's
+// compute). Two ways to train on unequal ranks:
+//   --mode sync  synchronous data parallelism, each worker's share of the batch
+//                in proportion to its speed (--balance), equal to one process;
+//   --mode wsp   Wave Synchronous Parallel: no all-reduce; each worker pushes its
+//                update every --wave minibatches and runs at most --staleness D
+//                waves ahead of the slowest (D = 0 with SGD: exactly synchronous;
+//                this example uses Adam, which deep-mlp needs to learn quickly).
+//
+//   mpirun -np 4 ./build/examples/example_10_hetpipe --mesh data=2,pipe=2 --speeds 1,1,1,3 --mode wsp --staleness 2 [--steps N]
+//
+// Legend of shape comments: B the global batch (128), B_w the rows of worker w.
+#include <whale/whale.hpp>
+#include <whale/detail/parse.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+
+using namespace whale;
+
+int main(int argc, char** argv) {
+  // 1. Start: MPI and the mesh (--mesh data=D,pipe=P; default: every rank a worker).
+  auto ctx = context::init(argc, argv);
+  return ctx.guard([&] {
+    plan_options o = plan_options::from_args(argc, argv);  // --speeds, --balance, --micro-batches, ...
+    std::string mode = "wsp";
+    wsp_options w;
+    long n = 200;
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      auto value = [&]() -> std::string {
+        if (i + 1 >= argc) throw std::invalid_argument("example_10: " + a + " needs a value");
+        return argv[++i];
+      };
+      if (a == "--mode") mode = value();
+      else if (a == "--staleness") w.staleness = static_cast<int>(detail::parse_int(value(), "--staleness", 0, 1000000));
+      else if (a == "--wave") w.wave = static_cast<int>(detail::parse_int(value(), "--wave", 1, 1000000));
+      else if (a == "--steps") n = static_cast<long>(detail::parse_int(value(), "--steps", 1, 10000000));
+      else throw std::invalid_argument("example_10: unknown argument " + a +
+                                       " (have --mode sync|wsp, --staleness D, --wave N, --steps N, --speeds, --balance, "
+                                       "--micro-batches M, --mesh, --threads)");
+    }
+    if (mode != "sync" && mode != "wsp") throw std::invalid_argument("example_10: --mode must be sync or wsp (got '" + mode + "')");
+
+    // 2. The plan: every worker a pipeline of deep-mlp's 8 blocks, workers replicated.
+    //    (B_w, 512) -> 8 x [linear 512->512, GELU] -> (B_w, 16) logits -> loss
+    using model = replicate<pipeline<one_f_one_b, models::deep_mlp>>;
+    auto net = make<model>(ctx, seed{42}, o);
+    auto data = models::deep_mlp_data(seed{7});  // 128 samples per global batch
+    const auto opt = adamw{.lr = 1e-3f, .weight_decay = 0.f};
+    const auto [begin, rows] = net.local_batch(data.global_batch());
+    std::printf("rank %d: worker %d, rows [%lld, %lld) of each batch, emulated slowness %.2f\n", ctx.rank(),
+                ctx.mesh().coord(axis::data), static_cast<long long>(begin), static_cast<long long>(begin + rows),
+                o.speed_of(ctx.rank(), ctx.size()));
+
+    // 3. Train n steps.
+    const auto t0 = std::chrono::steady_clock::now();
+    double loss = 0;
+    if (mode == "sync") {
+      trainer_options to;
+      to.progress = ctx.rank() == 0;
+      to.total_steps = n;
+      trainer t(net, opt, to);
+      for (long s = 0; s < n; ++s) loss = t.step(data, s);
+    } else {
+      wsp_trainer t(ctx, net, opt, w);
+      for (long s = 0; s < n; ++s) loss = t.step(data, s);  // this worker's loss (last stage)
+      t.finish();  // every worker pulls the final global weights
+      std::int64_t lead = 0;
+      for (const auto& r : t.waves()) lead = std::max(lead, r.wave - r.min_clock);
+      std::printf("rank %d: %lld waves, largest lead over the slowest rank %lld (bound %d)\n", ctx.rank(),
+                  static_cast<long long>(t.clock()), static_cast<long long>(lead), w.staleness);
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+    // 4. The final weights' loss on held-out batches, the same on every rank.
+    trainer_options quiet;
+    quiet.progress = false;
+    trainer e(net, opt, quiet);
+    const double held_out = e.evaluate(data, steps{4}, 1000000);
+    if (ctx.rank() == 0)
+      std::printf("%s: %ld steps in %.2f s; last loss seen here %.4f; held-out loss %.4f\n", mode.c_str(), n, secs, loss,
+                  held_out);
+    print_params_checksum(net);  // collective
+    return 0;
+  });
+}

@@ -1,0 +1,146 @@
+// The construction of executor<P> (runtime/executor.hpp): the launch checks,
+// placing the plan's chunks, lowering this rank's program, binding and initialising
+// the parameters. Not the steps (runtime/step.hpp) nor the memory checks (memory_step.hpp).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "whale/runtime/executor.hpp"
+
+namespace whale {
+
+template <class P>
+executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), o_(std::move(o)) {
+  const auto& shape = ctx.mesh().shape();
+  const std::string who = "whale::" + layer_name<P>() + ": ";
+  // first: a rank launched differently is named before it can hang the others
+  detail::check_ranks_agree(ctx.world(), detail::launch_fields(layer_name<P>(), shape, o_), who);
+  if (!(o_.bucket_mib > 0)) throw std::invalid_argument(who + "the bucket size must be positive (got " + std::to_string(o_.bucket_mib) + " MiB)");
+  if (o_.micro_batches * V > max_micro)
+    throw std::invalid_argument(who + "at most " + std::to_string(max_micro / V) + " micro-batches" +
+                                (V > 1 ? " with " + std::to_string(V) + " chunks per pipe rank" : std::string()));
+  if (o_.micro_batches > 1 && stage_type::splits_data)
+    throw std::invalid_argument(who + "a split<..., axis::data> region needs the whole per-replica batch in one pass "
+                                      "(it gathers every row of the global batch); use micro_batches 0 or 1");
+  if (!staged && shape.size(axis::pipe) != 1)
+    throw std::invalid_argument(who + "the mesh " + shape.spec() + " has a pipe axis, but the plan has no pipeline<...>");
+  if (shape.size(axis::model) != 1 && !has_split)
+    throw std::invalid_argument(who + "the mesh " + shape.spec() +
+                                " has a model axis, but no stage holds a split region (the model ranks would only "
+                                "repeat each other's work); launch without a model axis, or split layers over axis::model");
+  if (shape.size(axis::data) != 1 && !replicated && !has_split)
+    throw std::invalid_argument(who + "the mesh " + shape.spec() + " has " + std::to_string(shape.size(axis::data)) +
+                                " ranks on the data axis, but the plan is not replicated; wrap it in replicate<...>");
+  if constexpr (staged) {
+    if constexpr (X::fixed_stages > 0) {
+      static_assert(X::fixed_stages % V == 0,
+                    "whale::pipeline<interleaved_1f1b<V>, ...>: the stage count must be a multiple of V (each pipe rank "
+                    "holds V of them)");
+      if (shape.size(axis::pipe) * V != X::fixed_stages)
+        throw std::invalid_argument(
+            who + "the pipeline has " + std::to_string(X::fixed_stages) + " stages but the mesh's pipe axis has " +
+            std::to_string(shape.size(axis::pipe)) + " rank(s) (" + shape.spec() + ")" +
+            (V > 1 ? " holding " + std::to_string(V) + " chunks each" : std::string()) +
+            "; every stage needs its own pipe rank" + (V > 1 ? " and chunk" : "") + ": launch with --mesh " +
+            (replicated ? "data=D,pipe=" : "pipe=") + std::to_string(X::fixed_stages / V));
+    }
+  }
+  if (!o_.trace_path.empty()) check_output_path(ctx.world(), o_.trace_path, "whale: the trace file (--trace, WHALE_TRACE)");
+  p_ = shape.size(axis::pipe), d_ = shape.size(axis::data);
+  stage_ = ctx.mesh().coord(axis::pipe), replica_ = ctx.mesh().coord(axis::data);
+  model_rank_ = ctx.mesh().coord(axis::model);
+  slow_.set_factor(o_.speed_of(ctx.rank(), ctx.size()));  // a list of the wrong length fails on every rank
+  if (o_.balance && !o_.speeds.empty()) {  // a replica runs at the pace of its slowest rank
+    if (stage_type::splits_data)
+      throw std::invalid_argument(who + "plan_options::balance splits the batch by speed, but a split<..., axis::data> "
+                                        "region gathers the same number of rows from every replica; balance plans without one");
+    std::vector<double> slowest(static_cast<std::size_t>(d_), 1.0);
+    for (int r = 0; r < ctx.size(); ++r) {
+      auto& f = slowest[static_cast<std::size_t>(shape.coord(r, axis::data))];
+      f = std::max(f, o_.speed_of(r, ctx.size()));
+    }
+    for (double f : slowest) replica_weights_.push_back(1.0 / f);
+  }
+  pipe_ = &ctx.mesh().comm(axis::pipe), data_ = &ctx.mesh().comm(axis::data), model_comm_ = &ctx.mesh().comm(axis::model);
+  if constexpr (has_split) {  // split regions learn their communicators before parameters are counted
+    split_env env;
+    env.data = data_, env.model = model_comm_, env.no_data_sync = &no_sync_;
+    for (auto& part : parts_) part.configure(env);
+  }
+  if constexpr (staged && V == 1) {
+    if constexpr (!X::explicit_stages) {  // unequal ranks: slow stages get fewer blocks
+      if (o_.blocks.empty() && !o_.speeds.empty() && p_ > 1) {
+        std::vector<double> slow(static_cast<std::size_t>(p_), 1.0);  // a pipe position runs at its slowest rank's pace
+        for (int r = 0; r < ctx.size(); ++r) {
+          auto& f = slow[static_cast<std::size_t>(shape.coord(r, axis::pipe))];
+          f = std::max(f, o_.speed_of(r, ctx.size()));
+        }
+        if (std::any_of(slow.begin(), slow.end(), [](double f) { return f != 1.0; })) {
+          lower_options lo;
+          lo.global_batch = d_ * p_;
+          lo.balance_seq = o_.balance_seq;
+          lo.stage_slowness = slow;
+          o_.blocks = detail::stage_cut(describe<P>(), p_, lo);
+        }
+      }
+    }
+  }
+  for (int ch = 0; ch < V; ++ch) parts_[static_cast<std::size_t>(ch)].place(p_ * V, ch * p_ + stage_, o_);
+  for (int ch = 0; ch < V; ++ch) chunk_at_[static_cast<std::size_t>(ch) + 1] = chunk_at_[static_cast<std::size_t>(ch)] + chunk_size(ch);
+  if (o_.micro_batches > 0 && staged) schedule_for(o_.micro_batches);  // a bad schedule fails here, on every rank
+  // the program of this rank: what it holds (placement only; rows do not matter here)
+  lower_options lo;  // p micro-batches of one sequence per replica: valid for every schedule
+  lo.global_batch = d_ * p_;
+  lo.micro_batches = staged ? p_ : 0;
+  lo.stage_blocks = o_.blocks;
+  lo.balance_seq = o_.balance_seq;
+  lo.bucket_mib = o_.bucket_mib;
+  prog_ = lower<P>(shape, ctx.rank(), lo);
+  const index_t n = chunk_at_[V];
+  const auto held = prog_.totals();
+  if (n != held.params_held)
+    throw std::logic_error(who + "the runtime holds " + std::to_string(n) + " parameters, the program " +
+                           std::to_string(held.params_held));
+  check_state_memory(held, n);  // before the parameters are allocated: do they fit on this node?
+  bind(s, n);
+  if constexpr (level < 3) {  // replicated parameters start equal: rank 0 of each data group wins (split-over-data shards differ by design)
+    if (d_ > 1 && level == 0)
+      for (auto [b, e] : detail::complement(no_sync_, n)) broadcast(*data_, params_.v().rows(b, e - b), 0);
+  }
+  if (d_ > 1 && level < 2)
+    sync_.plan(detail::bucket_ranges(detail::complement(no_sync_, n), detail::bucket_elements(o_.bucket_mib)), o_.blocking);
+  msg_.bind(*pipe_);
+  if (o_.trace || !o_.trace_path.empty()) {
+    tr_.enable(ctx.rank(), stage_, replica_);
+    barrier(ctx.world());
+    tr_.set_origin();
+  }
+}
+
+template <class P> void executor<P>::bind(seed s, index_t n) {
+  if constexpr (level == 3) {
+    auto& part_ = parts_[0];
+    zero_.setup(*data_, level, part_.begin(), n, zopts());
+    tensor<float> tmp({n}, mem_kind::workspace);  // init from the whole stage's streams, keep the owned range
+    part_.bind_and_init(tmp.data(), nullptr, s, true);
+    copy<float>(cview<float>(tmp.data() + zero_.begin(), {zero_.local_count()}), zero_.shard_params());
+    part_.bind_and_init(nullptr, nullptr, s, false);  // leaves point at gathered buffers only while they run
+  } else {
+    params_ = tensor<float>({n}, mem_kind::params);
+    if (level < 2) grads_ = tensor<float>({n}, mem_kind::grads);
+    for (int ch = 0; ch < V; ++ch) {
+      const index_t at = chunk_at_[static_cast<std::size_t>(ch)];
+      parts_[static_cast<std::size_t>(ch)].bind_and_init(params_.data() + at, level < 2 ? grads_.data() + at : nullptr, s, true);
+    }
+    if (level > 0) {
+      zero_.setup(*data_, level, parts_[0].begin(), n, zopts());
+      zero_.set_full_params(params_.data());
+    }
+  }
+}
+
+}  // namespace whale

@@ -1,0 +1,173 @@
+// Wave Synchronous Parallel (HetPipe): parameter holders sharded over the
+// world in MPI windows, pushed to and pulled from with passive-target one-sided
+// calls, and one clock per rank. Compiled once (no model types); the loop that
+// uses it is train/wsp_trainer.hpp.
+#pragma once
+
+#ifndef WHALE_HAS_MPI
+#error "whale/runtime/wsp.hpp needs MPI: link whale::mpi (Wave Synchronous Parallel keeps its parameters in MPI windows)"
+#endif
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "whale/comm/collectives.hpp"
+#include "whale/comm/mpi_comm.hpp"
+#include "whale/plan/partition.hpp"
+
+namespace whale::detail {
+
+/// The global weights of a WSP job and the clocks of its ranks.
+///
+/// - Holders: world rank r holds block r of the flat model [0, n) (near-even
+///   blocks) in an MPI window; a push adds a delta to every block it overlaps
+///   (MPI_Accumulate, MPI_SUM, under a shared lock: element-wise atomic), a pull
+///   reads them (MPI_Get_accumulate with MPI_NO_OP, atomic against pushes).
+/// - Clocks: rank 0's window holds one int64 per world rank (waves pushed) and a
+///   stop word; a rank advances its own clock after its push completed at the
+///   holders (the unlock), so a clock of c means "every update of waves <= c is in";
+///   a second count per rank says how many waves' weights it has pulled.
+/// Nothing here waits for a peer's participation: a rank makes progress alone
+/// (on one node Open MPI serves these windows from shared memory).
+class wsp_holders {
+ public:
+  /// Collective over `world`; the weights start at zero (fill them with push()).
+  wsp_holders(mpi_comm& world, index_t n) : comm_(world.native()), n_(n) {
+    rank_ = world.rank();
+    size_ = world.size();
+    counts_ = block_counts(n, size_);
+    starts_.assign(counts_.size(), 0);
+    for (std::size_t r = 1; r < counts_.size(); ++r) starts_[r] = starts_[r - 1] + counts_[r - 1];
+    const auto me = static_cast<std::size_t>(rank_);
+    float* base = nullptr;
+    check(MPI_Win_allocate(static_cast<MPI_Aint>(std::max<index_t>(1, counts_[me]) * sizeof(float)), sizeof(float),
+                           MPI_INFO_NULL, comm_, &base, &params_win_),
+          "MPI_Win_allocate (parameters)");
+    std::fill_n(base, counts_[me], 0.f);
+    std::int64_t* clocks = nullptr;
+    const index_t words = rank_ == 0 ? 2 * size_ + 2 : 0;  // clocks, pulls, stop, finished
+    check(MPI_Win_allocate(static_cast<MPI_Aint>(std::max<index_t>(1, words) * sizeof(std::int64_t)),
+                           sizeof(std::int64_t), MPI_INFO_NULL, comm_, &clocks, &clock_win_),
+          "MPI_Win_allocate (clocks)");
+    std::fill_n(clocks, words, std::int64_t{0});
+    clocks_.assign(2 * static_cast<std::size_t>(size_) + 2, 0);
+    MPI_Barrier(comm_);  // every holder initialised before anyone pushes
+  }
+  wsp_holders(const wsp_holders&) = delete;
+  wsp_holders& operator=(const wsp_holders&) = delete;
+  /// Collective (MPI_Win_free).
+  ~wsp_holders() {
+    if (params_win_ != MPI_WIN_NULL) MPI_Win_free(&params_win_);
+    if (clock_win_ != MPI_WIN_NULL) MPI_Win_free(&clock_win_);
+  }
+
+  /// Adds `delta` to the global weights [offset, offset + delta.numel()).
+  void push(cview<float> delta, index_t offset) {
+    each_block(offset, delta.numel(), [&](int h, index_t at, index_t len, index_t src) {
+      check(MPI_Win_lock(MPI_LOCK_SHARED, h, 0, params_win_), "MPI_Win_lock");
+      check(MPI_Accumulate(delta.data() + src, static_cast<int>(len), MPI_FLOAT, h, static_cast<MPI_Aint>(at),
+                           static_cast<int>(len), MPI_FLOAT, MPI_SUM, params_win_),
+            "MPI_Accumulate");
+      check(MPI_Win_unlock(h, params_win_), "MPI_Win_unlock");
+    });
+  }
+  /// Reads the global weights [offset, offset + out.numel()) into `out`.
+  void pull(view<float> out, index_t offset) {
+    each_block(offset, out.numel(), [&](int h, index_t at, index_t len, index_t dst) {
+      check(MPI_Win_lock(MPI_LOCK_SHARED, h, 0, params_win_), "MPI_Win_lock");
+      check(MPI_Get_accumulate(nullptr, 0, MPI_FLOAT, out.data() + dst, static_cast<int>(len), MPI_FLOAT, h,
+                               static_cast<MPI_Aint>(at), static_cast<int>(len), MPI_FLOAT, MPI_NO_OP, params_win_),
+            "MPI_Get_accumulate");
+      check(MPI_Win_unlock(h, params_win_), "MPI_Win_unlock");
+    });
+  }
+  /// This rank has pushed one more wave.
+  void advance() { add_word(rank_, 1); }
+  /// This rank has pulled the weights after one more wave.
+  void pulled() { add_word(size_ + rank_, 1); }
+  /// Ask every rank to stop at its next wave boundary.
+  void request_stop() { add_word(2 * size_, 1); }
+  /// Reads every clock; returns the smallest. stop_requested() tells the stop word.
+  std::int64_t read_clocks() {
+    check(MPI_Win_lock(MPI_LOCK_SHARED, 0, 0, clock_win_), "MPI_Win_lock");
+    const int words = 2 * size_ + 2;
+    check(MPI_Get_accumulate(nullptr, 0, MPI_INT64_T, clocks_.data(), words, MPI_INT64_T, 0, 0, words, MPI_INT64_T,
+                             MPI_NO_OP, clock_win_),
+          "MPI_Get_accumulate");
+    check(MPI_Win_unlock(0, clock_win_), "MPI_Win_unlock");
+    return *std::min_element(clocks_.begin(), clocks_.begin() + size_);
+  }
+  /// The smallest clock of any rank, as last read.
+  std::int64_t least_clock() const { return *std::min_element(clocks_.begin(), clocks_.begin() + size_); }
+  /// The smallest count of pulls of any rank, as last read.
+  std::int64_t min_pulled() const { return *std::min_element(clocks_.begin() + size_, clocks_.begin() + 2 * size_); }
+  bool stop_requested() const noexcept { return clocks_[2 * static_cast<std::size_t>(size_)] > 0; }
+  /// Every rank's clock as last read.
+  std::vector<std::int64_t> clocks() const { return {clocks_.begin(), clocks_.begin() + size_}; }
+  /// This rank has pushed its last wave; returns once every rank has (polling,
+  /// so a rank that finished early keeps no peer from progressing).
+  void finish(int poll_us = 200) {
+    add_word(2 * size_ + 1, 1);
+    wait([&] { return clocks_[2 * static_cast<std::size_t>(size_) + 1] >= size_; }, poll_us, size_, "finish");
+  }
+  /// Polls the clocks until done() (which reads what read_clocks() left), under
+  /// the watchdog (WHALE_WATCHDOG_S): a rank that died or hangs is named, not waited for forever.
+  template <class Done> void wait(Done done, int poll_us, std::int64_t need, const char* what) {
+    read_clocks();
+    if (done()) return;
+    need_ = need;
+    what_ = what;
+    watchdog::scope w({this, &describe_wait, nullptr}, watchdog_timeout());
+    while (!done()) {
+      std::this_thread::sleep_for(std::chrono::microseconds(poll_us));
+      read_clocks();
+    }
+  }
+
+ private:
+  template <class F> void each_block(index_t offset, index_t count, F&& f) {
+    if (offset < 0 || offset + count > n_) throw std::out_of_range("whale::wsp: a range outside the model");
+    for (int h = 0; h < size_; ++h) {
+      const auto hu = static_cast<std::size_t>(h);
+      const index_t lo = std::max(offset, starts_[hu]), hi = std::min(offset + count, starts_[hu] + counts_[hu]);
+      if (hi > lo) f(h, lo - starts_[hu], hi - lo, lo - offset);
+    }
+  }
+  void add_word(int word, std::int64_t v) {
+    check(MPI_Win_lock(MPI_LOCK_SHARED, 0, 0, clock_win_), "MPI_Win_lock");
+    check(MPI_Accumulate(&v, 1, MPI_INT64_T, 0, word, 1, MPI_INT64_T, MPI_SUM, clock_win_), "MPI_Accumulate");
+    check(MPI_Win_unlock(0, clock_win_), "MPI_Win_unlock");
+  }
+  static std::string describe_wait(const void* self, double seconds) {
+    const auto& h = *static_cast<const wsp_holders*>(self);
+    std::string behind;
+    for (int r = 0; r < h.size_; ++r) {
+      const auto c = h.clocks_[static_cast<std::size_t>(r)], p = h.clocks_[static_cast<std::size_t>(h.size_ + r)];
+      behind += (r ? ", " : "") + std::to_string(r) + ": pushed " + std::to_string(c) + ", pulled " + std::to_string(p);
+    }
+    return "whale::wsp: rank " + std::to_string(h.rank_) + " waited " + std::to_string(static_cast<int>(seconds)) +
+           " s at '" + h.what_ + "' for the ranks' waves to reach " + std::to_string(h.need_) + " (waves per rank " +
+           behind + "); a rank has died, hangs, or is more than WHALE_WATCHDOG_S slower than the others";
+  }
+  static void check(int rc, const char* call) {
+    if (rc != MPI_SUCCESS) throw std::runtime_error(std::string("whale::wsp: ") + call + " failed: " + mpi_error_text(rc));
+  }
+
+  MPI_Comm comm_;
+  index_t n_;
+  int rank_ = 0, size_ = 1;
+  std::vector<index_t> counts_, starts_;
+  std::vector<std::int64_t> clocks_;
+  MPI_Win params_win_ = MPI_WIN_NULL, clock_win_ = MPI_WIN_NULL;
+  std::int64_t need_ = 0;       // what wait() waits for, for the watchdog's message
+  const char* what_ = "";
+};
+
+}  // namespace whale::detail

@@ -1,0 +1,284 @@
+// Heterogeneous devices (docs/hetero.md): emulated slow ranks, speed-balanced
+// synchronous data parallelism (equal to single-process training on every
+// rank, SGD and AdamW + clipping), and Wave Synchronous Parallel (D = 0 equals
+// synchronous data parallelism; the staleness bound holds with a slow rank),
+// at whatever world size mpirun gives (1, 2, 4).
+#include <doctest/doctest.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "whale/comm/context.hpp"
+#include "whale/nn/gelu.hpp"
+#include "whale/nn/linear.hpp"
+#include "whale/nn/repeat.hpp"
+#include "whale/nn/sequential.hpp"
+#include "whale/nn/softmax_cross_entropy.hpp"
+#include "whale/optim/adamw.hpp"
+#include "whale/optim/sgd.hpp"
+#include "whale/runtime/make.hpp"
+#include "whale/strategy/pipeline.hpp"
+#include "whale/strategy/replicate.hpp"
+#include "whale/train/trainer.hpp"
+#include "whale/train/wsp_trainer.hpp"
+#include "support/plan_check.hpp"
+
+using namespace whale;
+
+namespace {
+
+int world_size() {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+// A deep-mlp of the reference's shape at a sixteenth of the width: a repeat
+// (so a pipeline cuts it at run time), GELU, a class head.
+using block = sequential<linear<32, 32>, gelu>;
+using small_deep = sequential<repeat<4, block>, linear<32, 8>, softmax_cross_entropy>;
+constexpr index_t global_batch = 24;
+teacher_data batches() { return teacher_data(seed{7}, 32, 8, global_batch); }
+
+// SGD: data parallelism changes only the order of float sums.
+constexpr double sgd_atol = 2e-6, sgd_rtol = 1e-4;
+// AdamW + clipping: Adam divides by sqrt(v), magnifying rounding in small gradients.
+constexpr double clip_atol = 1e-5, clip_rtol = 1e-4;
+
+/// Slowness factors for n ranks: the last rank 3x slower, the one before 2x.
+std::vector<double> speeds_for(int n) {
+  std::vector<double> s(static_cast<std::size_t>(n), 1.0);
+  if (n >= 2) s.back() = 3.0;
+  if (n >= 4) s[static_cast<std::size_t>(n) - 2] = 2.0;
+  return s;
+}
+
+template <class Net> tensor<float> trained_single(int n, sgd opt) {
+  Net single(seed{42});
+  auto data = batches();
+  trainer t(single, opt, test::quiet());
+  t.run(data, steps{n});
+  tensor<float> out({single.params().numel()});
+  copy<float>(single.params(), out.v());
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("weighted_slice: proportional, every part at least one row, slices tile the batch") {
+  const std::vector<double> w{1.0, 1.0 / 3};
+  const auto a = detail::weighted_slice(24, 2, 0, w), b = detail::weighted_slice(24, 2, 1, w);
+  CHECK(a.first == 0);
+  CHECK(b.first == a.second);
+  CHECK(a.second + b.second == 24);
+  CHECK(a.second == 18);  // 1 + 22 * 3/4 = 17.5, rounded by the larger remainder
+  const std::vector<double> tiny{1000.0, 1.0, 1.0};
+  for (int p = 0; p < 3; ++p) CHECK(detail::weighted_slice(5, 3, p, tiny).second >= 1);
+  CHECK(detail::weighted_slice(10, 3, 2, {}).second == detail::even_slice(10, 3, 2).second);
+}
+
+TEST_CASE("speeds: balanced batches follow the replicas' speeds and train as one process, on every rank") {
+  const int n = world_size();
+  auto ctx = test::on_mesh("data=" + std::to_string(n));
+  plan_options o;
+  o.speeds = speeds_for(n);
+  o.balance = true;
+  const auto opt = sgd{.lr = 0.05f, .momentum = 0.9f};
+  auto net = make<replicate<small_deep>>(ctx, seed{42}, o);
+  const auto [begin, rows] = net.local_batch(global_batch);
+  // the fastest rank (0) gets at least as many rows as the slowest (the last)
+  index_t first_rows = rows, last_rows = rows;
+  broadcast(ctx.world(), view<index_t>(&first_rows, {1}), 0);
+  broadcast(ctx.world(), view<index_t>(&last_rows, {1}), n - 1);
+  CHECK(first_rows >= last_rows);
+  if (n >= 2) CHECK(first_rows > last_rows);
+  {
+    auto data = batches();
+    trainer t(net, opt, test::quiet());
+    t.run(data, steps{5});
+  }
+  const auto want = trained_single<network<small_deep>>(5, opt);
+  const auto got = net.full_params();
+  const auto d = test::over_ranks(ctx.world(), test::compare(got.v(), want.v(), sgd_atol, sgd_rtol));
+  if (ctx.rank() == 0) MESSAGE("balanced dp at " << n << " ranks: max |dp - single| = " << d.max_abs);
+  CHECK(d.bad == 0);
+  // the slow ranks slept; a rank of factor 1 never does
+  const double waited = net.emulated_wait_s();
+  if (o.speeds[static_cast<std::size_t>(ctx.rank())] > 1) CHECK(waited > 0);
+  else CHECK(waited == 0);
+}
+
+TEST_CASE("speeds: balanced batches with AdamW and active clipping equal one process, on every rank") {
+  const int n = world_size();
+  auto ctx = test::on_mesh("data=" + std::to_string(n));
+  plan_options o;
+  o.speeds = speeds_for(n);
+  o.balance = true;
+  auto net = make<replicate<small_deep>>(ctx, seed{42}, o);
+  const auto r = test::run_clipped<small_deep>(ctx.world(), net, batches, 0.1, 4, [&](const auto& single) {
+    const auto got = net.full_params();
+    return test::compare(got.v(), single.params(), clip_atol, clip_rtol);
+  });
+  if (ctx.rank() == 0)
+    MESSAGE("balanced dp, AdamW + clip: max diff " << r.params.max_abs << ", norm rel " << r.norm_rel << ", single norm "
+                                                   << r.single_norm0);
+  CHECK(r.single_norm0 > 0.1);  // clipping was active
+  CHECK(r.params.bad == 0);
+  CHECK(r.norm_rel < 1e-5);
+}
+
+TEST_CASE("speeds: a pipeline in each replica, balanced by the slowest stage, equals one process") {
+  const int n = world_size();
+  if (n < 4) return;  // needs data=2,pipe=2
+  auto ctx = test::on_mesh("data=" + std::to_string(n / 2) + ",pipe=2");
+  plan_options o;
+  o.speeds = speeds_for(n);
+  o.balance = true;
+  o.micro_batches = 2;
+  const auto opt = sgd{.lr = 0.05f, .momentum = 0.9f};
+  auto net = make<replicate<pipeline<one_f_one_b, small_deep>>>(ctx, seed{42}, o);
+  {
+    auto data = batches();
+    trainer t(net, opt, test::quiet());
+    t.run(data, steps{5});
+  }
+  const auto want = trained_single<network<small_deep>>(5, opt);
+  const auto got = net.full_params();
+  const auto d = test::over_ranks(ctx.world(), test::compare(got.v(), want.v(), sgd_atol, sgd_rtol));
+  if (ctx.rank() == 0) MESSAGE("balanced data x pipe: max |plan - single| = " << d.max_abs);
+  CHECK(d.bad == 0);
+}
+
+TEST_CASE("speeds: a pipeline's stages are cut by their ranks' speeds (slow stages get fewer blocks), and train as one process") {
+  const int n = world_size();
+  if (n < 2) return;
+  auto ctx = test::on_mesh("pipe=" + std::to_string(n));
+  plan_options o;
+  o.speeds = speeds_for(n);  // the last stage 3x slower
+  o.micro_batches = 4;
+  const auto opt = sgd{.lr = 0.05f, .momentum = 0.9f};
+  auto net = make<pipeline<one_f_one_b, small_deep>>(ctx, seed{42}, o);
+  plan_options plain;
+  plain.micro_batches = 4;
+  auto even = make<pipeline<one_f_one_b, small_deep>>(ctx, seed{42}, plain);
+  const auto cut = net.stage_blocks(), even_cut = even.stage_blocks();
+  CHECK(cut.back() < even_cut.back());  // the slow last stage gives blocks away
+  CHECK(cut.front() > even_cut.front());
+  {
+    auto data = batches();
+    trainer t(net, opt, test::quiet());
+    t.run(data, steps{5});
+  }
+  const auto want = trained_single<network<small_deep>>(5, opt);
+  const auto got = net.full_params();
+  const auto d = test::over_ranks(ctx.world(), test::compare(got.v(), want.v(), sgd_atol, sgd_rtol));
+  if (ctx.rank() == 0) MESSAGE("pipe=" << n << " cut by speed: max |plan - single| = " << d.max_abs);
+  CHECK(d.bad == 0);
+}
+
+TEST_CASE("speeds: a list of the wrong length, or a factor below 1, is an error on every rank") {
+  const int n = world_size();
+  auto ctx = test::on_mesh("data=" + std::to_string(n));
+  plan_options o;
+  o.speeds.assign(static_cast<std::size_t>(n) + 1, 1.0);
+  CHECK_THROWS_WITH_AS(make<replicate<small_deep>>(ctx, seed{42}, o), doctest::Contains("give one per rank"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(plan_options::parse_speeds("1,0.5", "--speeds"), doctest::Contains("out of range"),
+                       detail::parse_error);
+  CHECK_THROWS_AS(plan_options::parse_speeds("1,,2", "--speeds"), detail::parse_error);
+  CHECK_THROWS_AS(plan_options::parse_speeds("2x", "--speeds"), detail::parse_error);
+  CHECK_THROWS_AS(plan_options::parse_speeds("nan", "--speeds"), detail::parse_error);
+}
+
+namespace {
+
+/// WSP over `spec` for `n` data steps; returns every rank's parameters after finish().
+template <class P> tensor<float> train_wsp(context& ctx, plan_options o, wsp_options w, int n, sgd opt,
+                                           std::vector<wave_record>* waves = nullptr) {
+  auto net = make<P>(ctx, seed{42}, o);
+  auto data = batches();
+  wsp_trainer t(ctx, net, opt, w);
+  for (int s = 0; s < n; ++s) t.step(data, s);
+  t.finish();
+  if (waves) *waves = t.waves();
+  return net.full_params();
+}
+
+}  // namespace
+
+TEST_CASE("wsp: D = 0, one minibatch a wave, trains as synchronous data parallelism, on every rank") {
+  const int n = world_size();
+  const auto opt = sgd{.lr = 0.05f, .momentum = 0.9f};
+  const auto want = trained_single<network<small_deep>>(6, opt);
+  auto check = [&]<class P>(const std::string& spec, bool balanced = false) {
+    auto ctx = test::on_mesh(spec);
+    plan_options o;
+    if (spec.find("pipe") != std::string::npos) o.micro_batches = 2;
+    if (balanced) o.speeds = speeds_for(ctx.size()), o.balance = true;  // unequal slices, weighted by their rows
+    const auto got = train_wsp<P>(ctx, o, wsp_options{.staleness = 0, .wave = 1}, 6, opt);
+    const auto d = test::over_ranks(ctx.world(), test::compare(got.v(), want.v(), sgd_atol, sgd_rtol));
+    if (ctx.rank() == 0) MESSAGE("wsp D=0 on " << spec << std::string(balanced ? ", balanced" : "") << ": max |wsp - single| = " << d.max_abs);
+    CHECK(d.bad == 0);
+  };
+  check.template operator()<replicate<small_deep>>("data=" + std::to_string(n));
+  check.template operator()<replicate<small_deep>>("data=" + std::to_string(n), true);
+  if (n >= 4) check.template operator()<replicate<pipeline<one_f_one_b, small_deep>>>("data=" + std::to_string(n / 2) + ",pipe=2");
+}
+
+TEST_CASE("wsp: with a slow rank the staleness bound holds, and every worker ends with the same weights") {
+  const int n = world_size();
+  for (int D : {0, 1, 2}) {
+    auto ctx = test::on_mesh("data=" + std::to_string(n));
+    plan_options o;
+    o.speeds = speeds_for(n);
+    std::vector<wave_record> waves;
+    const auto got = train_wsp<replicate<small_deep>>(ctx, o, wsp_options{.staleness = D, .wave = 2}, 12,
+                                                      sgd{.lr = 0.05f, .momentum = 0.9f}, &waves);
+    CHECK(waves.size() == 6);
+    std::int64_t worst = 0, last = 0;
+    for (const auto& w : waves) {
+      worst = std::max(worst, w.wave - w.min_clock);
+      CHECK(w.wave == last + 1);  // one record per wave, in order
+      last = w.wave;
+    }
+    CHECK(worst <= D);
+    std::int64_t worst_all = worst;
+    all_reduce(ctx.world(), view<std::int64_t>(&worst_all, {1}), reduce_op::max);
+    if (ctx.rank() == 0) MESSAGE("wsp D=" << D << " at " << n << " ranks: largest lead over the slowest = " << worst_all);
+    // after finish() every worker pulled the same global weights
+    tensor<float> root({got.numel()});
+    copy<float>(got.v(), root.v());
+    broadcast(ctx.world(), root.v(), 0);
+    CHECK(test::over_ranks(ctx.world(), test::compare(got.v(), root.v(), 0, 0)).bad == 0);
+  }
+}
+
+TEST_CASE("wsp: a stop asked for by one worker ends every worker at a wave boundary") {
+  const int n = world_size();
+  auto ctx = test::on_mesh("data=" + std::to_string(n));
+  plan_options o;
+  o.speeds = speeds_for(n);
+  auto net = make<replicate<small_deep>>(ctx, seed{42}, o);
+  auto data = batches();
+  wsp_trainer t(ctx, net, sgd{.lr = 0.05f}, wsp_options{.staleness = 2, .wave = 1});
+  int s = 0;
+  for (; s < 1000 && !t.stopping(); ++s) {
+    t.step(data, s);
+    if (ctx.rank() == 0 && s == 3) t.request_stop();
+  }
+  t.finish();
+  CHECK(t.stopping());
+  CHECK(s < 1000);
+}
+
+TEST_CASE("wsp: bad options are errors naming them") {
+  auto ctx = test::on_mesh("data=" + std::to_string(world_size()));
+  auto net = make<replicate<small_deep>>(ctx, seed{42});
+  CHECK_THROWS_WITH_AS(wsp_trainer(ctx, net, sgd{}, wsp_options{.staleness = -1}), doctest::Contains("staleness bound D"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(wsp_trainer(ctx, net, sgd{}, wsp_options{.wave = 0}), doctest::Contains("a wave must hold"),
+                       std::invalid_argument);
+}
