@@ -72,7 +72,8 @@ int main(int argc, char** argv) {
       for (long s = 0; s < n; ++s) loss = t.step(data, s);  // this worker's loss (last stage)
       t.finish();  // every worker pulls the final global weights
       std::int64_t lead = 0;
-      for (const auto& r : t.waves()) lead = std::max(lead, r.wave - r.min_clock);
+      for (const auto& r : t.waves())
+        if (!r.stopped) lead = std::max(lead, r.wave - r.min_clock);
       std::printf("rank %d: %lld waves, largest lead over the slowest rank %lld (bound %d)\n", ctx.rank(),
                   static_cast<long long>(t.clock()), static_cast<long long>(lead), w.staleness);
     }

@@ -78,6 +78,13 @@ TEST_CASE("weighted_slice: proportional, every part at least one row, slices til
   const std::vector<double> tiny{1000.0, 1.0, 1.0};
   for (int p = 0; p < 3; ++p) CHECK(detail::weighted_slice(5, 3, p, tiny).second >= 1);
   CHECK(detail::weighted_slice(10, 3, 2, {}).second == detail::even_slice(10, 3, 2).second);
+  // in multiples of the micro-batch count, where the batch allows it
+  const std::vector<double> w2{0.5, 0.25};
+  const auto q0 = detail::weighted_slice(128, 2, 0, w2, 4), q1 = detail::weighted_slice(128, 2, 1, w2, 4);
+  CHECK(q0.second % 4 == 0);
+  CHECK(q1.second % 4 == 0);
+  CHECK(q0.second + q1.second == 128);
+  CHECK(q1.first == q0.second);
 }
 
 TEST_CASE("speeds: balanced batches follow the replicas' speeds and train as one process, on every rank") {
@@ -264,6 +271,8 @@ TEST_CASE("wsp: a stop asked for by one worker ends every worker at a wave bound
   auto net = make<replicate<small_deep>>(ctx, seed{42}, o);
   auto data = batches();
   wsp_trainer t(ctx, net, sgd{.lr = 0.05f}, wsp_options{.staleness = 2, .wave = 1});
+  t.publish(0.5 + ctx.rank());
+  barrier(ctx.world());
   int s = 0;
   for (; s < 1000 && !t.stopping(); ++s) {
     t.step(data, s);
@@ -272,6 +281,12 @@ TEST_CASE("wsp: a stop asked for by one worker ends every worker at a wave bound
   t.finish();
   CHECK(t.stopping());
   CHECK(s < 1000);
+  for (const auto& w : t.waves())  // the bound holds for every wave a worker went on from
+    if (!w.stopped) CHECK(w.wave - w.min_clock <= 2);
+  CHECK(t.waves().back().stopped);
+  // what each rank published before the first step, every rank read at a wave end
+  const auto pub = t.published();
+  for (int r = 0; r < ctx.size(); ++r) CHECK(pub[static_cast<std::size_t>(r)] == 0.5 + r);
 }
 
 TEST_CASE("wsp: bad options are errors naming them") {

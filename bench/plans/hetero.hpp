@@ -68,7 +68,11 @@ struct ttl_options {
   }
   std::string speeds_text() const {
     std::string s;
-    for (double f : speeds) s += (s.empty() ? "" : ",") + std::to_string(f).substr(0, std::to_string(f).find('.') + 2);
+    for (double f : speeds) {
+      char b[32];
+      std::snprintf(b, sizeof b, s.empty() ? "%g" : ",%g", f);
+      s += b;
+    }
     return s.empty() ? "all 1" : s;
   }
 };
@@ -159,6 +163,7 @@ struct hetpipe {
   static constexpr const char* help =
       "HetPipe: virtual workers (data replicas, each a 1F1B pipeline over pipe; --mesh data=2,pipe=2) under Wave "
       "Synchronous Parallel: --staleness D (default 0), --wave N (minibatches per wave, default 1), --speeds 1,1,2,4, "
+      "--balance (workers' rows by speed), "
       "--micro-batches M, --target-loss X, --max-steps N, --curve FILE (deep-mlp)";
   template <class W> static constexpr bool supports = W::time_to_loss;
 
@@ -171,6 +176,7 @@ struct hetpipe {
     plan_options po;
     po.speeds = o.speeds;
     po.micro_batches = static_cast<int>(c.args.value("--micro-batches", 0));
+    po.balance = c.args.flag("--balance");
     c.args.done(name);
     auto& ctx = *c.ctx;
     const auto& shape = ctx.mesh().shape();
@@ -190,6 +196,12 @@ struct hetpipe {
     long s = 0;
     bool asked = false;
     double first = 0, asked_at = 0;
+    // the stop: every worker's reporter publishes the mean of its last 10 losses; when
+    // all have, and their mean (the global loss, each worker at its own step) reaches
+    // the target, the rank that sees it asks every worker to stop
+    std::vector<int> reporters;
+    for (int r = 0; r < ctx.size(); ++r)
+      if (shape.coord(r, axis::pipe) == shape.size(axis::pipe) - 1 && shape.coord(r, axis::model) == 0) reporters.push_back(r);
     for (; s < o.max_steps && !t.stopping(); ++s) {
       const double loss = t.step(data, s);
       if (!reporter) continue;
@@ -197,7 +209,16 @@ struct hetpipe {
       const double m = avg.add(loss);
       const double now = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       curve.emplace_back(now, m);
-      if (!asked && avg.full() && m <= o.target) {
+      if (!avg.full()) continue;
+      t.publish(m);
+      const auto pub = t.published();
+      double sum = 0;
+      bool all = true;
+      for (int r : reporters) {
+        all = all && pub[static_cast<std::size_t>(r)] > 0;
+        sum += pub[static_cast<std::size_t>(r)];
+      }
+      if (!asked && all && sum / static_cast<double>(reporters.size()) <= o.target) {
         t.request_stop();
         asked = true;
         asked_at = now;
@@ -208,19 +229,22 @@ struct hetpipe {
     // what the workers did: the first stop request's time, every worker's steps, the largest lead
     double v[4] = {asked ? -asked_at : -1e300, stopped_at, static_cast<double>(s), -static_cast<double>(s)};
     std::int64_t lead = 0;
-    for (const auto& r : t.waves()) lead = std::max(lead, r.wave - r.min_clock);
+    for (const auto& r : t.waves())
+      if (!r.stopped) lead = std::max(lead, r.wave - r.min_clock);
     all_reduce(ctx.world(), view<double>(v, {4}), reduce_op::max);
     all_reduce(ctx.world(), view<std::int64_t>(&lead, {1}), reduce_op::max);
     double reached = asked ? 1 : 0;
     all_reduce(ctx.world(), view<double>(&reached, {1}), reduce_op::max);
+    all_reduce(ctx.world(), view<double>(&first, {1}), reduce_op::max);  // the reporters' first loss
     const double eval = held_out_loss(net, data);
     if (reporter && worker == 0) write_curve(o.curve, curve);
     if (ctx.rank() != 0) return;
     const double secs = reached > 0 ? -v[0] : v[1];
     char plan[256];
     std::snprintf(plan, sizeof plan,
-                  "hetpipe: %d virtual worker(s) of pipe:%d, WSP staleness %d, wave %d minibatch(es); emulated slowness %s",
-                  shape.size(axis::data), shape.size(axis::pipe), w.staleness, w.wave, o.speeds_text().c_str());
+                  "hetpipe: %d virtual worker(s) of pipe:%d, WSP staleness %d, wave %d minibatch(es), %s; emulated slowness %s",
+                  shape.size(axis::data), shape.size(axis::pipe), w.staleness, w.wave,
+                  po.balance ? "rows by worker speed" : "even rows", o.speeds_text().c_str());
     json_line j;
     head_fields<W>(j, plan, ctx.size(), v[1] / v[2], global, data.seq());
     j.add("emulated", "speeds emulated by sleeping; ranks oversubscribed on this machine's cores");

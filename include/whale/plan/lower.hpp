@@ -150,7 +150,7 @@ class lowering {
   }
 
   void schedule() {
-    const auto [b, n] = D_ > 1 ? weighted_slice(o_.global_batch, D_, dr_, o_.replica_weights) : std::pair<index_t, index_t>{0, o_.global_batch};
+    const auto [b, n] = D_ > 1 ? weighted_slice(o_.global_batch, D_, dr_, o_.replica_weights, std::max(1, o_.micro_batches)) : std::pair<index_t, index_t>{0, o_.global_batch};
     (void)b;
     p_.local_sequences = n;
     int m = 1;
@@ -239,7 +239,7 @@ class lowering {
   // rows of layout l on the data axis for data rank r (global batch split<0> or whole)
   index_t rows_on_data(lay l, int r) const {
     if (l != lay::S0) return o_.global_batch * o_.seq;
-    return weighted_slice(o_.global_batch, D_, r, o_.replica_weights).second * o_.seq;
+    return weighted_slice(o_.global_batch, D_, r, o_.replica_weights, std::max(1, o_.micro_batches)).second * o_.seq;
   }
 
   /// The collective that converts layout `from` into `to` for a tensor of full width `w` on axis `a`.

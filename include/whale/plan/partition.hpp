@@ -94,9 +94,16 @@ inline std::pair<index_t, index_t> even_slice(index_t global, int parts, int par
 /// Rows [begin, begin + count) of a global batch of `global` rows that part
 /// `part` of `parts` feeds, in proportion to `weights` (one per part, > 0;
 /// empty: even_slice). Largest remainders round; every part gets at least one
-/// row when global >= parts. A pure function: every rank computes every slice alike.
-inline std::pair<index_t, index_t> weighted_slice(index_t global, int parts, int part, const std::vector<double>& weights) {
+/// row when global >= parts. With `quantum` > 1 (e.g. the micro-batch count)
+/// and global a multiple of parts x quantum, every slice is a multiple of it.
+/// A pure function: every rank computes every slice alike.
+inline std::pair<index_t, index_t> weighted_slice(index_t global, int parts, int part, const std::vector<double>& weights,
+                                                  index_t quantum = 1) {
   if (weights.empty()) return even_slice(global, parts, part);
+  if (quantum > 1 && global % quantum == 0 && global / quantum >= parts) {
+    const auto [b, n] = weighted_slice(global / quantum, parts, part, weights);
+    return {b * quantum, n * quantum};
+  }
   const auto n = static_cast<std::size_t>(parts);
   double total = 0;
   for (std::size_t i = 0; i < n; ++i) total += weights.at(i);

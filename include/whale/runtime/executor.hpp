@@ -304,7 +304,7 @@ template <class P> class executor {
   detail::zero_engine::options zopts() const { return {o_.bucket_mib, o_.prefetch, o_.max_pending}; }
 
   std::pair<index_t, index_t> slice(index_t global_batch, int replica) const {
-    return detail::weighted_slice(global_batch, d_, replica, replica_weights_);
+    return detail::weighted_slice(global_batch, d_, replica, replica_weights_, std::max(1, o_.micro_batches));
   }
   int micro_count(index_t batch) const {
     if (o_.micro_batches > 0) {

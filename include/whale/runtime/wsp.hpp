@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -33,7 +34,8 @@ namespace whale::detail {
 /// - Clocks: rank 0's window holds one int64 per world rank (waves pushed) and a
 ///   stop word; a rank advances its own clock after its push completed at the
 ///   holders (the unlock), so a clock of c means "every update of waves <= c is in";
-///   a second count per rank says how many waves' weights it has pulled.
+///   a second count per rank says how many waves' weights it has pulled, and
+///   a third word per rank holds a number it published (e.g. its recent loss).
 /// Nothing here waits for a peer's participation: a rank makes progress alone
 /// (on one node Open MPI serves these windows from shared memory).
 class wsp_holders {
@@ -52,12 +54,12 @@ class wsp_holders {
           "MPI_Win_allocate (parameters)");
     std::fill_n(base, counts_[me], 0.f);
     std::int64_t* clocks = nullptr;
-    const index_t words = rank_ == 0 ? 2 * size_ + 2 : 0;  // clocks, pulls, stop, finished
+    const index_t words = rank_ == 0 ? 3 * size_ + 2 : 0;  // clocks, pulls, stop, finished, published values
     check(MPI_Win_allocate(static_cast<MPI_Aint>(std::max<index_t>(1, words) * sizeof(std::int64_t)),
                            sizeof(std::int64_t), MPI_INFO_NULL, comm_, &clocks, &clock_win_),
           "MPI_Win_allocate (clocks)");
     std::fill_n(clocks, words, std::int64_t{0});
-    clocks_.assign(2 * static_cast<std::size_t>(size_) + 2, 0);
+    clocks_.assign(3 * static_cast<std::size_t>(size_) + 2, 0);
     MPI_Barrier(comm_);  // every holder initialised before anyone pushes
   }
   wsp_holders(const wsp_holders&) = delete;
@@ -92,12 +94,27 @@ class wsp_holders {
   void advance() { add_word(rank_, 1); }
   /// This rank has pulled the weights after one more wave.
   void pulled() { add_word(size_ + rank_, 1); }
+  /// Publish one number of this rank's (e.g. its recent loss) for every rank to read.
+  void publish(double v) {
+    std::int64_t bits = 0;
+    std::memcpy(&bits, &v, sizeof bits);
+    check(MPI_Win_lock(MPI_LOCK_SHARED, 0, 0, clock_win_), "MPI_Win_lock");
+    check(MPI_Accumulate(&bits, 1, MPI_INT64_T, 0, 2 * size_ + 2 + rank_, 1, MPI_INT64_T, MPI_REPLACE, clock_win_),
+          "MPI_Accumulate");
+    check(MPI_Win_unlock(0, clock_win_), "MPI_Win_unlock");
+  }
+  /// What rank r published last, as last read (0 if nothing yet).
+  double published(int r) const {
+    double v = 0;
+    std::memcpy(&v, &clocks_[2 * static_cast<std::size_t>(size_) + 2 + static_cast<std::size_t>(r)], sizeof v);
+    return v;
+  }
   /// Ask every rank to stop at its next wave boundary.
   void request_stop() { add_word(2 * size_, 1); }
   /// Reads every clock; returns the smallest. stop_requested() tells the stop word.
   std::int64_t read_clocks() {
     check(MPI_Win_lock(MPI_LOCK_SHARED, 0, 0, clock_win_), "MPI_Win_lock");
-    const int words = 2 * size_ + 2;
+    const int words = 3 * size_ + 2;
     check(MPI_Get_accumulate(nullptr, 0, MPI_INT64_T, clocks_.data(), words, MPI_INT64_T, 0, 0, words, MPI_INT64_T,
                              MPI_NO_OP, clock_win_),
           "MPI_Get_accumulate");

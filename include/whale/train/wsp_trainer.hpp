@@ -36,10 +36,14 @@ struct wsp_options {
 
 /// What one wave of this rank saw: its clock after the push, the smallest
 /// clock of any rank when it went on (the oldest wave every update of which it
-/// then pulled), and how long it waited. wave - min_clock <= staleness always.
+/// then pulled), and how long it waited. wave - min_clock <= staleness for
+/// every wave after which the worker went on (not `stopped`).
 struct wave_record {
   std::int64_t wave = 0, min_clock = 0;
   double wait_s = 0;
+  /// The wave ended on a stop request: the worker went no further (the wait
+  /// for the others was cut short), so the bound does not apply to it.
+  bool stopped = false;
 };
 
 /// Trains `net` (an executor<P> whose data axis holds the virtual workers,
@@ -133,6 +137,14 @@ template <class Net, class Opt> class wsp_trainer {
   /// Ask every worker to stop at its next wave's end (e.g. a loss target was
   /// reached). A worker's ranks agree on what they saw, so a pipeline stops whole.
   void request_stop() { holders_->request_stop(); }
+  /// Publish a number of this rank's (e.g. its worker's recent loss) to every rank.
+  void publish(double v) { holders_->publish(v); }
+  /// What each rank published, as read at this rank's last wave end (0: nothing yet).
+  std::vector<double> published() const {
+    std::vector<double> v;
+    for (int r = 0; r < ctx_->size(); ++r) v.push_back(holders_->published(r));
+    return v;
+  }
   /// Whether a stop was seen at the last wave's end (the same on every rank of this worker).
   bool stopping() const noexcept { return stopping_; }
   /// This rank's waves so far.
@@ -166,7 +178,7 @@ template <class Net, class Opt> class wsp_trainer {
     int stop = holders_->stop_requested() ? 1 : 0;
     all_reduce(*group_, view<int>(&stop, {1}), reduce_op::max);
     stopping_ = stop != 0;
-    waves_.push_back({clock_, least, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()});
+    waves_.push_back({clock_, least, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), stopping_});
     pull();
     holders_->pulled();
   }
