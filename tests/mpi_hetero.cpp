@@ -66,6 +66,19 @@ template <class Net> tensor<float> trained_single(int n, sgd opt) {
   return out;
 }
 
+/// Trains `net` (a plan on ctx) for n steps of SGD `opt`, and compares every
+/// rank's full parameters with one process trained alike (collective).
+template <class Net> test::diff train_against_single(context& ctx, Net& net, sgd opt, int n) {
+  {
+    auto data = batches();
+    trainer t(net, opt, test::quiet());
+    t.run(data, steps{n});
+  }
+  const auto want = trained_single<network<small_deep>>(n, opt);
+  const auto got = net.full_params();
+  return test::over_ranks(ctx.world(), test::compare(got.v(), want.v(), sgd_atol, sgd_rtol));
+}
+
 }  // namespace
 
 TEST_CASE("weighted_slice: proportional, every part at least one row, slices tile the batch") {
@@ -87,6 +100,42 @@ TEST_CASE("weighted_slice: proportional, every part at least one row, slices til
   CHECK(q1.first == q0.second);
 }
 
+TEST_CASE("worker_order: np keeps the launch order, ed gives every worker one rank of each speed, hd balances their speed") {
+  const std::vector<double> f{1, 1, 2, 4};  // two fast ranks, two slow ones
+  CHECK(detail::worker_order(f, 2, detail::worker_policy::np) == std::vector<int>{0, 1, 2, 3});
+  CHECK(detail::worker_order(f, 2, detail::worker_policy::ed) == std::vector<int>{0, 2, 1, 3});  // {1,2} and {1,4}
+  CHECK(detail::worker_order(f, 2, detail::worker_policy::hd) == std::vector<int>{0, 2, 1, 3});  // speeds 1.5 and 1.25, not 2 and 0.75
+  const std::vector<double> g{4, 1, 1, 1, 2, 2};  // three workers of two
+  const auto ed = detail::worker_order(g, 3, detail::worker_policy::ed);
+  auto sorted = ed;
+  std::sort(sorted.begin(), sorted.end());
+  CHECK(sorted == std::vector<int>{0, 1, 2, 3, 4, 5});  // a permutation
+  for (int w = 0; w < 3; ++w) CHECK(g[static_cast<std::size_t>(ed[static_cast<std::size_t>(2 * w)])] == 1);  // a fast rank first in each
+  CHECK_THROWS_WITH_AS(detail::worker_order(g, 4, detail::worker_policy::ed), doctest::Contains("do not form 4 equal workers"),
+                       std::invalid_argument);
+}
+
+TEST_CASE("with_rank_order: rank i of the new context is the old rank order[i]; WSP trains the same there") {
+  const int n = world_size();
+  auto base = test::on_mesh("data=" + std::to_string(n));
+  std::vector<int> order(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) order[static_cast<std::size_t>(i)] = n - 1 - i;  // reversed
+  auto ctx = base.with_rank_order(order);
+  CHECK(ctx.rank() == n - 1 - base.rank());
+  CHECK(ctx.mesh().shape().size(axis::data) == n);
+  std::vector<int> bad(static_cast<std::size_t>(n), 0);
+  if (n > 1) CHECK_THROWS_WITH_AS(base.with_rank_order(bad), doctest::Contains("not a permutation"), std::invalid_argument);
+  const auto opt = sgd{.lr = 0.05f, .momentum = 0.9f};
+  const auto want = trained_single<network<small_deep>>(4, opt);
+  auto net = make<replicate<small_deep>>(ctx, seed{42});
+  auto data = batches();
+  wsp_trainer t(ctx, net, opt, wsp_options{.staleness = 0, .wave = 1});
+  for (int s = 0; s < 4; ++s) t.step(data, s);
+  t.finish();
+  const auto got = net.full_params();
+  CHECK(test::over_ranks(ctx.world(), test::compare(got.v(), want.v(), sgd_atol, sgd_rtol)).bad == 0);
+}
+
 TEST_CASE("speeds: balanced batches follow the replicas' speeds and train as one process, on every rank") {
   const int n = world_size();
   auto ctx = test::on_mesh("data=" + std::to_string(n));
@@ -102,14 +151,7 @@ TEST_CASE("speeds: balanced batches follow the replicas' speeds and train as one
   broadcast(ctx.world(), view<index_t>(&last_rows, {1}), n - 1);
   CHECK(first_rows >= last_rows);
   if (n >= 2) CHECK(first_rows > last_rows);
-  {
-    auto data = batches();
-    trainer t(net, opt, test::quiet());
-    t.run(data, steps{5});
-  }
-  const auto want = trained_single<network<small_deep>>(5, opt);
-  const auto got = net.full_params();
-  const auto d = test::over_ranks(ctx.world(), test::compare(got.v(), want.v(), sgd_atol, sgd_rtol));
+  const auto d = train_against_single(ctx, net, opt, 5);
   if (ctx.rank() == 0) MESSAGE("balanced dp at " << n << " ranks: max |dp - single| = " << d.max_abs);
   CHECK(d.bad == 0);
   // the slow ranks slept; a rank of factor 1 never does
@@ -147,14 +189,7 @@ TEST_CASE("speeds: a pipeline in each replica, balanced by the slowest stage, eq
   o.micro_batches = 2;
   const auto opt = sgd{.lr = 0.05f, .momentum = 0.9f};
   auto net = make<replicate<pipeline<one_f_one_b, small_deep>>>(ctx, seed{42}, o);
-  {
-    auto data = batches();
-    trainer t(net, opt, test::quiet());
-    t.run(data, steps{5});
-  }
-  const auto want = trained_single<network<small_deep>>(5, opt);
-  const auto got = net.full_params();
-  const auto d = test::over_ranks(ctx.world(), test::compare(got.v(), want.v(), sgd_atol, sgd_rtol));
+  const auto d = train_against_single(ctx, net, opt, 5);
   if (ctx.rank() == 0) MESSAGE("balanced data x pipe: max |plan - single| = " << d.max_abs);
   CHECK(d.bad == 0);
 }
@@ -174,14 +209,7 @@ TEST_CASE("speeds: a pipeline's stages are cut by their ranks' speeds (slow stag
   const auto cut = net.stage_blocks(), even_cut = even.stage_blocks();
   CHECK(cut.back() < even_cut.back());  // the slow last stage gives blocks away
   CHECK(cut.front() > even_cut.front());
-  {
-    auto data = batches();
-    trainer t(net, opt, test::quiet());
-    t.run(data, steps{5});
-  }
-  const auto want = trained_single<network<small_deep>>(5, opt);
-  const auto got = net.full_params();
-  const auto d = test::over_ranks(ctx.world(), test::compare(got.v(), want.v(), sgd_atol, sgd_rtol));
+  const auto d = train_against_single(ctx, net, opt, 5);
   if (ctx.rank() == 0) MESSAGE("pipe=" << n << " cut by speed: max |plan - single| = " << d.max_abs);
   CHECK(d.bad == 0);
 }

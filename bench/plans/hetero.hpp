@@ -12,6 +12,7 @@
 #include <deque>
 #include <filesystem>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -163,7 +164,7 @@ struct hetpipe {
   static constexpr const char* help =
       "HetPipe: virtual workers (data replicas, each a 1F1B pipeline over pipe; --mesh data=2,pipe=2) under Wave "
       "Synchronous Parallel: --staleness D (default 0), --wave N (minibatches per wave, default 1), --speeds 1,1,2,4, "
-      "--balance (workers' rows by speed), "
+      "--balance (workers' rows by speed), --policy np|ed|hd (grouping ranks into workers), "
       "--micro-batches M, --target-loss X, --max-steps N, --curve FILE (deep-mlp)";
   template <class W> static constexpr bool supports = W::time_to_loss;
 
@@ -177,8 +178,22 @@ struct hetpipe {
     po.speeds = o.speeds;
     po.micro_batches = static_cast<int>(c.args.value("--micro-batches", 0));
     po.balance = c.args.flag("--balance");
+    const auto policy_name = c.args.text("--policy", "np");
     c.args.done(name);
-    auto& ctx = *c.ctx;
+    detail::worker_policy policy = detail::worker_policy::np;
+    if (policy_name == "ed") policy = detail::worker_policy::ed;
+    else if (policy_name == "hd") policy = detail::worker_policy::hd;
+    else if (policy_name != "np") throw usage_error("bench: --policy must be np, ed or hd (got '" + policy_name + "')");
+    // the policy groups the launched ranks (whose --speeds are given in launch order) into workers
+    std::optional<context> regrouped;
+    context* cp = c.ctx;
+    if (policy != detail::worker_policy::np && !o.speeds.empty()) {
+      const auto order = detail::worker_order(o.speeds, c.ctx->mesh().shape().size(axis::data), policy);
+      regrouped.emplace(c.ctx->with_rank_order(order));
+      for (std::size_t i = 0; i < order.size(); ++i) po.speeds[i] = o.speeds[static_cast<std::size_t>(order[i])];
+      cp = &*regrouped;
+    }
+    auto& ctx = *cp;
     const auto& shape = ctx.mesh().shape();
     const index_t global = W::global_batch(ctx.size());
     auto data = W::data(global);
@@ -242,8 +257,9 @@ struct hetpipe {
     const double secs = reached > 0 ? -v[0] : v[1];
     char plan[256];
     std::snprintf(plan, sizeof plan,
-                  "hetpipe: %d virtual worker(s) of pipe:%d, WSP staleness %d, wave %d minibatch(es), %s; emulated slowness %s",
-                  shape.size(axis::data), shape.size(axis::pipe), w.staleness, w.wave,
+                  "hetpipe: %d virtual worker(s) of pipe:%d (policy %s), WSP staleness %d, wave %d minibatch(es), %s; "
+                  "emulated slowness %s (launch order)",
+                  shape.size(axis::data), shape.size(axis::pipe), policy_name.c_str(), w.staleness, w.wave,
                   po.balance ? "rows by worker speed" : "even rows", o.speeds_text().c_str());
     json_line j;
     head_fields<W>(j, plan, ctx.size(), v[1] / v[2], global, data.seq());

@@ -9,10 +9,12 @@
 #include <exception>
 #include <memory>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "whale/backend/cpu.hpp"
 #include "whale/comm/collectives.hpp"
@@ -135,6 +137,34 @@ class context {
     }
     if (any_rank_failed(world, error, "the mesh '" + spec + "'")) throw mesh_error(error);
     return context(std::make_unique<state>(false, s_->threads, std::move(world), shape));
+  }
+
+  /// Another context over the same ranks and mesh shape in which rank i is this
+  /// context's rank order[i] (e.g. whale::worker_order: which devices form each
+  /// virtual worker). It does not own MPI. Collective; `order` must be the same
+  /// permutation of 0..size-1 on every rank (std::invalid_argument otherwise, on every rank).
+  context with_rank_order(const std::vector<int>& order) const {
+    std::string error;
+    std::vector<int> seen(static_cast<std::size_t>(size()), 0);
+    int mine = -1;
+    if (static_cast<int>(order.size()) != size()) {
+      error = "whale::context::with_rank_order: " + std::to_string(order.size()) + " entries for " + std::to_string(size()) + " ranks";
+    } else {
+      for (int i = 0; i < size() && error.empty(); ++i) {
+        const int r = order[static_cast<std::size_t>(i)];
+        if (r < 0 || r >= size() || seen[static_cast<std::size_t>(r)]++)
+          error = "whale::context::with_rank_order: the order is not a permutation of the ranks 0.." + std::to_string(size() - 1);
+        if (r == rank()) mine = i;
+      }
+    }
+    world_comm world = new_world();
+    if (any_rank_failed(world, error, "the rank order")) throw std::invalid_argument(error);
+#ifdef WHALE_HAS_MPI
+    world = world.split(0, mine, "world");
+#else
+    (void)mine;
+#endif
+    return context(std::make_unique<state>(false, s_->threads, std::move(world), mesh().shape()));
   }
 
   int rank() const noexcept { return s_->world.rank(); }

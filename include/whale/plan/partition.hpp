@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <limits>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -123,6 +125,53 @@ inline std::pair<index_t, index_t> weighted_slice(index_t global, int parts, int
   index_t begin = 0;
   for (int i = 0; i < part; ++i) begin += count[static_cast<std::size_t>(i)];
   return {begin, count[static_cast<std::size_t>(part)]};
+}
+
+/// How ranks of unequal speed are grouped into virtual workers (HetPipe §5):
+/// `np` keeps the launch order (consecutive ranks, usually one node's devices,
+/// form a worker); `ed` gives every worker one device of each speed class (the
+/// k-th slowest ranks spread over the workers); `hd` balances the workers'
+/// total speed greedily (fastest ranks first, each to the worker with the least
+/// speed so far that has room).
+enum class worker_policy { np, ed, hd };
+
+/// The rank order that groups `slowness.size()` ranks (factor >= 1 each) into
+/// `workers` workers by `policy`: order[i] is the rank that takes mesh rank i,
+/// so worker w is order[w·S .. w·S + S) with S = ranks / workers; inside a
+/// worker ranks go fastest first (stage 0 first). Pure.
+inline std::vector<int> worker_order(const std::vector<double>& slowness, int workers, worker_policy policy) {
+  const int n = static_cast<int>(slowness.size());
+  if (workers < 1 || n % workers != 0)
+    throw std::invalid_argument("whale::worker_order: " + std::to_string(n) + " ranks do not form " + std::to_string(workers) +
+                                " equal workers");
+  const int S = n / workers;
+  std::vector<int> order(static_cast<std::size_t>(n));
+  for (int i = 0; i < n; ++i) order[static_cast<std::size_t>(i)] = i;
+  if (policy == worker_policy::np) return order;
+  auto slow = [&](int r) { return slowness[static_cast<std::size_t>(r)]; };
+  std::vector<int> by_speed = order;  // fastest first; equal speeds keep launch order
+  std::stable_sort(by_speed.begin(), by_speed.end(), [&](int a, int b) { return slow(a) < slow(b); });
+  std::vector<std::vector<int>> group(static_cast<std::size_t>(workers));
+  if (policy == worker_policy::ed) {
+    for (int k = 0; k < n; ++k) group[static_cast<std::size_t>(k % workers)].push_back(by_speed[static_cast<std::size_t>(k)]);
+  } else {
+    std::vector<double> speed(static_cast<std::size_t>(workers), 0.0);
+    for (int r : by_speed) {
+      int best = -1;
+      for (int w = 0; w < workers; ++w)
+        if (static_cast<int>(group[static_cast<std::size_t>(w)].size()) < S &&
+            (best < 0 || speed[static_cast<std::size_t>(w)] < speed[static_cast<std::size_t>(best)]))
+          best = w;
+      group[static_cast<std::size_t>(best)].push_back(r);
+      speed[static_cast<std::size_t>(best)] += 1.0 / slow(r);
+    }
+  }
+  for (int w = 0; w < workers; ++w) {
+    auto& g = group[static_cast<std::size_t>(w)];
+    std::stable_sort(g.begin(), g.end(), [&](int a, int b) { return slow(a) < slow(b); });
+    std::copy(g.begin(), g.end(), order.begin() + static_cast<std::ptrdiff_t>(w) * S);
+  }
+  return order;
 }
 
 /// Default micro-batch count of a pipeline: the largest divisor of the
