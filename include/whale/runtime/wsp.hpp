@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
@@ -154,6 +155,9 @@ class wsp_holders {
     for (int h = 0; h < size_; ++h) {
       const auto hu = static_cast<std::size_t>(h);
       const index_t lo = std::max(offset, starts_[hu]), hi = std::min(offset + count, starts_[hu] + counts_[hu]);
+      if (hi - lo > INT_MAX)
+        throw std::length_error("whale::wsp: a holder's block of " + std::to_string(hi - lo) +
+                                " parameters exceeds MPI's count limit (INT_MAX); use more ranks");
       if (hi > lo) f(h, lo - starts_[hu], hi - lo, lo - offset);
     }
   }

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <deque>
 #include <numeric>
@@ -105,6 +106,8 @@ template <class Net, class Opt> class wsp_trainer {
   /// worker's mean loss on its rows on the ranks that compute the loss (the last
   /// stage), 0 elsewhere; no collective between workers.
   template <class Data> double step(Data& data, std::int64_t step) {
+    static_assert(detail::data_source_for<Data, typename Net::input_type>(),
+                  "whale::wsp_trainer::step: the data is not a DataSource for this network (see train/data_source.hpp)");
     const index_t global = data.global_batch();
     const auto [begin, count] = net_->local_batch(global);
     const auto b = data.get(step, begin, count);
@@ -118,6 +121,10 @@ template <class Net, class Opt> class wsp_trainer {
     // the loss's rows are the global batch's; the worker trains as if alone on its
     // own rows: its mean loss, and gradients scaled up by global / count
     const double loss = net_->compute_only_step(c, b.inputs, b.labels) / share_;
+    if (!std::isfinite(loss))  // the other workers stop at the watchdog, which names this rank
+      throw std::runtime_error("whale::wsp_trainer: data step " + std::to_string(step) + ": this worker's loss is " +
+                               (std::isnan(loss) ? "NaN" : "infinite") +
+                               "; check the data for NaN/Inf or lower the learning rate (no update was pushed)");
     net_->apply_optimizer(opt_, state_, static_cast<float>(1.0 / share_));
     if (++in_wave_ == o_.wave) end_wave();
     ++steps_;
