@@ -317,6 +317,33 @@ TEST_CASE("wsp: a stop asked for by one worker ends every worker at a wave bound
   for (int r = 0; r < ctx.size(); ++r) CHECK(pub[static_cast<std::size_t>(r)] == 0.5 + r);
 }
 
+TEST_CASE("wsp: the trace shows each wave's push, wait and pull, with the weights' version") {
+  const int n = world_size();
+  auto ctx = test::on_mesh("data=" + std::to_string(n));
+  plan_options o;
+  o.speeds = speeds_for(n);
+  o.trace = true;
+  auto net = make<replicate<small_deep>>(ctx, seed{42}, o);
+  auto data = batches();
+  constexpr int D = 1;
+  wsp_trainer t(ctx, net, sgd{.lr = 0.05f}, wsp_options{.staleness = D, .wave = 1});
+  for (int s = 0; s < 5; ++s) t.step(data, s);
+  int push = 0, wait = 0, pull = 0;
+  for (const auto& e : net.trace().events()) {
+    if (e.what() == span_kind::wsp_push) ++push;
+    if (e.what() == span_kind::wsp_wait) ++wait;
+    if (e.what() == span_kind::wsp_pull) {
+      ++pull;
+      CHECK(e.micro >= pull - D);  // the pulled weights hold every worker's waves <= micro
+      CHECK(category(e.what()) == std::string("wsp"));
+    }
+  }
+  CHECK(push == 5);
+  CHECK(wait == 5);
+  CHECK(pull == 5);
+  t.finish();
+}
+
 TEST_CASE("wsp: bad options are errors naming them") {
   auto ctx = test::on_mesh("data=" + std::to_string(world_size()));
   auto net = make<replicate<small_deep>>(ctx, seed{42});

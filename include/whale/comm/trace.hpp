@@ -34,11 +34,15 @@ enum class span_kind : std::int32_t {
   loss_all_reduce,  ///< summing the loss shares over ranks
   optimizer,        ///< the optimizer step
   weight,           ///< a split schedule's weight-gradient pass of one micro-batch
+  wsp_push,         ///< Wave Synchronous Parallel: pushing wave `micro`'s update to the holders
+  wsp_wait,         ///< waiting at the end of wave `micro` for the staleness bound
+  wsp_pull,         ///< pulling the weights that hold every worker's waves <= `micro`
 };
-inline constexpr int span_kind_count = 10;
+inline constexpr int span_kind_count = 13;
 inline const char* to_string(span_kind k) noexcept {
-  constexpr const char* names[] = {"forward", "backward", "send act", "send grad", "recv act",
-                                   "recv grad", "all-reduce grads", "all-reduce loss", "optimizer", "weight"};
+  constexpr const char* names[] = {"forward",   "backward", "send act",  "send grad", "recv act",
+                                   "recv grad", "all-reduce grads", "all-reduce loss", "optimizer", "weight",
+                                   "wsp push",  "wsp wait", "wsp pull"};
   return names[static_cast<int>(k)];
 }
 inline const char* category(span_kind k) noexcept {
@@ -52,6 +56,9 @@ inline const char* category(span_kind k) noexcept {
     case span_kind::recv_grad: return "p2p";
     case span_kind::grad_all_reduce:
     case span_kind::loss_all_reduce: return "collective";
+    case span_kind::wsp_push:
+    case span_kind::wsp_wait:
+    case span_kind::wsp_pull: return "wsp";
     default: return "optimizer";
   }
 }

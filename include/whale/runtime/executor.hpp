@@ -244,6 +244,8 @@ template <class P> class executor {
   std::size_t gather_rerecords() const noexcept { return zero_.rerecords(); }
   const plan_options& options() const noexcept { return o_; }
   const tracer& trace() const noexcept { return tr_; }
+  /// The recorder itself, for a loop around the executor that records spans of its own (wsp_trainer).
+  tracer& trace_recorder() noexcept { return tr_; }
   auto& model() noexcept { return parts_[0].model(); }
   /// Gather every rank's spans (collective over the world), write the Chrome
   /// trace to options().trace_path on rank 0 if set, and return the merged events.

@@ -19,6 +19,7 @@
 
 #include "whale/comm/collectives.hpp"
 #include "whale/comm/context.hpp"
+#include "whale/comm/trace.hpp"
 #include "whale/runtime/wsp.hpp"
 #include "whale/train/data_source.hpp"
 
@@ -161,6 +162,7 @@ template <class Net, class Opt> class wsp_trainer {
 
  private:
   void end_wave(bool wait = true) {
+    auto& tr = net_->trace_recorder();  // the executor's timeline (plan_options::trace), when on
     const auto t0 = std::chrono::steady_clock::now();
     // No rank may still be about to pull wave clock_ - D: this push would leak into
     // its weights (with D = 0 every worker then pulls exactly the synchronous weights).
@@ -172,11 +174,15 @@ template <class Net, class Opt> class wsp_trainer {
     const auto p = net_->params();
     const auto w = static_cast<float>(share_);
     for (index_t i = 0; i < p.numel(); ++i) delta_[i] = (p[i] - snapshot_[i]) * w;
+    const auto t_push = tr.now();
     if (p.numel() > 0) holders_->push(cview<float>(delta_.data(), {p.numel()}), offset_);
     holders_->advance();
     ++clock_;
     in_wave_ = 0;
+    const int at = static_cast<int>(steps_);
+    tr.add(span_kind::wsp_push, at, static_cast<int>(clock_), t_push, tr.now());
     if (!wait) return;
+    const auto t_wait = tr.now();
     std::int64_t least = 0;
     h.wait([&] { return (least = h.least_clock()) >= clock_ - o_.staleness || h.stop_requested(); }, o_.poll_us,
            clock_ - o_.staleness, "every rank pushed wave clock - D");
@@ -186,8 +192,11 @@ template <class Net, class Opt> class wsp_trainer {
     all_reduce(*group_, view<int>(&stop, {1}), reduce_op::max);
     stopping_ = stop != 0;
     waves_.push_back({clock_, least, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), stopping_});
+    tr.add(span_kind::wsp_wait, at, static_cast<int>(clock_), t_wait, tr.now());
+    const auto t_pull = tr.now();
     pull();
     holders_->pulled();
+    tr.add(span_kind::wsp_pull, at, static_cast<int>(least), t_pull, tr.now());
   }
   void pull() {
     const auto p = net_->params();
