@@ -248,6 +248,13 @@ template <class W> double model_flops_per_step(whale::index_t global_batch, whal
   return whale::model_flops<typename W::model>(global_batch * seq, seq);
 }
 
+/// Fields a plan's line carries after the common ones (key, raw JSON value),
+/// e.g. what --plan auto chose; empty otherwise.
+inline std::vector<std::pair<std::string, std::string>>& extra_fields() {
+  static std::vector<std::pair<std::string, std::string>> f;
+  return f;
+}
+
 /// The fields every plan reports first, in workloads.md's order.
 template <class W>
 json_line& head_fields(json_line& j, const std::string& plan, int ranks, double step_s,
@@ -258,6 +265,7 @@ json_line& head_fields(json_line& j, const std::string& plan, int ranks, double 
   j.add("step_s", step_s).add("samples_per_s", samples / step_s);
   if (W::tokens) j.add("tokens_per_s", samples * static_cast<double>(seq) / step_s);
   j.add("model_flops_per_step", mf).add("achieved_gflops_per_rank", mf / step_s / 1e9 / ranks);
+  for (const auto& [k, v] : extra_fields()) j.raw(k, v);
   return j;
 }
 
@@ -332,6 +340,9 @@ struct plan_entry {
   const char* help;
   void (*run)(config&);
 };
+
+/// The plan table's entry named `name`, or null (bench_workloads.cpp).
+const plan_entry* find_plan(const std::string& name);
 
 /// The table entry of plan P. P is a struct with
 ///   static constexpr const char* name, help;

@@ -28,6 +28,7 @@ plan_entry entry_single();
 plan_entry entry_dp();
 plan_entry entry_hybrid();
 plan_entry entry_hetpipe();
+plan_entry entry_auto();
 plan_entry entry_pipeline();
 plan_entry entry_threed();
 plan_entry entry_zero1();
@@ -41,8 +42,18 @@ namespace {
 const bench::plan_entry plan_table[] = {
     bench::entry_single(), bench::entry_dp(),    bench::entry_hybrid(), bench::entry_pipeline(),
     bench::entry_zero1(),  bench::entry_zero2(), bench::entry_zero3(),  bench::entry_threed(),
-    bench::entry_hetpipe(),
+    bench::entry_hetpipe(), bench::entry_auto(),
 };
+
+}  // namespace
+
+const bench::plan_entry* bench::find_plan(const std::string& name) {
+  for (const auto& p : plan_table)
+    if (name == p.name) return &p;
+  return nullptr;
+}
+
+namespace {
 
 std::string plan_list() {
   std::string s;

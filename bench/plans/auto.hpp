@@ -1,0 +1,90 @@
+// Plan `auto`: the plan search (search.hpp) chooses, on this machine's device
+// profile (bench/profiles/vm-<ranks>.txt unless --profile), the plan with the
+// smallest predicted step time that fits; then that plan runs as its own
+// benchmark, and its JSON line carries the choice, the prediction and the runners-up.
+#pragma once
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "../bench_common.hpp"
+#include "../search.hpp"
+
+namespace bench::plans {
+
+struct auto_choice {
+  static constexpr const char* name = "auto";
+  static constexpr const char* help =
+      "the plan search chooses the plan (fastest predicted that fits) on --profile FILE (default "
+      "bench/profiles/vm-<ranks>.txt; --ranks-per-node K for a cluster's profile), optionally under --memory-limit-mib X, "
+      "and runs it; the line adds "
+      "auto_plan, predicted_step_s, predicted_memory_mib and the runners-up";
+  template <class W> static constexpr bool supports = !W::time_to_loss;
+
+  template <class W> static void run(config& c) {
+    using namespace whale;
+    const std::string profile = c.args.text("--profile", "bench/profiles/vm-" + std::to_string(c.ranks()) + ".txt");
+    const double limit = c.args.value("--memory-limit-mib", 0);
+    const int per_node = static_cast<int>(c.args.value("--ranks-per-node", 0));
+    c.args.done(name);
+    if (::access(profile.c_str(), R_OK) != 0)
+      throw usage_error("bench: --plan auto: cannot read the device profile '" + profile +
+                        "'; measure this machine with scripts/profile --ranks " + std::to_string(c.ranks()) +
+                        " or give --profile FILE");
+    const auto dev = device_profile::load(profile);
+    search::plan_query q;
+    q.workload = W::name;
+    q.o.global_batch = -1;
+    q.o.seq = -1;
+    q.o.optimizer_bytes_per_param = 4;  // the benchmarks' SGD with momentum
+    q.per_node = per_node;              // 0: one node (this machine)
+    const auto cs = search::rank_plans(q, c.ranks(), dev, limit);
+    const auto& best = cs.front();
+
+    // the bench plan that runs the chosen one, with its options
+    std::string plan = best.a.plan;
+    std::vector<std::string> args;
+    const auto mesh = search::mesh_of(best.mesh);
+    if (plan == "pipeline" || plan == "3d") {
+      args = {"--schedule", best.a.schedule, "--micro-batches", std::to_string(best.a.o.micro_batches)};
+      if (best.a.recompute) args.push_back("--recompute");
+      // a pipeline beside data parallelism runs as the 3-D plan with one model rank (the same arithmetic)
+      if (plan == "pipeline" && mesh.size(axis::data) > 1) plan = "3d";
+    }
+    const std::string spec = plan == "3d" ? mesh.spec() : best.mesh;
+    auto ctx = c.ctx->with_mesh(spec);
+    const plan_entry* entry = find_plan(plan);
+    if (!entry) throw std::logic_error("bench: --plan auto chose '" + plan + "', which bench_workloads does not have");
+
+    // what the choice adds to the chosen plan's line
+    char num[64];
+    auto& extra = extra_fields();
+    extra.clear();
+    extra.emplace_back("auto_plan", "\"" + best.label() + "\"");
+    extra.emplace_back("auto_profile", "\"" + dev.name + "\"");
+    std::snprintf(num, sizeof num, "%.6g", best.step);
+    extra.emplace_back("predicted_step_s", num);
+    std::snprintf(num, sizeof num, "%.2f", best.memory_mib);
+    extra.emplace_back("predicted_memory_mib_total", num);
+    std::string runners = "[";
+    int shown = 0;
+    for (const auto& r : cs) {
+      if (&r == &best || !r.valid || !r.fits || shown == 3) continue;
+      std::snprintf(num, sizeof num, "%.6g", r.step);
+      runners += std::string(shown++ ? ", " : "") + "{\"plan\": \"" + r.label() + "\", \"predicted_step_s\": " + num + "}";
+    }
+    extra.emplace_back("auto_runners_up", runners + "]");
+
+    config chosen = c;
+    chosen.ctx = &ctx;
+    chosen.plan = plan;
+    chosen.args = plan_args(args);
+    entry->run(chosen);
+    extra.clear();
+  }
+};
+
+}  // namespace bench::plans
