@@ -221,6 +221,12 @@ TEST_CASE("speeds: a list of the wrong length, or a factor below 1, is an error 
   o.speeds.assign(static_cast<std::size_t>(n) + 1, 1.0);
   CHECK_THROWS_WITH_AS(make<replicate<small_deep>>(ctx, seed{42}, o), doctest::Contains("give one per rank"),
                        std::invalid_argument);
+  if (n > 1) {  // ranks launched with other speeds: every rank names the difference before any work
+    plan_options mixed;
+    mixed.speeds.assign(static_cast<std::size_t>(n), ctx.rank() == 1 ? 2.0 : 1.0);
+    CHECK_THROWS_WITH_AS(make<replicate<small_deep>>(ctx, seed{42}, mixed), doctest::Contains("the speeds (--speeds, WHALE_SPEEDS) differs"),
+                         std::invalid_argument);
+  }
   CHECK_THROWS_WITH_AS(plan_options::parse_speeds("1,0.5", "--speeds"), doctest::Contains("out of range"),
                        detail::parse_error);
   CHECK_THROWS_AS(plan_options::parse_speeds("1,,2", "--speeds"), detail::parse_error);

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <stdexcept>
@@ -70,6 +71,12 @@ inline std::vector<launch_field> launch_fields(const std::string& plan, const me
     if (!blocks.empty()) blocks += ',';
     blocks += std::to_string(b);
   }
+  std::string speeds;  // plain appends: GCC 12's -Wrestrict false positive on operator+
+  for (double v : o.speeds) {
+    char b[32];
+    std::snprintf(b, sizeof b, speeds.empty() ? "%g" : ",%g", v);
+    speeds += b;
+  }
   return {
       f::of_text("the plan", plan),
       f::integer("the mesh's data axis", m.size(axis::data)),
@@ -84,6 +91,8 @@ inline std::vector<launch_field> launch_fields(const std::string& plan, const me
       f::integer("prefetch (WHALE_ZERO_PREFETCH)", o.prefetch),
       f::integer("max_pending", o.max_pending),
       f::integer("tracing (--trace, WHALE_TRACE)", o.trace || !o.trace_path.empty()),
+      f::of_text("the speeds (--speeds, WHALE_SPEEDS)", speeds.empty() ? "none" : speeds),
+      f::integer("balance (--balance, WHALE_BALANCE)", o.balance),
   };
 }
 
