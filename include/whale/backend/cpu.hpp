@@ -1,15 +1,20 @@
 // CPU compute backend: GEMM through CBLAS (OpenBLAS), strided-batched GEMM,
-// the thread count of OpenBLAS, and the elementwise kernels layers share.
-// Layer-specific kernels with their own math live beside the layer in nn/.
+// the thread count of OpenBLAS, the helpers layers share, and `cpu_backend`,
+// the model of the Backend concept that runs kernel bodies by a loop. The
+// kernels' arithmetic is in backend/kernels/, shared with the CUDA backend.
 #pragma once
 
 #include <cblas.h>
 
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
+#include "whale/backend/backend.hpp"
+#include "whale/backend/cpu/launch.hpp"
+#include "whale/backend/kernels/rows.hpp"
 #include "whale/detail/parse.hpp"
 #include "whale/tensor/tensor.hpp"
 
@@ -18,7 +23,7 @@ extern "C" int openblas_get_num_threads(void);
 
 namespace whale::cpu {
 
-enum class trans : bool { no = false, yes = true };
+using whale::trans;
 
 /// One GEMM as issued: transposes and sizes. Benchmarks record a step's GEMMs
 /// (set_gemm_log) and time them alone to measure the compute limit.
@@ -80,23 +85,13 @@ inline int default_threads() {
 // ---- elementwise kernels shared by layers (written to vectorize) ----
 
 /// y[r, :] += b for each of `rows` rows of width `cols`.
-inline void add_row_bias(float* __restrict y, const float* __restrict b, index_t rows,
-                         index_t cols) {
-  for (index_t r = 0; r < rows; ++r) {
-    float* yr = y + r * cols;
-    for (index_t c = 0; c < cols; ++c) yr[c] += b[c];
-  }
+inline void add_row_bias(float* y, const float* b, index_t rows, index_t cols) {
+  launch(rows, kernels::bias_rows{y, b, cols, true});
 }
 
 /// db[c] (+)= sum over rows of dy[r, c].
-inline void sum_rows(const float* __restrict dy, float* __restrict db, index_t rows, index_t cols,
-                     bool accumulate) {
-  if (!accumulate)
-    for (index_t c = 0; c < cols; ++c) db[c] = 0.f;
-  for (index_t r = 0; r < rows; ++r) {
-    const float* d = dy + r * cols;
-    for (index_t c = 0; c < cols; ++c) db[c] += d[c];
-  }
+inline void sum_rows(const float* dy, float* db, index_t rows, index_t cols, bool accumulate) {
+  launch(kernels::col_blocks(cols), kernels::column_sums{dy, db, rows, cols, accumulate});
 }
 
 /// A fully connected layer's parameter gradients from R rows: dW (out, in) =
@@ -143,3 +138,40 @@ inline bool all_finite(index_t n, const float* x) {
 }
 
 }  // namespace whale::cpu
+
+namespace whale {
+
+/// The CPU as a Backend: OpenBLAS GEMMs, kernel bodies by a loop (with the
+/// widest vectors the processor has), 64-byte aligned heap memory (2 MiB and
+/// huge pages for big blocks), and a queue that is the calling thread.
+struct cpu_backend {
+  using space = host;
+  struct event_type {};
+  static constexpr const char* name() noexcept { return "cpu"; }
+
+  void gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
+            const float* B, index_t ldb, float beta, float* C, index_t ldc) const {
+    cpu::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
+  void gemm_strided_batched(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A,
+                            index_t lda, index_t strideA, const float* B, index_t ldb, index_t strideB, float beta,
+                            float* C, index_t ldc, index_t strideC, index_t count) const {
+    cpu::gemm_strided_batched(ta, tb, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC,
+                              count);
+  }
+  template <kernels::KernelBody K> void launch(index_t n, const K& body) const { cpu::launch(n, body); }
+  void* allocate(std::size_t bytes) const { return detail::allocate_raw(bytes, mem_kind::workspace); }
+  void deallocate(void* p, std::size_t bytes) const noexcept { detail::free_raw(p, bytes, mem_kind::workspace); }
+  void copy(void* dst, const void* src, std::size_t bytes) const noexcept {
+    if (bytes) std::memcpy(dst, src, bytes);
+  }
+  void fill_zero(void* p, std::size_t bytes) const noexcept {
+    if (bytes) std::memset(p, 0, bytes);
+  }
+  void record(event_type&) const noexcept {}
+  void wait(event_type&) const noexcept {}
+  void synchronize() const noexcept {}
+};
+static_assert(Backend<cpu_backend>, "whale::cpu_backend must model the Backend concept");
+
+}  // namespace whale

@@ -10,7 +10,8 @@
 #include <string>
 
 #include "whale/backend/cpu.hpp"
-#include "whale/nn/detail/vmath.hpp"
+#include "whale/backend/cpu/launch.hpp"
+#include "whale/backend/kernels/rows.hpp"
 #include "whale/nn/layer.hpp"
 
 namespace whale {
@@ -22,25 +23,6 @@ namespace whale {
 /// of that flat block is uniform(-1/sqrt(D), 1/sqrt(D)) from the layer's stream
 /// at index i (as linear). Legend: B sequences, T tokens, H heads, hd = D/H.
 namespace detail {
-// Row i of the scores: softmax over columns 0..i, zeros after (the causal mask).
-inline void causal_softmax_row(float* __restrict row, index_t i, index_t T) {
-  const index_t n = i + 1;
-  const float m = detail::vmax(row, n);
-  for (index_t j = 0; j < n; ++j) row[j] = detail::vexp(row[j] - m);
-  const float inv = 1.f / detail::vsum(row, n);
-  for (index_t j = 0; j < n; ++j) row[j] *= inv;
-  for (index_t j = n; j < T; ++j) row[j] = 0.f;
-}
-// dS = P (dP - <dP, P>) on columns 0..i; masked columns get no gradient.
-inline void causal_softmax_backward_row(const float* __restrict p, float* __restrict d, index_t i,
-                                 index_t T) {
-  const index_t n = i + 1;
-  const float dot = detail::vdot(p, d, n);
-  for (index_t j = 0; j < n; ++j) d[j] = p[j] * (d[j] - dot);
-  for (index_t j = n; j < T; ++j) d[j] = 0.f;
-}
-
-
 /// Causal attention of H heads of width hd on B sequences of T tokens.
 /// qkv: (B*T, 3W) = [Q | K | V], heads side by side (W = H*hd); p: (B, H, T, T)
 /// probabilities (out); att: (B*T, W) heads' outputs side by side (out).
@@ -56,7 +38,7 @@ inline void attention_core_forward(const float* qkv, float* p, float* att, index
       // S = Q K^T / sqrt(hd), all heads of sequence b
       cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::yes, T, T, hd, scale, q, 3 * W, hd, k,
                                 3 * W, hd, 0.f, pb, T, T * T, H);
-      for (index_t i = 0; i < H * T; ++i) causal_softmax_row(pb + i * T, i % T, T);
+      cpu::launch(H * T, kernels::causal_softmax_forward{pb, T});
       // att = P V
       cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::no, T, hd, T, 1.f, pb, T, T * T, v,
                                 3 * W, hd, 0.f, att + b * T * W, W, hd, H);
@@ -83,8 +65,7 @@ inline void attention_core_backward(const float* qkv, const float* p, const floa
       cpu::gemm_strided_batched(cpu::trans::yes, cpu::trans::no, T, hd, T, 1.f, pb, T, T * T, da,
                                 W, hd, 0.f, dv, 3 * W, hd, H);
       // dS = P * (dP - rowsum(dP * P))
-      for (index_t i = 0; i < H * T; ++i)
-        causal_softmax_backward_row(pb + i * T, ds + i * T, i % T, T);
+      cpu::launch(H * T, kernels::causal_softmax_backward{pb, ds, T});
       // dQ = dS K / sqrt(hd) ; dK = dS^T Q / sqrt(hd)
       cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::no, T, hd, T, scale, ds, T,
                                 T * T, k, 3 * W, hd, 0.f, dq, 3 * W, hd, H);
@@ -215,8 +196,8 @@ struct causal_self_attention {
           std::to_string(D) + "; set batch and seq in the step context");
     return c.batch * c.seq;
   }
-  static void fill_rows(float* __restrict y, const float* __restrict b, index_t rows, index_t cols) {
-    for (index_t r = 0; r < rows; ++r) std::memcpy(y + r * cols, b, static_cast<std::size_t>(cols) * sizeof(float));
+  static void fill_rows(float* y, const float* b, index_t rows, index_t cols) {
+    cpu::launch(rows, kernels::bias_rows{y, b, cols, false});
   }
   struct state {
     cview<float> x, dy;

@@ -9,6 +9,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "whale/backend/cpu/launch.hpp"
+#include "whale/backend/kernels/rows.hpp"
 #include "whale/nn/layer.hpp"
 
 namespace whale {
@@ -69,11 +71,7 @@ struct embedding {
       throw std::invalid_argument("whale::embedding: the output gradient has " +
                                   std::to_string(dy.numel()) + " elements, expected " +
                                   std::to_string(R * D));
-    for (index_t r = 0; r < R; ++r) {
-      float* __restrict d = dw_.data() + static_cast<index_t>(s.tokens[r]) * D;
-      const float* __restrict g = dy.data() + r * D;
-      for (index_t j = 0; j < D; ++j) d[j] += g[j];
-    }
+    cpu::launch(kernels::col_blocks(D), kernels::scatter_add_rows{dy.data(), s.tokens.data(), dw_.data(), R, D, 0});
     return {};
   }
 
@@ -135,12 +133,7 @@ struct position_embedding {
     const index_t T = check(c, x.numel());
     auto& s = st_(c.slot);
     auto y = detail::ensure(s.y, {R, D});
-    for (index_t r = 0; r < R; ++r) {
-      const float* __restrict xr = x.data() + r * D;
-      const float* __restrict pr = p_.data() + (r % T) * D;
-      float* __restrict yr = y.data() + r * D;
-      for (index_t j = 0; j < D; ++j) yr[j] = xr[j] + pr[j];
-    }
+    cpu::launch(R, kernels::add_positions{x.data(), p_.data(), y.data(), T, D});
     return y;
   }
   // dy: (B*T, D) -> dx = dy: (B*T, D)
@@ -149,11 +142,7 @@ struct position_embedding {
     const index_t T = check(c, dy.numel());
     auto& s = st_(c.slot);
     if (!c.accumulate) std::memset(dp_.data(), 0, dp_.bytes());
-    for (index_t r = 0; r < R; ++r) {
-      float* __restrict d = dp_.data() + (r % T) * D;
-      const float* __restrict g = dy.data() + r * D;
-      for (index_t j = 0; j < D; ++j) d[j] += g[j];
-    }
+    cpu::launch(kernels::col_blocks(D), kernels::scatter_add_rows{dy.data(), nullptr, dp_.data(), R, D, T});
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
     copy(dy, dx);

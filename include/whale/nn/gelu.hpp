@@ -5,7 +5,8 @@
 
 #include <string>
 
-#include "whale/nn/detail/vmath.hpp"
+#include "whale/backend/cpu/launch.hpp"
+#include "whale/backend/kernels/elementwise.hpp"
 #include "whale/nn/layer.hpp"
 
 namespace whale {
@@ -31,14 +32,7 @@ struct gelu : stateless_params {
     auto& s = st_(c.slot);
     s.x = x;
     auto y = detail::ensure(s.y, x.shape());
-    const index_t n = x.numel();
-    const float* __restrict xp = x.data();
-    float* __restrict yp = y.data();
-    for (index_t i = 0; i < n; ++i) {
-      const float v = xp[i];
-      const float t = detail::vtanh(k0 * (v + k1 * v * v * v));
-      yp[i] = 0.5f * v * (1.f + t);
-    }
+    cpu::launch(x.numel(), kernels::gelu_forward{x.data(), y.data()});
     return y;
   }
   // dy: (R, F) -> dx: (R, F)
@@ -46,23 +40,11 @@ struct gelu : stateless_params {
     auto& s = st_(c.slot);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, dy.shape());
-    const index_t n = dy.numel();
-    const float* __restrict xp = s.x.data();
-    const float* __restrict g = dy.data();
-    float* __restrict d = dx.data();
-    for (index_t i = 0; i < n; ++i) {
-      const float v = xp[i];
-      const float v2 = v * v;
-      const float t = detail::vtanh(k0 * (v + k1 * v2 * v));
-      const float du = k0 * (1.f + 3.f * k1 * v2);  // d(inner)/dx
-      d[i] = g[i] * (0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * du);
-    }
+    cpu::launch(dy.numel(), kernels::gelu_backward{s.x.data(), dy.data(), dx.data()});
     return dx;
   }
 
  private:
-  static constexpr float k0 = 0.7978845608028654f;  // sqrt(2 / pi)
-  static constexpr float k1 = 0.044715f;
   struct state {
     cview<float> x;
     tensor<float> y, dx;

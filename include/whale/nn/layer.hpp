@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "whale/backend/cpu/launch.hpp"
+#include "whale/backend/kernels/elementwise.hpp"
 #include "whale/tensor/random.hpp"
 #include "whale/tensor/tensor.hpp"
 
@@ -93,6 +95,9 @@ struct step_ctx {
   std::vector<weight_task>* deferred = nullptr;
   /// Debugging (--check-finite): every leaf's output and input gradient is checked for NaN/Inf.
   bool check_finite = false;
+  /// bf16 mixed precision (precision::bf16): every layer's output and input
+  /// gradient is rounded to bf16 where it is produced; arithmetic stays fp32.
+  bool bf16 = false;
   index_t rows() const noexcept { return batch * seq; }
 };
 
@@ -262,15 +267,23 @@ inline void check_finite_values(cview<float> v, const std::string& name, const c
 }
 }  // namespace detail
 
+namespace detail {
+/// Under bf16 mixed precision, a tensor as it would be stored: rounded to bf16 in place.
+inline view<float> stored(const step_ctx& c, view<float> v) {
+  if (c.bf16 && v.data() && v.numel() > 0) cpu::launch(v.numel(), kernels::to_bf16{v.data()});
+  return v;
+}
+}  // namespace detail
+
 /// Run element `l` (at flat offset `offset`) forward, with hooks around leaves.
 template <class L, class X> view<float> run_forward(L& l, step_ctx& c, X x, index_t offset) {
   if constexpr (is_container<L>) {
-    return l.forward(c, x);
+    return detail::stored(c, l.forward(c, x));
   } else {
-    if (!c.hooks && !c.check_finite) return l.forward(c, x);
+    if (!c.hooks && !c.check_finite) return detail::stored(c, l.forward(c, x));
     const auto ref = make_leaf_ref(l, offset);
     if (c.hooks) c.hooks->before_forward(ref);
-    auto y = l.forward(c, x);
+    auto y = detail::stored(c, l.forward(c, x));
     if (c.hooks) c.hooks->after_forward(ref);
     if (c.check_finite) detail::check_finite_values(y, layer_name<L>(), "output", c);
     return y;
@@ -279,12 +292,12 @@ template <class L, class X> view<float> run_forward(L& l, step_ctx& c, X x, inde
 /// Run element `l` backward, with hooks around leaves.
 template <class L> view<float> run_backward(L& l, step_ctx& c, cview<float> dy, index_t offset) {
   if constexpr (is_container<L>) {
-    return l.backward(c, dy);
+    return detail::stored(c, l.backward(c, dy));
   } else {
-    if (!c.hooks && !c.check_finite) return l.backward(c, dy);
+    if (!c.hooks && !c.check_finite) return detail::stored(c, l.backward(c, dy));
     const auto ref = make_leaf_ref(l, offset);
     if (c.hooks) c.hooks->before_backward(ref);
-    auto dx = l.backward(c, dy);
+    auto dx = detail::stored(c, l.backward(c, dy));
     if (c.hooks) c.hooks->after_backward(ref);
     if (c.check_finite) detail::check_finite_values(dx, layer_name<L>(), "input gradient", c);
     return dx;
@@ -307,12 +320,12 @@ double run_forward_loss(L& l, step_ctx& c, X x, cview<std::int32_t> labels, inde
 /// The loss's backward, with hooks when it is a leaf.
 template <class L> view<float> run_backward_loss(L& l, step_ctx& c, index_t offset) {
   if constexpr (is_container<L>) {
-    return l.backward_loss(c);
+    return detail::stored(c, l.backward_loss(c));
   } else {
-    if (!c.hooks && !c.check_finite) return l.backward_loss(c);
+    if (!c.hooks && !c.check_finite) return detail::stored(c, l.backward_loss(c));
     const auto ref = make_leaf_ref(l, offset);
     if (c.hooks) c.hooks->before_backward(ref);
-    auto d = l.backward_loss(c);
+    auto d = detail::stored(c, l.backward_loss(c));
     if (c.hooks) c.hooks->after_backward(ref);
     if (c.check_finite) detail::check_finite_values(d, layer_name<L>(), "input gradient", c);
     return d;
@@ -377,7 +390,7 @@ inline void run_weight_tasks(const std::vector<weight_task>& tasks, bool accumul
 
 namespace detail {
 /// Ensure a slot buffer has shape s (reallocates only when it grows).
-inline view<float> ensure(tensor<float>& t, shape s, mem_kind k = mem_kind::activations) {
+template <class T> view<T> ensure(tensor<T>& t, shape s, mem_kind k = mem_kind::activations) {
   if (t.capacity() == 0) t.set_kind(k);
   t.resize(s);
   return t.v();

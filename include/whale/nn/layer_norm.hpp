@@ -8,7 +8,8 @@
 #include <stdexcept>
 #include <string>
 
-#include "whale/nn/detail/vmath.hpp"
+#include "whale/backend/cpu/launch.hpp"
+#include "whale/backend/kernels/rows.hpp"
 #include "whale/nn/layer.hpp"
 
 namespace whale {
@@ -64,22 +65,7 @@ struct layer_norm {
     auto y = detail::ensure(s.y, {R, D});
     auto xh = detail::ensure(s.xhat, {R, D});
     auto rs = detail::ensure(s.rstd, {R});
-    const float* __restrict g = g_.data();
-    const float* __restrict bb = b_.data();
-    for (index_t r = 0; r < R; ++r) {
-      const float* __restrict xr = x.data() + r * D;
-      float* __restrict hr = xh.data() + r * D;
-      float* __restrict yr = y.data() + r * D;
-      const float mean = detail::vsum(xr, D) / static_cast<float>(D);
-      for (index_t j = 0; j < D; ++j) hr[j] = xr[j] - mean;
-      const float var = detail::vdot(hr, hr, D) / static_cast<float>(D);
-      const float rstd = 1.f / std::sqrt(var + eps);
-      rs[r] = rstd;
-      for (index_t j = 0; j < D; ++j) {
-        hr[j] *= rstd;
-        yr[j] = hr[j] * g[j] + bb[j];
-      }
-    }
+    cpu::launch(R, kernels::layer_norm_forward{x.data(), g_.data(), b_.data(), y.data(), xh.data(), rs.data(), D, eps});
     return y;
   }
 
@@ -87,33 +73,11 @@ struct layer_norm {
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
     const index_t R = dy.numel() / D;
-    float* __restrict dg = dg_.data();
-    float* __restrict db = db_.data();
-    if (!c.accumulate) {
-      std::memset(dg, 0, D * sizeof(float));
-      std::memset(db, 0, D * sizeof(float));
-    }
-    for (index_t r = 0; r < R; ++r) {
-      const float* __restrict gr = dy.data() + r * D;
-      const float* __restrict hr = s.xhat.data() + r * D;
-      for (index_t j = 0; j < D; ++j) {
-        dg[j] += gr[j] * hr[j];
-        db[j] += gr[j];
-      }
-    }
+    cpu::launch(kernels::col_blocks(D), kernels::layer_norm_param_grads{dy.data(), s.xhat.data(), dg_.data(),
+                                                                        db_.data(), R, D, c.accumulate});
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
-    const float* __restrict g = g_.data();
-    for (index_t r = 0; r < R; ++r) {
-      const float* __restrict gr = dy.data() + r * D;
-      const float* __restrict hr = s.xhat.data() + r * D;
-      float* __restrict dr = dx.data() + r * D;
-      for (index_t j = 0; j < D; ++j) dr[j] = gr[j] * g[j];  // d(x-hat), staged in dx
-      const float m1 = detail::vsum(dr, D) / static_cast<float>(D);
-      const float m2 = detail::vdot(dr, hr, D) / static_cast<float>(D);
-      const float rstd = s.rstd[r];
-      for (index_t j = 0; j < D; ++j) dr[j] = rstd * (dr[j] - m1 - hr[j] * m2);
-    }
+    cpu::launch(R, kernels::layer_norm_backward{dy.data(), s.xhat.data(), s.rstd.data(), g_.data(), dx.data(), D});
     return dx;
   }
 

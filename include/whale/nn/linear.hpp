@@ -56,7 +56,7 @@ struct linear {
     const index_t R = x.numel() / In;
     s.x = x;
     auto y = detail::ensure(s.y, {R, Out});
-    for (index_t r = 0; r < R; ++r) std::memcpy(y.data() + r * Out, b_.data(), Out * sizeof(float));
+    cpu::launch(R, kernels::bias_rows{y.data(), b_.data(), Out, false});
     cpu::gemm(cpu::trans::no, cpu::trans::yes, R, Out, In, 1.f, x.data(), w_.data(), 1.f, y.data());
     return y;
   }

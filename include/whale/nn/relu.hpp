@@ -3,6 +3,8 @@
 
 #include <string>
 
+#include "whale/backend/cpu/launch.hpp"
+#include "whale/backend/kernels/elementwise.hpp"
 #include "whale/nn/layer.hpp"
 
 namespace whale {
@@ -25,20 +27,13 @@ struct relu : stateless_params {
   view<float> forward(step_ctx& c, cview<float> x) {
     auto& s = st_(c.slot);
     auto y = detail::ensure(s.y, x.shape());
-    const index_t n = x.numel();
-    const float* __restrict xp = x.data();
-    float* __restrict yp = y.data();
-    for (index_t i = 0; i < n; ++i) yp[i] = xp[i] > 0.f ? xp[i] : 0.f;
+    cpu::launch(x.numel(), kernels::relu_forward{x.data(), y.data()});
     return y;
   }
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
     auto dx = detail::ensure(s.dx, dy.shape());
-    const index_t n = dy.numel();
-    const float* __restrict yp = s.y.data();
-    const float* __restrict g = dy.data();
-    float* __restrict d = dx.data();
-    for (index_t i = 0; i < n; ++i) d[i] = yp[i] > 0.f ? g[i] : 0.f;
+    cpu::launch(dy.numel(), kernels::relu_backward{s.y.data(), dy.data(), dx.data()});
     return dx;
   }
 

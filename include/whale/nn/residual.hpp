@@ -7,6 +7,8 @@
 #include <string>
 #include <type_traits>
 
+#include "whale/backend/cpu/launch.hpp"
+#include "whale/backend/kernels/elementwise.hpp"
 #include "whale/nn/layer.hpp"
 #include "whale/nn/sequential.hpp"
 
@@ -93,11 +95,7 @@ class residual {
                                   " outputs; a residual branch must keep the width");
     auto& s = st_(c.slot);
     auto y = detail::ensure(s.y, x.shape());
-    const index_t n = x.numel();
-    const float* __restrict xp = x.data();
-    const float* __restrict hp = h.data();
-    float* __restrict yp = y.data();
-    for (index_t i = 0; i < n; ++i) yp[i] = xp[i] + hp[i];
+    cpu::launch(x.numel(), kernels::add{x.data(), h.data(), y.data()});
     return y;
   }
   // dy: (R, F) -> dx = dy + inner'(dy): (R, F)
@@ -106,11 +104,7 @@ class residual {
     if (!c.need_input_grad) return {};
     auto& s = st_(c.slot);
     auto dx = detail::ensure(s.dx, dy.shape());
-    const index_t n = dy.numel();
-    const float* __restrict g = dy.data();
-    const float* __restrict hp = dh.data();
-    float* __restrict d = dx.data();
-    for (index_t i = 0; i < n; ++i) d[i] = g[i] + hp[i];
+    cpu::launch(dy.numel(), kernels::add{dy.data(), dh.data(), dx.data()});
     return dx;
   }
 

@@ -8,6 +8,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "whale/backend/cpu/launch.hpp"
+#include "whale/backend/kernels/rows.hpp"
 #include "whale/nn/layer.hpp"
 
 namespace whale {
@@ -42,31 +44,18 @@ struct softmax_cross_entropy : stateless_params {
     auto p = detail::ensure(s.grad, {R, C});
     const double n = c.global_rows > 0 ? c.loss_count() : static_cast<double>(R);
     const double inv = n > 0 ? 1.0 / n : 0.0;
-    double total = 0.0;
     for (index_t r = 0; r < R; ++r) {
-      const float* __restrict z = logits.data() + r * C;
-      float* __restrict q = p.data() + r * C;
       const std::int32_t y = labels[r];
-      if (y == ignore_index) {
-        for (index_t j = 0; j < C; ++j) q[j] = 0.f;
-        continue;
-      }
-      if (y < 0 || y >= C)
+      if (y != ignore_index && (y < 0 || y >= C))
         throw std::out_of_range("whale::softmax_cross_entropy: label " + std::to_string(y) +
                                 " out of range for " + std::to_string(C) + " classes (ignore_index is " +
                                 std::to_string(ignore_index) + ")");
-      float m = z[0];
-      for (index_t j = 1; j < C; ++j) m = z[j] > m ? z[j] : m;
-      float sum = 0.f;
-      for (index_t j = 0; j < C; ++j) {
-        q[j] = std::exp(z[j] - m);
-        sum += q[j];
-      }
-      total += std::log(static_cast<double>(sum)) + m - z[y];
-      const float scale = static_cast<float>(inv) / sum;
-      for (index_t j = 0; j < C; ++j) q[j] *= scale;
-      q[y] -= static_cast<float>(inv);
     }
+    auto loss = detail::ensure(s.row_loss, {R});
+    cpu::launch(R, kernels::cross_entropy_rows{logits.data(), labels.data(), p.data(), loss.data(), C,
+                                               static_cast<float>(inv), ignore_index});
+    double total = 0.0;
+    for (index_t r = 0; r < R; ++r) total += loss[r];
     return total * inv;
   }
   view<float> backward_loss(step_ctx& c) { return st_(c.slot).grad.v(); }
@@ -74,6 +63,7 @@ struct softmax_cross_entropy : stateless_params {
  private:
   struct state {
     tensor<float> grad;
+    tensor<double> row_loss;
   };
   slots<state> st_;
 };

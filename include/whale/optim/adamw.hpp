@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include "whale/backend/cpu/launch.hpp"
+#include "whale/backend/kernels/optim.hpp"
 #include "whale/optim/optimizer.hpp"
 
 namespace whale {
@@ -29,20 +31,11 @@ struct adamw {
   }
   void update(state& s, view<float> p, cview<float> g) const {
     ++s.steps;
-    const index_t n = p.numel();
     const float b1 = beta1, b2 = beta2;
     const float c1 = 1.f - static_cast<float>(std::pow(static_cast<double>(b1), static_cast<double>(s.steps)));
     const float c2 = 1.f - static_cast<float>(std::pow(static_cast<double>(b2), static_cast<double>(s.steps)));
-    const float step = lr / c1, inv_c2 = 1.f / c2, decay = 1.f - lr * weight_decay, e = eps;
-    float* __restrict pp = p.data();
-    const float* __restrict gp = g.data();
-    float* __restrict m = s.m.data();
-    float* __restrict v = s.v.data();
-    for (index_t i = 0; i < n; ++i) {
-      m[i] = b1 * m[i] + (1.f - b1) * gp[i];
-      v[i] = b2 * v[i] + (1.f - b2) * gp[i] * gp[i];
-      pp[i] = pp[i] * decay - step * m[i] / (std::sqrt(v[i] * inv_c2) + e);
-    }
+    cpu::launch(p.numel(), kernels::adamw_step{p.data(), g.data(), s.m.data(), s.v.data(), b1, b2, lr / c1, 1.f / c2,
+                                               1.f - lr * weight_decay, eps});
   }
 };
 

@@ -2,6 +2,8 @@
 // on a flat slice of parameters. Any slice: a sharded optimizer updates its own.
 #pragma once
 
+#include "whale/backend/cpu/launch.hpp"
+#include "whale/backend/kernels/optim.hpp"
 #include "whale/optim/optimizer.hpp"
 
 namespace whale {
@@ -27,26 +29,11 @@ struct sgd {
     return s;
   }
   void update(state& s, view<float> p, cview<float> g) const {
-    const index_t n = p.numel();
-    float* __restrict pp = p.data();
-    const float* __restrict gp = g.data();
-    const float lr_ = lr, mu = momentum, wd = weight_decay;
-    if (mu == 0.f) {
-      for (index_t i = 0; i < n; ++i) pp[i] -= lr_ * (gp[i] + wd * pp[i]);
-    } else {
-      float* __restrict b = s.buf.data();
-      if (s.steps == 0) {
-        for (index_t i = 0; i < n; ++i) {
-          b[i] = gp[i] + wd * pp[i];
-          pp[i] -= lr_ * b[i];
-        }
-      } else {
-        for (index_t i = 0; i < n; ++i) {
-          b[i] = mu * b[i] + gp[i] + wd * pp[i];
-          pp[i] -= lr_ * b[i];
-        }
-      }
-    }
+    if (momentum == 0.f)
+      cpu::launch(p.numel(), kernels::sgd_plain{p.data(), g.data(), lr, weight_decay});
+    else
+      cpu::launch(p.numel(), kernels::sgd_momentum{p.data(), g.data(), s.buf.data(), lr, weight_decay, momentum,
+                                                   s.steps == 0});
     ++s.steps;
   }
 };

@@ -242,11 +242,7 @@ class split_residual {
   view<float> forward(step_ctx& c, cview<float> x) {
     auto h = inner_.forward(c, x);
     auto y = detail::ensure(st_(c.slot).y, x.shape());
-    const index_t n = x.numel();
-    const float* __restrict a = x.data();
-    const float* __restrict b = h.data();
-    float* __restrict o = y.data();
-    for (index_t i = 0; i < n; ++i) o[i] = a[i] + b[i];
+    cpu::launch(x.numel(), kernels::add{x.data(), h.data(), y.data()});
     return y;
   }
   view<float> backward(step_ctx& c, cview<float> dy) {
@@ -254,8 +250,7 @@ class split_residual {
     auto dh = inner_.backward(c, dy);
     if (!outer) return {};
     auto dx = detail::ensure(st_(c.slot).dx, dy.shape());
-    const index_t n = dy.numel();
-    for (index_t i = 0; i < n; ++i) dx[i] = dy[i] + dh[i];
+    cpu::launch(dy.numel(), kernels::add{dy.data(), dh.data(), dx.data()});
     return dx;
   }
 

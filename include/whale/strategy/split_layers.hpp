@@ -59,23 +59,12 @@ class split_softmax_cross_entropy : public stateless_params {
     auto g = detail::ensure(s.grad, {R, n});
     auto st = detail::ensure(s.stats, {R});  // row maxima
     float* mx = st.data();
-    for (index_t r = 0; r < R; ++r) {
-      const float* z = logits.data() + r * n;
-      float m = z[0];
-      for (index_t j = 1; j < n; ++j) m = z[j] > m ? z[j] : m;
-      mx[r] = m;
-    }
+    cpu::launch(R, kernels::row_max{logits.data(), mx, n});
     all_reduce(*comm_, view<float>(mx, {R}), reduce_op::max);
     auto tg = detail::ensure(s.target, {2 * R});
+    cpu::launch(R, kernels::exp_rows{logits.data(), mx, g.data(), tg.data(), n});
     for (index_t r = 0; r < R; ++r) {
       const float* z = logits.data() + r * n;
-      float* q = g.data() + r * n;
-      float acc = 0.f;
-      for (index_t j = 0; j < n; ++j) {
-        q[j] = std::exp(z[j] - mx[r]);
-        acc += q[j];
-      }
-      tg[r] = acc;
       const index_t y = labels[r];
       if (y == ignore_index) {
         tg[R + r] = 0.f;
@@ -90,18 +79,10 @@ class split_softmax_cross_entropy : public stateless_params {
     const double count = c.loss_count();
     const double inv = count > 0 ? 1.0 / count : 0.0;
     double total = 0;
-    for (index_t r = 0; r < R; ++r) {
-      float* q = g.data() + r * n;
-      if (labels[r] == ignore_index) {  // no loss, no gradient
-        for (index_t j = 0; j < n; ++j) q[j] = 0.f;
-        continue;
-      }
-      total += std::log(static_cast<double>(tg[r])) + mx[r] - tg[R + r];
-      const float scale = static_cast<float>(inv) / tg[r];
-      for (index_t j = 0; j < n; ++j) q[j] *= scale;
-      const index_t y = labels[r];
-      if (y >= c0 && y < c0 + n) q[y - c0] -= static_cast<float>(inv);
-    }
+    for (index_t r = 0; r < R; ++r)
+      if (labels[r] != ignore_index) total += std::log(static_cast<double>(tg[r])) + mx[r] - tg[R + r];
+    cpu::launch(R, kernels::softmax_grad_rows{g.data(), tg.data(), labels.data(), n, c0, static_cast<float>(inv),
+                                              ignore_index});
     // every rank of a data-axis split computes the loss of all rows: share 1/p each
     return A == axis::data ? total * inv / p_ : total * inv;
   }

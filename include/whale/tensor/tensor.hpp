@@ -171,8 +171,8 @@ template <class T, class Space = host> using cview = view<const T, Space>;
 template <class T, class Space = host>
 class tensor {
   static_assert(std::is_same_v<Space, host>,
-                "whale::tensor: only host storage is implemented in this header; device tensors "
-                "come from the CUDA backend (whale/backend/cuda.hpp)");
+                "whale::tensor: only host storage is implemented; device memory comes from "
+                "cuda_backend::allocate (whale/backend/cuda.hpp), and layers run on the host today");
   static_assert(std::is_trivially_copyable_v<T>,
                 "whale::tensor: elements must be trivially copyable (float, int32, ...)");
 

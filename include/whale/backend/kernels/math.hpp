@@ -1,30 +1,30 @@
-// Vectorizable float math for layer kernels (GELU, softmax, LayerNorm): exp,
+// Float math for kernel bodies (GELU, softmax, LayerNorm, cross-entropy): exp,
 // tanh and lane-split reductions written as plain float arithmetic and bit
-// casts that the compiler turns into SIMD without -ffast-math. Not a libm.
+// casts, which g++ turns into SIMD without -ffast-math and nvcc compiles for
+// the GPU unchanged (the same arithmetic on both sides). Not a libm.
 #pragma once
 
-#include <bit>
 #include <cstdint>
 
-#include "whale/tensor/tensor.hpp"
+#include "whale/backend/kernel.hpp"
 
-namespace whale::detail {
+namespace whale::kernels {
 
 /// e^x for float x; relative error < 3e-7 where the result is a normal float.
 /// Saturates instead of overflowing: about 1e-38 for x < -87, at most 2.4e38 for
 /// x > 88 (so exp(-inf) is ~1e-38, not 0). Branch-free and built only from
 /// operations GCC vectorizes without -ffast-math (float selects here would
 /// stop it, so the clamps are done on integers); inlined into a loop, it vectorizes.
-[[gnu::always_inline]] inline float vexp(float x) noexcept {
+WHALE_HD WHALE_INLINE float vexp(float x) noexcept {
   constexpr float log2e = 1.44269504088896341f;
   constexpr float ln2_hi = 0.693359375f;       // exact in 9 bits: n * ln2_hi is exact
   constexpr float ln2_lo = -2.12194440e-4f;    // ln 2 - ln2_hi
   constexpr float round_magic = 12582912.f;    // 1.5 * 2^23: adding it rounds to an integer
   // |x| <= 100 (on the bit pattern), so that n below is a small integer
-  const auto xb = std::bit_cast<std::int32_t>(x);
-  constexpr auto lim = std::bit_cast<std::int32_t>(100.f);
+  const auto xb = as_int(x);
+  constexpr std::int32_t lim = 0x42c80000;  // the bits of 100.f
   constexpr auto sign = static_cast<std::int32_t>(0x80000000u);
-  x = std::bit_cast<float>((xb & 0x7fffffff) > lim ? ((xb & sign) | lim) : xb);
+  x = as_float((xb & 0x7fffffff) > lim ? ((xb & sign) | lim) : xb);
   const float n = (x * log2e + round_magic) - round_magic;  // round(x / ln 2)
   const float r = (x - n * ln2_hi) - n * ln2_lo;            // |r| <= ln2 / 2
   // e^r by its Taylor series to degree 7 (truncation < 3e-9 on |r| <= 0.347).
@@ -39,16 +39,16 @@ namespace whale::detail {
   auto ni = static_cast<std::int32_t>(n);
   ni = ni < -126 ? -126 : ni;  // keep 2^n a normal float
   ni = ni > 127 ? 127 : ni;
-  return p * std::bit_cast<float>((ni + 127) << 23);  // p * 2^n
+  return p * as_float((ni + 127) << 23);  // p * 2^n
 }
 
 /// tanh(x) = 1 - 2 / (1 + e^{2x}); absolute error < 1e-6, exactly +-1 when |x| > 9.
-[[gnu::always_inline]] inline float vtanh(float x) noexcept {
+WHALE_HD WHALE_INLINE float vtanh(float x) noexcept {
   return 1.f - 2.f / (1.f + vexp(2.f * x));
 }
 
 /// Sum of x[0..n), in 8 lanes so that it vectorizes.
-inline float vsum(const float* __restrict x, index_t n) noexcept {
+WHALE_HD WHALE_INLINE float vsum(const float* __restrict x, index_t n) noexcept {
   float acc[8] = {};
   const index_t n8 = n / 8 * 8;
   for (index_t i = 0; i < n8; i += 8)
@@ -60,7 +60,7 @@ inline float vsum(const float* __restrict x, index_t n) noexcept {
 }
 
 /// Dot product of a[0..n) and b[0..n), in 8 lanes.
-inline float vdot(const float* __restrict a, const float* __restrict b, index_t n) noexcept {
+WHALE_HD WHALE_INLINE float vdot(const float* __restrict a, const float* __restrict b, index_t n) noexcept {
   float acc[8] = {};
   const index_t n8 = n / 8 * 8;
   for (index_t i = 0; i < n8; i += 8)
@@ -72,7 +72,7 @@ inline float vdot(const float* __restrict a, const float* __restrict b, index_t 
 }
 
 /// Maximum of x[0..n), n >= 1, in 8 lanes.
-inline float vmax(const float* __restrict x, index_t n) noexcept {
+WHALE_HD WHALE_INLINE float vmax(const float* __restrict x, index_t n) noexcept {
   float m = x[0];
   const index_t n8 = n / 8 * 8;
   if (n8 > 0) {
@@ -86,4 +86,4 @@ inline float vmax(const float* __restrict x, index_t n) noexcept {
   return m;
 }
 
-}  // namespace whale::detail
+}  // namespace whale::kernels

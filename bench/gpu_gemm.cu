@@ -1,0 +1,136 @@
+// The GPU's GEMM limit at a model's own shapes: every GEMM of one training step
+// of `gpt-gpu` (12 layers, width 1024, 16 heads, seq 1024, vocab 32768; 8
+// sequences) -- forward, input gradient and weight gradient of each projection,
+// the attention products per head (strided-batched), the LM head -- timed alone
+// through cuda_backend in bf16 (inputs bf16, fp32 accumulation; fp32 and TF32
+// with --precision). Prints one JSON line: the step's GEMM FLOPs, their time
+// and the rate (the denominator of MFU). Without a GPU: a clear error, exit 2.
+//
+//   gpu_gemm [--precision bf16|fp32|tf32] [--reps R] [--sequences B]
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "whale/backend/cuda.hpp"
+#include "whale/detail/parse.hpp"
+
+using namespace whale;
+
+namespace {
+struct shape_t {
+  const char* what;
+  trans ta, tb;
+  index_t M, N, K, count;  // count > 1: strided-batched
+  int per_step;            // how many times one step runs it
+};
+
+// GEMMs of one step (forward + backward) of a decoder with width D, FFN 4D,
+// H heads, B sequences of T tokens, L layers, vocabulary V.
+std::vector<shape_t> step_gemms(index_t B, index_t T, index_t D, index_t H, index_t L, index_t V) {
+  const index_t R = B * T, hd = D / H;
+  const int l = static_cast<int>(L);
+  return {
+      {"qkv fwd", trans::no, trans::yes, R, 3 * D, D, 1, l},
+      {"qkv dx", trans::no, trans::no, R, D, 3 * D, 1, l},
+      {"qkv dw", trans::yes, trans::no, 3 * D, D, R, 1, l},
+      {"out fwd", trans::no, trans::yes, R, D, D, 1, l},
+      {"out dx", trans::no, trans::no, R, D, D, 1, l},
+      {"out dw", trans::yes, trans::no, D, D, R, 1, l},
+      {"fc1 fwd", trans::no, trans::yes, R, 4 * D, D, 1, l},
+      {"fc1 dx", trans::no, trans::no, R, D, 4 * D, 1, l},
+      {"fc1 dw", trans::yes, trans::no, 4 * D, D, R, 1, l},
+      {"fc2 fwd", trans::no, trans::yes, R, D, 4 * D, 1, l},
+      {"fc2 dx", trans::no, trans::no, R, 4 * D, D, 1, l},
+      {"fc2 dw", trans::yes, trans::no, D, 4 * D, R, 1, l},
+      {"scores QK^T", trans::no, trans::yes, T, T, hd, B * H, l},
+      {"P V", trans::no, trans::no, T, hd, T, B * H, l},
+      {"dP = dO V^T", trans::no, trans::yes, T, T, hd, B * H, l},
+      {"dV = P^T dO", trans::yes, trans::no, T, hd, T, B * H, l},
+      {"dQ = dS K", trans::no, trans::no, T, hd, T, B * H, l},
+      {"dK = dS^T Q", trans::yes, trans::no, T, hd, T, B * H, l},
+      {"lm head fwd", trans::no, trans::yes, R, V, D, 1, 1},
+      {"lm head dx", trans::no, trans::no, R, D, V, 1, 1},
+      {"lm head dw", trans::yes, trans::no, V, D, R, 1, 1},
+  };
+}
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    std::string precision = "bf16";
+    index_t reps = 10, B = 8;
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      if (a == "--precision" && i + 1 < argc) {
+        precision = argv[++i];
+        if (precision != "bf16" && precision != "fp32" && precision != "tf32")
+          throw std::invalid_argument("gpu_gemm: --precision '" + precision + "': expected bf16, fp32 or tf32");
+      } else if (a == "--reps" && i + 1 < argc) reps = detail::parse_int(argv[++i], "--reps", 1, 1000);
+      else if (a == "--sequences" && i + 1 < argc) B = detail::parse_int(argv[++i], "--sequences", 1, 512);
+      else throw std::invalid_argument("gpu_gemm: unknown argument " + a + " (have --precision, --reps, --sequences)");
+    }
+    if (cuda_device_count() == 0) {
+      std::fprintf(stderr, "gpu_gemm: no CUDA device found: the GPU benchmark needs a GPU (use the CPU backend here)\n");
+      return 2;
+    }
+    cuda_backend gpu;
+    gpu.set_tf32(precision == "tf32");
+    const index_t T = 1024, D = 1024, H = 16, L = 12, V = 32768;
+    const auto gemms = step_gemms(B, T, D, H, L, V);
+    const std::size_t elt = precision == "bf16" ? 2 : 4;
+    std::size_t most = 0;
+    for (const auto& g : gemms) most = std::max({most, static_cast<std::size_t>(g.M * g.K * g.count),
+                                                 static_cast<std::size_t>(g.K * g.N * g.count),
+                                                 static_cast<std::size_t>(g.M * g.N * g.count)});
+    void* A = gpu.allocate(most * elt);
+    void* Bm = gpu.allocate(most * elt);
+    void* C = gpu.allocate(most * 4);
+    gpu.fill_zero(A, most * elt), gpu.fill_zero(Bm, most * elt), gpu.fill_zero(C, most * 4);
+    auto run = [&](const shape_t& g) {
+      const index_t lda = g.ta == trans::yes ? g.M : g.K, ldb = g.tb == trans::yes ? g.K : g.N;
+      if (precision == "bf16") {
+        if (g.count == 1) gpu.gemm_bf16(g.ta, g.tb, g.M, g.N, g.K, 1.f, A, lda, Bm, ldb, 0.f, C, g.N, true);
+        else
+          for (index_t b = 0; b < g.count; ++b)  // per problem: cublasGemmStridedBatchedEx is the next step
+            gpu.gemm_bf16(g.ta, g.tb, g.M, g.N, g.K, 1.f, static_cast<char*>(A) + b * g.M * g.K * 2, lda,
+                          static_cast<char*>(Bm) + b * g.K * g.N * 2, ldb, 0.f,
+                          static_cast<char*>(C) + b * g.M * g.N * 2, g.N, true);
+      } else if (g.count == 1) {
+        gpu.gemm(g.ta, g.tb, g.M, g.N, g.K, 1.f, static_cast<float*>(A), lda, static_cast<float*>(Bm), ldb, 0.f,
+                 static_cast<float*>(C), g.N);
+      } else {
+        gpu.gemm_strided_batched(g.ta, g.tb, g.M, g.N, g.K, 1.f, static_cast<float*>(A), lda, g.M * g.K,
+                                 static_cast<float*>(Bm), ldb, g.K * g.N, 0.f, static_cast<float*>(C), g.N,
+                                 g.M * g.N, g.count);
+      }
+    };
+    double flops = 0, seconds = 0;
+    std::string per_shape;
+    for (const auto& g : gemms) {
+      run(g);  // warm-up (cuBLAS heuristics, workspace)
+      gpu.synchronize();
+      const auto t0 = std::chrono::steady_clock::now();
+      for (index_t r = 0; r < reps; ++r) run(g);
+      gpu.synchronize();
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
+      const double f = 2.0 * g.M * g.N * g.K * g.count;
+      flops += f * g.per_step;
+      seconds += s * g.per_step;
+      char b[160];
+      std::snprintf(b, sizeof b, "%s\"%s\": %.1f", per_shape.empty() ? "" : ", ", g.what, f / s / 1e12);
+      per_shape += b;
+    }
+    std::printf("{\"workload\": \"gpt-gpu\", \"backend\": \"cuda\", \"measure\": \"gemm_limit\", \"precision\": \"%s\", "
+                "\"sequences\": %lld, \"seq\": %lld, \"gemm_flops_per_step\": %.6g, \"gemm_only_step_s\": %.6g, "
+                "\"gemm_tflops\": %.2f, \"tflops_by_shape\": {%s}, \"cuda_mallocs\": %lld}\n",
+                precision.c_str(), static_cast<long long>(B), static_cast<long long>(T), flops, seconds,
+                flops / seconds / 1e12, per_shape.c_str(), static_cast<long long>(gpu.allocator().upstream_allocations));
+    for (void* p : {A, Bm, C}) gpu.deallocate(p, 0);
+    return 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "gpu_gemm: %s\n", e.what());
+    return 2;
+  }
+}

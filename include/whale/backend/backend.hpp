@@ -1,0 +1,54 @@
+// The `Backend` concept: the compute a memory space offers to layers and
+// optimizers -- GEMM in every transpose, strided-batched GEMM, any kernel body
+// (backend/kernel.hpp) over an index space, allocation, copy and fill in its
+// space, and an ordered queue with events. Models: `cpu_backend`
+// (backend/cpu.hpp) and `cuda_backend` (backend/cuda.hpp). No implementation here.
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+
+#include "whale/backend/kernel.hpp"
+
+namespace whale {
+
+/// Transpose flag of a GEMM operand (row-major storage).
+enum class trans : bool { no = false, yes = true };
+
+namespace detail {
+/// A kernel body used only to check that a backend can launch bodies.
+struct probe_body {
+  float* x;
+  WHALE_HD void operator()(index_t i) const noexcept { x[i] = 0.f; }
+};
+}  // namespace detail
+
+/// What a compute backend provides. Members a type needs, and nothing else:
+/// - `space`: the memory space of the pointers it takes (host, cuda);
+/// - `event_type`, `record(e)`, `wait(e)`, `synchronize()`: its queue (the CPU
+///   queue is the calling thread, so these do nothing there);
+/// - `gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)`, row-major,
+///   C(M,N) = alpha op(A) op(B) + beta C, and `gemm_strided_batched` with
+///   element strides between the `count` problems;
+/// - `launch(n, body)`: body(i) for i in [0, n) (one body, two spaces);
+/// - `allocate(bytes)`, `deallocate(p, bytes)`, `copy(dst, src, bytes)` and
+///   `fill_zero(p, bytes)` in its space.
+template <class B>
+concept Backend = requires(B& b, float* p, const float* cp, index_t n, std::size_t bytes, void* v, const void* cv,
+                           typename B::event_type& e) {
+  typename B::space;
+  typename B::event_type;
+  { B::name() } -> std::convertible_to<const char*>;
+  b.gemm(trans::no, trans::yes, n, n, n, 1.f, cp, n, cp, n, 0.f, p, n);
+  b.gemm_strided_batched(trans::no, trans::yes, n, n, n, 1.f, cp, n, n, cp, n, n, 0.f, p, n, n, n);
+  b.launch(n, detail::probe_body{p});
+  { b.allocate(bytes) } -> std::same_as<void*>;
+  b.deallocate(v, bytes);
+  b.copy(v, cv, bytes);
+  b.fill_zero(v, bytes);
+  b.record(e);
+  b.wait(e);
+  b.synchronize();
+};
+
+}  // namespace whale

@@ -1,0 +1,217 @@
+// The CUDA backend: `cuda_backend`, a model of the Backend concept on one GPU
+// -- cuBLAS GEMMs (fp32, TF32 opt-in, bf16 inputs with fp32 accumulation),
+// kernel bodies (backend/kernels/) on a CUDA grid, a caching device allocator
+// (no cudaMalloc in the steady state), pinned host staging, a compute and a
+// communication stream with events between them. Needs the CUDA toolkit
+// (link whale::cuda); launching bodies needs a .cu file compiled by nvcc.
+// Layers do not yet run on it (docs/backend.md says what does).
+#pragma once
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <cstdlib>
+#include <stdexcept>
+#include <string>
+
+#include "whale/backend/backend.hpp"
+#include "whale/backend/caching_allocator.hpp"
+#include "whale/detail/parse.hpp"
+#if defined(__CUDACC__)
+#include "whale/backend/cuda/launch.cuh"
+#endif
+
+namespace whale {
+
+namespace detail {
+inline void cuda_check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("whale::cuda_backend: ") + what + " failed: " + cudaGetErrorString(e));
+}
+inline void cublas_check(cublasStatus_t s, const char* what) {
+  if (s != CUBLAS_STATUS_SUCCESS)
+    throw std::runtime_error(std::string("whale::cuda_backend: ") + what + " failed: " + cublasGetStatusString(s));
+}
+/// cudaMalloc and cudaFree, counted (the caching allocator's upstream).
+struct cuda_device_upstream {
+  void* allocate(std::size_t n) {
+    void* p = nullptr;
+    cuda_check(cudaMalloc(&p, n), ("cudaMalloc of " + std::to_string(n) + " bytes").c_str());
+    return p;
+  }
+  void deallocate(void* p, std::size_t) noexcept { cudaFree(p); }
+};
+}  // namespace detail
+
+/// GPUs visible to this process; 0 where there is no device or no driver (never throws).
+inline int cuda_device_count() noexcept {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky error of a missing driver
+    return 0;
+  }
+  return n;
+}
+
+/// The device of this rank: OMPI_COMM_WORLD_LOCAL_RANK modulo the visible
+/// devices, or 0 outside mpirun. "no CUDA device found" when there is none.
+inline int cuda_device_for_local_rank() {
+  const int n = cuda_device_count();
+  if (n == 0)
+    throw std::runtime_error("whale::cuda_backend: no CUDA device found (cudaGetDeviceCount reports none); "
+                             "run on a machine with a GPU, or use the CPU backend");
+  const char* text = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  if (!text) return 0;
+  const auto local = static_cast<int>(detail::parse_int(text, "OMPI_COMM_WORLD_LOCAL_RANK", 0, INT_MAX));
+  return local % n;
+}
+
+/// One GPU as a Backend. Owns a compute stream (every GEMM, kernel, copy and
+/// fill is queued there, in order), a communication stream for NCCL, a cuBLAS
+/// handle on the compute stream and a caching allocator whose blocks are
+/// reused in the compute stream's order. Not copyable; one per rank.
+class cuda_backend {
+ public:
+  using space = cuda;
+  /// A CUDA event (timing disabled), created on first record.
+  class event_type {
+   public:
+    event_type() = default;
+    event_type(const event_type&) = delete;
+    event_type& operator=(const event_type&) = delete;
+    ~event_type() {
+      if (e_) cudaEventDestroy(e_);
+    }
+    cudaEvent_t get() {
+      if (!e_) detail::cuda_check(cudaEventCreateWithFlags(&e_, cudaEventDisableTiming), "cudaEventCreate");
+      return e_;
+    }
+
+   private:
+    cudaEvent_t e_ = nullptr;
+  };
+  static constexpr const char* name() noexcept { return "cuda"; }
+
+  /// On `device`, or by local rank when negative (cuda_device_for_local_rank).
+  explicit cuda_backend(int device = -1) : device_(device < 0 ? cuda_device_for_local_rank() : device) {
+    if (device_ >= cuda_device_count())
+      throw std::invalid_argument("whale::cuda_backend: device " + std::to_string(device_) + " does not exist (" +
+                                  std::to_string(cuda_device_count()) + " visible)");
+    detail::cuda_check(cudaSetDevice(device_), "cudaSetDevice");
+    detail::cuda_check(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking), "cudaStreamCreate (compute)");
+    detail::cuda_check(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking), "cudaStreamCreate (communication)");
+    detail::cublas_check(cublasCreate(&blas_), "cublasCreate");
+    detail::cublas_check(cublasSetStream(blas_, compute_), "cublasSetStream");
+  }
+  cuda_backend(const cuda_backend&) = delete;
+  cuda_backend& operator=(const cuda_backend&) = delete;
+  ~cuda_backend() {
+    if (compute_) cudaStreamSynchronize(compute_);
+    alloc_.release();
+    if (blas_) cublasDestroy(blas_);
+    if (comm_) cudaStreamDestroy(comm_);
+    if (compute_) cudaStreamDestroy(compute_);
+  }
+
+  int device() const noexcept { return device_; }
+  cudaStream_t compute_stream() const noexcept { return compute_; }
+  cudaStream_t comm_stream() const noexcept { return comm_; }
+  cublasHandle_t blas_handle() const noexcept { return blas_; }
+
+  /// TF32 tensor cores for fp32 GEMMs (off by default: results then match fp32 to ~1e-3 relative).
+  void set_tf32(bool on) {
+    detail::cublas_check(cublasSetMathMode(blas_, on ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH),
+                         "cublasSetMathMode");
+  }
+
+  // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
+  void gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
+            const float* B, index_t ldb, float beta, float* C, index_t ldc) {
+    if (M == 0 || N == 0) return;
+    detail::cublas_check(cublasSgemm(blas_, op(tb), op(ta), i32(N), i32(M), i32(K), &alpha, B, i32(ldb), A,
+                                     i32(lda), &beta, C, i32(ldc)),
+                         "cublasSgemm");
+  }
+  void gemm_strided_batched(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A,
+                            index_t lda, index_t strideA, const float* B, index_t ldb, index_t strideB, float beta,
+                            float* C, index_t ldc, index_t strideC, index_t count) {
+    if (M == 0 || N == 0 || count == 0) return;
+    detail::cublas_check(cublasSgemmStridedBatched(blas_, op(tb), op(ta), i32(N), i32(M), i32(K), &alpha, B,
+                                                   i32(ldb), strideB, A, i32(lda), strideA, &beta, C, i32(ldc),
+                                                   strideC, i32(count)),
+                         "cublasSgemmStridedBatched");
+  }
+  /// C (fp32 or bf16, `c_bf16`) = alpha op(A) op(B) + beta C with A and B in
+  /// bf16 (the bits of __nv_bfloat16), accumulated in fp32: the GEMM of bf16
+  /// mixed precision.
+  void gemm_bf16(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const void* A, index_t lda,
+                 const void* B, index_t ldb, float beta, void* C, index_t ldc, bool c_bf16) {
+    if (M == 0 || N == 0) return;
+    detail::cublas_check(cublasGemmEx(blas_, op(tb), op(ta), i32(N), i32(M), i32(K), &alpha, B, CUDA_R_16BF,
+                                      i32(ldb), A, CUDA_R_16BF, i32(lda), &beta, C,
+                                      c_bf16 ? CUDA_R_16BF : CUDA_R_32F, i32(ldc), CUBLAS_COMPUTE_32F,
+                                      CUBLAS_GEMM_DEFAULT),
+                         "cublasGemmEx (bf16)");
+  }
+
+  /// body(i) for i in [0, n) on the compute stream, asynchronously.
+  template <kernels::KernelBody K> void launch(index_t n, const K& body) {
+#if defined(__CUDACC__)
+    cuda_space::launch(n, body, compute_);
+#else
+    static_assert(sizeof(K) == 0,
+                  "whale::cuda_backend::launch: kernel bodies are compiled for the GPU only by nvcc; call it from "
+                  "a .cu file (the CPU backend runs the same bodies from any C++ file)");
+    (void)n;
+    (void)body;
+#endif
+  }
+
+  /// Device memory from the cache (cudaMalloc only when no cached block fits).
+  void* allocate(std::size_t bytes) { return alloc_.allocate(bytes); }
+  void deallocate(void* p, std::size_t bytes) { alloc_.deallocate(p, bytes); }
+  const allocator_stats& allocator() const noexcept { return alloc_.stats(); }
+  /// Page-locked host memory for staging copies (cudaMallocHost), and its release.
+  void* allocate_pinned(std::size_t bytes) {
+    void* p = nullptr;
+    detail::cuda_check(cudaMallocHost(&p, bytes), "cudaMallocHost");
+    return p;
+  }
+  void deallocate_pinned(void* p) noexcept {
+    if (p) cudaFreeHost(p);
+  }
+
+  /// Copy within or between spaces (unified addressing decides the direction), on the compute stream.
+  void copy(void* dst, const void* src, std::size_t bytes) {
+    if (bytes) detail::cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, compute_), "cudaMemcpyAsync");
+  }
+  void fill_zero(void* p, std::size_t bytes) {
+    if (bytes) detail::cuda_check(cudaMemsetAsync(p, 0, bytes, compute_), "cudaMemsetAsync");
+  }
+
+  /// Mark the compute stream's work so far; `wait` makes the compute stream wait for a mark.
+  void record(event_type& e) { detail::cuda_check(cudaEventRecord(e.get(), compute_), "cudaEventRecord"); }
+  void wait(event_type& e) { detail::cuda_check(cudaStreamWaitEvent(compute_, e.get(), 0), "cudaStreamWaitEvent"); }
+  /// The same on the communication stream: gradient buckets wait for backward's
+  /// event there, and the optimizer waits for the all-reduce's event here.
+  void record_comm(event_type& e) { detail::cuda_check(cudaEventRecord(e.get(), comm_), "cudaEventRecord"); }
+  void comm_wait(event_type& e) { detail::cuda_check(cudaStreamWaitEvent(comm_, e.get(), 0), "cudaStreamWaitEvent"); }
+  void synchronize() { detail::cuda_check(cudaStreamSynchronize(compute_), "cudaStreamSynchronize"); }
+
+ private:
+  static cublasOperation_t op(trans t) noexcept { return t == trans::yes ? CUBLAS_OP_T : CUBLAS_OP_N; }
+  static int i32(index_t v) {
+    if (v < 0 || v > INT_MAX)
+      throw std::invalid_argument("whale::cuda_backend: GEMM size " + std::to_string(v) + " exceeds cuBLAS's int");
+    return static_cast<int>(v);
+  }
+  int device_ = 0;
+  cudaStream_t compute_ = nullptr, comm_ = nullptr;
+  cublasHandle_t blas_ = nullptr;
+  caching_allocator<detail::cuda_device_upstream> alloc_;
+};
+static_assert(Backend<cuda_backend>, "whale::cuda_backend must model the Backend concept");
+
+}  // namespace whale

@@ -1,0 +1,75 @@
+// Elementwise kernel bodies, body(i) over the elements: GELU (tanh form) and
+// ReLU forward and backward, the residual sum, bf16 rounding. One body each,
+// run by a CPU loop or a CUDA grid (backend/kernel.hpp); no reductions here.
+#pragma once
+
+#include "whale/backend/kernels/math.hpp"
+
+namespace whale::kernels {
+
+inline constexpr float gelu_k0 = 0.7978845608028654f;  // sqrt(2 / pi)
+inline constexpr float gelu_k1 = 0.044715f;
+
+/// y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
+struct gelu_forward {
+  const float* x;
+  float* y;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
+    const float v = x[i];
+    const float t = vtanh(gelu_k0 * (v + gelu_k1 * v * v * v));
+    y[i] = 0.5f * v * (1.f + t);
+  }
+};
+/// dx = dy * GELU'(x), the tanh recomputed from x.
+struct gelu_backward {
+  const float* x;
+  const float* dy;
+  float* dx;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
+    const float v = x[i];
+    const float v2 = v * v;
+    const float t = vtanh(gelu_k0 * (v + gelu_k1 * v2 * v));
+    const float du = gelu_k0 * (1.f + 3.f * gelu_k1 * v2);  // d(inner)/dx
+    dx[i] = dy[i] * (0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * du);
+  }
+};
+
+/// y = max(x, 0)
+struct relu_forward {
+  const float* x;
+  float* y;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { y[i] = x[i] > 0.f ? x[i] : 0.f; }
+};
+/// dx = dy where the output was positive, else 0 (from the saved output y).
+struct relu_backward {
+  const float* y;
+  const float* dy;
+  float* dx;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { dx[i] = y[i] > 0.f ? dy[i] : 0.f; }
+};
+
+/// out = a + b (the residual sum, forward and backward).
+struct add {
+  const float* a;
+  const float* b;
+  float* out;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { out[i] = a[i] + b[i]; }
+};
+
+/// x rounded to the nearest bfloat16 (ties to even), kept in a float: the
+/// emulation of bf16 storage on the CPU and the cast on the GPU. NaN stays NaN;
+/// values beyond bf16's range round to infinity as a real cast does.
+WHALE_HD WHALE_INLINE float round_bf16(float x) noexcept {
+  const std::int32_t b = as_int(x);
+  const std::uint32_t u = static_cast<std::uint32_t>(b);
+  const std::uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  // inf and NaN pass through (an integer select, so that the loop vectorizes)
+  return as_float((b & 0x7f800000) == 0x7f800000 ? b : static_cast<std::int32_t>(r));
+}
+/// x[i] = round_bf16(x[i]) in place.
+struct to_bf16 {
+  float* x;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { x[i] = round_bf16(x[i]); }
+};
+
+}  // namespace whale::kernels

@@ -1,0 +1,180 @@
+// The CUDA backend against the CPU backend, on a GPU: every kernel body of
+// backend/kernels/ run by a CUDA grid against the same body run by the CPU
+// loop (tests/support/kernel_cases.hpp), cuBLAS GEMMs in every transpose and
+// strided-batched against OpenBLAS (fp32, TF32, bf16 inputs), and the caching
+// allocator's steady state (no cudaMalloc after the first step). Compiled by
+// nvcc in CI; without a GPU it prints "skipped: no CUDA device" and exits 77
+// (ctest's skip code). Tolerances are stated beside each check.
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+#include "support/kernel_cases.hpp"
+#include "whale/backend/cpu.hpp"
+#include "whale/backend/cuda.hpp"
+
+using namespace whale;
+namespace kc = kernel_cases;
+
+static_assert(Backend<cuda_backend>, "cuda_backend must model the Backend concept");
+static_assert(Backend<cpu_backend>, "cpu_backend must model the Backend concept");
+
+namespace {
+int failures = 0;
+void check(bool ok, const std::string& what) {
+  if (!ok) {
+    ++failures;
+    std::printf("FAILED: %s\n", what.c_str());
+  }
+}
+
+// Device copies of a host_buffers set, and back.
+struct device_buffers {
+  cuda_backend& b;
+  std::vector<float*> f;
+  std::int32_t *labels = nullptr, *tokens = nullptr;
+  double* rowd = nullptr;
+  explicit device_buffers(cuda_backend& be, kc::host_buffers& h) : b(be) {
+    for (auto* v : h.floats()) {
+      f.push_back(static_cast<float*>(b.allocate(v->size() * sizeof(float))));
+      b.copy(f.back(), v->data(), v->size() * sizeof(float));
+    }
+    labels = static_cast<std::int32_t*>(b.allocate(h.labels.size() * 4));
+    tokens = static_cast<std::int32_t*>(b.allocate(h.tokens.size() * 4));
+    rowd = static_cast<double*>(b.allocate(h.rowd.size() * 8));
+    b.copy(labels, h.labels.data(), h.labels.size() * 4);
+    b.copy(tokens, h.tokens.data(), h.tokens.size() * 4);
+    b.copy(rowd, h.rowd.data(), h.rowd.size() * 8);
+  }
+  kc::buffers ptrs() { return {f[0], f[1], f[2], f[3], f[4], f[5], labels, tokens, rowd}; }
+  void to_host(kc::host_buffers& h) {
+    auto hv = h.floats();
+    for (std::size_t i = 0; i < hv.size(); ++i) b.copy(hv[i]->data(), f[i], hv[i]->size() * sizeof(float));
+    b.copy(h.rowd.data(), rowd, h.rowd.size() * 8);
+    b.synchronize();
+  }
+  ~device_buffers() {
+    for (auto* p : f) b.deallocate(p, 0);
+    b.deallocate(labels, 0), b.deallocate(tokens, 0), b.deallocate(rowd, 0);
+  }
+};
+
+void kernel_bodies(cuda_backend& gpu) {
+  int n_cases = 0;
+  kc::for_each_case([&](const char* name, index_t n, auto make) {
+    ++n_cases;
+    kc::host_buffers cpu_side, gpu_side;
+    cpu::launch(n, make(cpu_side.ptrs()));
+    {
+      device_buffers d(gpu, gpu_side);
+      gpu.launch(n, make(d.ptrs()));
+      d.to_host(gpu_side);
+    }
+    auto c = cpu_side.floats(), g = gpu_side.floats();
+    double worst = 0;
+    for (std::size_t i = 0; i < c.size(); ++i) worst = std::max(worst, kc::max_rel_diff(*g[i], *c[i]));
+    // same arithmetic; the GPU contracts to FMA where the CPU's baseline does not
+    check(worst <= 2e-6, std::string(name) + ": GPU vs CPU relative difference " + std::to_string(worst));
+  });
+  std::printf("kernel bodies: %d cases compared, GPU vs CPU\n", n_cases);
+}
+
+void gemms(cuda_backend& gpu) {
+  const index_t M = 67, N = 45, K = 129;
+  std::vector<float> A(M * K), B(K * N), C0(M * N), Cc(M * N), Cg(M * N);
+  for (std::size_t i = 0; i < A.size(); ++i) A[i] = static_cast<float>((i * 37) % 17) / 8.f - 1.f;
+  for (std::size_t i = 0; i < B.size(); ++i) B[i] = static_cast<float>((i * 11) % 13) / 6.f - 1.f;
+  for (std::size_t i = 0; i < C0.size(); ++i) C0[i] = static_cast<float>(i % 7) - 3.f;
+  auto* dA = static_cast<float*>(gpu.allocate(A.size() * 4));
+  auto* dB = static_cast<float*>(gpu.allocate(B.size() * 4));
+  auto* dC = static_cast<float*>(gpu.allocate(C0.size() * 4));
+  gpu.copy(dA, A.data(), A.size() * 4);
+  gpu.copy(dB, B.data(), B.size() * 4);
+  for (bool tf32 : {false, true}) {
+    gpu.set_tf32(tf32);
+    for (int t = 0; t < 4; ++t) {
+      const trans ta = t & 1 ? trans::yes : trans::no, tb = t & 2 ? trans::yes : trans::no;
+      const index_t lda = ta == trans::yes ? M : K, ldb = tb == trans::yes ? K : N;
+      Cc = C0;
+      cpu::gemm(ta, tb, M, N, K, 0.5f, A.data(), lda, B.data(), ldb, 2.f, Cc.data(), N);
+      gpu.copy(dC, C0.data(), C0.size() * 4);
+      gpu.gemm(ta, tb, M, N, K, 0.5f, dA, lda, dB, ldb, 2.f, dC, N);
+      gpu.copy(Cg.data(), dC, Cg.size() * 4);
+      gpu.synchronize();
+      const double d = kc::max_rel_diff(Cg, Cc);
+      // fp32: summation order only (1e-5); TF32 rounds inputs to 10 bits (relative 1e-3 of |C| ~ K)
+      check(d <= (tf32 ? 5e-2 : 1e-5), "gemm ta=" + std::to_string(t & 1) + " tb=" + std::to_string(t >> 1) +
+                                           (tf32 ? " tf32" : " fp32") + ": difference " + std::to_string(d));
+    }
+  }
+  gpu.set_tf32(false);
+  // strided-batched: 3 problems
+  const index_t count = 3, m = 8, n = 9, k = 10;
+  std::vector<float> a(count * m * k), bb(count * k * n), cc(count * m * n, 0.f), cg(count * m * n);
+  for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>(i % 5) - 2.f;
+  for (std::size_t i = 0; i < bb.size(); ++i) bb[i] = static_cast<float>(i % 3) - 1.f;
+  cpu::gemm_strided_batched(trans::no, trans::yes, m, n, k, 1.f, a.data(), k, m * k, bb.data(), k, k * n, 0.f,
+                            cc.data(), n, m * n, count);
+  auto* da = static_cast<float*>(gpu.allocate(a.size() * 4));
+  auto* db = static_cast<float*>(gpu.allocate(bb.size() * 4));
+  auto* dc = static_cast<float*>(gpu.allocate(cc.size() * 4));
+  gpu.copy(da, a.data(), a.size() * 4), gpu.copy(db, bb.data(), bb.size() * 4), gpu.fill_zero(dc, cc.size() * 4);
+  gpu.gemm_strided_batched(trans::no, trans::yes, m, n, k, 1.f, da, k, m * k, db, k, k * n, 0.f, dc, n, m * n, count);
+  gpu.copy(cg.data(), dc, cg.size() * 4);
+  gpu.synchronize();
+  check(kc::max_rel_diff(cg, cc) == 0.0, "strided-batched gemm: small integers must be exact");
+  // bf16 inputs, fp32 output: the CPU reference rounds the inputs to bf16 and computes in fp32
+  std::vector<std::uint16_t> a16(A.size()), b16(B.size());
+  std::vector<float> Ar(A.size()), Br(B.size());
+  for (std::size_t i = 0; i < A.size(); ++i) Ar[i] = kernels::round_bf16(A[i]), a16[i] = static_cast<std::uint16_t>(kernels::as_int(Ar[i]) >> 16);
+  for (std::size_t i = 0; i < B.size(); ++i) Br[i] = kernels::round_bf16(B[i]), b16[i] = static_cast<std::uint16_t>(kernels::as_int(Br[i]) >> 16);
+  Cc.assign(C0.size(), 0.f);
+  cpu::gemm(trans::no, trans::no, M, N, K, 1.f, Ar.data(), K, Br.data(), N, 0.f, Cc.data(), N);
+  auto* dA16 = gpu.allocate(a16.size() * 2);
+  auto* dB16 = gpu.allocate(b16.size() * 2);
+  gpu.copy(dA16, a16.data(), a16.size() * 2), gpu.copy(dB16, b16.data(), b16.size() * 2);
+  gpu.gemm_bf16(trans::no, trans::no, M, N, K, 1.f, dA16, K, dB16, N, 0.f, dC, N, false);
+  gpu.copy(Cg.data(), dC, Cg.size() * 4);
+  gpu.synchronize();
+  check(kc::max_rel_diff(Cg, Cc) <= 1e-4, "bf16 gemm against the CPU on bf16-rounded inputs");
+  for (void* p : {static_cast<void*>(dA), static_cast<void*>(dB), static_cast<void*>(dC), static_cast<void*>(da),
+                  static_cast<void*>(db), static_cast<void*>(dc), dA16, dB16})
+    gpu.deallocate(p, 0);
+  std::printf("gemms: fp32 and TF32 in four transposes, strided-batched, bf16\n");
+}
+
+void allocator_steady_state(cuda_backend& gpu) {
+  const auto before = gpu.allocator().upstream_allocations;
+  std::int64_t after_first = 0;
+  for (int step = 0; step < 5; ++step) {
+    std::vector<void*> held;
+    for (std::size_t n : {std::size_t{1000}, std::size_t{3} << 20, std::size_t{64} << 10}) held.push_back(gpu.allocate(n));
+    for (void* p : held) gpu.deallocate(p, 0);
+    if (step == 0) after_first = gpu.allocator().upstream_allocations;
+  }
+  check(gpu.allocator().upstream_allocations == after_first,
+        "caching allocator: cudaMalloc calls after the first step: " +
+            std::to_string(gpu.allocator().upstream_allocations - after_first));
+  std::printf("allocator: %lld cudaMalloc calls in all (%lld before this test), none after the first step\n",
+              static_cast<long long>(gpu.allocator().upstream_allocations), static_cast<long long>(before));
+}
+}  // namespace
+
+int main() {
+  if (cuda_device_count() == 0) {
+    std::printf("cuda_backend: skipped: no CUDA device\n");
+    return 77;
+  }
+  try {
+    cuda_backend gpu;
+    kernel_bodies(gpu);
+    gemms(gpu);
+    allocator_steady_state(gpu);
+  } catch (const std::exception& e) {
+    std::printf("FAILED: %s\n", e.what());
+    return 1;
+  }
+  std::printf("cuda_backend: %s\n", failures ? "FAILED" : "all checks passed");
+  return failures ? 1 : 0;
+}

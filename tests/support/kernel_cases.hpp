@@ -1,0 +1,100 @@
+// Every kernel body of backend/kernels/ as a test case over one set of named
+// buffers, so that one list drives the CPU test (tests/test_kernels.cpp: each
+// ISA path of the CPU loop against the others) and the GPU test
+// (tests/cuda_backend.cu: the CUDA grid against the CPU loop). Inputs are
+// deterministic; a case names its index-space size and builds its body from
+// buffer pointers, which may be host or device pointers.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "whale/backend/kernels/elementwise.hpp"
+#include "whale/backend/kernels/optim.hpp"
+#include "whale/backend/kernels/rows.hpp"
+
+namespace kernel_cases {
+
+using whale::index_t;
+namespace k = whale::kernels;
+
+inline constexpr index_t R = 37, C = 300, T = 8;  // rows, columns (not a multiple of a block), sequence
+inline constexpr index_t N = R * C;
+
+/// The buffers every case reads and writes: float arrays a..f of N; class
+/// labels of R (in [0, C), one ignored); token rows of R (in [0, R)); per-row doubles of R.
+struct buffers {
+  float *a, *b, *c, *d, *e, *f;
+  std::int32_t *labels, *tokens;
+  double* rowd;
+};
+
+/// Deterministic host contents: values in about [-3, 3), labels in [0, C) with one ignored row.
+struct host_buffers {
+  std::vector<float> a, b, c, d, e, f;
+  std::vector<std::int32_t> labels, tokens;
+  std::vector<double> rowd;
+  host_buffers() : a(N), b(N), c(N), d(N), e(N), f(N), labels(R), tokens(R), rowd(R) {
+    std::uint32_t s = 12345;
+    auto next = [&] {
+      s = s * 1664525u + 1013904223u;
+      return static_cast<float>(s >> 8) / 16777216.f * 6.f - 3.f;
+    };
+    for (auto* v : {&a, &b, &c, &d, &e}) for (auto& x : *v) x = next();
+    for (auto& x : d) x = std::fabs(x) + 0.1f;  // positive: second moments, sums
+    for (auto& x : f) x = 0.f;
+    for (index_t r = 0; r < R; ++r) labels[r] = static_cast<std::int32_t>((r * 97) % C);
+    labels[5] = -100;  // ignore_index
+    for (index_t r = 0; r < R; ++r) tokens[r] = static_cast<std::int32_t>((r * 7) % R);
+  }
+  buffers ptrs() { return {a.data(), b.data(), c.data(), d.data(), e.data(), f.data(), labels.data(), tokens.data(), rowd.data()}; }
+  std::vector<std::vector<float>*> floats() { return {&a, &b, &c, &d, &e, &f}; }
+};
+
+/// Calls f(name, n, make) for each case; make(buffers) returns the body.
+template <class F> void for_each_case(F&& f) {
+  f("gelu_forward", N, [](buffers p) { return k::gelu_forward{p.a, p.f}; });
+  f("gelu_backward", N, [](buffers p) { return k::gelu_backward{p.a, p.b, p.f}; });
+  f("relu_forward", N, [](buffers p) { return k::relu_forward{p.a, p.f}; });
+  f("relu_backward", N, [](buffers p) { return k::relu_backward{p.a, p.b, p.f}; });
+  f("add", N, [](buffers p) { return k::add{p.a, p.b, p.f}; });
+  f("to_bf16", N, [](buffers p) { return k::to_bf16{p.a}; });
+  f("bias_rows", R, [](buffers p) { return k::bias_rows{p.f, p.a, C, true}; });
+  f("column_sums", k::col_blocks(C), [](buffers p) { return k::column_sums{p.a, p.f, R, C, false}; });
+  f("layer_norm_forward", R,
+    [](buffers p) { return k::layer_norm_forward{p.a, p.b, p.c, p.f, p.e, p.d, C, 1e-5f}; });
+  f("layer_norm_backward", R, [](buffers p) { return k::layer_norm_backward{p.a, p.b, p.d, p.c, p.f, C}; });
+  f("layer_norm_param_grads", k::col_blocks(C),
+    [](buffers p) { return k::layer_norm_param_grads{p.a, p.b, p.f, p.e, R, C, true}; });
+  f("causal_softmax_forward", N / T, [](buffers p) { return k::causal_softmax_forward{p.a, T}; });
+  f("causal_softmax_backward", N / T, [](buffers p) { return k::causal_softmax_backward{p.d, p.a, T}; });
+  f("cross_entropy_rows", R,
+    [](buffers p) { return k::cross_entropy_rows{p.a, p.labels, p.f, p.rowd, C, 1.f / R, -100}; });
+  f("row_max", R, [](buffers p) { return k::row_max{p.a, p.f, C}; });
+  f("exp_rows", R, [](buffers p) { return k::exp_rows{p.a, p.b, p.f, p.e, C}; });
+  f("softmax_grad_rows", R,
+    [](buffers p) { return k::softmax_grad_rows{p.a, p.d, p.labels, C, 100, 1.f / R, -100}; });
+  f("add_positions", R, [](buffers p) { return k::add_positions{p.a, p.b, p.f, T, C}; });
+  f("scatter_add_rows (tokens)", k::col_blocks(C),
+    [](buffers p) { return k::scatter_add_rows{p.a, p.tokens, p.f, R, C, 0}; });
+  f("scatter_add_rows (positions)", k::col_blocks(C),
+    [](buffers p) { return k::scatter_add_rows{p.a, nullptr, p.f, R, C, T}; });
+  f("sgd_plain", N, [](buffers p) { return k::sgd_plain{p.a, p.b, 0.01f, 0.1f}; });
+  f("sgd_momentum", N, [](buffers p) { return k::sgd_momentum{p.a, p.b, p.c, 0.01f, 0.1f, 0.9f, false}; });
+  f("adamw_step", N,
+    [](buffers p) { return k::adamw_step{p.a, p.b, p.c, p.d, 0.9f, 0.999f, 0.01f, 1.f / 0.002f, 0.9999f, 1e-8f}; });
+}
+
+/// Largest |x - y| / max(1, |y|) over two arrays.
+inline double max_rel_diff(const std::vector<float>& x, const std::vector<float>& y) {
+  double m = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double d = std::fabs(static_cast<double>(x[i]) - y[i]) / std::fmax(1.0, std::fabs(static_cast<double>(y[i])));
+    if (d > m || std::isnan(d)) m = std::isnan(d) ? INFINITY : d;
+  }
+  return m;
+}
+
+}  // namespace kernel_cases

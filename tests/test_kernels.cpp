@@ -1,0 +1,243 @@
+// Kernel bodies on the CPU: every body of backend/kernels/ against a plain
+// double-precision reference where one is short to write, every body's ISA
+// paths (baseline loop, AVX2, AVX-512) against each other, the Backend
+// concept's CPU model, bf16 rounding and the caching allocator.
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <vector>
+
+#include "support/kernel_cases.hpp"
+#include "whale/backend/caching_allocator.hpp"
+#include "whale/backend/cpu.hpp"
+
+using namespace whale;
+namespace kc = kernel_cases;
+
+namespace {
+// Runs a body by the loop compiled for `which` (when this CPU has it).
+template <class K> void run_on(cpu::isa which, index_t n, const K& body) {
+#if WHALE_ISA_DISPATCH
+  if (which == cpu::isa::avx512) return cpu::detail::launch_avx512(n, body);
+  if (which == cpu::isa::avx2) return cpu::detail::launch_avx2(n, body);
+#endif
+  (void)which;
+  for (index_t i = 0; i < n; ++i) body(i);
+}
+double ref_gelu(double x) { return 0.5 * x * (1 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))); }
+}  // namespace
+
+TEST_CASE("every kernel body gives the same result on every CPU instruction set it is compiled for") {
+  std::vector<cpu::isa> paths{cpu::isa::baseline};
+#if WHALE_ISA_DISPATCH
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) paths.push_back(cpu::isa::avx2);
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+      __builtin_cpu_supports("avx512vl"))
+    paths.push_back(cpu::isa::avx512);
+#endif
+  MESSAGE("CPU paths tested: " << paths.size() << " (active: " << std::string(cpu::isa_name(cpu::active_isa())) << ")");
+  int cases = 0;
+  kc::for_each_case([&](const char* name, index_t n, auto make) {
+    ++cases;
+    kc::host_buffers ref;
+    run_on(cpu::isa::baseline, n, make(ref.ptrs()));
+    for (auto p : paths) {
+      kc::host_buffers got;
+      run_on(p, n, make(got.ptrs()));
+      auto rf = ref.floats(), gf = got.floats();
+      for (std::size_t i = 0; i < rf.size(); ++i) {
+        INFO(name << " on " << cpu::isa_name(p) << ", buffer " << i);
+        CHECK(kc::max_rel_diff(*gf[i], *rf[i]) <= 2e-6);  // FMA contraction differs from the baseline
+      }
+      for (index_t r = 0; r < kc::R; ++r) CHECK(got.rowd[r] == doctest::Approx(ref.rowd[r]).epsilon(1e-6));
+    }
+  });
+  CHECK(cases == 23);
+}
+
+TEST_CASE("elementwise bodies match their formulas in double precision") {
+  kc::host_buffers h;
+  auto p = h.ptrs();
+  cpu::launch(kc::N, kernels::gelu_forward{p.a, p.f});
+  double worst = 0;
+  for (index_t i = 0; i < kc::N; ++i) worst = std::fmax(worst, std::fabs(h.f[i] - ref_gelu(h.a[i])));
+  CHECK(worst < 2e-6);
+  // GELU's backward against a central difference of the double formula
+  cpu::launch(kc::N, kernels::gelu_backward{p.a, p.b, p.f});
+  worst = 0;
+  for (index_t i = 0; i < kc::N; ++i) {
+    const double x = h.a[i], eps = 1e-5;
+    const double d = (ref_gelu(x + eps) - ref_gelu(x - eps)) / (2 * eps);
+    worst = std::fmax(worst, std::fabs(h.f[i] - h.b[i] * d) / std::fmax(1.0, std::fabs(h.b[i] * d)));
+  }
+  CHECK(worst < 1e-5);
+  cpu::launch(kc::N, kernels::relu_backward{p.a, p.b, p.f});
+  for (index_t i = 0; i < kc::N; ++i) CHECK(h.f[i] == (h.a[i] > 0 ? h.b[i] : 0.f));
+}
+
+TEST_CASE("row bodies: LayerNorm, causal softmax, cross-entropy and column sums against double references") {
+  using kc::C, kc::R, kc::T;
+  kc::host_buffers h;
+  auto p = h.ptrs();
+  cpu::launch(R, kernels::layer_norm_forward{p.a, p.b, p.c, p.f, p.e, p.d, C, 1e-5f});
+  for (index_t r = 0; r < R; ++r) {
+    double mean = 0, var = 0;
+    for (index_t j = 0; j < C; ++j) mean += h.a[r * C + j];
+    mean /= C;
+    for (index_t j = 0; j < C; ++j) var += (h.a[r * C + j] - mean) * (h.a[r * C + j] - mean);
+    var /= C;
+    for (index_t j = 0; j < C; ++j) {
+      const double y = (h.a[r * C + j] - mean) / std::sqrt(var + 1e-5) * h.b[j] + h.c[j];
+      REQUIRE(std::fabs(h.f[r * C + j] - y) < 1e-5 * std::fmax(1.0, std::fabs(y)));
+    }
+  }
+  // causal softmax: rows sum to one over the visible columns, zero after, ratios are exp differences
+  kc::host_buffers s;
+  cpu::launch(kc::N / T, kernels::causal_softmax_forward{s.a.data(), T});
+  for (index_t row = 0; row < kc::N / T; ++row) {
+    const index_t vis = row % T + 1;
+    double sum = 0;
+    for (index_t j = 0; j < T; ++j) {
+      const float v = s.a[row * T + j];
+      if (j >= vis) REQUIRE(v == 0.f);
+      sum += v;
+    }
+    REQUIRE(sum == doctest::Approx(1.0).epsilon(1e-6));
+    const double want = std::exp(static_cast<double>(h.a[row * T]) - h.a[row * T + vis - 1]);
+    REQUIRE(s.a[row * T] / s.a[row * T + vis - 1] == doctest::Approx(want).epsilon(1e-5));
+  }
+  // cross-entropy: loss is the double log-sum-exp minus the target, gradient rows sum to zero
+  cpu::launch(R, kernels::cross_entropy_rows{p.a, p.labels, p.f, p.rowd, C, 1.f / R, -100});
+  for (index_t r = 0; r < R; ++r) {
+    if (h.labels[r] == -100) {
+      CHECK(h.rowd[r] == 0.0);
+      continue;
+    }
+    double m = -INFINITY, se = 0, gs = 0;
+    for (index_t j = 0; j < C; ++j) m = std::fmax(m, h.a[r * C + j]);
+    for (index_t j = 0; j < C; ++j) se += std::exp(h.a[r * C + j] - m);
+    CHECK(h.rowd[r] == doctest::Approx(std::log(se) + m - h.a[r * C + h.labels[r]]).epsilon(1e-6));
+    for (index_t j = 0; j < C; ++j) gs += h.f[r * C + j];
+    CHECK(std::fabs(gs) < 1e-6);
+  }
+  // column sums, accumulate off then on
+  std::vector<float> out(C, 5.f);
+  cpu::launch(kernels::col_blocks(C), kernels::column_sums{p.a, out.data(), R, C, false});
+  cpu::launch(kernels::col_blocks(C), kernels::column_sums{p.a, out.data(), R, C, true});
+  for (index_t j = 0; j < C; ++j) {
+    double want = 0;
+    for (index_t r = 0; r < R; ++r) want += h.a[r * C + j];
+    CHECK(out[j] == doctest::Approx(2 * want).epsilon(1e-5).scale(1.0));
+  }
+}
+
+TEST_CASE("optimizer bodies match the scalar update rules") {
+  kc::host_buffers h, o;
+  auto p = h.ptrs();
+  cpu::launch(kc::N, kernels::adamw_step{p.a, p.b, p.c, p.d, 0.9f, 0.999f, 0.01f, 500.f, 0.9999f, 1e-8f});
+  for (index_t i = 0; i < kc::N; i += 97) {
+    const double g = o.b[i], m = 0.9 * o.c[i] + 0.1 * g, v = 0.999 * o.d[i] + 0.001 * g * g;
+    const double want = o.a[i] * 0.9999 - 0.01 * m / (std::sqrt(v * 500.0) + 1e-8);
+    CHECK(h.a[i] == doctest::Approx(want).epsilon(1e-5));
+    CHECK(h.c[i] == doctest::Approx(m).epsilon(1e-6));
+  }
+  kc::host_buffers s;
+  auto q = s.ptrs();
+  cpu::launch(kc::N, kernels::sgd_momentum{q.a, q.b, q.c, 0.01f, 0.1f, 0.9f, true});  // first step: buf = g + wd p
+  for (index_t i = 0; i < kc::N; i += 97) CHECK(s.c[i] == doctest::Approx(o.b[i] + 0.1 * o.a[i]).epsilon(1e-6));
+}
+
+TEST_CASE("bf16 rounding: nearest, ties to even, inf and NaN kept") {
+  CHECK(kernels::round_bf16(1.f) == 1.f);
+  CHECK(kernels::round_bf16(1.f + 0x1p-8f) == 1.f);                   // a tie: to even (1.0)
+  CHECK(kernels::round_bf16(1.f + 3 * 0x1p-8f) == 1.f + 0x1p-6f);     // a tie: to even (upwards)
+  CHECK(kernels::round_bf16(1.f + 0x1p-8f + 0x1p-20f) == 1.f + 0x1p-7f);  // above the tie: up
+  CHECK(kernels::round_bf16(-2.5f) == -2.5f);
+  CHECK(std::isinf(kernels::round_bf16(INFINITY)));
+  CHECK(std::isnan(kernels::round_bf16(NAN)));
+  CHECK(std::isinf(kernels::round_bf16(3.4e38f)));  // beyond bf16's largest finite value
+  // every rounded value has 8 significant bits: the low 16 bits are zero
+  kc::host_buffers h;
+  cpu::launch(kc::N, kernels::to_bf16{h.a.data()});
+  for (index_t i = 0; i < kc::N; ++i) REQUIRE((kernels::as_int(h.a[i]) & 0xffff) == 0);
+}
+
+TEST_CASE("cpu_backend models Backend: GEMM, launch, memory and a no-op queue") {
+  static_assert(Backend<cpu_backend>);
+  cpu_backend b;
+  const index_t M = 5, N = 7, K = 3;
+  std::vector<float> A(M * K), B(K * N), Cm(M * N, 0.f);
+  for (index_t i = 0; i < M * K; ++i) A[i] = static_cast<float>(i % 5) - 2;
+  for (index_t i = 0; i < K * N; ++i) B[i] = static_cast<float>(i % 3) - 1;
+  b.gemm(trans::no, trans::no, M, N, K, 1.f, A.data(), K, B.data(), N, 0.f, Cm.data(), N);
+  for (index_t i = 0; i < M; ++i)
+    for (index_t j = 0; j < N; ++j) {
+      float want = 0;
+      for (index_t k = 0; k < K; ++k) want += A[i * K + k] * B[k * N + j];
+      CHECK(Cm[i * N + j] == want);
+    }
+  auto* p = static_cast<float*>(b.allocate(64 * sizeof(float)));
+  b.fill_zero(p, 64 * sizeof(float));
+  b.launch(64, kernels::add{p, p, p});
+  cpu_backend::event_type e;
+  b.record(e), b.wait(e), b.synchronize();
+  CHECK(p[63] == 0.f);
+  b.deallocate(p, 64 * sizeof(float));
+}
+
+namespace {
+struct counting_upstream {
+  int* calls;
+  std::vector<void*>* live;
+  void* allocate(std::size_t n) {
+    ++*calls;
+    void* p = std::malloc(n);
+    live->push_back(p);
+    return p;
+  }
+  void deallocate(void* p, std::size_t) {
+    std::erase(*live, p);
+    std::free(p);
+  }
+};
+}  // namespace
+
+TEST_CASE("caching_allocator: the steady state of a training loop reaches the upstream never") {
+  int calls = 0;
+  std::vector<void*> live;
+  {
+    caching_allocator<counting_upstream> a(counting_upstream{&calls, &live});
+    CHECK(a.rounded(1) == 512);
+    CHECK(a.rounded(3u << 20) == (4u << 20));
+    const std::size_t sizes[] = {1000, 4096, 3u << 20, 100, 1u << 20};
+    int after_first = 0;
+    for (int step = 0; step < 5; ++step) {
+      std::vector<std::pair<void*, std::size_t>> held;
+      for (auto n : sizes) held.push_back({a.allocate(n), n});
+      for (auto& [p, n] : held) a.deallocate(p, n);
+      if (step == 0) after_first = calls;
+    }
+    CHECK(after_first == 5);
+    CHECK(calls == 5);  // no new upstream allocation after the first step
+    CHECK(a.stats().cache_hits == 20);
+    CHECK(a.stats().bytes_in_use == 0);
+    // a smaller request reuses a block up to twice its size; a much smaller one does not
+    void* big = a.allocate(4096);
+    CHECK(calls == 5);
+    a.deallocate(big);
+    CHECK_THROWS_WITH_AS(a.deallocate(&calls), doctest::Contains("did not allocate"), std::invalid_argument);
+  }
+  CHECK(live.empty());  // the destructor returned every block
+}
+
+TEST_CASE("WHALE_CPU_ISA caps the kernels' instruction set and is parsed whole") {
+  ::setenv("WHALE_CPU_ISA", "baseline", 1);
+  CHECK(cpu::detail::detect_isa() == cpu::isa::baseline);
+  for (const char* bad : {"avx3", "", "AVX2", "avx2 "}) {
+    ::setenv("WHALE_CPU_ISA", bad, 1);
+    CHECK_THROWS_WITH_AS(cpu::detail::detect_isa(), doctest::Contains("WHALE_CPU_ISA"), std::invalid_argument);
+  }
+  ::unsetenv("WHALE_CPU_ISA");
+}
