@@ -243,9 +243,17 @@ struct deep_mlp_workload {
   static auto data(whale::index_t global) { return whale::models::deep_mlp_data(whale::seed{7}, global); }
 };
 
-/// Model FLOPs of one step of workload W on a global batch (workloads.md).
+/// Model FLOPs of one step of workload W on a global batch, by workloads.md's
+/// formula (not the layers' cost metadata): 6 x params x samples, and for a GPT
+/// 6 x non-embedding params x tokens + 12 x layers x seq^2 x width x sequences.
 template <class W> double model_flops_per_step(whale::index_t global_batch, whale::index_t seq) {
-  return whale::model_flops<typename W::model>(global_batch * seq, seq);
+  using M = typename W::model;
+  const double b = static_cast<double>(global_batch), t = static_cast<double>(seq);
+  if constexpr (requires { M::non_embedding_params; M::layers; M::width; })
+    return 6.0 * static_cast<double>(M::non_embedding_params) * b * t +
+           12.0 * static_cast<double>(M::layers) * t * t * static_cast<double>(M::width) * b;
+  else
+    return 6.0 * static_cast<double>(M::cost().params) * b * t;
 }
 
 /// Fields a plan's line carries after the common ones (key, raw JSON value),
@@ -253,6 +261,15 @@ template <class W> double model_flops_per_step(whale::index_t global_batch, whal
 inline std::vector<std::pair<std::string, std::string>>& extra_fields() {
   static std::vector<std::pair<std::string, std::string>> f;
   return f;
+}
+
+/// `--precision fp32|bf16` (plans single and dp), parsed whole.
+inline whale::precision precision_arg(plan_args& a) {
+  try {
+    return whale::parse_precision(a.text("--precision", "fp32"), "bench: --precision");
+  } catch (const std::invalid_argument& e) {
+    throw usage_error(e.what());
+  }
 }
 
 /// The fields every plan reports first, in workloads.md's order.

@@ -49,6 +49,7 @@ struct dp {
     o.bucket_mib = c.args.value("--bucket-mib", o.bucket_mib);
     if (c.args.flag("--no-overlap")) o.overlap = false;
     if (c.args.flag("--nonblocking")) o.blocking = false;
+    const auto prec = precision_arg(c.args);
     c.args.done(name);
     if (o.bucket_mib <= 0) throw usage_error("bench: --bucket-mib must be positive");
 
@@ -61,6 +62,7 @@ struct dp {
     const sgd opt{.lr = 0.01f, .momentum = 0.9f};
     trainer_options to;
     to.progress = false;
+    to.precision = prec;
     trainer t(net, opt, to);
 
     // ---- the data-parallel steps: 2 warm-up, then timed (slowest rank per step) ----
@@ -141,11 +143,13 @@ struct dp {
                   o.overlap ? "during backward" : "after backward");
     json_line j;
     head_fields<W>(j, plan, P, step_s, global, data.seq());
+    j.add("precision", to_string(prec));
     j.add("comm_bytes_per_rank_per_step", static_cast<long long>(sent / timed_steps));
     j.add("peak_rss_mib_per_rank", rss);
     j.raw("memory_mib", memory_json(mem));
     j.raw("predicted_memory_mib", predicted_mem);
     j.add("sgemm_gflops", gl.flops / gemm_s / 1e9).add("gemm_only_step_s", gemm_s);
+    j.add("gemm_flops_per_step_per_rank", gl.flops).add("executed_gemm_gflops_per_rank", gl.flops / step_s / 1e9);
     j.add("compute_only_step_s", compute_s);
     j.add("comm_only_s", comm_s).add("comm_only_bucketed_s", comm_b_s);
     j.add("dp_over_limit", step_s / std::max(compute_s, comm_s));

@@ -131,6 +131,7 @@ struct hybrid {
     j.raw("predicted_memory_mib", predicted_mem);
     j.add("params_per_rank", static_cast<long long>(net.param_count()));
     j.add("sgemm_gflops", gl.flops / gemm_s / 1e9).add("gemm_only_step_s", gemm_s);
+    j.add("gemm_flops_per_step_per_rank", gl.flops).add("executed_gemm_gflops_per_rank", gl.flops / step_s / 1e9);
     j.add("compute_only_step_s", compute_s).add("compute_only_how", compute_how);
     j.add("step_over_compute_only", step_s / compute_s);
     j.add("loss_first", losses.front()).add("loss_last", losses.back());

@@ -21,6 +21,7 @@ struct single {
   template <class W> static void run(config& c) {
     using namespace whale;
     using M = typename W::model;
+    const auto prec = precision_arg(c.args);
     c.args.done(name);
     if (c.ranks() != 1)
       throw usage_error("bench: plan 'single' runs on one rank, but the job has " + std::to_string(c.ranks()) +
@@ -30,6 +31,7 @@ struct single {
     network<M> net(seed{42});
     trainer_options to;
     to.progress = false;
+    to.precision = prec;
     trainer t(net, sgd{.lr = 0.01f, .momentum = 0.9f}, to);
 
     std::vector<double> secs, losses;
@@ -53,11 +55,13 @@ struct single {
 
     json_line j;
     head_fields<W>(j, "single", 1, step_s, global, data.seq());
+    j.add("precision", to_string(prec));
     j.add("comm_bytes_per_rank_per_step", 0LL);
     j.add("peak_rss_mib_per_rank", rss);
     j.raw("memory_mib", memory_json(mem));
     j.raw("predicted_memory_mib", predicted_mem);
     j.add("sgemm_gflops", gl.gflops()).add("gemm_only_step_s", gl.seconds).add("step_over_gemm", step_s / gl.seconds);
+    j.add("gemm_flops_per_step", gl.flops).add("executed_gemm_gflops_per_rank", gl.flops / step_s / 1e9);
     j.add("compute_only_step_s", step_s);
     j.add("loss_first", losses.front()).add("loss_last", losses.back());
     j.print();

@@ -10,6 +10,7 @@
 #include <functional>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <type_traits>
@@ -95,6 +96,14 @@ class trainer {
     at_least(o_.eval_every, 0, "eval_every");
     at_least(o_.eval_steps, 1, "eval_steps");
     at_least(o_.total_steps, 0, "total_steps");
+    if constexpr (!requires { net_.params(); })
+      if (o_.precision == precision::bf16)
+        throw std::invalid_argument("whale::trainer: bf16 mixed precision needs the network's params() (the weights it rounds); "
+                                    "this network type does not have it");
+    if constexpr (requires { Net::zero_level; })
+      if (Net::zero_level == 3 && o_.precision == precision::bf16)
+        throw std::invalid_argument("whale::trainer: bf16 mixed precision with ZeRO-3 (shard<..., 3>) is not implemented: "
+                                    "its gathered weights are not rounded; use ZeRO 0-2 or fp32");
     if (o_.keep_last < 0) throw std::invalid_argument("whale::trainer: keep_last must be >= 0 (got " + std::to_string(o_.keep_last) + ")");
     if ((o_.save_every > 0 || o_.resume) && o_.checkpoint_dir.empty())
       throw std::invalid_argument("whale::trainer: save_every and resume need trainer_options::checkpoint_dir");
@@ -200,7 +209,11 @@ class trainer {
   template <class In>
   double step_on(const batch_view<In>& b, index_t global_batch, std::int64_t step, std::int64_t loss_terms = -1) {
     step_ctx c = context_of(b, global_batch, loss_terms);
-    const double share = net_.train_step(c, b.inputs, b.labels);
+    double share = 0;
+    {
+      const weights_scope w(bf16(), local_params(), master_);  // bf16: compute with rounded weights, update the master
+      share = net_.train_step(c, b.inputs, b.labels);
+    }
     const double loss = net_.reduce_loss(share);
     // steps are named from 1, as the progress line counts them (strings only when failing: no allocation per step)
     auto at = [&] {
@@ -267,6 +280,7 @@ class trainer {
       for (std::int64_t s = 0; s < n.value; ++s) {
         const auto b = fetch(data, first + s);
         step_ctx c = context_of(b, data.global_batch(), labelled(data, first + s));
+        const weights_scope w(bf16(), local_params(), master_);
         sum += net_.reduce_loss(net_.evaluate(c, b.inputs, b.labels));
       }
       return sum / static_cast<double>(n.value);
@@ -285,7 +299,37 @@ class trainer {
     c.global_rows = global_batch * b.seq;
     c.loss_terms = loss_terms;
     c.check_finite = o_.check_finite;
+    c.bf16 = o_.precision == precision::bf16;
     return c;
+  }
+  /// Under bf16, while alive: this rank's parameters rounded to bf16 (the
+  /// weights a step computes with), the fp32 master values kept aside and put
+  /// back when it ends (also when the step throws). Under fp32: nothing.
+  class weights_scope {
+   public:
+    weights_scope(bool on, view<float> p, tensor<float>& master) : p_(p), master_(on ? &master : nullptr) {
+      if (!on) return;
+      master.resize(p.shape());
+      std::memcpy(master.data(), p.data(), p.bytes());
+      cpu::launch(p.numel(), kernels::to_bf16{p.data()});
+    }
+    weights_scope(const weights_scope&) = delete;
+    weights_scope& operator=(const weights_scope&) = delete;
+    ~weights_scope() {
+      if (master_) std::memcpy(p_.data(), master_->data(), p_.bytes());
+    }
+
+   private:
+    view<float> p_;
+    tensor<float>* master_ = nullptr;
+  };
+  bool bf16() const noexcept { return o_.precision == precision::bf16; }
+  /// The parameters this rank computes with (what bf16 rounds); empty for a network that does not expose them.
+  view<float> local_params() {
+    if constexpr (requires { net_.params(); }) {
+      if (bf16()) return net_.params();
+    }
+    return {};
   }
   /// The labels of step `s`'s global batch that count, if the data says (-1: all).
   template <class Data> static std::int64_t labelled(const Data& data, std::int64_t s) {
@@ -349,6 +393,7 @@ class trainer {
       for (std::int64_t s = 0; s < o_.eval_steps; ++s) {
         const auto b = fetch(eval, s);
         step_ctx c = context_of(b, eval.global_batch(), -1);
+        const weights_scope w(bf16(), local_params(), master_);
         const auto logits = net_.forward(c, b.inputs);
         const auto share = o_.eval_metric(logits.v(), b.labels);
         m.sum += share.sum, m.count += share.count;
@@ -368,6 +413,7 @@ class trainer {
   Opt opt_;
   trainer_options o_;
   typename Opt::state state_;
+  tensor<float> master_{shape{0}, mem_kind::params};  // bf16: the fp32 master weights during a step
   std::int64_t next_ = 0;
   bool resumed_ = false;
   double last_norm_ = 0, last_lr_ = 0, last_dt_ = 0;
