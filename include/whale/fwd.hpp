@@ -17,6 +17,10 @@ template <class T, class Space> class tensor;
 struct seed;
 class counter_rng;
 
+// backend/
+struct cpu_backend;
+class cuda_backend;
+
 // nn/
 struct step_ctx;
 struct cost_info;
@@ -39,13 +43,17 @@ struct adamw;
 // strategy/
 template <class M> struct replicate;
 template <class Sched, class... Parts> struct pipeline;
+template <class M> struct auto_plan;
 
 // plan/ and runtime/
 struct program;
 struct plan_options;
 template <class P> class executor;
+template <class M> class auto_executor;
+struct plan_choice;
 
 // train/
+enum class precision;
 class teacher_data;
 class markov_data;
 struct steps;

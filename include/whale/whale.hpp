@@ -49,6 +49,7 @@
 #include "whale/optim/sgd.hpp"
 
 // strategy/
+#include "whale/strategy/auto_plan.hpp"
 #include "whale/strategy/layout.hpp"
 #include "whale/strategy/pipeline.hpp"
 #include "whale/strategy/schedule.hpp"
@@ -67,6 +68,7 @@
 #include "whale/plan/simulate.hpp"
 
 // runtime/
+#include "whale/runtime/auto_plan.hpp"
 #include "whale/runtime/executor.hpp"
 #include "whale/runtime/make.hpp"
 #include "whale/runtime/options.hpp"

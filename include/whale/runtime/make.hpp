@@ -14,6 +14,7 @@
 #include "whale/strategy/pipeline.hpp"
 #include "whale/strategy/replicate.hpp"
 #include "whale/strategy/shard.hpp"
+#include "whale/runtime/auto_plan.hpp"
 #include "whale/runtime/executor.hpp"
 
 namespace whale {
@@ -42,6 +43,9 @@ auto make(const context& ctx, seed s, plan_options o = plan_options::from_env())
                 "whale::make<P>: P is not a plan (whale::Strategy): a plan is a whole model that ends in a loss, "
                 "e.g. sequential<..., softmax_cross_entropy>, with or without replicate/split/pipeline/shard around "
                 "it; a single layer or a part of a model cannot be trained on its own");
+  if constexpr (is_auto_plan_v<M>) {
+    return auto_executor<typename M::model>(ctx, s, std::move(o));
+  } else {
   using top = strip_replicate_t<M>;
   // replicate, split and shard check what they wrap; a sequential or a pipeline cannot
   constexpr bool unchecked = detail::kind_of<M> == detail::part_kind::layer ||
@@ -68,6 +72,7 @@ auto make(const context& ctx, seed s, plan_options o = plan_options::from_env())
                                   std::to_string(ctx.size()) +
                                   " ranks; wrap the model in whale::replicate<...> or launch one rank");
     return network<M>(s);
+  }
   }
 }
 

@@ -51,10 +51,17 @@ struct plan_options {
   /// speed (1 / the largest factor among a replica's ranks) instead of evenly;
   /// gradients stay those of the global batch (each row weighs 1 / global rows).
   bool balance = false;
+  // ---- auto_plan (docs/planning.md) ----
+  /// The device profile file auto_plan prices plans with (scripts/profile writes one).
+  std::string profile;
+  /// Each rank's memory the chosen plan must fit, predicted (MiB; 0: no limit).
+  double memory_limit_mib = 0;
+  /// The global batch (sequences or samples) and tokens per sequence auto_plan prices.
+  index_t plan_batch = 0, plan_seq = 1;
 
   /// WHALE_MICRO_BATCHES, WHALE_STAGE_BLOCKS ("1,3"), WHALE_TRACE (a path), WHALE_BUCKET_MIB,
   /// WHALE_DP_OVERLAP, WHALE_DP_BLOCKING, WHALE_ZERO_PREFETCH, WHALE_CHECK_FINITE, WHALE_BALANCE (booleans:
-  /// true/false, 1/0, yes/no, on/off), WHALE_SPEEDS ("1,1,2,4").
+  /// true/false, 1/0, yes/no, on/off), WHALE_SPEEDS ("1,1,2,4"), WHALE_PROFILE (a device profile file, for auto_plan).
   static plan_options from_env() {
     plan_options o;
     if (const char* e = std::getenv("WHALE_MICRO_BATCHES"))
@@ -68,10 +75,12 @@ struct plan_options {
     if (const char* e = std::getenv("WHALE_CHECK_FINITE")) o.check_finite = detail::parse_bool(e, "WHALE_CHECK_FINITE");
     if (const char* e = std::getenv("WHALE_SPEEDS")) o.speeds = parse_speeds(e, "WHALE_SPEEDS");
     if (const char* e = std::getenv("WHALE_BALANCE")) o.balance = detail::parse_bool(e, "WHALE_BALANCE");
+    if (const char* e = std::getenv("WHALE_PROFILE"); e && *e) o.profile = e;
     return o;
   }
   /// from_env(), then --micro-batches M, --stage-blocks 1,3, --trace PATH,
-  /// --bucket-mib X, --check-finite, --speeds 1,1,2,4 and --balance, which are removed from argv (argv[argc] stays nullptr).
+  /// --bucket-mib X, --check-finite, --speeds 1,1,2,4, --balance and --profile PATH, which are removed from argv
+  /// (argv[argc] stays nullptr).
   static plan_options from_args(int& argc, char** argv) {
     plan_options o = from_env();
     int out = argc > 0 ? 1 : 0;
@@ -88,6 +97,7 @@ struct plan_options {
       else if (a == "--check-finite") o.check_finite = true;
       else if (a == "--speeds") o.speeds = parse_speeds(value(), "--speeds");
       else if (a == "--balance") o.balance = true;
+      else if (a == "--profile") o.profile = value();
       else argv[out++] = argv[i];
     }
     argc = out;

@@ -100,8 +100,10 @@ class trainer {
       if (o_.precision == precision::bf16)
         throw std::invalid_argument("whale::trainer: bf16 mixed precision needs the network's params() (the weights it rounds); "
                                     "this network type does not have it");
-    if constexpr (requires { Net::zero_level; })
-      if (Net::zero_level == 3 && o_.precision == precision::bf16)
+    bool zero3 = false;
+    if constexpr (requires { Net::zero_level; }) zero3 = Net::zero_level == 3;
+    if constexpr (requires { net.zero_level_now(); }) zero3 = net.zero_level_now() == 3;
+    if (zero3 && o_.precision == precision::bf16)
         throw std::invalid_argument("whale::trainer: bf16 mixed precision with ZeRO-3 (shard<..., 3>) is not implemented: "
                                     "its gathered weights are not rounded; use ZeRO 0-2 or fp32");
     if (o_.keep_last < 0) throw std::invalid_argument("whale::trainer: keep_last must be >= 0 (got " + std::to_string(o_.keep_last) + ")");

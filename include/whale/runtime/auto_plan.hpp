@@ -1,0 +1,220 @@
+// The runtime of auto_plan<M>: `rank_auto_plans` prices every candidate plan
+// of M on a mesh (lowered for every rank, replayed on a device profile,
+// memory predicted) and `auto_executor<M>` builds the fastest that fits and
+// forwards the API every plan has to it. Candidates: replicate<M> and
+// shard<M, 1|2|3> on a data-only mesh; replicate<pipeline<one_f_one_b, M>>
+// with m = p, 2p, 4p micro-batches on a data x pipe mesh (M with one repeat).
+// Not here: tensor-parallel candidates, changing the mesh, checkpoints.
+#pragma once
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <ostream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "whale/plan/device.hpp"
+#include "whale/plan/lower.hpp"
+#include "whale/plan/memory.hpp"
+#include "whale/plan/simulate.hpp"
+#include "whale/runtime/executor.hpp"
+#include "whale/strategy/auto_plan.hpp"
+#include "whale/strategy/pipeline.hpp"
+#include "whale/strategy/replicate.hpp"
+#include "whale/strategy/shard.hpp"
+
+namespace whale {
+
+/// One candidate of auto_plan, priced.
+struct plan_choice {
+  std::string label;      ///< e.g. "zero2", "pipeline 1f1b m=8"
+  std::size_t index = 0;  ///< which candidate type
+  int micro_batches = 0;
+  bool valid = false;     ///< lowered on every rank (else `why` says what the plan refused)
+  bool fits = true;       ///< predicted peak memory within the limit
+  std::string why;
+  double step_s = 0, memory_mib = 0;
+  rank_time slowest;      ///< the simulated slowest rank (compute, communication, waits)
+};
+
+namespace detail {
+template <class... P> struct plan_list {};
+template <class M>
+using auto_candidates = std::conditional_t<
+    pipelinable<M>(),
+    plan_list<replicate<M>, shard<M, 1>, shard<M, 2>, shard<M, 3>, replicate<pipeline<one_f_one_b, M>>>,
+    plan_list<replicate<M>, shard<M, 1>, shard<M, 2>, shard<M, 3>>>;
+template <class L> struct auto_variant;
+template <class... P> struct auto_variant<plan_list<P...>> {
+  using type = std::variant<std::unique_ptr<executor<P>>...>;
+  static constexpr std::size_t size = sizeof...(P);
+  template <std::size_t I> using at = std::tuple_element_t<I, std::tuple<P...>>;
+};
+}  // namespace detail
+
+/// The candidates of auto_plan<M> on `mesh`, priced on `dev`, best first:
+/// runnable plans that fit `o.memory_limit_mib` (0: no limit) by predicted step
+/// time, then those over memory, then those that cannot run (with the reason).
+/// Pure: every rank computes the same ranking. Prices with the global batch
+/// o.plan_batch of o.plan_seq tokens and AdamW's optimizer state (8 bytes a parameter).
+template <class M>
+std::vector<plan_choice> rank_auto_plans(const mesh_shape& mesh, const plan_options& o, const device_profile& dev) {
+  using V = detail::auto_variant<detail::auto_candidates<M>>;
+  std::vector<plan_choice> cs;
+  const int p = mesh.size(axis::pipe);
+  auto price = [&]<std::size_t I>(std::integral_constant<std::size_t, I>, const std::string& label, int micro) {
+    using P = typename V::template at<I>;
+    plan_choice c;
+    c.label = label, c.index = I, c.micro_batches = micro;
+    try {
+      const auto d = describe<P>();
+      lower_options lo;
+      lo.global_batch = o.plan_batch;
+      lo.seq = o.plan_seq;
+      lo.micro_batches = micro;
+      lo.bucket_mib = o.bucket_mib;
+      lo.balance_seq = o.balance_seq;
+      std::vector<program> all;
+      std::int64_t mem = 0;
+      for (int r = 0; r < mesh.size(); ++r) {
+        all.push_back(lower(d, mesh, r, lo));
+        mem = std::max(mem, predict_memory(d, all.back()).total());
+      }
+      const auto sim = simulate(d, all, dev, 0);
+      c.valid = true;
+      c.step_s = sim.step_s;
+      c.memory_mib = static_cast<double>(mem) / 1048576.0;
+      c.fits = !(o.memory_limit_mib > 0) || c.memory_mib <= o.memory_limit_mib;
+      for (const auto& r : sim.ranks)
+        if (r.end_s >= c.slowest.end_s) c.slowest = r;
+    } catch (const std::exception& e) {
+      c.why = e.what();
+    }
+    cs.push_back(std::move(c));
+  };
+  using ic = std::integral_constant<std::size_t, 0>;
+  price(ic{}, "dp", 0);
+  price(std::integral_constant<std::size_t, 1>{}, "zero1", 0);
+  price(std::integral_constant<std::size_t, 2>{}, "zero2", 0);
+  price(std::integral_constant<std::size_t, 3>{}, "zero3", 0);
+  if constexpr (V::size > 4) {
+    for (int k : {1, 2, 4})
+      price(std::integral_constant<std::size_t, 4>{}, "pipeline 1f1b m=" + std::to_string(k * p), k * p);
+  }
+  std::stable_sort(cs.begin(), cs.end(), [](const plan_choice& x, const plan_choice& y) {
+    if (x.valid != y.valid) return x.valid;
+    if (x.fits != y.fits) return x.fits;
+    return x.step_s < y.step_s;
+  });
+  if (!cs.front().valid || !cs.front().fits) {
+    std::ostringstream why;
+    why << "whale::auto_plan<" << layer_name<M>() << ">: no candidate plan runs on the mesh " << mesh
+        << (o.memory_limit_mib > 0 ? " within " + std::to_string(o.memory_limit_mib) + " MiB per rank" : std::string())
+        << ":";
+    for (const auto& c : cs)
+      why << "\n  " << c.label << ": "
+          << (c.valid ? "needs " + std::to_string(c.memory_mib) + " MiB per rank" : c.why);
+    throw std::invalid_argument(why.str());
+  }
+  return cs;
+}
+
+/// The plan auto_plan<M> chose, running; the API every plan has, forwarded.
+template <class M>
+class auto_executor {
+  using V = detail::auto_variant<detail::auto_candidates<M>>;
+
+ public:
+  using model_type = auto_plan<M>;
+  using input_type = typename M::input_type;
+
+  /// Needs o.profile (a device profile file, WHALE_PROFILE) and o.plan_batch (the
+  /// global batch it prices); o.memory_limit_mib caps each rank's predicted memory.
+  auto_executor(const context& ctx, seed s, plan_options o) {
+    const std::string who = "whale::make<" + auto_plan<M>::name() + ">: ";
+    if (o.profile.empty())
+      throw std::invalid_argument(who + "no device profile to price the plans with: set plan_options::profile (or "
+                                  "WHALE_PROFILE, --profile) to a profile file (scripts/profile writes one for this "
+                                  "machine; bench/profiles/ has some)");
+    if (o.plan_batch <= 0)
+      throw std::invalid_argument(who + "plan_options::plan_batch (the global batch the planner prices, in sequences "
+                                  "or samples) must be set; plan_seq gives the tokens per sequence");
+    const auto dev = device_profile::load(o.profile);
+    ranking_ = rank_auto_plans<M>(ctx.mesh().shape(), o, dev);
+    o.micro_batches = ranking_.front().micro_batches;
+    build(std::make_index_sequence<V::size>{}, ranking_.front().index, ctx, s, o);
+  }
+
+  /// Every candidate, best first, with its predicted step time and memory (or why it cannot run).
+  const std::vector<plan_choice>& ranking() const noexcept { return ranking_; }
+  const plan_choice& choice() const noexcept { return ranking_.front(); }
+  /// The ZeRO level of the plan that runs (0 for dp and the pipeline).
+  int zero_level_now() const {
+    return std::visit([](const auto& e) { return std::remove_cvref_t<decltype(*e)>::zero_level; }, v_);
+  }
+
+  std::pair<index_t, index_t> local_batch(index_t g) const { return visit([&](auto& e) { return e.local_batch(g); }); }
+  double train_step(step_ctx& c, cview<input_type> x, cview<std::int32_t> y) {
+    return visit([&](auto& e) { return e.train_step(c, x, y); });
+  }
+  double evaluate(step_ctx& c, cview<input_type> x, cview<std::int32_t> y) {
+    return visit([&](auto& e) { return e.evaluate(c, x, y); });
+  }
+  tensor<float> forward(step_ctx& c, cview<input_type> x) { return visit([&](auto& e) { return e.forward(c, x); }); }
+  double reduce_loss(double share) { return visit([&](auto& e) { return e.reduce_loss(share); }); }
+  std::string first_nonfinite_grad() const { return visit([&](auto& e) { return e.first_nonfinite_grad(); }); }
+  double grad_norm() const { return visit([&](auto& e) { return e.grad_norm(); }); }
+  int rank() const { return visit([&](auto& e) { return e.rank(); }); }
+  int world_size() const { return visit([&](auto& e) { return e.world_size(); }); }
+  template <class O> typename O::state make_optimizer_state(const O& opt) const {
+    return visit([&](auto& e) { return e.make_optimizer_state(opt); });
+  }
+  template <class O> void apply_optimizer(const O& opt, typename O::state& st, float scale) {
+    visit([&](auto& e) { e.apply_optimizer(opt, st, scale); });
+  }
+  view<float> params() const { return visit([&](auto& e) { return e.params(); }); }
+  index_t param_count() const { return visit([&](auto& e) { return e.param_count(); }); }
+  /// Every parameter of the model, gathered (collective under ZeRO-3 and pipelines).
+  tensor<float> full_params() const { return visit([&](auto& e) { return e.full_params(); }); }
+
+  /// The choice, its prediction, the runners-up and why they lost; then the chosen plan.
+  friend std::ostream& operator<<(std::ostream& os, const auto_executor& a) {
+    const auto& b = a.ranking_.front();
+    char line[256];
+    std::snprintf(line, sizeof line, "auto_plan: chose %s (predicted step %.3f s, %.0f MiB per rank)\n",
+                  b.label.c_str(), b.step_s, b.memory_mib);
+    os << line;
+    for (std::size_t i = 1; i < a.ranking_.size(); ++i) {
+      const auto& c = a.ranking_[i];
+      if (!c.valid) std::snprintf(line, sizeof line, "  %-20s cannot run here: %.180s\n", c.label.c_str(), c.why.c_str());
+      else if (!c.fits)
+        std::snprintf(line, sizeof line, "  %-20s over the memory limit: %.0f MiB per rank\n", c.label.c_str(), c.memory_mib);
+      else
+        std::snprintf(line, sizeof line, "  %-20s %+.1f%% slower (%.3f s; its slowest rank: compute %.3f s, "
+                      "communication %.3f s, waiting %.3f s), %.0f MiB per rank\n", c.label.c_str(),
+                      100.0 * (c.step_s / b.step_s - 1.0), c.step_s, c.slowest.compute_s, c.slowest.comm_s,
+                      c.slowest.wait_s, c.memory_mib);
+      os << line;
+    }
+    a.visit([&](auto& e) { os << e; });
+    return os;
+  }
+
+ private:
+  template <class F> decltype(auto) visit(F&& f) const {
+    return std::visit([&](auto& e) -> decltype(auto) { return f(*e); }, v_);
+  }
+  template <std::size_t... I>
+  void build(std::index_sequence<I...>, std::size_t which, const context& ctx, seed s, const plan_options& o) {
+    ((which == I ? (v_.template emplace<I>(std::make_unique<executor<typename V::template at<I>>>(ctx, s, o)), 0) : 0), ...);
+  }
+  std::vector<plan_choice> ranking_;
+  typename V::type v_;
+};
+
+}  // namespace whale

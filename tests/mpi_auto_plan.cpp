@@ -1,0 +1,117 @@
+// auto_plan<M>: the planner prices every candidate plan on the job's mesh with
+// a device profile and runs the fastest that fits; the plan it runs trains as
+// single-process training does (parameters after 5 steps, every rank), every
+// rank makes the same choice, a memory limit is respected (and one that no
+// plan fits is a clear error listing every candidate), and missing inputs are
+// clear errors. At 1, 2 and 4 ranks; on a data x pipe mesh where the world is even.
+#include <doctest/doctest.h>
+
+#include <sstream>
+#include <string>
+
+#include "support/plan_check.hpp"
+#include "whale/comm/context.hpp"
+#include "whale/models/gpt.hpp"
+#include "whale/optim/sgd.hpp"
+#include "whale/runtime/make.hpp"
+#include "whale/train/trainer.hpp"
+
+using namespace whale;
+
+namespace {
+// Legend: V vocabulary, S max positions, D width, H heads, F FFN width, L blocks.
+using small_gpt = models::gpt_model<256, 32, 32, 2, 64, 4>;
+constexpr index_t batch = 8, seq = 32;
+constexpr int n_steps = 5;
+// Tolerance of every plan against single-process SGD (as the plans' own tests): fp32 sums in another order.
+constexpr double atol = 1e-5, rtol = 1e-4;
+
+plan_options auto_options(double memory_limit_mib = 0) {
+  plan_options o;
+  o.profile = std::string(WHALE_PROFILES_DIR) + "/vm-2.txt";
+  o.plan_batch = batch;
+  o.plan_seq = seq;
+  o.memory_limit_mib = memory_limit_mib;
+  return o;
+}
+
+// Trains the chosen plan and single-process training on the same batches; every rank compares.
+void check_trains_as_single(const context& ctx, const plan_options& o) {
+  auto net = make<auto_plan<small_gpt>>(ctx, seed{42}, o);
+  if (ctx.rank() == 0) {
+    std::ostringstream os;
+    os << net;
+    MESSAGE("ranks " << ctx.size() << ", mesh " << ctx.mesh().shape() << ":\n" << os.str().substr(0, 900));
+  }
+  // every rank chose the same plan
+  int idx = static_cast<int>(net.choice().index) * 100 + net.choice().micro_batches, root = idx;
+  broadcast(ctx.world(), view<int>(&root, {1}), 0);
+  CHECK(idx == root);
+  {
+    markov_data d(seed{7}, small_gpt::vocab, seq, batch);
+    trainer t(net, sgd{.lr = 0.05f, .momentum = 0.9f}, test::quiet());
+    t.run(d, steps{n_steps});
+  }
+  network<small_gpt> single(seed{42});
+  {
+    markov_data d(seed{7}, small_gpt::vocab, seq, batch);
+    trainer t(single, sgd{.lr = 0.05f, .momentum = 0.9f}, test::quiet());
+    t.run(d, steps{n_steps});
+  }
+  const auto full = net.full_params();
+  const auto diff = test::compare(full, single.params(), atol, rtol);
+  INFO("chosen " << net.choice().label << ": max |auto - single| = " << diff.max_abs);
+  CHECK(diff.bad == 0);
+}
+}  // namespace
+
+TEST_CASE("auto_plan<gpt> runs the fastest predicted plan, which trains as single-process training on every rank") {
+  auto ctx = context::init();
+  check_trains_as_single(ctx, auto_options());
+}
+
+TEST_CASE("auto_plan on a data x pipe mesh chooses among pipelines and trains as single-process training") {
+  auto probe = context::init();
+  if (probe.size() % 2 != 0) return;  // one rank: no pipe axis to give
+  auto ctx = test::on_mesh("data=" + std::to_string(probe.size() / 2) + ",pipe=2");
+  auto net = make<auto_plan<small_gpt>>(ctx, seed{42}, auto_options());
+  CHECK(net.choice().label.rfind("pipeline", 0) == 0);  // dp and ZeRO cannot use the pipe axis
+  for (const auto& c : net.ranking())
+    if (c.label.rfind("pipeline", 0) != 0) CHECK(!c.valid);
+  check_trains_as_single(ctx, auto_options());
+}
+
+TEST_CASE("auto_plan respects a memory limit, and a limit no plan fits is an error naming every candidate") {
+  auto ctx = context::init();
+  auto free_choice = make<auto_plan<small_gpt>>(ctx, seed{42}, auto_options());
+  double least = 1e300, most = 0;
+  for (const auto& c : free_choice.ranking())
+    if (c.valid) least = std::min(least, c.memory_mib), most = std::max(most, c.memory_mib);
+  REQUIRE(least < 1e300);
+  // a limit just above the smallest plan: the choice fits it
+  auto tight = make<auto_plan<small_gpt>>(ctx, seed{42}, auto_options(least * 1.0001));
+  CHECK(tight.choice().memory_mib <= least * 1.0001);
+  for (const auto& c : tight.ranking())
+    if (c.valid && c.memory_mib > least * 1.0001) CHECK(!c.fits);
+  if (ctx.size() > 1) CHECK(most > least);  // sharding saves memory when there is more than one rank
+  // below every plan: an error that lists them
+  CHECK_THROWS_WITH_AS(make<auto_plan<small_gpt>>(ctx, seed{42}, auto_options(least * 0.5)),
+                       doctest::Contains("no candidate plan runs on the mesh"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(make<auto_plan<small_gpt>>(ctx, seed{42}, auto_options(least * 0.5)),
+                       doctest::Contains("zero3: needs"), std::invalid_argument);
+}
+
+TEST_CASE("auto_plan without a profile or a batch to price is a clear error") {
+  auto ctx = context::init();
+  auto o = auto_options();
+  o.profile.clear();
+  CHECK_THROWS_WITH_AS(make<auto_plan<small_gpt>>(ctx, seed{42}, o), doctest::Contains("no device profile"),
+                       std::invalid_argument);
+  o = auto_options();
+  o.plan_batch = 0;
+  CHECK_THROWS_WITH_AS(make<auto_plan<small_gpt>>(ctx, seed{42}, o), doctest::Contains("plan_batch"),
+                       std::invalid_argument);
+  o = auto_options();
+  o.profile = "/nonexistent/profile.txt";
+  CHECK_THROWS_AS(make<auto_plan<small_gpt>>(ctx, seed{42}, o), std::exception);
+}
