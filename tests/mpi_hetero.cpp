@@ -214,6 +214,51 @@ TEST_CASE("speeds: a pipeline's stages are cut by their ranks' speeds (slow stag
   CHECK(d.bad == 0);
 }
 
+// A block of small_deep holds 32 x 32 + 32 parameters: 16.5 KiB of parameters,
+// gradients and AdamW state (16 bytes a parameter).
+constexpr double block_state_mib = (32.0 * 32 + 32) * 16 / 1048576.0;
+
+TEST_CASE("memory caps: a pipeline is cut so that every stage fits its ranks' caps, and trains as one process") {
+  const int n = world_size();
+  if (n < 2) return;
+  auto ctx = test::on_mesh("pipe=" + std::to_string(n));
+  plan_options o;
+  o.micro_batches = 4;
+  o.memory_caps_mib.assign(static_cast<std::size_t>(n), 1024.0);
+  o.memory_caps_mib[0] = 1.5 * block_state_mib;  // the first stage's device holds one block, not two
+  auto net = make<pipeline<one_f_one_b, small_deep>>(ctx, seed{42}, o);
+  plan_options plain;
+  plain.micro_batches = 4;
+  auto even = make<pipeline<one_f_one_b, small_deep>>(ctx, seed{42}, plain);
+  const auto cut = net.stage_blocks();
+  CHECK(cut.front() == 1);
+  if (n == 2) CHECK(even.stage_blocks().front() == 2);  // without caps the first of two stages takes 2 of the 4
+  const auto d = train_against_single(ctx, net, sgd{.lr = 0.05f, .momentum = 0.9f}, 5);
+  if (ctx.rank() == 0) MESSAGE("pipe=" << n << " cut by memory caps: first stage " << cut.front() << " blocks; max |plan - single| = " << d.max_abs);
+  CHECK(d.bad == 0);
+  // caps no cut fits: every stage below one block (and the last one also holds the head)
+  plan_options none = plain;
+  none.memory_caps_mib.assign(static_cast<std::size_t>(n), 0.5 * block_state_mib);
+  using piped = pipeline<one_f_one_b, small_deep>;
+  CHECK_THROWS_WITH_AS(make<piped>(ctx, seed{42}, none), doctest::Contains("no cut of the 4 blocks"), std::invalid_argument);
+}
+
+TEST_CASE("memory caps: a rank whose share does not fit its cap is an error on every rank; bad lists are errors") {
+  auto ctx = context::init();
+  const int n = ctx.size();
+  plan_options o;
+  o.memory_caps_mib.assign(static_cast<std::size_t>(n), 1024.0);
+  o.memory_caps_mib.back() = block_state_mib;  // the whole replicated model does not fit
+  CHECK_THROWS_WITH_AS(make<replicate<small_deep>>(ctx, seed{42}, o),
+                       doctest::Contains(("rank " + std::to_string(n - 1) + "'s memory cap").c_str()), std::invalid_argument);
+  o.memory_caps_mib.assign(static_cast<std::size_t>(n) + 1, 1024.0);
+  CHECK_THROWS_WITH_AS(make<replicate<small_deep>>(ctx, seed{42}, o), doctest::Contains("give one per rank"),
+                       std::invalid_argument);
+  for (const char* bad : {"0", "-5", "abc", "2x", "nan", "1,,2"})
+    CHECK_THROWS_AS(plan_options::parse_caps(bad, "--memory-caps"), detail::parse_error);
+  CHECK(plan_options::parse_caps("4096,0.5", "--memory-caps") == std::vector<double>{4096, 0.5});
+}
+
 TEST_CASE("speeds: a list of the wrong length, or a factor below 1, is an error on every rank") {
   const int n = world_size();
   auto ctx = test::on_mesh("data=" + std::to_string(n));

@@ -3,7 +3,10 @@
 // again, so that a training loop that asks for the same buffers every step
 // reaches the upstream only in its first steps. One queue: blocks are reused
 // in the order of that queue's work (the CUDA backend allocates for its
-// compute stream only). Not thread-safe; one per backend object.
+// compute stream only; a block used on another stream must be freed only
+// after that stream's work on it is done). When the upstream fails, the
+// cached blocks are returned and the request tried once more. Not
+// thread-safe; one per backend object.
 #pragma once
 
 #include <concepts>
@@ -64,7 +67,13 @@ class caching_allocator {
       stats_.bytes_cached -= static_cast<std::int64_t>(got);
       ++stats_.cache_hits;
     } else {
-      p = up_.allocate(n);
+      try {
+        p = up_.allocate(n);
+      } catch (...) {  // out of memory with blocks cached: give them back and try once more
+        if (free_.empty()) throw;
+        release();
+        p = up_.allocate(n);
+      }
       ++stats_.upstream_allocations;
     }
     live_[p] = got;

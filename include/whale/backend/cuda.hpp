@@ -99,21 +99,20 @@ class cuda_backend {
     if (device_ >= cuda_device_count())
       throw std::invalid_argument("whale::cuda_backend: device " + std::to_string(device_) + " does not exist (" +
                                   std::to_string(cuda_device_count()) + " visible)");
-    detail::cuda_check(cudaSetDevice(device_), "cudaSetDevice");
-    detail::cuda_check(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking), "cudaStreamCreate (compute)");
-    detail::cuda_check(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking), "cudaStreamCreate (communication)");
-    detail::cublas_check(cublasCreate(&blas_), "cublasCreate");
-    detail::cublas_check(cublasSetStream(blas_, compute_), "cublasSetStream");
+    try {
+      detail::cuda_check(cudaSetDevice(device_), "cudaSetDevice");
+      detail::cuda_check(cudaStreamCreateWithFlags(&compute_, cudaStreamNonBlocking), "cudaStreamCreate (compute)");
+      detail::cuda_check(cudaStreamCreateWithFlags(&comm_, cudaStreamNonBlocking), "cudaStreamCreate (communication)");
+      detail::cublas_check(cublasCreate(&blas_), "cublasCreate");
+      detail::cublas_check(cublasSetStream(blas_, compute_), "cublasSetStream");
+    } catch (...) {
+      destroy();  // what was created before the failure
+      throw;
+    }
   }
   cuda_backend(const cuda_backend&) = delete;
   cuda_backend& operator=(const cuda_backend&) = delete;
-  ~cuda_backend() {
-    if (compute_) cudaStreamSynchronize(compute_);
-    alloc_.release();
-    if (blas_) cublasDestroy(blas_);
-    if (comm_) cudaStreamDestroy(comm_);
-    if (compute_) cudaStreamDestroy(compute_);
-  }
+  ~cuda_backend() { destroy(); }
 
   int device() const noexcept { return device_; }
   cudaStream_t compute_stream() const noexcept { return compute_; }
@@ -201,6 +200,14 @@ class cuda_backend {
   void synchronize() { detail::cuda_check(cudaStreamSynchronize(compute_), "cudaStreamSynchronize"); }
 
  private:
+  void destroy() noexcept {
+    if (compute_) cudaStreamSynchronize(compute_);
+    alloc_.release();
+    if (blas_) cublasDestroy(blas_);
+    if (comm_) cudaStreamDestroy(comm_);
+    if (compute_) cudaStreamDestroy(compute_);
+    blas_ = nullptr, comm_ = nullptr, compute_ = nullptr;
+  }
   static cublasOperation_t op(trans t) noexcept { return t == trans::yes ? CUBLAS_OP_T : CUBLAS_OP_N; }
   static int i32(index_t v) {
     if (v < 0 || v > INT_MAX)

@@ -241,6 +241,7 @@ class context {
       shape = mesh_shape::parse(spec, world.size(), origin);
       set_watchdog_timeout(detail::parse_watchdog_env());
       set_heartbeat_timeout(detail::parse_heartbeat_env());
+      (void)cpu::active_isa();  // WHALE_CPU_ISA is checked here, at start-up, not at the first kernel
     } catch (const detail::parse_error& e) {
       error = e.what();
     } catch (const mesh_error& e) {
@@ -249,6 +250,8 @@ class context {
       if (error.find("but the job has 1 ") != std::string::npos)
         error += " (this program was built without MPI; link whale::mpi to run on several ranks)";
 #endif
+    } catch (const std::invalid_argument& e) {  // WHALE_CPU_ISA
+      error = e.what();
     }
     if (any_rank_failed(world, error, "the mesh or flags")) {
       if (!owns) throw mesh_error(error);

@@ -31,6 +31,12 @@ struct lower_options {
   std::vector<double> replica_weights;
   /// Each pipeline stage's slowness for the balanced cut (empty: all equal); ignored with stage_blocks.
   std::vector<double> stage_slowness;
+  /// Each pipeline stage's memory cap in bytes (its smallest device's; empty: none). The balanced
+  /// cut keeps every stage's parameters, gradients and optimizer state (4 + 4 +
+  /// optimizer_bytes_per_param bytes a parameter) plus the activations of `cap_rows` rows for each
+  /// of the min(micro_batches, stages - s) micro-batches stage s keeps under 1F1B, within its cap.
+  std::vector<double> stage_memory_caps;
+  index_t cap_rows = 0;  ///< rows (tokens) of one micro-batch, for the activations term; 0: left out
 };
 
 namespace detail {
@@ -100,8 +106,43 @@ inline std::vector<int> stage_cut(const model_desc& d, int P, const lower_option
     if (!o.stage_slowness.empty() && static_cast<int>(o.stage_slowness.size()) != P)
       lower_fail(d, "the stage slowness list has " + std::to_string(o.stage_slowness.size()) + " factors for " +
                         std::to_string(P) + " stages");
+    std::function<bool(int, int)> fits;
+    if (!o.stage_memory_caps.empty()) {
+      if (static_cast<int>(o.stage_memory_caps.size()) != P)
+        lower_fail(d, "the stage memory caps list has " + std::to_string(o.stage_memory_caps.size()) + " values for " +
+                          std::to_string(P) + " stages");
+      // bytes a parameter, and bytes of activations a row, of the elements before and after the repeat and of a block
+      const double per_param = 8.0 + o.optimizer_bytes_per_param;
+      auto act_row = [&](const cost_info& c, index_t width) {
+        const auto s = c.scaled(width == any_features ? 0.0 : static_cast<double>(width));
+        return s.act_bytes + s.seq_act_bytes * static_cast<double>(o.balance_seq);
+      };
+      double pre_p = 0, post_p = 0, pre_a = 0, post_a = 0;
+      for (int i = 0; i < d.elements; ++i) {
+        if (i == d.repeat_element) continue;
+        const auto& c = d.element_cost[static_cast<std::size_t>(i)];
+        const auto w = d.element_width[static_cast<std::size_t>(i)];
+        const double params = static_cast<double>(c.scaled(w == any_features ? 0.0 : static_cast<double>(w)).params);
+        (i < d.repeat_element ? pre_p : post_p) += params;
+        (i < d.repeat_element ? pre_a : post_a) += act_row(c, w);
+      }
+      const double blk_p = static_cast<double>(d.block_cost.scaled(static_cast<double>(d.element_width[rep])).params);
+      const double blk_a = act_row(d.block_cost, d.element_width[rep]);
+      const int m = o.micro_batches > 0 ? o.micro_batches : P;
+      fits = [=, &o](int s, int n) {
+        const double params = n * blk_p + (s == 0 ? pre_p : 0.0) + (s == P - 1 ? post_p : 0.0);
+        const double act = (n * blk_a + (s == 0 ? pre_a : 0.0) + (s == P - 1 ? post_a : 0.0)) *
+                           static_cast<double>(o.cap_rows) * std::min(m, P - s);
+        return params * per_param + act <= o.stage_memory_caps[static_cast<std::size_t>(s)];
+      };
+    }
+    // a first stage with nothing before the repeat must hold a block (a stage without a layer cannot run)
+    const bool first_needs_block = d.repeat_element == 0;
+    std::function<bool(int, int)> can = [fits, first_needs_block](int s, int n) {
+      return !(first_needs_block && s == 0 && n == 0) && (!fits || fits(s, n));
+    };
     return balance_blocks(N, P, pre, post, balance_weight(d.block_cost, d.element_width[rep], o.balance_seq),
-                          o.stage_slowness);
+                          o.stage_slowness, can);
   }
   int sum = 0;
   bool ok = static_cast<int>(blocks.size()) == P;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <functional>
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -26,20 +27,30 @@ inline double balance_weight(cost_info c, index_t width, index_t seq) {
 /// block: minimises the most expensive stage (exact dynamic programme). With
 /// `slowness` (one factor per stage, e.g. its device's emulated or measured
 /// slowness), a stage's cost is its work times its factor: slow stages get less.
+/// With `fits` (fits(stage, blocks): whether a stage holding that many blocks
+/// stays within its device's memory), only cuts that fit are considered; none
+/// fitting is an error saying so.
 inline std::vector<int> balance_blocks(int N, int p, double pre, double post, double blk,
-                                       const std::vector<double>& slowness = {}) {
+                                       const std::vector<double>& slowness = {},
+                                       const std::function<bool(int, int)>& fits = {}) {
   auto f = [&](int s) { return slowness.empty() ? 1.0 : slowness.at(static_cast<std::size_t>(s)); };
-  if (p <= 1) return {N};
+  auto ok = [&](int s, int n) { return !fits || fits(s, n); };
+  if (p <= 1) {
+    if (!ok(0, N)) throw std::invalid_argument("whale: the model does not fit the memory of its one stage");
+    return {N};
+  }
   const double inf = std::numeric_limits<double>::infinity();
   const auto P = static_cast<std::size_t>(p), K = static_cast<std::size_t>(N) + 1;
   std::vector<double> best(P * K, inf);  // best[s*K + k]: first k blocks on stages 0..s, worst stage
   std::vector<int> choice(P * K, 0);     // blocks on stage s in that optimum
-  for (int k = 0; k <= N; ++k) best[static_cast<std::size_t>(k)] = (pre + k * blk) * f(0);
+  for (int k = 0; k <= N; ++k)
+    if (ok(0, k)) best[static_cast<std::size_t>(k)] = (pre + k * blk) * f(0);
   for (int s = 1; s < p; ++s) {
     const bool inner = s < p - 1;
     const auto row = static_cast<std::size_t>(s) * K, prev = row - K;
     for (int k = 0; k <= N; ++k)
       for (int n = inner ? 1 : 0; n <= k; ++n) {
+        if (!ok(s, n)) continue;
         const double mine = (n * blk + (s == p - 1 ? post : 0.0)) * f(s);
         const double v = std::max(best[prev + static_cast<std::size_t>(k - n)], mine);
         if (v < best[row + static_cast<std::size_t>(k)] - 1e-9) {
@@ -48,6 +59,10 @@ inline std::vector<int> balance_blocks(int N, int p, double pre, double post, do
         }
       }
   }
+  if (best[(P - 1) * K + static_cast<std::size_t>(N)] == inf)
+    throw std::invalid_argument("whale: no cut of the " + std::to_string(N) + " blocks over " + std::to_string(p) +
+                                " pipeline stages gives every stage a layer within its memory cap (--memory-caps, "
+                                "WHALE_MEMORY_CAPS, where given); raise the caps, or change the stage count");
   std::vector<int> r(P);
   int k = N;
   for (int s = p - 1; s > 0; --s) {

@@ -4,7 +4,8 @@
 // forwards the API every plan has to it. Candidates: replicate<M> and
 // shard<M, 1|2|3> on a data-only mesh; replicate<pipeline<one_f_one_b, M>>
 // with m = p, 2p, 4p micro-batches on a data x pipe mesh (M with one repeat).
-// Not here: tensor-parallel candidates, changing the mesh, checkpoints.
+// Not here: tensor-parallel candidates, changing the mesh. Checkpoints go
+// through the chosen plan (a checkpoint names the concrete plan it was saved by).
 #pragma once
 
 #include <algorithm>
@@ -144,8 +145,16 @@ class auto_executor {
     if (o.plan_batch <= 0)
       throw std::invalid_argument(who + "plan_options::plan_batch (the global batch the planner prices, in sequences "
                                   "or samples) must be set; plan_seq gives the tokens per sequence");
-    const auto dev = device_profile::load(o.profile);
-    ranking_ = rank_auto_plans<M>(ctx.mesh().shape(), o, dev);
+    // a profile that one node cannot read, or a ranking that fails there, fails every rank (no collective is entered alone)
+    std::string err;
+    try {
+      ranking_ = rank_auto_plans<M>(ctx.mesh().shape(), o, device_profile::load(o.profile));
+    } catch (const std::exception& e) {
+      err = e.what();
+    }
+    int failed = err.empty() ? 0 : 1, any = failed;
+    all_reduce(ctx.world(), view<int>(&any, {1}), reduce_op::max);
+    if (any) throw std::invalid_argument(failed ? err : who + "another rank could not rank the plans (its message says why)");
     o.micro_batches = ranking_.front().micro_batches;
     build(std::make_index_sequence<V::size>{}, ranking_.front().index, ctx, s, o);
   }
@@ -179,6 +188,10 @@ class auto_executor {
   }
   view<float> params() const { return visit([&](auto& e) { return e.params(); }); }
   index_t param_count() const { return visit([&](auto& e) { return e.param_count(); }); }
+  /// What this rank holds and where (checkpoints save and load through the chosen plan's placement).
+  const program& placement() const { return visit([&](auto& e) -> const program& { return e.placement(); }); }
+  std::pair<index_t, index_t> range() const { return visit([&](auto& e) { return e.range(); }); }
+  world_comm& world() const { return visit([&](auto& e) -> world_comm& { return e.world(); }); }
   /// Every parameter of the model, gathered (collective under ZeRO-3 and pipelines).
   tensor<float> full_params() const { return visit([&](auto& e) { return e.full_params(); }); }
 

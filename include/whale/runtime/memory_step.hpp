@@ -33,6 +33,25 @@ memory_estimate executor<P>::predicted_memory(index_t global_batch, index_t seq,
 }
 
 template <class P> void executor<P>::check_state_memory(const program_totals& held, index_t n) const {
+  // Emulated per-rank memory (plan_options::memory_caps_mib): every rank learns every rank's
+  // model state and cap, so that all of them fail with the same sentence, naming the first over.
+  if (!o_.memory_caps_mib.empty()) {
+    const int w = ctx_->size();
+    double mine[2] = {static_cast<double>(held.param_bytes + held.grad_bytes + held.optimizer_bytes),
+                      o_.memory_cap_of(ctx_->rank(), w) * 1048576.0};
+    std::vector<double> all(static_cast<std::size_t>(2 * w));
+    if (w > 1) all_gather(ctx_->world(), view<double>(mine, {2}), view<double>(all.data(), {2 * static_cast<index_t>(w)}));
+    else all.assign(mine, mine + 2);
+    for (int r = 0; r < w; ++r) {
+      const double need = all[static_cast<std::size_t>(2 * r)], cap = all[static_cast<std::size_t>(2 * r + 1)];
+      if (cap > 0 && need > cap)
+        throw std::invalid_argument("whale::" + layer_name<P>() + ": rank " + std::to_string(r) + "'s memory cap (--memory-caps, "
+                                    "WHALE_MEMORY_CAPS) is " + detail::mib_text(static_cast<std::int64_t>(cap)) +
+                                    ", but its parameters, gradients and AdamW state need " +
+                                    detail::mib_text(static_cast<std::int64_t>(need)) +
+                                    "; give it fewer layers (a pipeline cuts by the caps), ZeRO, or a larger cap");
+    }
+  }
   const std::int64_t start = level == 3 ? 4 * static_cast<std::int64_t>(n) : 0;  // ZeRO-3 initialises the whole stage once
   detail::check_memory_fits(ctx_->world(), held.param_bytes + held.grad_bytes + start,
                             "its parameters (" + detail::mib_text(held.param_bytes) + ") and gradients (" +

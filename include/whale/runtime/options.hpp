@@ -51,6 +51,11 @@ struct plan_options {
   /// speed (1 / the largest factor among a replica's ranks) instead of evenly;
   /// gradients stay those of the global batch (each row weighs 1 / global rows).
   bool balance = false;
+  /// Emulated memory of each world rank in MiB (one value per rank, empty: none): a
+  /// pipeline of a repeat is cut so that every stage fits the smallest cap among its
+  /// ranks (parameters, gradients, AdamW state, and with plan_batch the activations
+  /// 1F1B keeps), and a rank whose share does not fit its cap is an error at make time.
+  std::vector<double> memory_caps_mib;
   // ---- auto_plan (docs/planning.md) ----
   /// The device profile file auto_plan prices plans with (scripts/profile writes one).
   std::string profile;
@@ -76,6 +81,7 @@ struct plan_options {
     if (const char* e = std::getenv("WHALE_SPEEDS")) o.speeds = parse_speeds(e, "WHALE_SPEEDS");
     if (const char* e = std::getenv("WHALE_BALANCE")) o.balance = detail::parse_bool(e, "WHALE_BALANCE");
     if (const char* e = std::getenv("WHALE_PROFILE"); e && *e) o.profile = e;
+    if (const char* e = std::getenv("WHALE_MEMORY_CAPS")) o.memory_caps_mib = parse_caps(e, "WHALE_MEMORY_CAPS");
     return o;
   }
   /// from_env(), then --micro-batches M, --stage-blocks 1,3, --trace PATH,
@@ -98,6 +104,7 @@ struct plan_options {
       else if (a == "--speeds") o.speeds = parse_speeds(value(), "--speeds");
       else if (a == "--balance") o.balance = true;
       else if (a == "--profile") o.profile = value();
+      else if (a == "--memory-caps") o.memory_caps_mib = parse_caps(value(), "--memory-caps");
       else argv[out++] = argv[i];
     }
     argc = out;
@@ -126,6 +133,17 @@ struct plan_options {
     }
     return r;
   }
+  /// "4096,4096,1024,1024": comma-separated MiB, each in (0, 2^30].
+  static std::vector<double> parse_caps(const std::string& v, const char* origin) {
+    std::vector<double> r;
+    for (std::size_t at = 0; at <= v.size();) {
+      auto end = v.find(',', at);
+      if (end == std::string::npos) end = v.size();
+      r.push_back(detail::parse_double(v.substr(at, end - at), origin, 1e-6, 1 << 30));
+      at = end + 1;
+    }
+    return r;
+  }
   /// This rank's factor; the list, when given, must have one per world rank.
   double speed_of(int rank, int world) const {
     if (speeds.empty()) return 1.0;
@@ -133,6 +151,14 @@ struct plan_options {
       throw std::invalid_argument("whale: --speeds/WHALE_SPEEDS gives " + std::to_string(speeds.size()) +
                                   " factor(s) but the job has " + std::to_string(world) + " rank(s); give one per rank");
     return speeds[static_cast<std::size_t>(rank)];
+  }
+  /// This rank's memory cap in MiB (0: none); the list, when given, must have one per world rank.
+  double memory_cap_of(int rank, int world) const {
+    if (memory_caps_mib.empty()) return 0;
+    if (static_cast<int>(memory_caps_mib.size()) != world)
+      throw std::invalid_argument("whale: --memory-caps/WHALE_MEMORY_CAPS gives " + std::to_string(memory_caps_mib.size()) +
+                                  " value(s) but the job has " + std::to_string(world) + " rank(s); give one per rank");
+    return memory_caps_mib[static_cast<std::size_t>(rank)];
   }
 };
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -73,18 +74,35 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
   }
   if constexpr (staged && V == 1) {
     if constexpr (!X::explicit_stages) {  // unequal ranks: slow stages get fewer blocks
-      if (o_.blocks.empty() && !o_.speeds.empty() && p_ > 1) {
+      if (o_.blocks.empty() && (!o_.speeds.empty() || !o_.memory_caps_mib.empty()) && p_ > 1) {
         std::vector<double> slow(static_cast<std::size_t>(p_), 1.0);  // a pipe position runs at its slowest rank's pace
+        std::vector<double> cap(static_cast<std::size_t>(p_), 0.0);   // and fits its smallest rank's memory
         for (int r = 0; r < ctx.size(); ++r) {
-          auto& f = slow[static_cast<std::size_t>(shape.coord(r, axis::pipe))];
-          f = std::max(f, o_.speed_of(r, ctx.size()));
+          const auto at = static_cast<std::size_t>(shape.coord(r, axis::pipe));
+          slow[at] = std::max(slow[at], o_.speed_of(r, ctx.size()));
+          const double c = o_.memory_cap_of(r, ctx.size()) * 1048576.0;
+          if (c > 0) cap[at] = cap[at] > 0 ? std::min(cap[at], c) : c;
         }
-        if (std::any_of(slow.begin(), slow.end(), [](double f) { return f != 1.0; })) {
+        // the capped cut counts whole, unsharded stages; with ZeRO or split stages only the make-time check applies
+        const bool capped = level == 0 && !has_split && std::any_of(cap.begin(), cap.end(), [](double c) { return c > 0; });
+        if (capped || std::any_of(slow.begin(), slow.end(), [](double f) { return f != 1.0; })) {
           lower_options lo;
           lo.global_batch = d_ * p_;
           lo.balance_seq = o_.balance_seq;
           lo.stage_slowness = slow;
-          o_.blocks = detail::stage_cut(describe<P>(), p_, lo);
+          if (capped) {
+            for (auto& c : cap) c = c > 0 ? c : std::numeric_limits<double>::infinity();
+            lo.stage_memory_caps = cap;
+            lo.micro_batches = o_.micro_batches;
+            lo.balance_seq = o_.plan_batch > 0 ? o_.plan_seq : o_.balance_seq;
+            if (o_.plan_batch > 0)  // rows of one micro-batch of one replica
+              lo.cap_rows = o_.plan_batch * o_.plan_seq / (d_ * std::max(1, o_.micro_batches > 0 ? o_.micro_batches : p_));
+          }
+          try {
+            o_.blocks = detail::stage_cut(describe<P>(), p_, lo);
+          } catch (const std::invalid_argument& e) {
+            throw std::invalid_argument(who + e.what());
+          }
         }
       }
     }

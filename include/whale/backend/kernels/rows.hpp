@@ -220,9 +220,13 @@ struct softmax_grad_rows {
   WHALE_HD WHALE_INLINE void operator()(index_t r) const noexcept {
     float* qr = q + r * C;
     const std::int32_t label = y[r];
-    const float scale = label == ignore ? 0.f : inv / sum[r];
+    if (label == ignore) {  // an exact zero, whatever the logits held
+      for (index_t j = 0; j < C; ++j) qr[j] = 0.f;
+      return;
+    }
+    const float scale = inv / sum[r];
     for (index_t j = 0; j < C; ++j) qr[j] *= scale;
-    if (label != ignore && label >= c0 && label < c0 + C) qr[label - c0] -= inv;
+    if (label >= c0 && label < c0 + C) qr[label - c0] -= inv;
   }
 };
 
