@@ -6,12 +6,16 @@
 // clear errors. At 1, 2 and 4 ranks; on a data x pipe mesh where the world is even.
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <sstream>
 #include <string>
 
 #include "support/plan_check.hpp"
 #include "whale/comm/context.hpp"
 #include "whale/models/gpt.hpp"
+#include "whale/optim/adamw.hpp"
 #include "whale/optim/sgd.hpp"
 #include "whale/runtime/make.hpp"
 #include "whale/train/trainer.hpp"
@@ -114,4 +118,28 @@ TEST_CASE("auto_plan without a profile or a batch to price is a clear error") {
   o = auto_options();
   o.profile = "/nonexistent/profile.txt";
   CHECK_THROWS_AS(make<auto_plan<small_gpt>>(ctx, seed{42}, o), std::exception);
+}
+
+TEST_CASE("auto_plan checkpoints through the plan it chose: saved, loaded by single-process training, identical") {
+  namespace fs = std::filesystem;
+  auto ctx = context::init();
+  long id = static_cast<long>(::getpid());
+  broadcast(ctx.world(), view<long>(&id, {1}), 0);
+  const auto dir = (fs::temp_directory_path() / ("whale-auto-ckpt-" + std::to_string(id))).string();
+  if (ctx.rank() == 0) fs::remove_all(dir);
+  barrier(ctx.world());
+  auto net = make<auto_plan<small_gpt>>(ctx, seed{42}, auto_options());
+  {
+    markov_data d(seed{7}, small_gpt::vocab, seq, batch);
+    trainer t(net, adamw{.lr = 1e-3f}, test::quiet());
+    t.run(d, steps{3});
+    t.save(dir);
+  }
+  const auto saved = net.full_params();
+  network<small_gpt> single(seed{5});
+  trainer ts(single, adamw{.lr = 1e-3f}, test::quiet());
+  ts.load(dir);
+  CHECK(test::compare(single.params(), saved, 0, 0).max_abs == 0.0);  // every rank reads the same bits
+  barrier(ctx.world());
+  if (ctx.rank() == 0) fs::remove_all(dir);
 }
