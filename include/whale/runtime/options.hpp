@@ -123,42 +123,35 @@ struct plan_options {
     return r;
   }
   /// "1,1,2,4": comma-separated slowness factors, each in [1, 1000].
-  static std::vector<double> parse_speeds(const std::string& v, const char* origin) {
-    std::vector<double> r;
-    for (std::size_t at = 0; at <= v.size();) {
-      auto end = v.find(',', at);
-      if (end == std::string::npos) end = v.size();
-      r.push_back(detail::parse_double(v.substr(at, end - at), origin, 1, 1000));
-      at = end + 1;
-    }
-    return r;
-  }
-  /// "4096,4096,1024,1024": comma-separated MiB, each in (0, 2^30].
-  static std::vector<double> parse_caps(const std::string& v, const char* origin) {
-    std::vector<double> r;
-    for (std::size_t at = 0; at <= v.size();) {
-      auto end = v.find(',', at);
-      if (end == std::string::npos) end = v.size();
-      r.push_back(detail::parse_double(v.substr(at, end - at), origin, 1e-6, 1 << 30));
-      at = end + 1;
-    }
-    return r;
-  }
+  static std::vector<double> parse_speeds(const std::string& v, const char* origin) { return parse_reals(v, origin, 1, 1000); }
+  /// "4096,4096,1024,1024": comma-separated MiB, each in [1e-6, 2^30].
+  static std::vector<double> parse_caps(const std::string& v, const char* origin) { return parse_reals(v, origin, 1e-6, 1 << 30); }
   /// This rank's factor; the list, when given, must have one per world rank.
-  double speed_of(int rank, int world) const {
-    if (speeds.empty()) return 1.0;
-    if (static_cast<int>(speeds.size()) != world)
-      throw std::invalid_argument("whale: --speeds/WHALE_SPEEDS gives " + std::to_string(speeds.size()) +
-                                  " factor(s) but the job has " + std::to_string(world) + " rank(s); give one per rank");
-    return speeds[static_cast<std::size_t>(rank)];
-  }
+  double speed_of(int rank, int world) const { return per_rank(speeds, rank, world, "--speeds/WHALE_SPEEDS", 1.0); }
   /// This rank's memory cap in MiB (0: none); the list, when given, must have one per world rank.
   double memory_cap_of(int rank, int world) const {
-    if (memory_caps_mib.empty()) return 0;
-    if (static_cast<int>(memory_caps_mib.size()) != world)
-      throw std::invalid_argument("whale: --memory-caps/WHALE_MEMORY_CAPS gives " + std::to_string(memory_caps_mib.size()) +
+    return per_rank(memory_caps_mib, rank, world, "--memory-caps/WHALE_MEMORY_CAPS", 0.0);
+  }
+
+ private:
+  // Comma-separated numbers, each parsed whole and within [lo, hi].
+  static std::vector<double> parse_reals(const std::string& v, const char* origin, double lo, double hi) {
+    std::vector<double> r;
+    for (std::size_t at = 0; at <= v.size();) {
+      auto end = v.find(',', at);
+      if (end == std::string::npos) end = v.size();
+      r.push_back(detail::parse_double(v.substr(at, end - at), origin, lo, hi));
+      at = end + 1;
+    }
+    return r;
+  }
+  // Entry `rank` of a per-rank list (`dflt` when the list is empty); another length than the world is an error.
+  static double per_rank(const std::vector<double>& list, int rank, int world, const char* what, double dflt) {
+    if (list.empty()) return dflt;
+    if (static_cast<int>(list.size()) != world)
+      throw std::invalid_argument(std::string("whale: ") + what + " gives " + std::to_string(list.size()) +
                                   " value(s) but the job has " + std::to_string(world) + " rank(s); give one per rank");
-    return memory_caps_mib[static_cast<std::size_t>(rank)];
+    return list[static_cast<std::size_t>(rank)];
   }
 };
 
