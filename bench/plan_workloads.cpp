@@ -1,7 +1,7 @@
 // Lowers a reference workload's plan (shared/workloads.md) for any mesh, in
 // one process and without MPI, and prints one rank's program (what it holds,
 // each operation of a step with its bytes) and totals over every rank.
-//   whale_plan --workload mlp|xc|gpt --plan P --mesh data=64,pipe=4,model=4 [--rank R]
+//   whale_plan --workload mlp|xc|gpt|bert-large|resnet50-100k|gpt-13b --plan P --mesh data=64,pipe=4,model=4 [--rank R]
 //              [--batch B] [--seq T] [--micro-batches M] [--schedule gpipe|1f1b] [--zero 0..3]
 //              [--recompute] [--no-grad-norm] [--bucket-mib X] [--stage-blocks 1,2,..] [--summary] [--json]
 // scripts/plan builds and runs it.
@@ -22,6 +22,7 @@
 #include "whale/plan/memory.hpp"
 #include "whale/plan/simulate.hpp"
 #include "whale/detail/io.hpp"
+#include "paper_workloads.hpp"
 #include "search.hpp"
 
 using namespace whale;
@@ -38,14 +39,15 @@ struct args : bench::search::plan_query {
   std::string profile, trace;  ///< --simulate PROFILE: replay every rank's program on it; --trace: its spans
   int search = 0;              ///< --search N: every plan of the workload on N ranks, simulated and ranked
   double memory_limit_mib = 0; ///< --memory-limit-mib X: plans over it are refused (0: no limit)
+  bool pipe_outer = false;     ///< --stages-across-nodes: simulate with pipe_outer_devices (the stages on other nodes)
 };
 
 [[noreturn]] void usage(const std::string& why) {
   throw std::invalid_argument(
-      why + "\nusage: whale_plan --workload mlp|xc|gpt --plan single|dp|hybrid|pipeline|zero1|zero2|zero3|3d "
+      why + "\nusage: whale_plan --workload mlp|xc|gpt|bert-large|resnet50-100k|gpt-13b --plan single|dp|hybrid|pipeline|zero1|zero2|zero3|3d "
             "--mesh data=D,pipe=P,model=M [--rank R] [--batch B] [--seq T] [--micro-batches M] "
             "[--schedule gpipe|1f1b] [--zero 0..3] [--recompute] [--no-grad-norm] [--bucket-mib X] "
-            "[--stage-blocks 1,2,...] [--summary] [--json] [--optimizer-bytes 8|4|0] [--simulate PROFILE [--ranks-per-node K] [--trace FILE]] "
+            "[--stage-blocks 1,2,...] [--summary] [--json] [--optimizer-bytes 8|4|0] [--simulate PROFILE [--ranks-per-node K] [--stages-across-nodes] [--trace FILE]] "
             "[--search N --simulate PROFILE [--memory-limit-mib X]] (with --search, --plan and --mesh are chosen)");
 }
 
@@ -64,7 +66,7 @@ args parse(int argc, char** argv) {
     else if (f == "--mesh") a.mesh = value();
     else if (f == "--rank") a.rank = static_cast<int>(detail::parse_int(value(), "--rank", 0, 1 << 20));
     else if (f == "--batch") a.o.global_batch = detail::parse_int(value(), "--batch", 1, 1 << 24);
-    else if (f == "--seq") a.o.seq = detail::parse_int(value(), "--seq", 1, 128);
+    else if (f == "--seq") a.o.seq = detail::parse_int(value(), "--seq", 1, 1 << 20);
     else if (f == "--micro-batches") a.o.micro_batches = static_cast<int>(detail::parse_int(value(), "--micro-batches", 1, 1 << 16));
     else if (f == "--schedule") a.schedule = value();
     else if (f == "--zero") a.zero = static_cast<int>(detail::parse_int(value(), "--zero", 0, 3));
@@ -84,6 +86,7 @@ args parse(int argc, char** argv) {
     else if (f == "--memory-limit-mib") a.memory_limit_mib = detail::parse_double(value(), "--memory-limit-mib", 0, 1 << 30, true);
     else if (f == "--optimizer-bytes") a.o.optimizer_bytes_per_param = static_cast<int>(detail::parse_int(value(), "--optimizer-bytes", 0, 64));
     else if (f == "--trace") a.trace = value();
+    else if (f == "--stages-across-nodes") a.pipe_outer = true;
     else if (f == "--ranks-per-node") a.per_node = static_cast<int>(detail::parse_int(value(), "--ranks-per-node", 1, 1 << 20));
     else if (f == "--summary") a.summary = true;
     else if (f == "--json") a.json = true;
@@ -94,6 +97,10 @@ args parse(int argc, char** argv) {
   if (a.search) a.plan = "dp";  // each candidate sets its own
   if (a.workload.empty() || a.plan.empty()) usage("whale_plan: --workload and --plan are required");
   if (!a.trace.empty() && a.profile.empty()) usage("whale_plan: --trace needs --simulate PROFILE");
+  if (a.pipe_outer && a.profile.empty()) usage("whale_plan: --stages-across-nodes needs --simulate PROFILE");
+  if (const auto& w = bench::search::workload_of(a.workload); a.o.seq > w.max_seq)
+    usage("whale_plan: --seq " + std::to_string(a.o.seq) + " is longer than the " + std::to_string(w.max_seq) +
+          " positions of the workload '" + a.workload + "'");
   if (a.schedule != "gpipe" && a.schedule != "1f1b") usage("whale_plan: --schedule must be gpipe or 1f1b (got '" + a.schedule + "')");
   return a;
 }
@@ -118,15 +125,15 @@ int search(const args& base) {
   std::cout << "  chosen: " << best.label() << ": predicted " << best.step << " s per step, " << best.memory_mib
             << " MiB on the largest rank (its slowest rank computes " << best.slowest.compute_s << " s, communicates "
             << best.slowest.comm_s << " s, waits " << best.slowest.wait_s << " s)\n";
-  int shown = 0;
+  int shown = 0, over = 0, broken = 0;
   for (const auto& c : cs) {
     if (&c == &best) continue;
     if (!c.valid) {
-      std::cout << "  cannot run: " << c.label() << ": " << c.why << "\n";
+      if (++broken <= 4) std::cout << "  cannot run: " << c.label() << ": " << c.why << "\n";
       continue;
     }
     if (!c.fits) {
-      std::cout << "  over memory: " << c.label() << ": " << c.memory_mib << " MiB\n";
+      if (++over <= 4) std::cout << "  over memory: " << c.label() << ": " << c.memory_mib << " MiB\n";
       continue;
     }
     if (++shown > 8) continue;
@@ -136,22 +143,21 @@ int search(const args& base) {
               << " s, waiting " << (c.slowest.wait_s - best.slowest.wait_s >= 0 ? "+" : "") << c.slowest.wait_s - best.slowest.wait_s
               << " s), " << c.memory_mib << " MiB\n";
   }
-  if (shown > 8) std::cout << "  (" << shown - 8 << " more)\n";
+  if (shown > 8 || over > 4 || broken > 4)
+    std::cout << "  (" << std::max(0, shown - 8) << " more that run, " << std::max(0, over - 4) << " more over memory, "
+              << std::max(0, broken - 4) << " more that cannot run; --json lists every plan that runs)\n";
   return 0;
 }
 
 int run(int argc, char** argv) {
+  bench::paper::add_workloads();
   auto a = parse(argc, argv);
   if (a.search) return search(a);
   const auto mesh = mesh_of(a.mesh);
   const auto d = plan_desc(a);
-  const bool gpt = a.workload == "gpt";
-  if (a.o.seq < 0) a.o.seq = gpt ? models::gpt_seq : 1;
-  if (a.o.global_batch < 0)
-    // gpt: the workload's 16 sequences, or 4 per data rank on meshes with more than 4 data ranks
-    a.o.global_batch = gpt ? std::max<index_t>(models::gpt_global_batch, 4 * mesh.size(axis::data))
-                           : a.workload == "mlp" ? models::mlp_global_batch
-                                                 : models::xc_batch_per_rank * mesh.size(axis::data);
+  if (a.o.seq < 0) a.o.seq = bench::search::workload_of(a.workload).seq;
+  a.o.balance_seq = a.o.seq;
+  a.o.global_batch = default_batch(a, mesh);
   a.o.zero_level = a.zero;
   if (a.rank >= mesh.size()) usage("whale_plan: --rank " + std::to_string(a.rank) + " is not in a mesh of " + std::to_string(mesh.size()) + " ranks");
 
@@ -180,7 +186,7 @@ int run(int argc, char** argv) {
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (simulating) {
-    const auto sim = simulate(d, all, dev, a.per_node);
+    const auto sim = simulate(d, all, dev, a.per_node, a.pipe_outer ? pipe_outer_devices(mesh) : std::vector<int>{});
     if (!a.trace.empty()) write_trace(a.trace, sim.spans);
     const auto& rt = sim.ranks[static_cast<std::size_t>(a.rank)];
     if (a.json) {

@@ -50,62 +50,117 @@ inline mesh_shape mesh_of(const std::string& spec) {
   return mesh_shape::parse(spec, static_cast<int>(world), "--mesh");
 }
 
-// gpt with tensor parallelism inside (Megatron: vocabulary-split embedding,
-// head-split attention, column/row FFN, class-split head and loss).
-constexpr index_t V = 8192, S = 128, D = 256, H = 4, F = 1024;
-using block = transformer_block<D, H, F>;
-template <class Stack>
-using tp_gpt = sequential<split<embedding<V, D>>, position_embedding<S, D>, Stack, layer_norm<D>,
-                          split<sequential<linear<D, V>, softmax_cross_entropy>>>;
-
-template <class P> model_desc desc_of() { return describe<P>(); }
-
-inline model_desc plan_desc(const plan_query& a) {
-  const auto& w = a.workload;
-  const auto& p = a.plan;
-  const bool g = a.schedule == "gpipe";
-  auto none = [&] { plan_error("plan search: the plan '" + p + "' is not defined for the workload '" + w + "'"); };
-  if (w == "mlp" || w == "xc") {
-    const bool m = w == "mlp";
-    if (p == "single") return m ? desc_of<models::mlp>() : desc_of<models::xc>();
-    if (p == "dp") return m ? desc_of<replicate<models::mlp>>() : desc_of<replicate<models::xc>>();
-    if (p == "zero1") return m ? desc_of<shard<models::mlp, 1>>() : desc_of<shard<models::xc, 1>>();
-    if (p == "zero2") return m ? desc_of<shard<models::mlp, 2>>() : desc_of<shard<models::xc, 2>>();
-    if (p == "zero3") return m ? desc_of<shard<models::mlp, 3>>() : desc_of<shard<models::xc, 3>>();
-    if (p == "hybrid" && !m) return desc_of<sequential<replicate<models::xc_backbone>, split<models::xc_classifier, axis::data>>>();
-    none();
+// Plans of any model: one process, data parallel, ZeRO 1-3.
+template <class M> struct dense_plans {
+  static model_desc of(const plan_query& a) {
+    const auto& p = a.plan;
+    if (p == "single") return describe<M>();
+    if (p == "dp") return describe<replicate<M>>();
+    if (p == "zero1") return describe<shard<M, 1>>();
+    if (p == "zero2") return describe<shard<M, 2>>();
+    if (p == "zero3") return describe<shard<M, 3>>();
+    plan_error("plan search: the plan '" + p + "' is not defined for the workload '" + a.workload + "'");
   }
-  if (w == "gpt") {
-    if (p == "single") return desc_of<models::gpt>();
-    if (p == "dp") return desc_of<replicate<models::gpt>>();
-    if (p == "hybrid") return desc_of<split<models::gpt, axis::model>>();
-    if (p == "zero1") return desc_of<shard<models::gpt, 1>>();
-    if (p == "zero2") return desc_of<shard<models::gpt, 2>>();
-    if (p == "zero3") return desc_of<shard<models::gpt, 3>>();
-    if (p == "pipeline") return g ? desc_of<replicate<pipeline<gpipe, models::gpt>>>() : desc_of<replicate<pipeline<one_f_one_b, models::gpt>>>();
+};
+// A GPT-shaped workload's plans (models::gpt_model<...> as G): tensor
+// parallelism inside is Megatron's (vocabulary-split embedding, head-split
+// attention, column/row FFN, class-split head and loss).
+template <class G> struct gpt_plans {
+  static constexpr index_t V = G::vocab, S = G::max_seq, D = G::width;
+  using block = transformer_block<D, G::heads, G::ffn>;
+  template <class Stack>
+  using tp = sequential<split<embedding<V, D>>, position_embedding<S, D>, Stack, layer_norm<D>,
+                        split<sequential<linear<D, V>, softmax_cross_entropy>>>;
+  static constexpr std::size_t L = G::layers;
+  /// G with every block recomputed in backward (its boundaries kept, the rest redone)
+  using G_rec = sequential<embedding<V, D>, position_embedding<S, D>, repeat<L, recompute<block>>, layer_norm<D>,
+                           linear<D, V>, softmax_cross_entropy>;
+
+  static model_desc of(const plan_query& a) {
+    const auto& p = a.plan;
+    const bool g = a.schedule == "gpipe";
+    if (a.recompute && p != "3d") return dense_plans<G_rec>::of(a);
+    if (p == "single") return describe<G>();
+    if (p == "dp") return describe<replicate<G>>();
+    if (p == "hybrid") return describe<split<G, axis::model>>();
+    if (p == "zero1") return describe<shard<G, 1>>();
+    if (p == "zero2") return describe<shard<G, 2>>();
+    if (p == "zero3") return describe<shard<G, 3>>();
+    if (p == "pipeline") return g ? describe<replicate<pipeline<gpipe, G>>>() : describe<replicate<pipeline<one_f_one_b, G>>>();
     if (p == "3d") {
       if (a.recompute)
-        return g ? desc_of<replicate<pipeline<gpipe, tp_gpt<repeat<4, recompute<split<block>>>>>>>()
-                 : desc_of<replicate<pipeline<one_f_one_b, tp_gpt<repeat<4, recompute<split<block>>>>>>>();
-      return g ? desc_of<replicate<pipeline<gpipe, tp_gpt<repeat<4, split<block>>>>>>()
-               : desc_of<replicate<pipeline<one_f_one_b, tp_gpt<repeat<4, split<block>>>>>>();
+        return g ? describe<replicate<pipeline<gpipe, tp<repeat<L, recompute<split<block>>>>>>>()
+                 : describe<replicate<pipeline<one_f_one_b, tp<repeat<L, recompute<split<block>>>>>>>();
+      return g ? describe<replicate<pipeline<gpipe, tp<repeat<L, split<block>>>>>>()
+               : describe<replicate<pipeline<one_f_one_b, tp<repeat<L, split<block>>>>>>();
     }
-    none();
+    plan_error("plan search: the plan '" + p + "' is not defined for the workload '" + a.workload + "'");
   }
-  plan_error("plan search: unknown workload '" + w + "' (have mlp, xc, gpt)");
+};
+
+// An xc-shaped workload's plans: Backbone then Classifier (ending in the loss);
+// hybrid = replicated backbone, class-split classifier over the data ranks.
+template <class Backbone, class Classifier> struct classifier_plans {
+  static model_desc of(const plan_query& a) {
+    if (a.plan == "hybrid") return describe<sequential<replicate<Backbone>, split<Classifier, axis::data>>>();
+    return dense_plans<sequential<Backbone, Classifier>>::of(a);
+  }
+};
+
+/// What the search and whale_plan need of a workload: its plans as
+/// descriptions, its global batch on a mesh, its context length, and which
+/// plan families it has beyond dp and ZeRO.
+struct workload {
+  std::string name;
+  model_desc (*describe)(const plan_query&) = nullptr;  ///< throws for a plan it lacks
+  index_t (*batch)(const mesh_shape&) = nullptr;        ///< the global batch (sequences or samples) on a mesh
+  index_t seq = 1;          ///< tokens per sequence (1: not a sequence model)
+  index_t max_seq = 1;      ///< the longest context its position table holds
+  bool blocks = false;      ///< a block stack: tensor x data, pipelines and 3-D plans
+  bool class_split = false; ///< a classifier split by class: the hybrid plan
+  /// Also dp and ZeRO with every block recomputed and with gradient accumulation
+  /// (plans bench_workloads does not run: for the large models judged on paper).
+  bool accumulate = false;
+};
+
+/// Every workload the search knows: the reference ones (shared/workloads.md), then those added.
+inline std::vector<workload>& workloads() {
+  static std::vector<workload> all = [] {
+    std::vector<workload> w;
+    w.push_back({"mlp", &dense_plans<models::mlp>::of,
+                 [](const mesh_shape&) { return models::mlp_global_batch; }, 1, 1, false, false});
+    w.push_back({"xc", &classifier_plans<models::xc_backbone, models::xc_classifier>::of,
+                 [](const mesh_shape& m) { return models::xc_batch_per_rank * m.size(axis::data); }, 1, 1, false, true});
+    // gpt: the workload's 16 sequences, or 4 per data rank on meshes with more than 4 data ranks
+    w.push_back({"gpt", &gpt_plans<models::gpt>::of,
+                 [](const mesh_shape& m) { return std::max<index_t>(models::gpt_global_batch, 4 * m.size(axis::data)); },
+                 models::gpt_seq, models::gpt::max_seq, true, false});
+    return w;
+  }();
+  return all;
 }
+inline void add_workload(workload w) { workloads().push_back(std::move(w)); }
+inline const workload& workload_of(const std::string& name) {
+  std::string have;
+  for (const auto& w : workloads()) {
+    if (w.name == name) return w;
+    have += (have.empty() ? "" : ", ") + w.name;
+  }
+  plan_error("plan search: unknown workload '" + name + "' (have " + have + ")");
+}
+
+inline model_desc plan_desc(const plan_query& a) { return workload_of(a.workload).describe(a); }
 
 // The global batch of the workload on `mesh` when --batch is not given.
 inline index_t default_batch(const plan_query& a, const mesh_shape& mesh) {
   if (a.o.global_batch > 0) return a.o.global_batch;
-  const bool gpt = a.workload == "gpt";
-  return gpt ? std::max<index_t>(models::gpt_global_batch, 4 * mesh.size(axis::data))
-             : a.workload == "mlp" ? models::mlp_global_batch : models::xc_batch_per_rank * mesh.size(axis::data);
+  return workload_of(a.workload).batch(mesh);
 }
 
 struct candidate {
   plan_query a;
   std::string mesh;
+  bool pipe_outer = false;  ///< placed with the stages across nodes (pipe_outer_devices)
   bool valid = false, fits = true;
   std::string why;  ///< not valid: the plan's error
   double step = 0, memory_mib = 0;
@@ -113,8 +168,9 @@ struct candidate {
   std::string label() const {
     std::string l = a.plan;
     if (a.plan == "pipeline" || a.plan == "3d") l += " " + a.schedule + " m=" + std::to_string(a.o.micro_batches);
+    if (a.plan != "pipeline" && a.plan != "3d" && a.o.micro_batches > 1) l += " m=" + std::to_string(a.o.micro_batches);
     if (a.recompute) l += " recompute";
-    return l + " on " + mesh;
+    return l + " on " + mesh + (pipe_outer ? " (stages across nodes)" : "");
   }
 };
 
@@ -133,10 +189,17 @@ inline std::vector<candidate> rank_plans(const plan_query& base, int n, const de
     cs.push_back(std::move(c));
   };
   const std::string N = std::to_string(n);
+  const workload& w = workload_of(base.workload);
   if (n == 1) add("single", "data=1");
   for (const char* p : {"dp", "zero1", "zero2", "zero3"}) add(p, "data=" + N);
-  if (base.workload == "xc") add("hybrid", "data=" + N);
-  if (base.workload == "gpt") {
+  if (w.accumulate)
+    for (const char* p : {"dp", "zero1", "zero2", "zero3"})
+      for (int k : {1, 4, 16}) {
+        if (k > 1) add(p, "data=" + N, "1f1b", k);
+        add(p, "data=" + N, "1f1b", k, true);
+      }
+  if (w.class_split) add("hybrid", "data=" + N);
+  if (w.blocks) {
     for (int m = 2; m <= n; m *= 2)
       if (n % m == 0) add("hybrid", "data=" + std::to_string(n / m) + ",model=" + std::to_string(m));
     for (int p = 2; p <= n; p *= 2) {
@@ -151,21 +214,37 @@ inline std::vector<candidate> rank_plans(const plan_query& base, int n, const de
         }
     }
   }
+  // over several nodes, a pipeline beside data parallelism can also run with its
+  // stages across nodes and each stage's data-parallel group inside one
+  const int per_node = base.per_node > 0 ? base.per_node : dev.ranks_per_node > 0 ? dev.ranks_per_node : n;
+  if (per_node < n)
+    for (std::size_t i = 0, e = cs.size(); i < e; ++i)
+      if (const auto m = mesh_of(cs[i].mesh); m.size(axis::pipe) > 1 && m.size(axis::data) > 1) {
+        auto c = cs[i];
+        c.pipe_outer = true;
+        cs.push_back(std::move(c));
+      }
   for (auto& c : cs) {
     try {
       const auto mesh = mesh_of(c.mesh);
       const auto d = plan_desc(c.a);
       auto o = c.a.o;
       o.global_batch = default_batch(c.a, mesh);
-      if (o.seq < 0) o.seq = c.a.workload == "gpt" ? models::gpt_seq : 1;
+      if (o.seq < 0) o.seq = w.seq;
+      o.balance_seq = o.seq;  // the stage balancer prices attention at the context it runs
       o.zero_level = c.a.zero;
       std::vector<program> all;
       std::int64_t mem = 0;
+      // equal replicas and equal tensor-parallel shards: one rank per pipeline stage
+      // stands for all (simulate's symmetry; its memory is theirs, to a few elements
+      // of an uneven ZeRO partition); balanced rows make replicas differ
+      const bool equal = o.replica_weights.empty();
       for (int r = 0; r < mesh.size(); ++r) {
+        if (equal && (mesh.coord(r, axis::data) != 0 || mesh.coord(r, axis::model) != 0)) continue;
         all.push_back(lower(d, mesh, r, o));
         mem = std::max(mem, predict_memory(d, all.back()).total());
       }
-      const auto sim = simulate(d, all, dev, c.a.per_node);
+      const auto sim = simulate(d, all, dev, c.a.per_node, c.pipe_outer ? pipe_outer_devices(mesh) : std::vector<int>{});
       c.valid = true;
       c.step = sim.step_s;
       c.memory_mib = static_cast<double>(mem) / 1048576.0;

@@ -8,6 +8,8 @@
 //
 //   ./build/examples/example_07_plan [--mesh data=8,pipe=2,model=2] [--rank R]
 //                                    [--simulate bench/profiles/datasheet-h200-8x-ib400.txt]
+// With --simulate it also replays by symmetry (one rank per stage) and with the
+// pipeline's stages placed across nodes.
 //
 // Legend of shape comments: B sequences, T tokens, C width (256), V vocabulary (8192).
 #include <whale/whale.hpp>
@@ -78,6 +80,17 @@ int main(int argc, char** argv) {
       const auto& me = sim.ranks[static_cast<std::size_t>(rank)];
       std::printf("simulated step: %.4f s; rank %d computes %.4f s, communicates %.4f s, waits %.4f s\n", sim.step_s, rank,
                   me.compute_s, me.comm_s, me.wait_s);
+      // 7. Equal replicas and equal tensor-parallel shards behave alike, so one rank
+      // per pipeline stage (data 0, model 0) stands for all: the same step, far fewer programs.
+      std::vector<program> stages;
+      for (const auto& q : all)
+        if (q.coords[0] == 0 && q.coords[2] == 0) stages.push_back(q);
+      const auto dev = device_profile::load(profile);
+      std::printf("by symmetry, %zu of %d programs: %.4f s\n", stages.size(), mesh.size(), simulate(d, stages, dev).step_s);
+      // 8. Placement: whale numbers ranks with model innermost, then pipe, then data, so
+      // a node holds whole pipelines; Megatron's order puts the stages across nodes
+      // (run a job so with ctx.with_rank_order(pipe_outer_devices(mesh))).
+      std::printf("with the stages across nodes: %.4f s\n", simulate(d, stages, dev, 0, pipe_outer_devices(mesh)).step_s);
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "example_07_plan: %s\n", e.what());

@@ -356,6 +356,50 @@ TEST_CASE("simulate: data parallel ranks end together, communication is the sum 
   CHECK(pipe.spans.size() > pp[0].ops.size());
 }
 
+TEST_CASE("simulate with two streams: a gradient bucket hides under the backward that follows it, nothing else moves") {
+  auto one = flat_profile();
+  auto two = flat_profile();
+  two.streams = 2;
+  std::ostringstream printed;
+  printed << two;
+  std::istringstream again(printed.str());
+  CHECK(device_profile::parse(again, "two").streams == 2);
+  std::istringstream bad("gemm 8 8 8 0 0 1\nbandwidth 1\nstreams 3\n");
+  CHECK_THROWS_WITH_AS(device_profile::parse(bad, "bad.txt"), doctest::Contains("bad.txt:3: streams"), std::invalid_argument);
+  using M = sequential<linear<64, 64>, relu, linear<64, 8>, softmax_cross_entropy>;
+  const auto d = describe<replicate<M>>();
+  auto run = [&](const device_profile& dev, double bucket_mib) {
+    auto o = batch(512);
+    o.bucket_mib = bucket_mib;
+    std::vector<program> ps;
+    for (int r = 0; r < 2; ++r) ps.push_back(lower(d, mesh_shape(2, 1, 1), r, o));
+    return std::pair{simulate(d, ps, dev), ps[0]};
+  };
+  // one bucket: it waits for the last backward, so there is nothing to overlap
+  const auto [a1, p1] = run(one, 25);
+  const auto [a2, p2] = run(two, 25);
+  CHECK(a2.step_s == doctest::Approx(a1.step_s));
+  // buckets of 520 floats: linear<64, 8>'s gradients are one bucket, ready before the
+  // backward of relu and linear<64, 64>; with two streams exactly its time is hidden
+  const double mib = 520.0 * 4 / 1048576.0;
+  const auto [b1, q1] = run(one, mib);
+  const auto [b2, q2] = run(two, mib);
+  double early = 0;  // the bucket of the second linear's parameters [4160, 4680)
+  int buckets = 0;
+  for (const auto& op : q1.ops)
+    if (op.kind == op_kind::collective && op.what.find("gradient bucket") != std::string::npos) {
+      ++buckets;
+      if (op.what.find("[4160, 4680)") != std::string::npos) early = 10e-6 + static_cast<double>(op.bytes_sent) / 1e9;
+    }
+  REQUIRE(buckets == 9);
+  REQUIRE(early > 0);
+  CHECK(b1.step_s == doctest::Approx(a1.step_s + 8 * 10e-6));  // one stream: 8 more latencies, nothing hidden
+  CHECK(b2.step_s == doctest::Approx(b1.step_s - early));
+  // the compute stream's end is its compute plus its stalls; the communication stream's time is all of it
+  CHECK(b2.ranks[0].end_s == doctest::Approx(b2.ranks[0].compute_s + b2.ranks[0].wait_s));
+  CHECK(b2.ranks[0].comm_s == doctest::Approx(b1.ranks[0].comm_s));
+}
+
 TEST_CASE("the shipped device profiles parse and price a 3-D plan on 64 ranks") {
   using P = replicate<pipeline<one_f_one_b, models::gpt_model<64, 16, 32, 2, 64, 4>>>;
   const auto d = describe<P>();
@@ -371,5 +415,65 @@ TEST_CASE("the shipped device profiles parse and price a 3-D plan on 64 ranks") 
     const auto sim = simulate(d, all, dev);
     CHECK(sim.step_s > 0);
     CHECK(sim.ranks.size() == 64u);
+    // by symmetry: the first data replica's 4 programs give the same step and the same ranks' times
+    const auto first = simulate(d, std::vector<program>(all.begin(), all.begin() + 4), dev);
+    CHECK(first.step_s == doctest::Approx(sim.step_s));
+    REQUIRE(first.ranks.size() == 4u);
+    for (int r = 0; r < 4; ++r) {
+      CHECK(first.ranks[r].comm_s == doctest::Approx(sim.ranks[r].comm_s));
+      CHECK(first.ranks[r].wait_s == doctest::Approx(sim.ranks[r].wait_s));
+    }
+    // a data-parallel stage 3 alone cannot stand for the mesh: its pipeline peers are missing
+    CHECK_THROWS_AS(simulate(d, std::vector<program>(all.begin() + 3, all.begin() + 4), dev), std::invalid_argument);
+    // and with the stages across nodes (profiles of a cluster: with figures between nodes)
+    const auto placed = pipe_outer_devices(mesh);
+    if (dev.links[1][static_cast<int>(link_kind::p2p)].ranks) CHECK(simulate(d, std::vector<program>(all.begin(), all.begin() + 4), dev, 8, placed).step_s ==
+          doctest::Approx(simulate(d, all, dev, 8, placed).step_s));
   }
+  CHECK_THROWS_WITH_AS(simulate(d, std::vector<program>(all.begin(), all.begin() + 5), flat_profile()),
+                       doctest::Contains("5 programs for a mesh of 64 ranks"), std::invalid_argument);
+}
+
+TEST_CASE("placement: stages across nodes, and a group with k ranks on each node gets k times the net figure") {
+  // mesh data=2, pipe=2, model=2: Megatron's order puts model innermost, then data, then pipe
+  const auto dev = pipe_outer_devices(mesh_shape(2, 2, 2));
+  CHECK(dev == std::vector<int>{0, 1, 4, 5, 2, 3, 6, 7});
+  // tensor x pipeline x data: one rank per stage (data 0, model 0) stands for all 8, placed or not
+  {
+    using blk = transformer_block<32, 2, 64>;
+    using small_tp = sequential<split<embedding<64, 32>>, position_embedding<16, 32>, repeat<4, split<blk>>, layer_norm<32>,
+                                split<sequential<linear<32, 64>, softmax_cross_entropy>>>;
+    using P = replicate<pipeline<one_f_one_b, small_tp>>;
+    const auto dp = describe<P>();
+    const auto m3 = mesh_shape(2, 2, 2);
+    auto o = batch(8, 16);
+    o.micro_batches = 2;
+    std::vector<program> every, stages;
+    for (int r = 0; r < 8; ++r) {
+      every.push_back(lower(dp, m3, r, o));
+      if (m3.coord(r, axis::data) == 0 && m3.coord(r, axis::model) == 0) stages.push_back(every.back());
+    }
+    REQUIRE(stages.size() == 2u);
+    const auto h200 = device_profile::load(std::string(WHALE_PROFILES_DIR) + "/datasheet-h200-8x-ib400.txt");
+    for (int per_node : {8, 2}) {
+      CHECK(simulate(dp, stages, h200, per_node).step_s == doctest::Approx(simulate(dp, every, h200, per_node).step_s));
+      CHECK(simulate(dp, stages, h200, per_node, dev).step_s == doctest::Approx(simulate(dp, every, h200, per_node, dev).step_s));
+    }
+  }
+  std::istringstream in("gemm 64 64 64 0 0 100\nbandwidth 10\nlink node all_reduce 8 10 100\nlink net all_reduce 16 50 1\n");
+  const auto p = device_profile::parse(in, "nic");
+  CHECK(p.link_time(link_level::net, link_kind::all_reduce, 16, 8e9) == doctest::Approx(50e-6 * 15 / 15 + 8.0));
+  CHECK(p.link_time(link_level::net, link_kind::all_reduce, 16, 8e9, 8) == doctest::Approx(50e-6 + 1.0));
+  CHECK(p.link_time(link_level::net, link_kind::all_reduce, 16, 8e9, 1000) == doctest::Approx(50e-6 + 0.08));  // at most the node figure
+  // data parallel over 2 nodes of 4: the group has 4 ranks on each node, so its all-reduce runs at 4 x 1 GB/s
+  using M = sequential<linear<64, 64>, relu, linear<64, 8>, softmax_cross_entropy>;
+  const auto d = describe<replicate<M>>();
+  std::vector<program> ps;
+  for (int r = 0; r < 8; ++r) ps.push_back(lower(d, mesh_shape(8, 1, 1), r, batch(64)));
+  std::istringstream in2("gemm 64 64 64 0 0 100\nbandwidth 10\nlink node all_reduce 8 10 100\nlink net all_reduce 8 50 1\n");
+  const auto two_nodes = simulate(d, ps, device_profile::parse(in2, "nic2"), 4);
+  double comm = 0;
+  for (const auto& op : ps[0].ops)
+    if (op.kind == op_kind::collective && op.group_size > 1) comm += 50e-6 + static_cast<double>(op.bytes_sent) / 4e9;
+  CHECK(two_nodes.ranks[0].comm_s == doctest::Approx(comm));
 }

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -55,7 +56,10 @@ struct auto_choice {
       if (plan == "pipeline" && mesh.size(axis::data) > 1) plan = "3d";
     }
     const std::string spec = plan == "3d" ? mesh.spec() : best.mesh;
-    auto ctx = c.ctx->with_mesh(spec);
+    // stages across nodes: mesh rank r runs on launched rank pipe_outer_devices(mesh)[r]
+    std::optional<context> placed;
+    if (best.pipe_outer) placed.emplace(c.ctx->with_rank_order(pipe_outer_devices(mesh)));
+    auto ctx = (placed ? *placed : *c.ctx).with_mesh(spec);
     const plan_entry* entry = find_plan(plan);
     if (!entry) throw std::logic_error("bench: --plan auto chose '" + plan + "', which bench_workloads does not have");
 

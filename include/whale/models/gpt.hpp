@@ -33,6 +33,8 @@ struct gpt_model
   static constexpr index_t vocab = Vocab;
   static constexpr index_t max_seq = MaxSeq;
   static constexpr index_t width = D;
+  static constexpr index_t heads = Heads;
+  static constexpr index_t ffn = FFN;
   static constexpr std::size_t layers = Layers;
   /// Parameters of the token and position tables (lookups, not GEMMs).
   static constexpr index_t embedding_params =

@@ -32,6 +32,9 @@ struct cost_info {
   double seq_flops = 0;    ///< extra forward FLOPs per row per token of context (attention)
   double seq_act_bytes = 0;  ///< extra bytes kept per row per token of context (attention's probabilities)
   bool per_feature = false;  ///< flops and bytes are per feature: scale by the width
+  /// Every FLOP is a GEMM FLOP (a convolution run as an implicit GEMM reuses each
+  /// weight at every position); otherwise a leaf's GEMM work is 2 FLOPs per weight per row.
+  bool all_gemm = false;
   constexpr cost_info& operator+=(const cost_info& o) {
     fwd_flops += o.fwd_flops;
     bwd_flops += o.bwd_flops;

@@ -56,6 +56,10 @@ struct device_profile {
   std::vector<gemm_point> gemm;  ///< sorted by size when read
   double bandwidth_bps = 0;      ///< elementwise: bytes read plus written per second
   int ranks_per_node = 0;        ///< devices (ranks) per node of the cluster it describes; 0: one node
+  /// 1: a collective blocks its rank until it ends (the CPU runtime); 2: collectives
+  /// run in order on a communication stream of their own and compute waits only
+  /// for the operations it depends on (a GPU with NCCL, as DDP and Horovod run).
+  int streams = 1;
   std::array<std::array<link_fit, link_kinds>, 2> links{};  ///< [level][kind]
 
   /// GEMM rate (FLOP/s) of a product of `flops` FLOPs: interpolated in log(size)
@@ -73,7 +77,11 @@ struct device_profile {
     return gemm.back().gflops * 1e9;
   }
   /// Seconds of a communication that sends `bytes` per rank in a group of `ranks` at `level`.
-  double link_time(link_level level, link_kind kind, int ranks, double bytes) const {
+  /// A collective over nodes whose group has `local` ranks on each node runs `local`
+  /// times the net figure (which is one rank's share when every rank of a node is in
+  /// another group): its ring leaves each node once, over the node's shared links,
+  /// so a group of 8 ranks per node gets the whole NIC. Never more than the node figure.
+  double link_time(link_level level, link_kind kind, int ranks, double bytes, int local = 1) const {
     if (ranks <= 1 && kind != link_kind::p2p) return 0;
     const auto& f = links[static_cast<int>(level)][static_cast<int>(kind)];
     if (f.ranks == 0 || !(f.beta_bps > 0))
@@ -81,7 +89,13 @@ struct device_profile {
                              link_level_name(level) + " level; profile on as many ranks, or add a 'link' line");
     // a ring's latency grows with its steps: (p-1) of them, against (p0-1) measured
     const double steps = kind == link_kind::p2p || f.ranks <= 1 ? 1.0 : static_cast<double>(ranks - 1) / static_cast<double>(f.ranks - 1);
-    return f.alpha_s * steps + bytes / f.beta_bps;
+    double beta = f.beta_bps;
+    if (level == link_level::net && kind != link_kind::p2p && local > 1) {
+      beta *= local;
+      const auto& inside = links[static_cast<int>(link_level::node)][static_cast<int>(kind)];
+      if (inside.ranks && inside.beta_bps > 0) beta = std::min(beta, inside.beta_bps);
+    }
+    return f.alpha_s * steps + bytes / beta;
   }
 
   /// The text format (see docs/planning.md): one entry per line, '#' comments.
@@ -89,6 +103,7 @@ struct device_profile {
   ///   gemm M N K TA TB GFLOPS          (TA, TB: 0 or 1)
   ///   bandwidth GBPS                    (elementwise, read + write)
   ///   node RANKS                        (ranks per node; absent: every rank on one node)
+  ///   streams 1|2                       (2: collectives overlap compute; absent: 1)
   ///   link LEVEL KIND RANKS ALPHA_US BETA_GBPS   (LEVEL: node|net; KIND: all_reduce|all_gather|reduce_scatter|broadcast|p2p)
   friend std::ostream& operator<<(std::ostream& os, const device_profile& p) {
     os << "# whale device profile\ndevice " << p.name << "\n";
@@ -96,6 +111,7 @@ struct device_profile {
       os << "gemm " << g.m << ' ' << g.n << ' ' << g.k << ' ' << g.ta << ' ' << g.tb << ' ' << g.gflops << "\n";
     os << "bandwidth " << p.bandwidth_bps / 1e9 << "\n";
     if (p.ranks_per_node) os << "node " << p.ranks_per_node << "\n";
+    if (p.streams != 1) os << "streams " << p.streams << "\n";
     for (int l = 0; l < 2; ++l)
       for (int k = 0; k < link_kinds; ++k) {
         const auto& f = p.links[static_cast<std::size_t>(l)][static_cast<std::size_t>(k)];
@@ -144,6 +160,9 @@ struct device_profile {
       } else if (w[0] == "node") {
         need(2, "RANKS (ranks per node)");
         p.ranks_per_node = static_cast<int>(detail::parse_int(w[1], at + ": RANKS", 1, 1 << 20));
+      } else if (w[0] == "streams") {
+        need(2, "1 or 2 (2: collectives on a stream of their own, beside compute)");
+        p.streams = static_cast<int>(detail::parse_int(w[1], at + ": streams", 1, 2));
       } else if (w[0] == "link") {
         need(6, "LEVEL KIND RANKS ALPHA_US BETA_GBPS");
         int level = w[1] == "node" ? 0 : w[1] == "net" ? 1 : -1;
@@ -157,7 +176,7 @@ struct device_profile {
         f.alpha_s = num(4, "ALPHA_US", 0, 1e9, false) * 1e-6;
         f.beta_bps = num(5, "BETA_GBPS", 0, 1e6, true) * 1e9;
       } else {
-        throw std::invalid_argument(at + ": unknown entry '" + w[0] + "' (have device, gemm, bandwidth, node, link)");
+        throw std::invalid_argument(at + ": unknown entry '" + w[0] + "' (have device, gemm, bandwidth, node, streams, link)");
       }
     }
     if (p.gemm.empty()) throw std::invalid_argument(origin + ": no 'gemm' line: a profile needs at least one GEMM rate");

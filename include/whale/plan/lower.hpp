@@ -224,6 +224,7 @@ class lowering {
     o.group = g;
     o.group_size = size;
     o.bytes_sent = t.sent;
+    o.slowest_bytes = t.slowest;
     o.bytes_received = t.received;
     o.elements = elements;
     o.micro = micro;

@@ -39,6 +39,7 @@ inline void lowering::zero_gather(int unit, bool backward, int micro) {
   o.group = axes(axis::data);
   o.group_size = D_;
   o.bytes_sent = t.sent;
+  o.slowest_bytes = t.slowest;
   o.bytes_received = t.received;
   o.elements = h.local_params;
   o.micro = micro;

@@ -63,6 +63,7 @@ struct op {
   int peer = -1;             ///< send/recv: the other rank (world numbering)
   std::int64_t bytes_sent = 0;      ///< by this rank (ring/chain model of comm_stats)
   std::int64_t bytes_received = 0;  ///< by this rank
+  std::int64_t slowest_bytes = 0;   ///< collectives: the most any member sends or receives (the ring's pace)
   std::int64_t elements = 0;        ///< elements of the collective's full buffer (or message)
   double flops = 0;          ///< compute and optimizer operations
   index_t rows = 0;          ///< compute: rows (samples, or tokens) it runs on

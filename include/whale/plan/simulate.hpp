@@ -1,11 +1,13 @@
 // `simulate(desc, programs, profile)`: one training step of every rank's
-// lowered program replayed event by event on a device profile. Each rank
-// runs its operations in program order on one stream (the CPU runtime's way:
-// a collective blocks its rank); a collective starts when every rank of its
-// group has reached it and lasts α + bytes/β; a message arrives α + bytes/β
-// after its send, and a receive waits for it. Compute takes its GEMM FLOPs at
-// the profile's rate for that size, elementwise work its bytes at the
-// profile's bandwidth. Gives the step time, and per rank its compute,
+// lowered program replayed event by event on a device profile. With a
+// one-stream profile each rank runs its operations in program order (the CPU
+// runtime's way: a collective blocks its rank); with `streams 2` collectives
+// run in order on a communication stream and compute waits only for the
+// operations it depends on (a GPU with NCCL). A collective starts when every
+// rank of its group has reached it and lasts α + bytes/β; a message arrives
+// α + bytes/β after its send, and a receive waits for it. Compute takes its
+// GEMM FLOPs at the profile's rate for that size, elementwise work its bytes
+// at the profile's bandwidth. Gives the step time, and per rank its compute,
 // communication and idle time, and the spans for a trace. Pure.
 #pragma once
 
@@ -28,9 +30,11 @@ namespace whale {
 struct rank_time {
   double end_s = 0;      ///< when its last operation ends
   double compute_s = 0;  ///< forward, backward, recompute, weight passes and the optimizer
-  double comm_s = 0;     ///< in collectives and messages (transfer time)
-  double wait_s = 0;     ///< waiting for a group or a message (bubbles, stragglers)
-  /// Exposed communication by why ("gradient bucket ...", "ZeRO-3 gather ...", ...): first words.
+  double comm_s = 0;     ///< in collectives and messages (transfer time; with two streams, partly hidden under compute)
+  /// Waiting for a group or a message (bubbles, stragglers); with two streams,
+  /// the compute stream's stalls for what it depends on (exposed communication too).
+  double wait_s = 0;
+  /// Communication by why ("gradient bucket ...", "ZeRO-3 gather ...", ...): first words.
   std::map<std::string, double> comm_by_what;
 };
 
@@ -65,7 +69,8 @@ inline double compute_seconds(const model_desc& d, const program& p, const op& o
   if (o.kind == op_kind::backward) gemm *= 2;  // d(input) and d(weights)
   if (o.kind == op_kind::weight) gemm = o.flops;
   gemm = std::min(gemm, o.flops);
-  gemm += std::max(0.0, o.flops - gemm) * (c.seq_flops > 0 ? 1.0 : 0.0);  // attention's Q K^T and P V are GEMMs too
+  // attention's Q K^T and P V are GEMMs too, and so is all of a convolution's work
+  gemm += std::max(0.0, o.flops - gemm) * (c.seq_flops > 0 || c.all_gemm ? 1.0 : 0.0);
   const int gemms = o.kind == op_kind::backward ? 2 : 1;
   double t = gemm > 0 ? gemm / dev.gemm_rate(gemm / gemms) : 0.0;
   // elementwise: the bytes it keeps, written once and read once
@@ -86,20 +91,65 @@ inline std::string what_key(const std::string& what) {
 }
 }  // namespace detail
 
+/// Mesh rank r on device devices[r] (Megatron's order: model innermost, then
+/// data, pipe outermost), so that a pipeline's stages lie across nodes and each
+/// stage's data-parallel group inside one: the placement
+/// `context::with_rank_order(pipe_outer_devices(...))` gives a job.
+inline std::vector<int> pipe_outer_devices(const mesh_shape& m) {
+  std::vector<int> dev(static_cast<std::size_t>(m.size()));
+  const int D = m.size(axis::data), M = m.size(axis::model);
+  for (int r = 0; r < m.size(); ++r) {
+    const auto c = m.coords(r);
+    dev[static_cast<std::size_t>(r)] = (c[1] * D + c[0]) * M + c[2];
+  }
+  return dev;
+}
+
 /// Every rank's program (`progs[r]` for rank r, from lower(d, mesh, r, ...)) replayed
 /// on `dev`; ranks in nodes of `ranks_per_node` (0: the profile's `node` entry,
-/// and without one every rank on one node).
+/// and without one every rank on one node); mesh rank r on device `devices[r]`
+/// (empty: device r), whose node is devices[r] / ranks_per_node.
+/// By symmetry: the programs may be those of the ranks with coordinate 0 on the
+/// data axis, the model axis or both (e.g. one rank per pipeline stage); every
+/// rank left out is taken to run its group's program at the same times (true
+/// when replicas are equal, no speeds or balanced rows, and the ranks of a
+/// tensor-parallel group hold equal shards), so a collective starts when its
+/// simulated members arrive and is priced for its whole group and placement.
+/// Then sim.ranks[i] is progs[i]'s rank.
 inline step_simulation simulate(const model_desc& d, const std::vector<program>& progs, const device_profile& dev,
-                                int ranks_per_node = 0) {
+                                int ranks_per_node = 0, const std::vector<int>& devices = {}) {
   const int n = static_cast<int>(progs.size());
   if (n == 0) throw std::invalid_argument("whale::simulate: no programs");
   const auto& mesh = progs.front().mesh;
-  if (mesh.size() != n) throw std::invalid_argument("whale::simulate: " + std::to_string(n) + " programs for a mesh of " + std::to_string(mesh.size()) + " ranks");
-  const int per_node = ranks_per_node > 0 ? ranks_per_node : dev.ranks_per_node > 0 ? dev.ranks_per_node : n;
+  const int full = mesh.size();
+  std::vector<int> index(static_cast<std::size_t>(full), -1);  // mesh rank -> its program in progs (-1: by symmetry)
+  int represented = n;
+  {
+    bool zero[axis_count] = {true, true, true};
+    for (int i = 0; i < n; ++i) {
+      const int r = progs[static_cast<std::size_t>(i)].rank;
+      if (r < 0 || r >= full || index[static_cast<std::size_t>(r)] >= 0)
+        throw std::invalid_argument("whale::simulate: the programs' ranks are not distinct ranks of the mesh (rank " + std::to_string(r) + ")");
+      index[static_cast<std::size_t>(r)] = i;
+      for (int a = 0; a < axis_count; ++a) zero[a] = zero[a] && mesh.coords(r)[static_cast<std::size_t>(a)] == 0;
+    }
+    for (axis a : {axis::data, axis::model})
+      if (zero[static_cast<int>(a)]) represented *= mesh.size(a);
+    if (represented != full)
+      throw std::invalid_argument("whale::simulate: " + std::to_string(n) + " programs for a mesh of " + std::to_string(full) +
+                                  " ranks (give every rank's, or those of coordinate 0 on the data or model axis)");
+  }
+  const int per_node = ranks_per_node > 0 ? ranks_per_node : dev.ranks_per_node > 0 ? dev.ranks_per_node : full;
+  const bool two_streams = dev.streams > 1;
+  if (!devices.empty() && static_cast<int>(devices.size()) != full)
+    throw std::invalid_argument("whale::simulate: " + std::to_string(devices.size()) + " devices for " + std::to_string(full) + " ranks");
+  auto node_of = [&](int r) { return (devices.empty() ? r : devices[static_cast<std::size_t>(r)]) / per_node; };
   step_simulation sim;
   sim.ranks.assign(static_cast<std::size_t>(n), {});
   std::vector<std::size_t> next(static_cast<std::size_t>(n), 0);
-  std::vector<double> clock(static_cast<std::size_t>(n), 0.0);
+  std::vector<double> clock(static_cast<std::size_t>(n), 0.0);  // the rank's (compute) stream
+  std::vector<double> comm_clock(static_cast<std::size_t>(n), 0.0);  // its communication stream (two streams)
+  std::vector<double> arrival(static_cast<std::size_t>(n), 0.0);  // when it can start the collective it is at
   std::vector<std::vector<double>> done(static_cast<std::size_t>(n));
   for (int r = 0; r < n; ++r) done[static_cast<std::size_t>(r)].assign(progs[static_cast<std::size_t>(r)].ops.size(), -1.0);
   // collectives match by group (its axes and the members' other coordinates) and order within it
@@ -110,10 +160,10 @@ inline step_simulation simulate(const model_desc& d, const std::vector<program>&
       k = k * 4096 + ((o.group.bits() >> a) & 1u ? 0 : c[static_cast<std::size_t>(a)]);
     return k;
   };
-  auto members = [&](int r, const op& o) {
+  auto members = [&](int r, const op& o) {  // of the whole mesh
     std::vector<int> m;
     const auto c = mesh.coords(r);
-    for (int q = 0; q < n; ++q) {
+    for (int q = 0; q < full; ++q) {
       const auto cq = mesh.coords(q);
       bool same = true;
       for (int a = 0; a < axis_count; ++a)
@@ -124,18 +174,28 @@ inline step_simulation simulate(const model_desc& d, const std::vector<program>&
   };
   auto level_of = [&](const std::vector<int>& m) {
     for (int q : m)
-      if (q / per_node != m.front() / per_node) return link_level::net;
+      if (node_of(q) != node_of(m.front())) return link_level::net;
     return link_level::node;
   };
+  auto local_of = [&](const std::vector<int>& m) {  // members on the first member's node
+    int k = 0;
+    for (int q : m) k += node_of(q) == node_of(m.front());
+    return k;
+  };
   std::map<std::pair<std::int64_t, int>, int> seen;      // (group, index) -> arrived ranks
-  std::map<std::int64_t, std::vector<int>> member_cache;  // group -> its ranks
+  struct group_info {
+    std::vector<int> simulated;  // its members among the programs (their indices)
+    link_level level = link_level::node;
+    int local = 1;               // its members on one node
+  };
+  std::map<std::int64_t, group_info> member_cache;  // group -> its ranks and where they are
   std::vector<std::map<std::int64_t, int>> coll_index(static_cast<std::size_t>(n));  // per rank: collectives entered per group
   std::map<std::pair<int, int>, std::vector<double>> mailbox;  // (from, to) -> arrival times, in order
   std::map<std::pair<int, int>, std::size_t> taken;
-  auto span = [&](int r, span_kind k, int micro, double t0, double t1) {
+  auto span = [&](int r, span_kind k, int micro, double t0, double t1) {  // r: a program's index
     trace_event e;
     e.kind = static_cast<std::int32_t>(k);
-    e.rank = r;
+    e.rank = progs[static_cast<std::size_t>(r)].rank;
     e.stage = progs[static_cast<std::size_t>(r)].coords[1];
     e.replica = progs[static_cast<std::size_t>(r)].coords[0];
     e.micro = micro;
@@ -143,11 +203,18 @@ inline step_simulation simulate(const model_desc& d, const std::vector<program>&
     e.dur_us = (t1 - t0) * 1e6;
     sim.spans.push_back(e);
   };
+  // when operation o of rank r may start: after what it depends on (earlier operations, all done)
+  auto deps_done = [&](int r, const op& o) {
+    double at = 0;
+    for (int k : o.deps) at = std::max(at, done[static_cast<std::size_t>(r)][static_cast<std::size_t>(k)]);
+    return at;
+  };
   bool progress = true;
   while (progress) {
     progress = false;
     for (int r = 0; r < n; ++r) {
       const auto& p = progs[static_cast<std::size_t>(r)];
+      const int me = p.rank;  // r: its index in progs
       auto& rt = sim.ranks[static_cast<std::size_t>(r)];
       auto& t = clock[static_cast<std::size_t>(r)];
       while (next[static_cast<std::size_t>(r)] < p.ops.size()) {
@@ -155,34 +222,50 @@ inline step_simulation simulate(const model_desc& d, const std::vector<program>&
         const auto& o = p.ops[i];
         if (o.kind == op_kind::collective) {
           if (o.group_size <= 1) {
-            done[static_cast<std::size_t>(r)][i] = t, ++next[static_cast<std::size_t>(r)], progress = true;
+            done[static_cast<std::size_t>(r)][i] = two_streams ? deps_done(r, o) : t;
+            ++next[static_cast<std::size_t>(r)], progress = true;
             continue;
           }
-          const auto key = group_key(r, o);
+          const auto key = group_key(me, o);
           const int idx = coll_index[static_cast<std::size_t>(r)][key];
           auto& arrived = seen[{key, idx}];
           // each rank counts itself once: mark arrival by a negative done
           if (done[static_cast<std::size_t>(r)][i] > -1.5) {
             ++arrived;
             done[static_cast<std::size_t>(r)][i] = -2.0;
+            arrival[static_cast<std::size_t>(r)] = two_streams ? std::max(comm_clock[static_cast<std::size_t>(r)], deps_done(r, o)) : t;
           }
           auto cached = member_cache.find(key);
-          if (cached == member_cache.end()) cached = member_cache.emplace(key, members(r, o)).first;
-          const auto& m = cached->second;
+          if (cached == member_cache.end()) {
+            group_info g;
+            const auto all = members(me, o);
+            for (int q : all)
+              if (index[static_cast<std::size_t>(q)] >= 0) g.simulated.push_back(index[static_cast<std::size_t>(q)]);
+            g.level = level_of(all);
+            g.local = local_of(all);
+            cached = member_cache.emplace(key, std::move(g)).first;
+          }
+          const auto& m = cached->second.simulated;
           if (arrived < static_cast<int>(m.size())) break;  // wait for the group
           // every member has arrived: its start is the latest arrival
           double start = 0;
-          for (int q : m) start = std::max(start, clock[static_cast<std::size_t>(q)]);
-          const double dur = dev.link_time(level_of(m), link_of(o), o.group_size, static_cast<double>(o.bytes_sent));
+          for (int q : m) start = std::max(start, arrival[static_cast<std::size_t>(q)]);
+          // the ring runs at the pace of its busiest member (uneven ZeRO pieces, uneven rows)
+          const double bytes = static_cast<double>(std::max({o.slowest_bytes, o.bytes_sent, o.bytes_received}));
+          const double dur = dev.link_time(cached->second.level, link_of(o), o.group_size, bytes, cached->second.local);
           for (int q : m) {
             const auto& pq = progs[static_cast<std::size_t>(q)];
             const std::size_t iq = next[static_cast<std::size_t>(q)];
             auto& rq = sim.ranks[static_cast<std::size_t>(q)];
-            rq.wait_s += start - clock[static_cast<std::size_t>(q)];
             rq.comm_s += dur;
             rq.comm_by_what[detail::what_key(pq.ops[iq].what)] += dur;
             span(q, span_kind::grad_all_reduce, pq.ops[iq].micro, start, start + dur);
-            clock[static_cast<std::size_t>(q)] = start + dur;
+            if (two_streams) {
+              comm_clock[static_cast<std::size_t>(q)] = start + dur;  // compute goes on; what depends on it waits
+            } else {
+              rq.wait_s += start - clock[static_cast<std::size_t>(q)];
+              clock[static_cast<std::size_t>(q)] = start + dur;
+            }
             done[static_cast<std::size_t>(q)][iq] = start + dur;
             ++coll_index[static_cast<std::size_t>(q)][key];
             ++next[static_cast<std::size_t>(q)];
@@ -191,8 +274,8 @@ inline step_simulation simulate(const model_desc& d, const std::vector<program>&
           continue;
         }
         if (o.kind == op_kind::send) {
-          const double dur = dev.link_time(level_of({r, o.peer}), link_kind::p2p, 2, static_cast<double>(o.bytes_sent));
-          mailbox[{r, o.peer}].push_back(t + dur);
+          const double dur = dev.link_time(level_of({me, o.peer}), link_kind::p2p, 2, static_cast<double>(o.bytes_sent));
+          mailbox[{me, o.peer}].push_back(t + dur);
           span(r, span_kind::send_act, o.micro, t, t);
           done[static_cast<std::size_t>(r)][i] = t;
           ++next[static_cast<std::size_t>(r)];
@@ -200,8 +283,8 @@ inline step_simulation simulate(const model_desc& d, const std::vector<program>&
           continue;
         }
         if (o.kind == op_kind::recv) {
-          auto& box = mailbox[{o.peer, r}];
-          auto& k = taken[{o.peer, r}];
+          auto& box = mailbox[{o.peer, me}];
+          auto& k = taken[{o.peer, me}];
           if (k >= box.size()) break;  // its send is not simulated yet
           const double at = box[k++];
           if (at > t) rt.wait_s += at - t, span(r, span_kind::recv_act, o.micro, t, at), t = at;
@@ -209,6 +292,10 @@ inline step_simulation simulate(const model_desc& d, const std::vector<program>&
           ++next[static_cast<std::size_t>(r)];
           progress = true;
           continue;
+        }
+        if (two_streams) {  // compute waits for the collectives (and receives) it depends on
+          const double ready = deps_done(r, o);
+          if (ready > t) rt.wait_s += ready - t, t = ready;
         }
         const double dur = detail::compute_seconds(d, p, o, dev);
         span(r, o.kind == op_kind::weight ? span_kind::weight : o.kind == op_kind::backward ? span_kind::backward
@@ -224,13 +311,14 @@ inline step_simulation simulate(const model_desc& d, const std::vector<program>&
   }
   for (int r = 0; r < n; ++r)
     if (next[static_cast<std::size_t>(r)] < progs[static_cast<std::size_t>(r)].ops.size())
-      throw std::logic_error("whale::simulate: rank " + std::to_string(r) + " cannot go on at operation " +
+      throw std::logic_error("whale::simulate: rank " + std::to_string(progs[static_cast<std::size_t>(r)].rank) + " cannot go on at operation " +
                              std::to_string(next[static_cast<std::size_t>(r)]) + " (" +
                              progs[static_cast<std::size_t>(r)].ops[next[static_cast<std::size_t>(r)]].what +
                              "): the programs do not match");
   for (int r = 0; r < n; ++r) {
-    sim.ranks[static_cast<std::size_t>(r)].end_s = clock[static_cast<std::size_t>(r)];
-    sim.step_s = std::max(sim.step_s, clock[static_cast<std::size_t>(r)]);
+    const double end = std::max(clock[static_cast<std::size_t>(r)], comm_clock[static_cast<std::size_t>(r)]);
+    sim.ranks[static_cast<std::size_t>(r)].end_s = end;
+    sim.step_s = std::max(sim.step_s, end);
   }
   return sim;
 }
