@@ -9,6 +9,8 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
+#include <functional>
 #include <sstream>
 #include <string>
 
@@ -47,8 +49,8 @@ void check_trains_as_single(const context& ctx, const plan_options& o) {
     os << net;
     MESSAGE("ranks " << ctx.size() << ", mesh " << ctx.mesh().shape() << ":\n" << os.str().substr(0, 900));
   }
-  // every rank chose the same plan
-  int idx = static_cast<int>(net.choice().index) * 100 + net.choice().micro_batches, root = idx;
+  // every rank chose the same plan (its label names the type, micro-batches and mesh)
+  int idx = static_cast<int>(std::hash<std::string>{}(net.choice().label) % 1000000007u), root = idx;
   broadcast(ctx.world(), view<int>(&root, {1}), 0);
   CHECK(idx == root);
   {
@@ -83,6 +85,37 @@ TEST_CASE("auto_plan on a data x pipe mesh chooses among pipelines and trains as
   for (const auto& c : net.ranking())
     if (c.label.rfind("pipeline", 0) != 0) CHECK(!c.valid);
   check_trains_as_single(ctx, auto_options());
+}
+
+TEST_CASE("auto_plan on a data-only mesh also reshapes the world into data x pipe, and the reshaped pipeline trains as single-process") {
+  auto ctx = context::init();
+  if (ctx.size() == 1) return;  // one rank: nothing to reshape
+  // a device whose collectives are slow and messages fast: a pipeline over every rank wins
+  long id = static_cast<long>(::getpid());
+  broadcast(ctx.world(), view<long>(&id, {1}), 0);
+  const auto path = (std::filesystem::temp_directory_path() / ("whale-slow-collectives-" + std::to_string(id) + ".txt")).string();
+  if (ctx.rank() == 0) {
+    std::ofstream f(path);
+    f << "device slow-collectives\ngemm 64 64 64 0 0 100\nbandwidth 10\n";
+    for (const char* k : {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}) f << "link node " << k << " 2 1 0.001\n";
+    f << "link node p2p 2 1 100\n";
+  }
+  barrier(ctx.world());
+  auto o = auto_options();
+  o.profile = path;
+  {
+    auto net = make<auto_plan<small_gpt>>(ctx, seed{42}, o);
+    const std::string whole = "on data=1,pipe=" + std::to_string(ctx.size()) + ",model=1";
+    INFO("chosen: " << net.choice().label);
+    CHECK(net.choice().label.find(whole) != std::string::npos);
+    CHECK(net.choice().mesh == "data=1,pipe=" + std::to_string(ctx.size()) + ",model=1");
+    int reshaped = 0;
+    for (const auto& c : net.ranking()) reshaped += c.label.find(" on data=") != std::string::npos && c.valid;
+    CHECK(reshaped >= 3);  // m = p, 2p, 4p on at least one reshaping
+  }
+  check_trains_as_single(ctx, o);
+  barrier(ctx.world());
+  if (ctx.rank() == 0) std::filesystem::remove(path);
 }
 
 TEST_CASE("auto_plan respects a memory limit, and a limit no plan fits is an error naming every candidate") {

@@ -3,14 +3,16 @@
 // memory predicted) and `auto_executor<M>` builds the fastest that fits and
 // forwards the API every plan has to it. Candidates: replicate<M> and
 // shard<M, 1|2|3> on a data-only mesh; replicate<pipeline<one_f_one_b, M>>
-// with m = p, 2p, 4p micro-batches on a data x pipe mesh (M with one repeat).
-// Not here: tensor-parallel candidates, changing the mesh. Checkpoints go
-// through the chosen plan (a checkpoint names the concrete plan it was saved by).
+// with m = p, 2p, 4p micro-batches on a data x pipe mesh (M with one repeat),
+// and on a data-only mesh also on every data x pipe reshaping of the world.
+// Not here: tensor-parallel candidates. Checkpoints go through the chosen
+// plan (a checkpoint names the concrete plan it was saved by).
 #pragma once
 
 #include <algorithm>
 #include <cstdio>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <sstream>
 #include <stdexcept>
@@ -33,9 +35,10 @@ namespace whale {
 
 /// One candidate of auto_plan, priced.
 struct plan_choice {
-  std::string label;      ///< e.g. "zero2", "pipeline 1f1b m=8"
+  std::string label;      ///< e.g. "zero2", "pipeline 1f1b m=8", "pipeline 1f1b m=4 on data=1,pipe=2"
   std::size_t index = 0;  ///< which candidate type
   int micro_batches = 0;
+  std::string mesh;       ///< the mesh it runs on: the job's, or a data x pipe reshaping of it
   bool valid = false;     ///< lowered on every rank (else `why` says what the plan refused)
   bool fits = true;       ///< predicted peak memory within the limit
   std::string why;
@@ -58,20 +61,22 @@ template <class... P> struct auto_variant<plan_list<P...>> {
 };
 }  // namespace detail
 
-/// The candidates of auto_plan<M> on `mesh`, priced on `dev`, best first:
-/// runnable plans that fit `o.memory_limit_mib` (0: no limit) by predicted step
-/// time, then those over memory, then those that cannot run (with the reason).
-/// Pure: every rank computes the same ranking. Prices with the global batch
-/// o.plan_batch of o.plan_seq tokens and AdamW's optimizer state (8 bytes a parameter).
+/// The candidates of auto_plan<M> on `job` (the job's mesh), priced on `dev`, best
+/// first: runnable plans that fit `o.memory_limit_mib` (0: no limit) by predicted
+/// step time, then those over memory, then those that cannot run (with the reason).
+/// On a data-only mesh of N ranks the pipeline also competes on every data=N/p x
+/// pipe=p (p > 1 dividing N). Pure: every rank computes the same ranking. Prices
+/// with the global batch o.plan_batch of o.plan_seq tokens and AdamW's optimizer
+/// state (8 bytes a parameter).
 template <class M>
-std::vector<plan_choice> rank_auto_plans(const mesh_shape& mesh, const plan_options& o, const device_profile& dev) {
+std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_options& o, const device_profile& dev) {
   using V = detail::auto_variant<detail::auto_candidates<M>>;
   std::vector<plan_choice> cs;
-  const int p = mesh.size(axis::pipe);
-  auto price = [&]<std::size_t I>(std::integral_constant<std::size_t, I>, const std::string& label, int micro) {
+  auto price = [&]<std::size_t I>(std::integral_constant<std::size_t, I>, const mesh_shape& mesh, const std::string& label,
+                                  int micro) {
     using P = typename V::template at<I>;
     plan_choice c;
-    c.label = label, c.index = I, c.micro_batches = micro;
+    c.label = label, c.index = I, c.micro_batches = micro, c.mesh = mesh.spec();
     try {
       const auto d = describe<P>();
       lower_options lo;
@@ -99,13 +104,22 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& mesh, const plan_opti
     cs.push_back(std::move(c));
   };
   using ic = std::integral_constant<std::size_t, 0>;
-  price(ic{}, "dp", 0);
-  price(std::integral_constant<std::size_t, 1>{}, "zero1", 0);
-  price(std::integral_constant<std::size_t, 2>{}, "zero2", 0);
-  price(std::integral_constant<std::size_t, 3>{}, "zero3", 0);
+  price(ic{}, job, "dp", 0);
+  price(std::integral_constant<std::size_t, 1>{}, job, "zero1", 0);
+  price(std::integral_constant<std::size_t, 2>{}, job, "zero2", 0);
+  price(std::integral_constant<std::size_t, 3>{}, job, "zero3", 0);
   if constexpr (V::size > 4) {
+    const int p = job.size(axis::pipe), n = job.size();
     for (int k : {1, 2, 4})
-      price(std::integral_constant<std::size_t, 4>{}, "pipeline 1f1b m=" + std::to_string(k * p), k * p);
+      price(std::integral_constant<std::size_t, 4>{}, job, "pipeline 1f1b m=" + std::to_string(k * p), k * p);
+    if (p == 1 && job.size(axis::model) == 1)  // a data-only mesh: the world reshaped into data x pipe
+      for (int q = 2; q <= n; q *= 2) {
+        if (n % q) continue;
+        const mesh_shape reshaped(n / q, q, 1);
+        for (int k : {1, 2, 4})
+          price(std::integral_constant<std::size_t, 4>{}, reshaped,
+                "pipeline 1f1b m=" + std::to_string(k * q) + " on " + reshaped.spec(), k * q);
+      }
   }
   std::stable_sort(cs.begin(), cs.end(), [](const plan_choice& x, const plan_choice& y) {
     if (x.valid != y.valid) return x.valid;
@@ -114,7 +128,7 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& mesh, const plan_opti
   });
   if (!cs.front().valid || !cs.front().fits) {
     std::ostringstream why;
-    why << "whale::auto_plan<" << layer_name<M>() << ">: no candidate plan runs on the mesh " << mesh
+    why << "whale::auto_plan<" << layer_name<M>() << ">: no candidate plan runs on the mesh " << job
         << (o.memory_limit_mib > 0 ? " within " + std::to_string(o.memory_limit_mib) + " MiB per rank" : std::string())
         << ":";
     for (const auto& c : cs)
@@ -156,7 +170,9 @@ class auto_executor {
     all_reduce(ctx.world(), view<int>(&any, {1}), reduce_op::max);
     if (any) throw std::invalid_argument(failed ? err : who + "another rank could not rank the plans (its message says why)");
     o.micro_batches = ranking_.front().micro_batches;
-    build(std::make_index_sequence<V::size>{}, ranking_.front().index, ctx, s, o);
+    // a reshaped mesh: the chosen plan runs in a context of its own over the same ranks (collective, as every rank chose it)
+    if (ranking_.front().mesh != ctx.mesh().shape().spec()) reshaped_.emplace(ctx.with_mesh(ranking_.front().mesh));
+    build(std::make_index_sequence<V::size>{}, ranking_.front().index, reshaped_ ? *reshaped_ : ctx, s, o);
   }
 
   /// Every candidate, best first, with its predicted step time and memory (or why it cannot run).
@@ -227,6 +243,7 @@ class auto_executor {
     ((which == I ? (v_.template emplace<I>(std::make_unique<executor<typename V::template at<I>>>(ctx, s, o)), 0) : 0), ...);
   }
   std::vector<plan_choice> ranking_;
+  std::optional<context> reshaped_;  // the chosen plan's mesh when it is not the job's (outlives the executor)
   typename V::type v_;
 };
 
