@@ -238,13 +238,16 @@ inline std::vector<candidate> rank_plans(const plan_query& base, int n, const de
       // equal replicas and equal tensor-parallel shards: one rank per pipeline stage
       // stands for all (simulate's symmetry; its memory is theirs, to a few elements
       // of an uneven ZeRO partition); balanced rows make replicas differ
-      const bool equal = o.replica_weights.empty();
+      const int per_node_here = c.a.per_node > 0 ? c.a.per_node : dev.ranks_per_node;
+      const auto placed = c.pipe_outer ? pipe_outer_devices(mesh) : std::vector<int>{};
+      const bool equal = o.replica_weights.empty() && o.global_batch % mesh.size(axis::data) == 0 &&
+                         replicas_alike(mesh, axes(axis::data) | axes(axis::model), per_node_here, placed);
       for (int r = 0; r < mesh.size(); ++r) {
         if (equal && (mesh.coord(r, axis::data) != 0 || mesh.coord(r, axis::model) != 0)) continue;
         all.push_back(lower(d, mesh, r, o));
         mem = std::max(mem, predict_memory(d, all.back()).total());
       }
-      const auto sim = simulate(d, all, dev, c.a.per_node, c.pipe_outer ? pipe_outer_devices(mesh) : std::vector<int>{});
+      const auto sim = simulate(d, all, dev, c.a.per_node, placed);
       c.valid = true;
       c.step = sim.step_s;
       c.memory_mib = static_cast<double>(mem) / 1048576.0;

@@ -459,6 +459,12 @@ TEST_CASE("placement: stages across nodes, and a group with k ranks on each node
       CHECK(simulate(dp, stages, h200, per_node).step_s == doctest::Approx(simulate(dp, every, h200, per_node).step_s));
       CHECK(simulate(dp, stages, h200, per_node, dev).step_s == doctest::Approx(simulate(dp, every, h200, per_node, dev).step_s));
     }
+    // 3 ranks per node cut the replicas unlike the first: no replay by symmetry there
+    CHECK(replicas_alike(m3, axes(axis::data) | axes(axis::model), 2));
+    CHECK(!replicas_alike(m3, axes(axis::data) | axes(axis::model), 3));
+    CHECK_THROWS_WITH_AS(simulate(dp, stages, h200, 3), doctest::Contains("replay by symmetry needs every replica placed"),
+                         std::invalid_argument);
+    CHECK(simulate(dp, every, h200, 3).step_s > 0);
   }
   std::istringstream in("gemm 64 64 64 0 0 100\nbandwidth 10\nlink node all_reduce 8 10 100\nlink net all_reduce 16 50 1\n");
   const auto p = device_profile::parse(in, "nic");

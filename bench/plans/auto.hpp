@@ -57,9 +57,9 @@ struct auto_choice {
     }
     const std::string spec = plan == "3d" ? mesh.spec() : best.mesh;
     // stages across nodes: mesh rank r runs on launched rank pipe_outer_devices(mesh)[r]
-    std::optional<context> placed;
-    if (best.pipe_outer) placed.emplace(c.ctx->with_rank_order(pipe_outer_devices(mesh)));
-    auto ctx = (placed ? *placed : *c.ctx).with_mesh(spec);
+    std::optional<context> meshed;
+    if (best.pipe_outer) meshed.emplace(c.ctx->with_mesh(spec));
+    auto ctx = best.pipe_outer ? meshed->with_rank_order(pipe_outer_devices(mesh)) : c.ctx->with_mesh(spec);
     const plan_entry* entry = find_plan(plan);
     if (!entry) throw std::logic_error("bench: --plan auto chose '" + plan + "', which bench_workloads does not have");
 

@@ -121,9 +121,9 @@ class context {
   context& operator=(const context&) = delete;
   ~context() { shut_down(); }
 
-  /// Another context over the same ranks on the mesh `spec` (e.g. "model=4"), to run a
-  /// second plan beside the first (e.g. load a checkpoint under another plan). It
-  /// does not own MPI. Collective; a bad spec throws mesh_error on every rank.
+  /// Another context over the same ranks, in the same order, on the mesh `spec` (e.g.
+  /// "model=4"), to run a second plan beside the first (e.g. load a checkpoint under
+  /// another plan). It does not own MPI. Collective; a bad spec throws mesh_error on every rank.
   context with_mesh(const std::string& spec) const {
     world_comm world = new_world();
     std::string error;
@@ -136,6 +136,9 @@ class context {
       error = e.what();
     }
     if (any_rank_failed(world, error, "the mesh '" + spec + "'")) throw mesh_error(error);
+#ifdef WHALE_HAS_MPI
+    world = world.split(0, rank(), "world");  // this context's rank order (with_rank_order) is kept
+#endif
     return context(std::make_unique<state>(false, s_->threads, std::move(world), shape));
   }
 

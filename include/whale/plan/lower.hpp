@@ -214,7 +214,10 @@ class lowering {
     }
     if (last_ >= 0) o.deps.push_back(last_);
     for (int g : pending_) o.deps.push_back(g);
+    for (int g : gathers_) o.deps.push_back(g);
     pending_.clear();
+    gathers_.clear();
+    before_last_ = last_;
     return last_ = add(std::move(o));
   }
   int add_coll(coll_kind k, axes g, int size, traffic t, std::int64_t elements, std::string why, int micro) {
@@ -280,6 +283,8 @@ class lowering {
   std::vector<std::pair<index_t, index_t>> buckets_;
   std::size_t next_bucket_ = 0;
   int last_ = -1, held_ = -1;
+  int before_last_ = -1;       // the compute before last_: a ZeRO-3 gather may start once it ends (one layer ahead)
+  std::vector<int> gathers_;   // ZeRO-3 gathers the next compute waits for
   std::vector<int> pending_, sync_;
 };
 

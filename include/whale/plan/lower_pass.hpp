@@ -44,7 +44,9 @@ inline void lowering::zero_gather(int unit, bool backward, int micro) {
   o.elements = h.local_params;
   o.micro = micro;
   o.what = "ZeRO-3 gather of " + h.name + (backward ? " for backward" : " for forward");
-  pending_.push_back(add(std::move(o)));  // prefetched: the layer waits for it, nothing before it
+  // prefetched one layer ahead: it may start when the layer before the previous one ends; its layer waits for it
+  if (before_last_ >= 0) o.deps.push_back(before_last_);
+  gathers_.push_back(add(std::move(o)));
 }
 
 inline void lowering::forward_unit(int i, int micro, bool again) {
@@ -98,6 +100,8 @@ inline void lowering::p2p(op_kind k, int peer_stage, index_t width, int micro, c
   o.micro = micro;
   o.what = what;
   if (k == op_kind::send && last_ >= 0) o.deps.push_back(last_);
+  if (k == op_kind::send)  // and the conversions that produced what it sends (its next compute waits for them too)
+    for (int g : pending_) o.deps.push_back(g);
   const int id = add(std::move(o));
   if (k == op_kind::recv) pending_.push_back(id);
 }
@@ -193,7 +197,9 @@ inline void lowering::finish() {
   u.what = "update of parameters [" + std::to_string(p_.owned_begin) + ", " + std::to_string(p_.owned_end) + ")";
   u.deps = sync_;
   u.deps.insert(u.deps.end(), pending_.begin(), pending_.end());
+  u.deps.insert(u.deps.end(), gathers_.begin(), gathers_.end());
   pending_.clear();
+  gathers_.clear();
   if (last_ >= 0) u.deps.push_back(last_);
   const int opt = add(std::move(u));
   if ((zero_ == 1 || zero_ == 2) && D_ > 1) {

@@ -105,6 +105,24 @@ inline std::vector<int> pipe_outer_devices(const mesh_shape& m) {
   return dev;
 }
 
+/// Whether every replica along `axes_` (data and/or model) sits on the nodes as
+/// the first one does, shifted by whole nodes (so replaying the first stands for
+/// all): true when the ranks per node divide the replicas or the replicas divide them.
+inline bool replicas_alike(const mesh_shape& m, axes axes_, int ranks_per_node, const std::vector<int>& devices = {}) {
+  const int per_node = ranks_per_node > 0 ? ranks_per_node : m.size();
+  auto node = [&](int r) { return (devices.empty() ? r : devices[static_cast<std::size_t>(r)]) / per_node; };
+  std::map<int, int> shift;  // replica (its coordinates on axes_, flattened) -> node offset from the first replica
+  for (int q = 0; q < m.size(); ++q) {
+    auto c = m.coords(q);
+    int key = 0;
+    for (int a = 0; a < axis_count; ++a)
+      if ((axes_.bits() >> a) & 1u) key = key * m.size(static_cast<axis>(a)) + c[static_cast<std::size_t>(a)], c[static_cast<std::size_t>(a)] = 0;
+    const int off = node(q) - node(m.rank_of(c));
+    if (const auto [it, fresh] = shift.emplace(key, off); !fresh && it->second != off) return false;
+  }
+  return true;
+}
+
 /// Every rank's program (`progs[r]` for rank r, from lower(d, mesh, r, ...)) replayed
 /// on `dev`; ranks in nodes of `ranks_per_node` (0: the profile's `node` entry,
 /// and without one every rank on one node); mesh rank r on device `devices[r]`
@@ -124,6 +142,7 @@ inline step_simulation simulate(const model_desc& d, const std::vector<program>&
   const int full = mesh.size();
   std::vector<int> index(static_cast<std::size_t>(full), -1);  // mesh rank -> its program in progs (-1: by symmetry)
   int represented = n;
+  unsigned by_symmetry = 0;  // the axes along which the programs given stand for the rest
   {
     bool zero[axis_count] = {true, true, true};
     for (int i = 0; i < n; ++i) {
@@ -134,7 +153,7 @@ inline step_simulation simulate(const model_desc& d, const std::vector<program>&
       for (int a = 0; a < axis_count; ++a) zero[a] = zero[a] && mesh.coords(r)[static_cast<std::size_t>(a)] == 0;
     }
     for (axis a : {axis::data, axis::model})
-      if (zero[static_cast<int>(a)]) represented *= mesh.size(a);
+      if (zero[static_cast<int>(a)] && mesh.size(a) > 1) represented *= mesh.size(a), by_symmetry |= 1u << static_cast<int>(a);
     if (represented != full)
       throw std::invalid_argument("whale::simulate: " + std::to_string(n) + " programs for a mesh of " + std::to_string(full) +
                                   " ranks (give every rank's, or those of coordinate 0 on the data or model axis)");
@@ -143,6 +162,9 @@ inline step_simulation simulate(const model_desc& d, const std::vector<program>&
   const bool two_streams = dev.streams > 1;
   if (!devices.empty() && static_cast<int>(devices.size()) != full)
     throw std::invalid_argument("whale::simulate: " + std::to_string(devices.size()) + " devices for " + std::to_string(full) + " ranks");
+  if (n < full && !replicas_alike(mesh, axes::from_bits(by_symmetry), per_node, devices))
+    throw std::invalid_argument("whale::simulate: replay by symmetry needs every replica placed on the nodes as the first is "
+                                "(" + std::to_string(per_node) + " ranks per node cut them otherwise); give every rank's program");
   auto node_of = [&](int r) { return (devices.empty() ? r : devices[static_cast<std::size_t>(r)]) / per_node; };
   step_simulation sim;
   sim.ranks.assign(static_cast<std::size_t>(n), {});
@@ -274,6 +296,10 @@ inline step_simulation simulate(const model_desc& d, const std::vector<program>&
           continue;
         }
         if (o.kind == op_kind::send) {
+          if (two_streams) {  // what it sends may come from a conversion on the communication stream
+            const double ready = deps_done(r, o);
+            if (ready > t) rt.wait_s += ready - t, t = ready;
+          }
           const double dur = dev.link_time(level_of({me, o.peer}), link_kind::p2p, 2, static_cast<double>(o.bytes_sent));
           mailbox[{me, o.peer}].push_back(t + dur);
           span(r, span_kind::send_act, o.micro, t, t);

@@ -10,9 +10,10 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
+#include <functional>
 #include <memory>
-#include <optional>
 #include <ostream>
 #include <sstream>
 #include <stdexcept>
@@ -35,7 +36,7 @@ namespace whale {
 
 /// One candidate of auto_plan, priced.
 struct plan_choice {
-  std::string label;      ///< e.g. "zero2", "pipeline 1f1b m=8", "pipeline 1f1b m=4 on data=1,pipe=2"
+  std::string label;      ///< e.g. "zero2", "pipeline 1f1b m=8", "pipeline 1f1b m=4 on data=1,pipe=2,model=1"
   std::size_t index = 0;  ///< which candidate type
   int micro_batches = 0;
   std::string mesh;       ///< the mesh it runs on: the job's, or a data x pipe reshaping of it
@@ -65,7 +66,7 @@ template <class... P> struct auto_variant<plan_list<P...>> {
 /// first: runnable plans that fit `o.memory_limit_mib` (0: no limit) by predicted
 /// step time, then those over memory, then those that cannot run (with the reason).
 /// On a data-only mesh of N ranks the pipeline also competes on every data=N/p x
-/// pipe=p (p > 1 dividing N). Pure: every rank computes the same ranking. Prices
+/// pipe=p (every p > 1 dividing N). Pure: every rank computes the same ranking. Prices
 /// with the global batch o.plan_batch of o.plan_seq tokens and AdamW's optimizer
 /// state (8 bytes a parameter).
 template <class M>
@@ -113,7 +114,7 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
     for (int k : {1, 2, 4})
       price(std::integral_constant<std::size_t, 4>{}, job, "pipeline 1f1b m=" + std::to_string(k * p), k * p);
     if (p == 1 && job.size(axis::model) == 1)  // a data-only mesh: the world reshaped into data x pipe
-      for (int q = 2; q <= n; q *= 2) {
+      for (int q = 2; q <= n; ++q) {
         if (n % q) continue;
         const mesh_shape reshaped(n / q, q, 1);
         for (int k : {1, 2, 4})
@@ -169,9 +170,18 @@ class auto_executor {
     int failed = err.empty() ? 0 : 1, any = failed;
     all_reduce(ctx.world(), view<int>(&any, {1}), reduce_op::max);
     if (any) throw std::invalid_argument(failed ? err : who + "another rank could not rank the plans (its message says why)");
+    // every rank must have made the same choice before a collective of the chosen plan (profiles can differ by node)
+    const auto h = static_cast<std::int64_t>(std::hash<std::string>{}(ranking_.front().label) % 1000000007u);
+    std::int64_t lo = h, hi = h;
+    all_reduce(ctx.world(), view<std::int64_t>(&lo, {1}), reduce_op::min);
+    all_reduce(ctx.world(), view<std::int64_t>(&hi, {1}), reduce_op::max);
+    if (lo != hi)
+      throw std::invalid_argument(who + "the ranks chose different plans (this rank: " + ranking_.front().label +
+                                  "); give every rank the same profile file and options");
     o.micro_batches = ranking_.front().micro_batches;
-    // a reshaped mesh: the chosen plan runs in a context of its own over the same ranks (collective, as every rank chose it)
-    if (ranking_.front().mesh != ctx.mesh().shape().spec()) reshaped_.emplace(ctx.with_mesh(ranking_.front().mesh));
+    // a reshaped mesh: the chosen plan runs in a context of its own over the same ranks, in their order
+    if (ranking_.front().mesh != ctx.mesh().shape().spec())
+      reshaped_ = std::make_unique<context>(ctx.with_mesh(ranking_.front().mesh));
     build(std::make_index_sequence<V::size>{}, ranking_.front().index, reshaped_ ? *reshaped_ : ctx, s, o);
   }
 
@@ -243,7 +253,9 @@ class auto_executor {
     ((which == I ? (v_.template emplace<I>(std::make_unique<executor<typename V::template at<I>>>(ctx, s, o)), 0) : 0), ...);
   }
   std::vector<plan_choice> ranking_;
-  std::optional<context> reshaped_;  // the chosen plan's mesh when it is not the job's (outlives the executor)
+  // the chosen plan's context when its mesh is not the job's: on the heap, so that the
+  // executor's pointer to it survives a move of this object; destroyed after v_
+  std::unique_ptr<context> reshaped_;
   typename V::type v_;
 };
 
