@@ -170,6 +170,20 @@ class plan_args {
       }
     return dflt;
   }
+  /// `--name V`: V a whole number in [lo, hi]; `dflt` when absent.
+  long long count(const std::string& name, long long dflt, long long lo, long long hi) {
+    for (std::size_t i = 0; i < a_.size(); ++i)
+      if (a_[i] == name) {
+        if (i + 1 >= a_.size()) throw usage_error("bench: " + name + " needs a value");
+        used_[i] = used_[i + 1] = true;
+        try {
+          return whale::detail::parse_int(a_[i + 1], "bench: " + name, lo, hi);
+        } catch (const whale::detail::parse_error& e) {
+          throw usage_error(e.what());
+        }
+      }
+    return dflt;
+  }
   /// `--name V` as a string.
   std::string text(const std::string& name, const std::string& dflt) {
     for (std::size_t i = 0; i < a_.size(); ++i)

@@ -8,7 +8,10 @@
 //   --mode wsp   Wave Synchronous Parallel: no all-reduce; each worker pushes its
 //                update every --wave minibatches and runs at most --staleness D
 //                waves ahead of the slowest (D = 0 with SGD: exactly synchronous;
-//                this example uses Adam, which deep-mlp needs to learn quickly).
+//                this example uses Adam, which deep-mlp needs to learn quickly);
+//                --in-flight puts a wave's minibatches in the worker's pipeline
+//                together (HetPipe's pipelined minibatches, no flush between
+//                them), all on the weights the wave began with.
 //
 // --policy np|ed|hd groups the launched ranks into workers (HetPipe's policies):
 // np keeps the launch order, ed puts one rank of each speed in every worker,
@@ -46,9 +49,10 @@ int main(int argc, char** argv) {
       else if (a == "--policy") policy = value();
       else if (a == "--staleness") w.staleness = static_cast<int>(detail::parse_int(value(), "--staleness", 0, 1000000));
       else if (a == "--wave") w.wave = static_cast<int>(detail::parse_int(value(), "--wave", 1, 1000000));
+      else if (a == "--in-flight") w.in_flight = true;
       else if (a == "--steps") n = static_cast<long>(detail::parse_int(value(), "--steps", 1, 10000000));
       else throw std::invalid_argument("example_10: unknown argument " + a +
-                                       " (have --mode sync|wsp, --policy np|ed|hd, --staleness D, --wave N, --steps N, --speeds, --balance, "
+                                       " (have --mode sync|wsp, --policy np|ed|hd, --staleness D, --wave N, --in-flight, --steps N, --speeds, --balance, "
                                        "--micro-batches M, --mesh, --threads)");
     }
     if (mode != "sync" && mode != "wsp") throw std::invalid_argument("example_10: --mode must be sync or wsp (got '" + mode + "')");
@@ -90,7 +94,12 @@ int main(int argc, char** argv) {
       for (long s = 0; s < n; ++s) loss = t.step(data, s);
     } else {
       wsp_trainer t(run, net, opt, w);
-      for (long s = 0; s < n; ++s) loss = t.step(data, s);  // this worker's loss (last stage)
+      if (w.in_flight) {  // a wave at a time: its minibatches run through the pipeline together
+        if (n % w.wave != 0) throw std::invalid_argument("example_10: with --in-flight, --steps must be a multiple of --wave");
+        for (long s = 0; s < n; s += w.wave) loss = t.wave(data, s).back();
+      } else {
+        for (long s = 0; s < n; ++s) loss = t.step(data, s);  // this worker's loss (last stage)
+      }
       t.finish();  // every worker pulls the final global weights
       std::int64_t lead = 0;
       for (const auto& r : t.waves())

@@ -403,3 +403,144 @@ TEST_CASE("wsp: bad options are errors naming them") {
   CHECK_THROWS_WITH_AS(wsp_trainer(ctx, net, sgd{}, wsp_options{.wave = 0}), doctest::Contains("a wave must hold"),
                        std::invalid_argument);
 }
+
+namespace {
+
+/// One process, waves of `n` minibatches in flight (HetPipe's pipelined
+/// minibatches): every minibatch of a wave takes its gradient at the weights the
+/// wave began with; the n updates follow in step order, each clipped alone to
+/// `max_norm` when it is > 0.
+template <class Opt> tensor<float> in_flight_single(int waves, int n, Opt opt, double max_norm, int* clipped = nullptr) {
+  network<small_deep> single(seed{42});
+  auto data = batches();
+  auto st = single.make_optimizer_state(opt);
+  const index_t np = single.params().numel();
+  tensor<float> start({np}), slots({np * n});
+  for (int c = 0; c < waves; ++c) {
+    copy<float>(single.params(), start.v());
+    for (int k = 0; k < n; ++k) {
+      copy<float>(start.v(), single.params());
+      const auto b = data.get(c * n + k, 0, global_batch);
+      step_ctx sc;
+      sc.batch = b.sequences;
+      sc.seq = b.seq;
+      sc.global_rows = global_batch * b.seq;
+      single.train_step(sc, b.inputs, b.labels);
+      std::copy_n(single.grads().data(), np, slots.data() + k * np);
+    }
+    copy<float>(start.v(), single.params());
+    for (int k = 0; k < n; ++k) {
+      std::copy_n(slots.data() + k * np, np, single.grads().data());
+      const float scale = max_norm > 0 ? clip_coefficient(single.grad_norm(), max_norm) : 1.f;
+      if (clipped && scale < 1.f) ++*clipped;
+      single.apply_optimizer(opt, st, scale);
+    }
+  }
+  tensor<float> out({np});
+  copy<float>(single.params(), out.v());
+  return out;
+}
+
+/// WSP with waves in flight over plan P on `spec`; every rank's full parameters after finish().
+template <class P, class Opt> tensor<float> train_in_flight(context& ctx, int waves, wsp_options w, Opt opt,
+                                                            std::vector<minibatch_record>* rec = nullptr) {
+  auto net = make<P>(ctx, seed{42});
+  auto data = batches();
+  wsp_trainer t(ctx, net, opt, w);
+  for (int c = 0; c < waves; ++c) {
+    const auto losses = t.wave(data, static_cast<std::int64_t>(c) * w.wave);
+    CHECK(losses.size() == static_cast<std::size_t>(w.wave));
+  }
+  t.finish();
+  if (rec) *rec = t.minibatches();
+  return net.full_params();
+}
+
+}  // namespace
+
+TEST_CASE("wsp in flight: one virtual worker over every rank equals one process with stale-by-wave updates, SGD and AdamW + clipping, on every rank") {
+  const int n = world_size();
+  const std::string spec = "data=1,pipe=" + std::to_string(n);
+  constexpr int waves = 4, per_wave = 3;
+  {
+    auto ctx = test::on_mesh(spec);
+    const auto opt = sgd{.lr = 0.05f, .momentum = 0.9f};
+    std::vector<minibatch_record> rec;
+    const auto got = train_in_flight<replicate<pipeline<one_f_one_b, small_deep>>>(
+        ctx, waves, wsp_options{.wave = per_wave, .in_flight = true}, opt, &rec);
+    const auto want = in_flight_single(waves, per_wave, opt, 0);
+    const auto d = test::over_ranks(ctx.world(), test::compare(got.v(), want.v(), sgd_atol, sgd_rtol));
+    if (ctx.rank() == 0) MESSAGE("in flight, SGD, " << spec << ": max |wsp - single| = " << d.max_abs);
+    CHECK(d.bad == 0);
+    // which weights each minibatch ran on: its wave's start, so it lacks the
+    // updates of the earlier minibatches of its wave (at most N_m - 1)
+    REQUIRE(rec.size() == static_cast<std::size_t>(waves * per_wave));
+    for (const auto& r : rec) {
+      CHECK(r.step - r.local_version == r.step % per_wave);
+      CHECK(r.wave == r.step / per_wave);
+    }
+    // and the stale-by-wave reference is not just any training: sequential waves differ
+    const auto sequential = trained_single<network<small_deep>>(waves * per_wave, opt);
+    CHECK(test::compare(got.v(), sequential.v(), sgd_atol, sgd_rtol).bad > 0);
+  }
+  {
+    auto ctx = test::on_mesh(spec);
+    const auto opt = adamw{.lr = 1e-2f, .weight_decay = 0.01f};
+    constexpr double max_norm = 0.05;  // below the gradients' norms here: every update is clipped
+    const auto got = train_in_flight<replicate<pipeline<gpipe, small_deep>>>(
+        ctx, waves, wsp_options{.wave = per_wave, .in_flight = true, .max_grad_norm = max_norm}, opt);
+    int clipped = 0;
+    const auto want = in_flight_single(waves, per_wave, opt, max_norm, &clipped);
+    CHECK(clipped == waves * per_wave);
+    const auto d = test::over_ranks(ctx.world(), test::compare(got.v(), want.v(), clip_atol, clip_rtol));
+    if (ctx.rank() == 0) MESSAGE("in flight, AdamW + clip, gpipe, " << spec << ": max |wsp - single| = " << d.max_abs);
+    CHECK(d.bad == 0);
+  }
+}
+
+TEST_CASE("wsp in flight: D = 0 over several virtual workers (pipelines) equals one process with stale-by-wave updates, on every rank") {
+  const int n = world_size();
+  constexpr int waves = 3, per_wave = 2;
+  const auto opt = sgd{.lr = 0.05f, .momentum = 0.9f};
+  const auto want = in_flight_single(waves, per_wave, opt, 0);
+  auto check = [&]<class P>(const std::string& spec) {
+    auto ctx = test::on_mesh(spec);
+    const auto got = train_in_flight<P>(ctx, waves, wsp_options{.staleness = 0, .wave = per_wave, .in_flight = true}, opt);
+    const auto d = test::over_ranks(ctx.world(), test::compare(got.v(), want.v(), sgd_atol, sgd_rtol));
+    if (ctx.rank() == 0) MESSAGE("in flight D=0 on " << spec << ": max |wsp - single| = " << d.max_abs);
+    CHECK(d.bad == 0);
+  };
+  check.template operator()<replicate<small_deep>>("data=" + std::to_string(n));
+  if (n >= 4) check.template operator()<replicate<pipeline<one_f_one_b, small_deep>>>("data=" + std::to_string(n / 2) + ",pipe=2");
+}
+
+TEST_CASE("wsp in flight: with a slow rank the bound holds; sequential waves record no local staleness; misuse is an error") {
+  const int n = world_size();
+  {
+    auto ctx = test::on_mesh("data=" + std::to_string(n));
+    plan_options o;
+    o.speeds = speeds_for(n);
+    auto net = make<replicate<small_deep>>(ctx, seed{42}, o);
+    auto data = batches();
+    constexpr int D = 1;
+    wsp_trainer t(ctx, net, sgd{.lr = 0.05f}, wsp_options{.staleness = D, .wave = 2, .in_flight = true});
+    for (int c = 0; c < 5; ++c) t.wave(data, 2 * c);
+    t.finish();
+    for (const auto& w : t.waves())
+      if (!w.stopped) CHECK(w.wave - w.min_clock <= D);
+    for (const auto& r : t.minibatches()) CHECK(r.global_clock >= r.wave - D);  // the weights it ran on
+    CHECK_THROWS_WITH_AS(t.step(data, 10), doctest::Contains("call wave(data, first_step)"), std::logic_error);
+  }
+  {
+    auto ctx = test::on_mesh("data=" + std::to_string(n));
+    auto net = make<replicate<small_deep>>(ctx, seed{42});
+    auto data = batches();
+    wsp_trainer t(ctx, net, sgd{.lr = 0.05f}, wsp_options{.wave = 2});
+    for (int s = 0; s < 4; ++s) t.step(data, s);
+    t.finish();
+    for (const auto& r : t.minibatches()) CHECK(r.local_version == r.step);  // each saw every earlier update
+    CHECK_THROWS_WITH_AS(t.wave(data, 4), doctest::Contains("set wsp_options::in_flight"), std::logic_error);
+    CHECK_THROWS_WITH_AS(wsp_trainer(ctx, net, sgd{}, wsp_options{.max_grad_norm = -1}), doctest::Contains("max_grad_norm"),
+                         std::invalid_argument);
+  }
+}

@@ -29,7 +29,7 @@ struct auto_choice {
     using namespace whale;
     const std::string profile = c.args.text("--profile", "bench/profiles/vm-" + std::to_string(c.ranks()) + ".txt");
     const double limit = c.args.value("--memory-limit-mib", 0);
-    const int per_node = static_cast<int>(c.args.value("--ranks-per-node", 0));
+    const int per_node = static_cast<int>(c.args.count("--ranks-per-node", 0, 1, 1000000));
     c.args.done(name);
     if (::access(profile.c_str(), R_OK) != 0)
       throw usage_error("bench: --plan auto: cannot read the device profile '" + profile +

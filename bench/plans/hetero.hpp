@@ -45,7 +45,7 @@ struct ttl_options {
   template <class W> static ttl_options read(config& c) {
     ttl_options o;
     o.target = c.args.value("--target-loss", W::default_target);
-    o.max_steps = static_cast<long>(c.args.value("--max-steps", 5000));
+    o.max_steps = static_cast<long>(c.args.count("--max-steps", 5000, 10, 10000000));
     o.curve = c.args.text("--curve", "");
     const auto s = c.args.text("--speeds", "");
     if (!s.empty()) {
@@ -163,7 +163,8 @@ struct hetpipe {
   static constexpr const char* name = "hetpipe";
   static constexpr const char* help =
       "HetPipe: virtual workers (data replicas, each a 1F1B pipeline over pipe; --mesh data=2,pipe=2) under Wave "
-      "Synchronous Parallel: --staleness D (default 0), --wave N (minibatches per wave, default 1), --speeds 1,1,2,4, "
+      "Synchronous Parallel: --staleness D (default 0), --wave N (minibatches per wave, default 1), --in-flight (a wave's minibatches in the pipeline together, all on "
+      "the weights the wave began with), --speeds 1,1,2,4, "
       "--balance (workers' rows by speed), --policy np|ed|hd (grouping ranks into workers), "
       "--micro-batches M, --target-loss X, --max-steps N, --curve FILE (deep-mlp)";
   template <class W> static constexpr bool supports = W::time_to_loss;
@@ -172,11 +173,14 @@ struct hetpipe {
     using namespace whale;
     auto o = ttl_options::read<W>(c);
     wsp_options w;
-    w.staleness = static_cast<int>(c.args.value("--staleness", 0));
-    w.wave = static_cast<int>(c.args.value("--wave", 1));
+    w.staleness = static_cast<int>(c.args.count("--staleness", 0, 0, 1000000));
+    w.wave = static_cast<int>(c.args.count("--wave", 1, 1, 1000000));
+    w.in_flight = c.args.flag("--in-flight");
     plan_options po;
     po.speeds = o.speeds;
-    po.micro_batches = static_cast<int>(c.args.value("--micro-batches", 0));
+    po.micro_batches = static_cast<int>(c.args.count("--micro-batches", 0, 1, 16000));
+    if (w.in_flight && po.micro_batches != 0)
+      throw usage_error("bench: --micro-batches does not apply with --in-flight (each minibatch of a wave is one micro-batch of the pipeline)");
     po.balance = c.args.flag("--balance");
     const auto policy_name = c.args.text("--policy", "np");
     c.args.done(name);
@@ -217,14 +221,13 @@ struct hetpipe {
     std::vector<int> reporters;
     for (int r = 0; r < ctx.size(); ++r)
       if (shape.coord(r, axis::pipe) == shape.size(axis::pipe) - 1 && shape.coord(r, axis::model) == 0) reporters.push_back(r);
-    for (; s < o.max_steps && !t.stopping(); ++s) {
-      const double loss = t.step(data, s);
-      if (!reporter) continue;
+    auto seen = [&](double loss) {
+      if (!reporter) return;
       if (s == 0) first = loss;
       const double m = avg.add(loss);
       const double now = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       curve.emplace_back(now, m);
-      if (!avg.full()) continue;
+      if (!avg.full()) return;
       t.publish(m);
       const auto pub = t.published();
       double sum = 0;
@@ -237,6 +240,17 @@ struct hetpipe {
         t.request_stop();
         asked = true;
         asked_at = now;
+      }
+    };
+    while (s < o.max_steps && !t.stopping()) {
+      if (!w.in_flight) {
+        seen(t.step(data, s));
+        ++s;
+        continue;
+      }
+      for (double loss : t.wave(data, s)) {  // the wave's minibatches ran together
+        seen(loss);
+        ++s;
       }
     }
     const double stopped_at = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -257,9 +271,10 @@ struct hetpipe {
     const double secs = reached > 0 ? -v[0] : v[1];
     char plan[256];
     std::snprintf(plan, sizeof plan,
-                  "hetpipe: %d virtual worker(s) of pipe:%d (policy %s), WSP staleness %d, wave %d minibatch(es), %s; "
+                  "hetpipe: %d virtual worker(s) of pipe:%d (policy %s), WSP staleness %d, wave %d minibatch(es)%s, %s; "
                   "emulated slowness %s (launch order)",
                   shape.size(axis::data), shape.size(axis::pipe), policy_name.c_str(), w.staleness, w.wave,
+                  w.in_flight ? " in flight" : " one after another",
                   po.balance ? "rows by worker speed" : "even rows", o.speeds_text().c_str());
     json_line j;
     head_fields<W>(j, plan, ctx.size(), v[1] / v[2], global, data.seq());

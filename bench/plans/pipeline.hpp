@@ -32,7 +32,7 @@ struct pipeline {
 
   template <class W> static void run(config& c) {
     const std::string sched = c.args.text("--schedule", "1f1b");
-    const int m = static_cast<int>(c.args.value("--micro-batches", 8));
+    const int m = static_cast<int>(c.args.count("--micro-batches", 8, 1, 16000));
     const std::string blocks = c.args.text("--stage-blocks", "");
     const std::string trace = c.args.text("--trace", "");
     c.args.done(name);

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <ostream>
 #include <stdexcept>
 #include <string>
@@ -135,6 +136,41 @@ template <class P> class executor {
   double compute_only_step(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) {
     return pass(c, x, labels, true, false);
   }
+  /// HetPipe's minibatches in flight (wsp_trainer with wsp_options::in_flight):
+  /// `x` holds `n` minibatches of this replica's rows one after another (c.batch
+  /// = n x rows of one); they run as the n micro-batches of one pass under the
+  /// plan's schedule, with no flush between them and no data-axis sum. Each
+  /// minibatch keeps its own gradients: when its backward is done on this rank,
+  /// `done(k)` finds them in grads(), and the next minibatch's backward
+  /// overwrites them. c.global_rows is one minibatch's rows (each its own mean
+  /// loss). Returns each minibatch's loss share (the last stage's; 0 elsewhere).
+  const std::vector<double>& in_flight_step(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels, int n,
+                                            std::function<void(int)> done) {
+    static_assert(level == 0, "whale::executor::in_flight_step: minibatches in flight keep whole per-minibatch "
+                              "gradients on every rank; ZeRO (shard<..., L>) is not supported, drop shard<>");
+    static_assert(V == 1 && !split_backward,
+                  "whale::executor::in_flight_step: minibatches in flight hand over each one's gradients when its "
+                  "backward ends; interleaved and split-backward schedules spread that over several passes; use "
+                  "gpipe or one_f_one_b");
+    if (n < 1 || n > max_micro || c.batch % n != 0 || c.batch < n)
+      throw std::invalid_argument("whale::executor::in_flight_step: " + std::to_string(n) +
+                                  " minibatches do not divide the pass's " + std::to_string(c.batch) + " sequences");
+    struct reset {
+      executor* e;
+      ~reset() { e->in_flight_ = 0, e->micro_done_ = nullptr; }
+    } r{this};
+    in_flight_ = n;
+    micro_done_ = std::move(done);
+    micro_shares_.assign(static_cast<std::size_t>(n), 0.0);
+    pass(c, x, labels, true, false);
+    return micro_shares_;
+  }
+  /// This rank's part of the squared gradient norm, each parameter counted once
+  /// over the world (no collective): a sum of these over a group is its norm squared.
+  double grad_squares() const {
+    return level >= 2 ? detail::owned_range_squares(prog_, zero_.shard_grads().data(), zero_.begin(), zero_.end())
+                      : detail::owned_squares(prog_, grads_.data());
+  }
   /// Forward only (a forward-only schedule); this rank's share of the loss.
   double evaluate(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) { return pass(c, x, labels, false); }
   /// The logits of this replica's rows `x` (c.batch sequences): the model's
@@ -167,8 +203,7 @@ template <class P> class executor {
   /// The norm of the whole model's gradient, each parameter counted once (collective).
   double grad_norm() const {
     // ZeRO 2-3: the owned ranges partition each stage's gradients over the data axis
-    double sq = level >= 2 ? detail::owned_range_squares(prog_, zero_.shard_grads().data(), zero_.begin(), zero_.end())
-                           : detail::owned_squares(prog_, grads_.data());
+    double sq = grad_squares();
     all_reduce(ctx_->world(), view<double>(&sq, {1}));
     return std::sqrt(sq);
   }
@@ -309,6 +344,7 @@ template <class P> class executor {
     return detail::weighted_slice(global_batch, d_, replica, replica_weights_, std::max(1, o_.micro_batches));
   }
   int micro_count(index_t batch) const {
+    if (in_flight_ > 0) return in_flight_;  // in_flight_step checked that it divides
     if (o_.micro_batches > 0) {
       if (batch % o_.micro_batches != 0 || batch < o_.micro_batches)
         throw std::invalid_argument("whale::" + layer_name<P>() + ": " + std::to_string(o_.micro_batches) +
@@ -358,6 +394,9 @@ template <class P> class executor {
   bool trace_written_ = false;
   std::vector<double> replica_weights_;  // plan_options::balance: each replica's speed
   detail::slowdown_hooks slow_;          // plan_options::speeds: this rank's emulated slowness
+  int in_flight_ = 0;                    // in_flight_step: its minibatches are the pass's micro-batches
+  std::function<void(int)> micro_done_;  // in_flight_step: each minibatch's gradients are final
+  std::vector<double> micro_shares_;     // in_flight_step: each minibatch's loss share
 };
 
 }  // namespace whale

@@ -117,7 +117,11 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
       if (first) x0 = x.rows(a.micro * mb, mb);
       view<float> y;
       if (last && logits) keep_logits(*logits, part.logits(mc, x0, in), a.micro, m);
-      else if (last) share += part.forward_loss(mc, x0, in, labels.rows(a.micro * rows, rows));
+      else if (last) {
+        const double sh = part.forward_loss(mc, x0, in, labels.rows(a.micro * rows, rows));
+        share += sh;
+        if (in_flight_ > 0) micro_shares_[static_cast<std::size_t>(a.micro)] += sh;
+      }
       else y = part.forward(mc, x0, in);
       batch_after[ku] = mc.batch;
       tr_.add(span_kind::forward, step_, a.micro, t0, tr_.now());
@@ -140,7 +144,8 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
       mc.batch = batch_after[ku];
       // ZeRO 2-3 add each micro-batch's reduce-scattered gradients into the owned range themselves
       const int done_here = chunk_backwards[static_cast<std::size_t>(a.chunk)]++;  // this chunk's layers so far
-      mc.accumulate = (done_here > 0 && level < 2) || (c.accumulate && level < 2);
+      // minibatches in flight: each backward starts its own gradients (handed over below)
+      mc.accumulate = (done_here > 0 && level < 2 && in_flight_ == 0) || (c.accumulate && level < 2);
       if (level >= 2) zero_.set_accumulate(backwards > 0);
       if constexpr (split_backward) {  // the weight gradients wait for this micro-batch's W
         auto& q = weight_queue(mc.slot);
@@ -160,6 +165,7 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
         tr_.add(span_kind::send_grad, step_, a.micro, t1, tr_.now());
       }
       if (!split_backward) --live_;
+      if (in_flight_ > 0) micro_done_(a.micro);
     } else {  // W: the weight gradients the micro-batch's B put off; its slot is free after
       const auto t0 = tr_.now();
       const auto& q = weight_queue(layer_slot(key));

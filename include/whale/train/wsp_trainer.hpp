@@ -20,6 +20,7 @@
 #include "whale/comm/collectives.hpp"
 #include "whale/comm/context.hpp"
 #include "whale/comm/trace.hpp"
+#include "whale/optim/optimizer.hpp"
 #include "whale/runtime/wsp.hpp"
 #include "whale/train/data_source.hpp"
 
@@ -34,6 +35,24 @@ struct wsp_options {
   int wave = 1;
   /// Microseconds between two reads of the clocks while waiting.
   int poll_us = 200;
+  /// HetPipe's pipelined minibatches: the N_m minibatches of a wave are in
+  /// flight together in the worker's pipeline (no flush between them) and all
+  /// run on the weights the wave began with; their N_m updates are applied in
+  /// order when the last one's backward is done. Train with wave(), not step().
+  /// false: each minibatch flushes and the next sees its update.
+  bool in_flight = false;
+  /// Clip each minibatch's gradients to this norm over its worker (0: no clipping).
+  double max_grad_norm = 0;
+};
+
+/// What one minibatch ran on: data step `step` of wave `wave` (0-based), on
+/// weights that held `local_version` of this worker's own minibatch updates
+/// (all of its steps < local_version) and, from the other workers, every
+/// update of their waves < `global_clock` (the smallest clock at the last pull).
+/// Sequential waves: step - local_version = 0; in flight: the minibatch's
+/// place in its wave (at most N_m - 1, HetPipe's local staleness).
+struct minibatch_record {
+  std::int64_t step = 0, wave = 0, local_version = 0, global_clock = 0;
 };
 
 /// What one wave of this rank saw: its clock after the push, the smallest
@@ -75,6 +94,8 @@ template <class Net, class Opt> class wsp_trainer {
                                   std::to_string(o_.wave) + ")");
     if (o_.poll_us < 1 || o_.poll_us > 1000000)
       throw std::invalid_argument("whale::wsp_trainer: poll_us must be from 1 to 1000000");
+    if (!(o_.max_grad_norm >= 0) || !std::isfinite(o_.max_grad_norm))
+      throw std::invalid_argument("whale::wsp_trainer: max_grad_norm must be a finite number >= 0 (0: no clipping)");
     // The holders' layout: the concatenation of what each position of a worker
     // (its pipe x model coordinates) holds; every worker has the same positions.
     const auto& shape = ctx.mesh().shape();
@@ -109,6 +130,9 @@ template <class Net, class Opt> class wsp_trainer {
   template <class Data> double step(Data& data, std::int64_t step) {
     static_assert(detail::data_source_for<Data, typename Net::input_type>(),
                   "whale::wsp_trainer::step: the data is not a DataSource for this network (see train/data_source.hpp)");
+    if (o_.in_flight)
+      throw std::logic_error("whale::wsp_trainer::step: with wsp_options::in_flight a wave's minibatches run "
+                             "together; call wave(data, first_step) once per wave");
     const index_t global = data.global_batch();
     const auto [begin, count] = net_->local_batch(global);
     const auto b = data.get(step, begin, count);
@@ -126,10 +150,76 @@ template <class Net, class Opt> class wsp_trainer {
       throw std::runtime_error("whale::wsp_trainer: data step " + std::to_string(step) + ": this worker's loss is " +
                                (std::isnan(loss) ? "NaN" : "infinite") +
                                "; check the data for NaN/Inf or lower the learning rate (no update was pushed)");
-    net_->apply_optimizer(opt_, state_, static_cast<float>(1.0 / share_));
+    minibatches_.push_back({step, clock_, steps_, least_});
+    net_->apply_optimizer(opt_, state_, clip_scale(static_cast<float>(1.0 / share_)));
     if (++in_wave_ == o_.wave) end_wave();
     ++steps_;
     return loss;
+  }
+
+  /// One wave in flight (wsp_options::in_flight): data steps first ...
+  /// first + N_m - 1, this worker's rows of each, as the N_m micro-batches of
+  /// one pipelined pass on the weights the wave began with (forward and
+  /// backward of every minibatch, at every stage, use that one version: no
+  /// weight stashing is needed and none is approximated); then each
+  /// minibatch's update in step order (clipped alone if asked), then the push,
+  /// the wait and the pull as after any wave. Returns each minibatch's mean
+  /// loss on the worker's rows (on the last stage; 0 elsewhere).
+  template <class Data> std::vector<double> wave(Data& data, std::int64_t first) {
+    static_assert(detail::data_source_for<Data, typename Net::input_type>(),
+                  "whale::wsp_trainer::wave: the data is not a DataSource for this network (see train/data_source.hpp)");
+    if (!o_.in_flight)
+      throw std::logic_error("whale::wsp_trainer::wave: set wsp_options::in_flight to run a wave's minibatches in "
+                             "flight together; without it call step() once per minibatch");
+    const int n = o_.wave;
+    const index_t global = data.global_batch();
+    const auto [begin, count] = net_->local_batch(global);
+    index_t seq = 1, in_row = 0, label_row = 0;
+    for (int k = 0; k < n; ++k) {  // the wave's minibatches, one after another
+      const auto b = data.get(first + k, begin, count);
+      if (k == 0) {
+        seq = b.seq;
+        in_row = b.inputs.numel() / std::max<index_t>(1, count);
+        label_row = b.labels.numel() / std::max<index_t>(1, count);
+        if (x_.numel() != count * n * in_row)
+          x_ = tensor<typename Net::input_type>(b.inputs.shape().with_rows(count * n), mem_kind::workspace);
+        if (y_.numel() != count * n * label_row) y_ = tensor<std::int32_t>({count * n * label_row}, mem_kind::workspace);
+      }
+      if (b.seq != seq || b.inputs.numel() != count * in_row || b.labels.numel() != count * label_row)
+        throw std::invalid_argument("whale::wsp_trainer::wave: the minibatches of one wave differ in shape (step " +
+                                    std::to_string(first + k) + ")");
+      std::copy_n(b.inputs.data(), count * in_row, x_.data() + k * count * in_row);
+      std::copy_n(b.labels.data(), count * label_row, y_.data() + k * count * label_row);
+    }
+    const auto p = net_->params();
+    std::copy_n(p.data(), p.numel(), snapshot_.data());
+    const index_t np = p.numel();
+    if (slots_.numel() < std::max<index_t>(1, np * n)) slots_ = tensor<float>({std::max<index_t>(1, np * n)}, mem_kind::workspace);
+    share_ = static_cast<double>(count) / static_cast<double>(global);
+    step_ctx c;
+    c.batch = count * n;
+    c.seq = seq;
+    c.global_rows = count * seq;  // each minibatch: the mean loss of the worker's rows
+    const auto g = net_->grads();
+    const auto& shares = net_->in_flight_step(c, x_.v(), y_.v(), n, [&](int k) {
+      std::copy_n(g.data(), np, slots_.data() + static_cast<index_t>(k) * np);
+    });
+    std::vector<double> losses(shares.begin(), shares.end());
+    for (int k = 0; k < n; ++k) {
+      if (!std::isfinite(losses[static_cast<std::size_t>(k)]))
+        throw std::runtime_error("whale::wsp_trainer: data step " + std::to_string(first + k) + ": this worker's loss is " +
+                                 (std::isnan(losses[static_cast<std::size_t>(k)]) ? "NaN" : "infinite") +
+                                 "; check the data for NaN/Inf or lower the learning rate (no update was pushed)");
+      minibatches_.push_back({first + k, clock_, steps_, least_});
+    }
+    for (int k = 0; k < n; ++k) {  // the wave's updates, in step order
+      std::copy_n(slots_.data() + static_cast<index_t>(k) * np, np, g.data());
+      net_->apply_optimizer(opt_, state_, clip_scale(1.f));
+      ++steps_;
+    }
+    in_wave_ = n;
+    end_wave();
+    return losses;
   }
 
   /// After the last step (collective over the world): pushes a partial wave,
@@ -157,10 +247,23 @@ template <class Net, class Opt> class wsp_trainer {
   bool stopping() const noexcept { return stopping_; }
   /// This rank's waves so far.
   const std::vector<wave_record>& waves() const noexcept { return waves_; }
+  /// This rank's minibatches so far, with the weights' version each ran on.
+  const std::vector<minibatch_record>& minibatches() const noexcept { return minibatches_; }
   std::int64_t clock() const noexcept { return clock_; }
   typename Opt::state& optimizer_state() noexcept { return state_; }
 
  private:
+  /// The gradients' scale: `base`, times the clip coefficient of their norm
+  /// over this worker (scaled by `base`) when clipping is on.
+  float clip_scale(float base) {
+    if (o_.max_grad_norm <= 0) return base;
+    double sq = net_->grad_squares();
+    all_reduce(*group_, view<double>(&sq, {1}));
+    const double norm = std::sqrt(sq) * static_cast<double>(base);
+    if (!std::isfinite(norm))
+      throw std::runtime_error("whale::wsp_trainer: a minibatch's gradient norm is not finite; check the data or lower the learning rate");
+    return base * clip_coefficient(norm, o_.max_grad_norm);
+  }
   void end_wave(bool wait = true) {
     auto& tr = net_->trace_recorder();  // the executor's timeline (plan_options::trace), when on
     const auto t0 = std::chrono::steady_clock::now();
@@ -192,6 +295,7 @@ template <class Net, class Opt> class wsp_trainer {
     all_reduce(*group_, view<int>(&stop, {1}), reduce_op::max);
     stopping_ = stop != 0;
     waves_.push_back({clock_, least, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), stopping_});
+    least_ = least;
     tr.add(span_kind::wsp_wait, at, static_cast<int>(clock_), t_wait, tr.now());
     const auto t_pull = tr.now();
     pull();
@@ -214,9 +318,13 @@ template <class Net, class Opt> class wsp_trainer {
   int position_ = 0, in_wave_ = 0;
   index_t offset_ = 0, total_ = 0;
   double share_ = 1.0;  // this worker's rows / the global batch
-  std::int64_t clock_ = 0, steps_ = 0;
+  std::int64_t clock_ = 0, steps_ = 0, least_ = 0;
   bool stopping_ = false;
   std::vector<wave_record> waves_;
+  std::vector<minibatch_record> minibatches_;
+  tensor<typename Net::input_type> x_;  // wave(): the wave's inputs, minibatch after minibatch
+  tensor<std::int32_t> y_;              // wave(): their labels
+  tensor<float> slots_;                 // wave(): each minibatch's gradients (N_m x this rank's parameters)
 };
 
 }  // namespace whale
