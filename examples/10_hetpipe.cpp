@@ -13,6 +13,8 @@
 //                together (HetPipe's pipelined minibatches, no flush between
 //                them), all on the weights the wave began with.
 //
+// --worker-cuts cuts each worker's pipeline for its own ranks' speeds (HetPipe
+// partitions every virtual worker for its devices).
 // --policy np|ed|hd groups the launched ranks into workers (HetPipe's policies):
 // np keeps the launch order, ed puts one rank of each speed in every worker,
 // hd balances the workers' total speed; --speeds are given in launch order.
@@ -52,7 +54,7 @@ int main(int argc, char** argv) {
       else if (a == "--in-flight") w.in_flight = true;
       else if (a == "--steps") n = static_cast<long>(detail::parse_int(value(), "--steps", 1, 10000000));
       else throw std::invalid_argument("example_10: unknown argument " + a +
-                                       " (have --mode sync|wsp, --policy np|ed|hd, --staleness D, --wave N, --in-flight, --steps N, --speeds, --balance, "
+                                       " (have --mode sync|wsp, --policy np|ed|hd, --staleness D, --wave N, --in-flight, --worker-cuts, --steps N, --speeds, --balance, "
                                        "--micro-batches M, --mesh, --threads)");
     }
     if (mode != "sync" && mode != "wsp") throw std::invalid_argument("example_10: --mode must be sync or wsp (got '" + mode + "')");
@@ -75,6 +77,7 @@ int main(int argc, char** argv) {
     // 3. The plan: every worker a pipeline of deep-mlp's 8 blocks, workers replicated.
     //    (B_w, 512) -> 8 x [linear 512->512, GELU] -> (B_w, 16) logits -> loss
     using model = replicate<pipeline<one_f_one_b, models::deep_mlp>>;
+    if (w.in_flight) o.in_flight = w.wave;  // the plan's memory checks count the minibatches in flight
     auto net = make<model>(run, seed{42}, o);
     auto data = models::deep_mlp_data(seed{7});  // 128 samples per global batch
     const auto opt = adamw{.lr = 1e-3f, .weight_decay = 0.f};

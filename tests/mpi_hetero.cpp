@@ -544,3 +544,111 @@ TEST_CASE("wsp in flight: with a slow rank the bound holds; sequential waves rec
                          std::invalid_argument);
   }
 }
+
+TEST_CASE("worker cuts: each virtual worker cuts its pipeline for its own ranks, and WSP still trains as one process, on every rank") {
+  const int n = world_size();
+  if (n < 4) return;  // two workers of two stages
+  auto ctx = test::on_mesh("data=2,pipe=2");
+  const auto& shape = ctx.mesh().shape();
+  plan_options o;
+  o.speeds.assign(static_cast<std::size_t>(n), 1.0);
+  for (int r = 0; r < n; ++r)  // worker 1's second stage is 3x slower; worker 0 is even
+    if (shape.coord(r, axis::data) == 1 && shape.coord(r, axis::pipe) == 1) o.speeds[static_cast<std::size_t>(r)] = 3.0;
+  using P = replicate<pipeline<one_f_one_b, small_deep>>;
+  // every rank's first-stage blocks under one shared cut and under worker cuts
+  auto first_blocks = [&](const plan_options& po) {
+    auto net = make<P>(ctx, seed{42}, po);
+    std::vector<int> b(2, 0);
+    b[static_cast<std::size_t>(shape.coord(ctx.rank(), axis::data))] = net.stage_blocks()[0];
+    all_reduce(ctx.world(), view<int>(b.data(), {2}), reduce_op::max);
+    return b;
+  };
+  const auto shared = first_blocks(o);
+  plan_options wo = o;
+  wo.worker_cuts = true;
+  const auto own = first_blocks(wo);
+  if (ctx.rank() == 0)
+    MESSAGE("first stage's blocks, workers 0 and 1: shared cut " << shared[0] << ", " << shared[1] << "; worker cuts " << own[0]
+                                                                 << ", " << own[1]);
+  CHECK(shared[0] == shared[1]);  // one cut: the worst case at each position
+  CHECK(own[0] < own[1]);         // worker 1 moves blocks off its slow second stage, worker 0 does not
+  CHECK(own[1] == shared[1]);
+  // WSP at D = 0 over the unlike workers: synchronous training, minibatch by minibatch and in flight
+  const auto opt = sgd{.lr = 0.05f, .momentum = 0.9f};
+  {
+    auto c2 = test::on_mesh("data=2,pipe=2");
+    wo.micro_batches = 2;
+    const auto got = train_wsp<P>(c2, wo, wsp_options{.staleness = 0, .wave = 1}, 6, opt);
+    const auto want = trained_single<network<small_deep>>(6, opt);
+    const auto d = test::over_ranks(c2.world(), test::compare(got.v(), want.v(), sgd_atol, sgd_rtol));
+    if (c2.rank() == 0) MESSAGE("worker cuts, wsp D=0: max |wsp - single| = " << d.max_abs);
+    CHECK(d.bad == 0);
+    wo.micro_batches = 0;
+  }
+  {
+    auto c2 = test::on_mesh("data=2,pipe=2");
+    auto net = make<P>(c2, seed{42}, wo);
+    auto data = batches();
+    wsp_trainer t(c2, net, opt, wsp_options{.staleness = 0, .wave = 2, .in_flight = true});
+    for (int c = 0; c < 3; ++c) t.wave(data, 2 * c);
+    t.finish();
+    const auto got = net.full_params();
+    const auto want = in_flight_single(3, 2, opt, 0);
+    const auto d = test::over_ranks(c2.world(), test::compare(got.v(), want.v(), sgd_atol, sgd_rtol));
+    if (c2.rank() == 0) MESSAGE("worker cuts, wsp in flight D=0: max |wsp - single| = " << d.max_abs);
+    CHECK(d.bad == 0);
+    // synchronous data parallelism cannot sum gradients of unlike replicas: an error on every rank
+    trainer tr(net, opt, test::quiet());
+    CHECK_THROWS_WITH_AS(tr.step(data, 0), doctest::Contains("worker_cuts gave each data replica its own stage cut"),
+                         std::invalid_argument);
+  }
+}
+
+TEST_CASE("worker cuts: a plan without a pipeline to cut, or with stage blocks given, is an error naming the option") {
+  auto ctx = test::on_mesh("data=" + std::to_string(world_size()));
+  plan_options o;
+  o.worker_cuts = true;
+  CHECK_THROWS_WITH_AS(make<replicate<small_deep>>(ctx, seed{42}, o), doctest::Contains("this plan has none to cut"),
+                       std::invalid_argument);
+  auto c2 = test::on_mesh("data=1,pipe=" + std::to_string(world_size()));
+  o.blocks.assign(static_cast<std::size_t>(world_size()), 0);
+  o.blocks[0] = 4;
+  CHECK_THROWS_WITH_AS((make<replicate<pipeline<one_f_one_b, small_deep>>>(c2, seed{42}, o)),
+                       doctest::Contains("give one or the other"), std::invalid_argument);
+}
+
+TEST_CASE("in flight: memory caps count the activations of the minibatches in flight; the trainer checks the plan agrees") {
+  const int n = world_size();
+  using P = replicate<pipeline<one_f_one_b, small_deep>>;
+  auto ctx = test::on_mesh("data=1,pipe=" + std::to_string(n));
+  // the smallest cap (same on every rank, MiB, in steps of 2%) that some cut fits
+  auto smallest_cap = [&](int in_flight) {
+    double cap = 0.005;
+    for (; cap < 10; cap *= 1.02) {
+      plan_options o;
+      o.memory_caps_mib.assign(static_cast<std::size_t>(n), cap);
+      o.plan_batch = global_batch;
+      o.in_flight = in_flight;
+      try {
+        auto net = make<P>(ctx, seed{42}, o);
+        return cap;
+      } catch (const std::invalid_argument&) {
+      }
+    }
+    return cap;
+  };
+  const double micro = smallest_cap(0), flight = smallest_cap(8);
+  if (ctx.rank() == 0) MESSAGE("smallest cap that fits: " << micro << " MiB with the plan's micro-batches, " << flight << " MiB with 8 minibatches in flight");
+  if (n > 1) CHECK(flight > micro);  // whole minibatches, several of them, on the first stage
+  plan_options o;
+  o.memory_caps_mib.assign(static_cast<std::size_t>(n), 10.0);
+  auto net = make<P>(ctx, seed{42}, o);
+  CHECK_THROWS_WITH_AS(wsp_trainer(ctx, net, sgd{}, wsp_options{.wave = 4, .in_flight = true}),
+                       doctest::Contains("plan_options::in_flight = 4"), std::invalid_argument);
+  o.in_flight = 2;
+  auto net2 = make<P>(ctx, seed{42}, o);
+  CHECK_THROWS_WITH_AS(wsp_trainer(ctx, net2, sgd{}, wsp_options{.wave = 4, .in_flight = true}),
+                       doctest::Contains("make them agree"), std::invalid_argument);
+  o.micro_batches = 2;
+  CHECK_THROWS_WITH_AS(make<P>(ctx, seed{42}, o), doctest::Contains("do not also set micro_batches"), std::invalid_argument);
+}

@@ -164,7 +164,7 @@ struct hetpipe {
   static constexpr const char* help =
       "HetPipe: virtual workers (data replicas, each a 1F1B pipeline over pipe; --mesh data=2,pipe=2) under Wave "
       "Synchronous Parallel: --staleness D (default 0), --wave N (minibatches per wave, default 1), --in-flight (a wave's minibatches in the pipeline together, all on "
-      "the weights the wave began with), --speeds 1,1,2,4, "
+      "the weights the wave began with), --worker-cuts (each worker's stages cut for its own ranks), --speeds 1,1,2,4, "
       "--balance (workers' rows by speed), --policy np|ed|hd (grouping ranks into workers), "
       "--micro-batches M, --target-loss X, --max-steps N, --curve FILE (deep-mlp)";
   template <class W> static constexpr bool supports = W::time_to_loss;
@@ -176,12 +176,15 @@ struct hetpipe {
     w.staleness = static_cast<int>(c.args.count("--staleness", 0, 0, 1000000));
     w.wave = static_cast<int>(c.args.count("--wave", 1, 1, 1000000));
     w.in_flight = c.args.flag("--in-flight");
+    const bool worker_cuts = c.args.flag("--worker-cuts");
     plan_options po;
     po.speeds = o.speeds;
     po.micro_batches = static_cast<int>(c.args.count("--micro-batches", 0, 1, 16000));
     if (w.in_flight && po.micro_batches != 0)
       throw usage_error("bench: --micro-batches does not apply with --in-flight (each minibatch of a wave is one micro-batch of the pipeline)");
     po.balance = c.args.flag("--balance");
+    po.worker_cuts = worker_cuts;
+    if (w.in_flight) po.in_flight = w.wave;
     const auto policy_name = c.args.text("--policy", "np");
     c.args.done(name);
     detail::worker_policy policy = detail::worker_policy::np;
@@ -269,11 +272,12 @@ struct hetpipe {
     if (reporter && worker == 0) write_curve(o.curve, curve);
     if (ctx.rank() != 0) return;
     const double secs = reached > 0 ? -v[0] : v[1];
-    char plan[256];
+    char plan[512];
     std::snprintf(plan, sizeof plan,
-                  "hetpipe: %d virtual worker(s) of pipe:%d (policy %s), WSP staleness %d, wave %d minibatch(es)%s, %s; "
+                  "hetpipe: %d virtual worker(s) of pipe:%d (policy %s, %s), WSP staleness %d, wave %d minibatch(es)%s, %s; "
                   "emulated slowness %s (launch order)",
-                  shape.size(axis::data), shape.size(axis::pipe), policy_name.c_str(), w.staleness, w.wave,
+                  shape.size(axis::data), shape.size(axis::pipe), policy_name.c_str(),
+                  worker_cuts ? "stages cut per worker" : "one stage cut for all workers", w.staleness, w.wave,
                   w.in_flight ? " in flight" : " one after another",
                   po.balance ? "rows by worker speed" : "even rows", o.speeds_text().c_str());
     json_line j;

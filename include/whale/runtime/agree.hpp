@@ -93,6 +93,8 @@ inline std::vector<launch_field> launch_fields(const std::string& plan, const me
       f::integer("tracing (--trace, WHALE_TRACE)", o.trace || !o.trace_path.empty()),
       f::of_text("the speeds (--speeds, WHALE_SPEEDS)", speeds.empty() ? "none" : speeds),
       f::integer("balance (--balance, WHALE_BALANCE)", o.balance),
+      f::integer("worker_cuts (--worker-cuts, WHALE_WORKER_CUTS)", o.worker_cuts),
+      f::integer("in_flight (plan_options::in_flight)", o.in_flight),
   };
 }
 

@@ -56,6 +56,17 @@ struct plan_options {
   /// ranks (parameters, gradients, AdamW state, and with plan_batch the activations
   /// 1F1B keeps), and a rank whose share does not fit its cap is an error at make time.
   std::vector<double> memory_caps_mib;
+  /// Each data replica (a virtual worker under wsp_trainer) cuts its pipeline
+  /// for its own ranks' speeds and caps instead of all sharing the worst case
+  /// per pipe position. Replicas then hold different layers at one position, so
+  /// gradients cannot be summed over the data axis: only wsp_trainer (which
+  /// never does) trains such a plan.
+  bool worker_cuts = false;
+  /// N_m when wsp_trainer will run waves of N_m minibatches in flight
+  /// (wsp_options::in_flight; it checks that the two agree): memory caps then
+  /// count the activations of min(N_m, p - s) whole minibatches on stage s
+  /// instead of the plan's micro-batches. 0: not in flight.
+  int in_flight = 0;
   // ---- auto_plan (docs/planning.md) ----
   /// The device profile file auto_plan prices plans with (scripts/profile writes one).
   std::string profile;
@@ -66,7 +77,7 @@ struct plan_options {
 
   /// WHALE_MICRO_BATCHES, WHALE_STAGE_BLOCKS ("1,3"), WHALE_TRACE (a path), WHALE_BUCKET_MIB,
   /// WHALE_DP_OVERLAP, WHALE_DP_BLOCKING, WHALE_ZERO_PREFETCH, WHALE_CHECK_FINITE, WHALE_BALANCE (booleans:
-  /// true/false, 1/0, yes/no, on/off), WHALE_SPEEDS ("1,1,2,4"), WHALE_PROFILE (a device profile file, for auto_plan).
+  /// true/false, 1/0, yes/no, on/off), WHALE_SPEEDS ("1,1,2,4"), WHALE_MEMORY_CAPS, WHALE_WORKER_CUTS (a boolean), WHALE_PROFILE (a device profile file, for auto_plan).
   static plan_options from_env() {
     plan_options o;
     if (const char* e = std::getenv("WHALE_MICRO_BATCHES"))
@@ -82,10 +93,11 @@ struct plan_options {
     if (const char* e = std::getenv("WHALE_BALANCE")) o.balance = detail::parse_bool(e, "WHALE_BALANCE");
     if (const char* e = std::getenv("WHALE_PROFILE"); e && *e) o.profile = e;
     if (const char* e = std::getenv("WHALE_MEMORY_CAPS")) o.memory_caps_mib = parse_caps(e, "WHALE_MEMORY_CAPS");
+    if (const char* e = std::getenv("WHALE_WORKER_CUTS")) o.worker_cuts = detail::parse_bool(e, "WHALE_WORKER_CUTS");
     return o;
   }
   /// from_env(), then --micro-batches M, --stage-blocks 1,3, --trace PATH,
-  /// --bucket-mib X, --check-finite, --speeds 1,1,2,4, --balance and --profile PATH, which are removed from argv
+  /// --bucket-mib X, --check-finite, --speeds 1,1,2,4, --balance, --memory-caps, --worker-cuts and --profile PATH, which are removed from argv
   /// (argv[argc] stays nullptr).
   static plan_options from_args(int& argc, char** argv) {
     plan_options o = from_env();
@@ -105,6 +117,7 @@ struct plan_options {
       else if (a == "--balance") o.balance = true;
       else if (a == "--profile") o.profile = value();
       else if (a == "--memory-caps") o.memory_caps_mib = parse_caps(value(), "--memory-caps");
+      else if (a == "--worker-cuts") o.worker_cuts = true;
       else argv[out++] = argv[i];
     }
     argc = out;

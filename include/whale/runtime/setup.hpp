@@ -72,12 +72,30 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
     env.data = data_, env.model = model_comm_, env.no_data_sync = &no_sync_;
     for (auto& part : parts_) part.configure(env);
   }
+  if (o_.in_flight < 0 || o_.in_flight > max_micro || (o_.in_flight > 0 && o_.micro_batches > 0))
+    throw std::invalid_argument(who + "plan_options::in_flight (N_m minibatches in flight, 1 to " + std::to_string(max_micro) +
+                                ") makes each minibatch one micro-batch; do not also set micro_batches");
+  if (o_.worker_cuts) {  // what it means must be what it does
+    constexpr bool cuttable = [] {
+      if constexpr (staged) return V == 1 && !X::explicit_stages && level == 0;
+      else return false;
+    }();
+    if (!cuttable)
+      throw std::invalid_argument(who + "plan_options::worker_cuts cuts each data replica's pipeline of a repeat for "
+                                        "its own ranks; this plan has none to cut (it needs replicate<pipeline<1f1b or "
+                                        "gpipe, a model with one repeat>>, no explicit stages, no ZeRO)");
+    if (!o_.blocks.empty())
+      throw std::invalid_argument(who + "plan_options::worker_cuts chooses each replica's stage blocks, but stage blocks "
+                                        "were given (--stage-blocks, WHALE_STAGE_BLOCKS); give one or the other");
+  }
   if constexpr (staged && V == 1) {
     if constexpr (!X::explicit_stages) {  // unequal ranks: slow stages get fewer blocks
       if (o_.blocks.empty() && (!o_.speeds.empty() || !o_.memory_caps_mib.empty()) && p_ > 1) {
         std::vector<double> slow(static_cast<std::size_t>(p_), 1.0);  // a pipe position runs at its slowest rank's pace
         std::vector<double> cap(static_cast<std::size_t>(p_), 0.0);   // and fits its smallest rank's memory
         for (int r = 0; r < ctx.size(); ++r) {
+          // worker_cuts: only this replica's ranks; otherwise every replica's (one cut for all)
+          if (o_.worker_cuts && shape.coord(r, axis::data) != replica_) continue;
           const auto at = static_cast<std::size_t>(shape.coord(r, axis::pipe));
           slow[at] = std::max(slow[at], o_.speed_of(r, ctx.size()));
           const double c = o_.memory_cap_of(r, ctx.size()) * 1048576.0;
@@ -93,10 +111,12 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
           if (capped) {
             for (auto& c : cap) c = c > 0 ? c : std::numeric_limits<double>::infinity();
             lo.stage_memory_caps = cap;
-            lo.micro_batches = o_.micro_batches;
+            // minibatches in flight: each a whole minibatch of the replica, N_m of them
+            lo.micro_batches = o_.in_flight > 0 ? o_.in_flight : o_.micro_batches;
             lo.balance_seq = o_.plan_batch > 0 ? o_.plan_seq : o_.balance_seq;
             if (o_.plan_batch > 0)  // rows of one micro-batch of one replica
-              lo.cap_rows = o_.plan_batch * o_.plan_seq / (d_ * std::max(1, o_.micro_batches > 0 ? o_.micro_batches : p_));
+              lo.cap_rows = o_.plan_batch * o_.plan_seq /
+                            (d_ * (o_.in_flight > 0 ? 1 : std::max(1, o_.micro_batches > 0 ? o_.micro_batches : p_)));
           }
           try {
             o_.blocks = detail::stage_cut(describe<P>(), p_, lo);
@@ -126,10 +146,11 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
   check_state_memory(held, n);  // before the parameters are allocated: do they fit on this node?
   bind(s, n);
   if constexpr (level < 3) {  // replicated parameters start equal: rank 0 of each data group wins (split-over-data shards differ by design)
-    if (d_ > 1 && level == 0)
+    // (worker_cuts: replicas hold other ranges; every layer starts from its own seeded streams anyway)
+    if (d_ > 1 && level == 0 && !o_.worker_cuts)
       for (auto [b, e] : detail::complement(no_sync_, n)) broadcast(*data_, params_.v().rows(b, e - b), 0);
   }
-  if (d_ > 1 && level < 2)
+  if (d_ > 1 && level < 2 && !o_.worker_cuts)
     sync_.plan(detail::bucket_ranges(detail::complement(no_sync_, n), detail::bucket_elements(o_.bucket_mib)), o_.blocking);
   msg_.bind(*pipe_);
   if (o_.trace || !o_.trace_path.empty()) {

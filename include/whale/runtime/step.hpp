@@ -31,6 +31,11 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
                                 ": accumulating gradients across train_step calls (step_ctx::accumulate) is not "
                                 "supported with a data axis or ZeRO levels 2-3 (each call sums or scatters the "
                                 "gradients over data); accumulate inside one step: plan_options::micro_batches");
+  if (train && sync && d_ > 1 && o_.worker_cuts)
+    throw std::invalid_argument("whale::" + layer_name<P>() +
+                                ": plan_options::worker_cuts gave each data replica its own stage cut, so gradients "
+                                "cannot be summed over the data axis; train it with wsp_trainer (no data-axis sum), or "
+                                "drop worker_cuts");
   if (train && !memory_checked_) {
     memory_checked_ = true;
     check_step_memory(c);

@@ -94,25 +94,46 @@ template <class Net, class Opt> class wsp_trainer {
                                   std::to_string(o_.wave) + ")");
     if (o_.poll_us < 1 || o_.poll_us > 1000000)
       throw std::invalid_argument("whale::wsp_trainer: poll_us must be from 1 to 1000000");
+    if (net.options().in_flight != 0 && net.options().in_flight != (o_.in_flight ? o_.wave : 0))
+      throw std::invalid_argument("whale::wsp_trainer: the plan was made for " + std::to_string(net.options().in_flight) +
+                                  " minibatches in flight (plan_options::in_flight), but this trainer runs " +
+                                  (o_.in_flight ? std::to_string(o_.wave) : std::string("none")) +
+                                  " (wsp_options::wave, in_flight); make them agree");
+    if (o_.in_flight && !net.options().memory_caps_mib.empty() && net.options().in_flight != o_.wave)
+      throw std::invalid_argument("whale::wsp_trainer: with memory caps and minibatches in flight, make the plan with "
+                                  "plan_options::in_flight = " + std::to_string(o_.wave) +
+                                  " so that its stage cut counts the activations of the minibatches in flight");
     if (!(o_.max_grad_norm >= 0) || !std::isfinite(o_.max_grad_norm))
       throw std::invalid_argument("whale::wsp_trainer: max_grad_norm must be a finite number >= 0 (0: no clipping)");
-    // The holders' layout: the concatenation of what each position of a worker
-    // (its pipe x model coordinates) holds; every worker has the same positions.
+    // The holders' layout. Without tensor parallelism or interleaving a rank holds
+    // one range of the model's flat parameters, which the holders keep in model
+    // order: workers may then cut their pipelines differently (plan_options::
+    // worker_cuts). Otherwise: the concatenation of what each position of a
+    // worker (its pipe x model coordinates) holds, the same in every worker.
     const auto& shape = ctx.mesh().shape();
-    const int positions = shape.size(axis::pipe | axis::model);
-    position_ = shape.index_in(axis::pipe | axis::model, ctx.rank());
-    std::vector<index_t> held(static_cast<std::size_t>(ctx.size()));
     index_t mine = net.params().numel();
-    all_gather(ctx.world(), cview<index_t>(&mine, {1}), view<index_t>(held.data(), {ctx.size()}));
-    std::vector<index_t> per(static_cast<std::size_t>(positions), -1);
-    for (int r = 0; r < ctx.size(); ++r) {
-      auto& p = per[static_cast<std::size_t>(shape.index_in(axis::pipe | axis::model, r))];
-      if (p >= 0 && p != held[static_cast<std::size_t>(r)])
-        throw std::logic_error("whale::wsp_trainer: two virtual workers hold different parameter counts at one position");
-      p = held[static_cast<std::size_t>(r)];
+    if (net.model_degree() == 1 && net.chunks() == 1) {
+      offset_ = net.full_param_begin();
+      total_ = net.total_params();
+      if (net.full_param_end() - offset_ != mine)
+        throw std::logic_error("whale::wsp_trainer: this rank's parameters are not its range of the model's");
+    } else {
+      const int positions = shape.size(axis::pipe | axis::model);
+      position_ = shape.index_in(axis::pipe | axis::model, ctx.rank());
+      std::vector<index_t> held(static_cast<std::size_t>(ctx.size()));
+      all_gather(ctx.world(), cview<index_t>(&mine, {1}), view<index_t>(held.data(), {ctx.size()}));
+      std::vector<index_t> per(static_cast<std::size_t>(positions), -1);
+      for (int r = 0; r < ctx.size(); ++r) {
+        auto& p = per[static_cast<std::size_t>(shape.index_in(axis::pipe | axis::model, r))];
+        if (p >= 0 && p != held[static_cast<std::size_t>(r)])
+          throw std::invalid_argument("whale::wsp_trainer: two virtual workers hold different parameter counts at one "
+                                      "position; with tensor parallelism (a model axis) or interleaved chunks every "
+                                      "worker must cut its pipeline alike (no plan_options::worker_cuts)");
+        p = held[static_cast<std::size_t>(r)];
+      }
+      offset_ = std::accumulate(per.begin(), per.begin() + position_, index_t{0});
+      total_ = std::accumulate(per.begin(), per.end(), index_t{0});
     }
-    offset_ = std::accumulate(per.begin(), per.begin() + position_, index_t{0});
-    total_ = std::accumulate(per.begin(), per.end(), index_t{0});
     // Worker 0 (identical to every other at the start) fills the holders.
     const bool first = shape.coord(ctx.rank(), axis::data) == 0;
     holders_.emplace(ctx.world(), total_);
