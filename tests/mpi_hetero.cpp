@@ -652,3 +652,100 @@ TEST_CASE("in flight: memory caps count the activations of the minibatches in fl
   o.micro_batches = 2;
   CHECK_THROWS_WITH_AS(make<P>(ctx, seed{42}, o), doctest::Contains("do not also set micro_batches"), std::invalid_argument);
 }
+
+TEST_CASE("memory caps: balanced rows follow speed under the caps: a replica whose cap holds fewer rows gets only those, and the plan trains as one process") {
+  const int n = world_size();
+  if (n < 2) return;  // two replicas at least
+  auto ctx = test::on_mesh("data=" + std::to_string(n));
+  // what replica 0's rank needs for the even share of a step: its state and activations
+  plan_options probe;
+  probe.speeds.assign(static_cast<std::size_t>(n), 1.0);
+  probe.balance = true;
+  auto even = make<replicate<small_deep>>(ctx, seed{42}, probe);
+  const auto e = even.predicted_memory(global_batch, 1);
+  const index_t even_rows = even.local_batch(global_batch).second;
+  // replica 0's cap holds its state and about half its even share's activations; the others are roomy
+  const double half = static_cast<double>(e.model_state() + e.comm) + 0.5 * static_cast<double>(e.activations);
+  plan_options o = probe;
+  o.memory_caps_mib.assign(static_cast<std::size_t>(n), 1024.0);
+  o.memory_caps_mib[0] = half / 1048576.0;
+  o.plan_batch = global_batch;
+  auto net = make<replicate<small_deep>>(ctx, seed{42}, o);
+  index_t rows0 = net.local_batch(global_batch).second;
+  broadcast(ctx.world(), view<index_t>(&rows0, {1}), 0);
+  if (ctx.rank() == 0) MESSAGE("replica 0 under its cap: " << rows0 << " rows of " << global_batch << " (even share " << even_rows << ")");
+  CHECK(rows0 < even_rows);
+  CHECK(rows0 >= even_rows / 2 - 1);
+  CHECK(rows0 >= 1);
+  if (ctx.rank() == 0) CHECK(net.predicted_memory(global_batch, 1).total() <= o.memory_caps_mib[0] * 1048576.0);
+  const auto d = train_against_single(ctx, net, sgd{.lr = 0.05f, .momentum = 0.9f}, 5);
+  if (ctx.rank() == 0) MESSAGE("capped balanced dp at " << n << " ranks: max |dp - single| = " << d.max_abs);
+  CHECK(d.bad == 0);
+  // a cap that holds the state but no row is an error naming the replica, on every rank
+  o.memory_caps_mib[0] = (static_cast<double>(e.model_state() + e.comm) + 1.0) / 1048576.0;
+  CHECK_THROWS_WITH_AS(make<replicate<small_deep>>(ctx, seed{42}, o), doctest::Contains("data replica 0's ranks fit no row"),
+                       std::invalid_argument);
+}
+
+TEST_CASE("wsp: a worker's gradient norm counts its own copy on every worker (clipping under WSP)") {
+  const int n = world_size();
+  auto check = [&]<class P>(const std::string& spec) {
+    auto ctx = test::on_mesh(spec);
+    auto net = make<P>(ctx, seed{42});
+    auto data = batches();
+    const auto [begin, count] = net.local_batch(global_batch);
+    const auto b = data.get(0, begin, count);
+    step_ctx c;
+    c.batch = b.sequences;
+    c.seq = b.seq;
+    c.global_rows = global_batch;
+    net.compute_only_step(c, b.inputs, b.labels);
+    // no layer is copied over pipe or model here: the worker's squares are its ranks' own gradients
+    double got[2] = {net.grad_squares(true), cpu::sum_squares(net.grads().numel(), net.grads().data())};
+    all_reduce(ctx.mesh().comm(axis::pipe | axis::model), view<double>(got, {2}));
+    CHECK(got[0] > 0);
+    CHECK(got[0] == doctest::Approx(got[1]).epsilon(1e-6));  // the same squares, summed in another order
+  };
+  check.template operator()<replicate<small_deep>>("data=" + std::to_string(n));
+  if (n >= 4) check.template operator()<replicate<pipeline<one_f_one_b, small_deep>>>("data=" + std::to_string(n / 2) + ",pipe=2");
+}
+
+namespace {
+/// teacher_data whose step `bad` has a NaN in every input row.
+struct nan_data {
+  using input_type = float;
+  teacher_data inner = batches();
+  std::int64_t bad = 1;
+  tensor<float> poisoned;
+  index_t global_batch() const { return inner.global_batch(); }
+  index_t seq() const { return inner.seq(); }
+  batch_view<float> get(std::int64_t s, index_t begin, index_t count) {
+    auto b = inner.get(s, begin, count);
+    if (s != bad) return b;
+    poisoned = tensor<float>(b.inputs.shape(), mem_kind::workspace);
+    copy<float>(b.inputs, poisoned.v());
+    for (index_t r = 0; r < count; ++r) poisoned.data()[r * (b.inputs.numel() / count)] = std::nanf("");
+    b.inputs = poisoned.v();
+    return b;
+  }
+};
+}  // namespace
+
+TEST_CASE("wsp: a NaN loss is an error on every rank of the worker, before any update is pushed (one by one and in flight)") {
+  const int n = world_size();
+  using P = replicate<pipeline<one_f_one_b, small_deep>>;
+  for (bool flight : {false, true}) {
+    auto ctx = test::on_mesh("data=1,pipe=" + std::to_string(n));
+    auto net = make<P>(ctx, seed{42});
+    nan_data data;
+    wsp_trainer t(ctx, net, sgd{.lr = 0.05f}, wsp_options{.wave = 2, .in_flight = flight});
+    auto run = [&] {
+      if (flight) t.wave(data, 0);
+      else
+        for (int s = 0; s < 2; ++s) t.step(data, s);
+    };
+    // every rank throws (a rank that did not would hang in the next collective)
+    CHECK_THROWS_WITH_AS(run(), doctest::Contains("data step 1: this worker's loss is NaN or infinite"), std::runtime_error);
+    CHECK(t.clock() == 0);  // nothing pushed
+  }
+}

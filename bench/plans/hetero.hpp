@@ -179,7 +179,10 @@ struct hetpipe {
     const bool worker_cuts = c.args.flag("--worker-cuts");
     plan_options po;
     po.speeds = o.speeds;
-    po.micro_batches = static_cast<int>(c.args.count("--micro-batches", 0, 1, 16000));
+    po.micro_batches = static_cast<int>(c.args.count("--micro-batches", 0, 0, 16000));
+    if (w.in_flight && w.wave > o.max_steps)
+      throw usage_error("bench: --wave (" + std::to_string(w.wave) + ") is longer than --max-steps (" +
+                        std::to_string(o.max_steps) + "); in flight a run is whole waves");
     if (w.in_flight && po.micro_batches != 0)
       throw usage_error("bench: --micro-batches does not apply with --in-flight (each minibatch of a wave is one micro-batch of the pipeline)");
     po.balance = c.args.flag("--balance");
@@ -245,7 +248,8 @@ struct hetpipe {
         asked_at = now;
       }
     };
-    while (s < o.max_steps && !t.stopping()) {
+    // in flight a run is whole waves: it ends at the last one that fits in --max-steps
+    while (s + (w.in_flight ? w.wave : 1) <= o.max_steps && !t.stopping()) {
       if (!w.in_flight) {
         seen(t.step(data, s));
         ++s;

@@ -166,10 +166,14 @@ template <class P> class executor {
     return micro_shares_;
   }
   /// This rank's part of the squared gradient norm, each parameter counted once
-  /// over the world (no collective): a sum of these over a group is its norm squared.
-  double grad_squares() const {
+  /// over the world (no collective): their sum over the world is the norm squared.
+  /// `within_replica` (ZeRO 0-1): once over this rank's data replica instead, to
+  /// sum over the replica's pipe and model ranks (a virtual worker's own norm).
+  double grad_squares(bool within_replica = false) const {
+    if (within_replica && level >= 2)
+      throw std::logic_error("whale::executor::grad_squares: ZeRO 2-3 spread a replica's gradients over the data axis");
     return level >= 2 ? detail::owned_range_squares(prog_, zero_.shard_grads().data(), zero_.begin(), zero_.end())
-                      : detail::owned_squares(prog_, grads_.data());
+                      : detail::owned_squares(prog_, grads_.data(), within_replica);
   }
   /// Forward only (a forward-only schedule); this rank's share of the loss.
   double evaluate(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) { return pass(c, x, labels, false); }
@@ -338,6 +342,10 @@ template <class P> class executor {
   lower_options step_lowering(index_t global_batch, index_t seq, int optimizer_bytes_per_param) const;
   void check_state_memory(const program_totals& held, index_t n) const;
   void check_step_memory(const step_ctx& c) const;
+  /// plan_options::balance under memory caps: replicas whose predicted step of
+  /// plan_batch rows would pass a rank's cap get only the rows that fit; the
+  /// others share the rest by speed (collective over the world).
+  void fit_rows_to_caps();
   detail::zero_engine::options zopts() const { return {o_.bucket_mib, o_.prefetch, o_.max_pending}; }
 
   std::pair<index_t, index_t> slice(index_t global_batch, int replica) const {

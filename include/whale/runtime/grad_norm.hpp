@@ -14,11 +14,13 @@ namespace whale::detail {
 /// parameter once over the mesh (the first rank of every axis it is replicated
 /// over counts it; a split layer's whole tail, e.g. a row-parallel bias, on the
 /// first rank of its split axis). Sum over the world to get the norm squared.
-inline double owned_squares(const program& prog, const float* grads) {
+/// `within_replica`: once over this rank's data replica instead (every replica
+/// counts its own copy; sum over the replica's pipe and model ranks).
+inline double owned_squares(const program& prog, const float* grads, bool within_replica = false) {
   double sq = 0;
   auto first = [&](axes a) {
     for (axis x : all_axes)
-      if (a.contains(x) && prog.coords[static_cast<std::size_t>(x)] != 0) return false;
+      if (a.contains(x) && !(within_replica && x == axis::data) && prog.coords[static_cast<std::size_t>(x)] != 0) return false;
     return true;
   };
   for (const auto& h : prog.holds) {

@@ -55,7 +55,7 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
   stage_ = ctx.mesh().coord(axis::pipe), replica_ = ctx.mesh().coord(axis::data);
   model_rank_ = ctx.mesh().coord(axis::model);
   slow_.set_factor(o_.speed_of(ctx.rank(), ctx.size()));  // a list of the wrong length fails on every rank
-  if (o_.balance && !o_.speeds.empty()) {  // a replica runs at the pace of its slowest rank
+  if (o_.balance && (!o_.speeds.empty() || !o_.memory_caps_mib.empty())) {  // a replica runs at the pace of its slowest rank
     if (stage_type::splits_data)
       throw std::invalid_argument(who + "plan_options::balance splits the batch by speed, but a split<..., axis::data> "
                                         "region gathers the same number of rows from every replica; balance plans without one");
@@ -144,6 +144,7 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
     throw std::logic_error(who + "the runtime holds " + std::to_string(n) + " parameters, the program " +
                            std::to_string(held.params_held));
   check_state_memory(held, n);  // before the parameters are allocated: do they fit on this node?
+  if (o_.balance && !o_.memory_caps_mib.empty() && o_.plan_batch > 0 && d_ > 1) fit_rows_to_caps();
   bind(s, n);
   if constexpr (level < 3) {  // replicated parameters start equal: rank 0 of each data group wins (split-over-data shards differ by design)
     // (worker_cuts: replicas hold other ranges; every layer starts from its own seeded streams anyway)

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <stdexcept>
@@ -167,10 +168,7 @@ template <class Net, class Opt> class wsp_trainer {
     // the loss's rows are the global batch's; the worker trains as if alone on its
     // own rows: its mean loss, and gradients scaled up by global / count
     const double loss = net_->compute_only_step(c, b.inputs, b.labels) / share_;
-    if (!std::isfinite(loss))  // the other workers stop at the watchdog, which names this rank
-      throw std::runtime_error("whale::wsp_trainer: data step " + std::to_string(step) + ": this worker's loss is " +
-                               (std::isnan(loss) ? "NaN" : "infinite") +
-                               "; check the data for NaN/Inf or lower the learning rate (no update was pushed)");
+    check_finite(std::isfinite(loss) ? -1 : step);
     minibatches_.push_back({step, clock_, steps_, least_});
     net_->apply_optimizer(opt_, state_, clip_scale(static_cast<float>(1.0 / share_)));
     if (++in_wave_ == o_.wave) end_wave();
@@ -202,7 +200,7 @@ template <class Net, class Opt> class wsp_trainer {
         seq = b.seq;
         in_row = b.inputs.numel() / std::max<index_t>(1, count);
         label_row = b.labels.numel() / std::max<index_t>(1, count);
-        if (x_.numel() != count * n * in_row)
+        if (!(x_.shape() == b.inputs.shape().with_rows(count * n)))
           x_ = tensor<typename Net::input_type>(b.inputs.shape().with_rows(count * n), mem_kind::workspace);
         if (y_.numel() != count * n * label_row) y_ = tensor<std::int32_t>({count * n * label_row}, mem_kind::workspace);
       }
@@ -220,22 +218,22 @@ template <class Net, class Opt> class wsp_trainer {
     step_ctx c;
     c.batch = count * n;
     c.seq = seq;
-    c.global_rows = count * seq;  // each minibatch: the mean loss of the worker's rows
+    c.global_rows = global * seq;  // as step(): shares of the global batch, scaled up by global / count below
     const auto g = net_->grads();
     const auto& shares = net_->in_flight_step(c, x_.v(), y_.v(), n, [&](int k) {
       std::copy_n(g.data(), np, slots_.data() + static_cast<index_t>(k) * np);
     });
     std::vector<double> losses(shares.begin(), shares.end());
-    for (int k = 0; k < n; ++k) {
-      if (!std::isfinite(losses[static_cast<std::size_t>(k)]))
-        throw std::runtime_error("whale::wsp_trainer: data step " + std::to_string(first + k) + ": this worker's loss is " +
-                                 (std::isnan(losses[static_cast<std::size_t>(k)]) ? "NaN" : "infinite") +
-                                 "; check the data for NaN/Inf or lower the learning rate (no update was pushed)");
-      minibatches_.push_back({first + k, clock_, steps_, least_});
+    std::int64_t bad = -1;  // the first minibatch whose loss is not finite
+    for (int k = n - 1; k >= 0; --k) {
+      losses[static_cast<std::size_t>(k)] /= share_;  // the mean over the worker's rows
+      if (!std::isfinite(losses[static_cast<std::size_t>(k)])) bad = first + k;
     }
+    check_finite(bad);
+    for (int k = 0; k < n; ++k) minibatches_.push_back({first + k, clock_, steps_, least_});
     for (int k = 0; k < n; ++k) {  // the wave's updates, in step order
       std::copy_n(slots_.data() + static_cast<index_t>(k) * np, np, g.data());
-      net_->apply_optimizer(opt_, state_, clip_scale(1.f));
+      net_->apply_optimizer(opt_, state_, clip_scale(static_cast<float>(1.0 / share_)));
       ++steps_;
     }
     in_wave_ = n;
@@ -274,11 +272,22 @@ template <class Net, class Opt> class wsp_trainer {
   typename Opt::state& optimizer_state() noexcept { return state_; }
 
  private:
+  /// Every rank of the worker learns whether one saw a non-finite loss (`step`
+  /// >= 0: the first such data step on this rank) and all throw alike, before
+  /// any update or push: a pipeline's other stages cannot go on without it.
+  void check_finite(std::int64_t step) {
+    std::int64_t worst[2] = {step >= 0 ? 1 : 0, step >= 0 ? -step : std::numeric_limits<std::int64_t>::min()};
+    all_reduce(*group_, view<std::int64_t>(worst, {2}), reduce_op::max);
+    if (worst[0] == 0) return;
+    throw std::runtime_error("whale::wsp_trainer: data step " + std::to_string(-worst[1]) +
+                             ": this worker's loss is NaN or infinite; check the data for NaN/Inf or lower the "
+                             "learning rate (no update of that wave was pushed)");
+  }
   /// The gradients' scale: `base`, times the clip coefficient of their norm
   /// over this worker (scaled by `base`) when clipping is on.
   float clip_scale(float base) {
     if (o_.max_grad_norm <= 0) return base;
-    double sq = net_->grad_squares();
+    double sq = net_->grad_squares(true);  // each parameter once over this worker's ranks
     all_reduce(*group_, view<double>(&sq, {1}));
     const double norm = std::sqrt(sq) * static_cast<double>(base);
     if (!std::isfinite(norm))
