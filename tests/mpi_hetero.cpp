@@ -281,15 +281,23 @@ TEST_CASE("speeds: a list of the wrong length, or a factor below 1, is an error 
 
 namespace {
 
-/// WSP over `spec` for `n` data steps; returns every rank's parameters after finish().
-template <class P> tensor<float> train_wsp(context& ctx, plan_options o, wsp_options w, int n, sgd opt,
-                                           std::vector<wave_record>* waves = nullptr) {
+/// WSP over plan P for `n` data steps (whole waves when w.in_flight); returns
+/// every rank's parameters after finish(), and the waves' and minibatches' records.
+template <class P, class Opt> tensor<float> train_wsp(context& ctx, plan_options o, wsp_options w, int n, Opt opt,
+                                                      std::vector<wave_record>* waves = nullptr,
+                                                      std::vector<minibatch_record>* rec = nullptr) {
   auto net = make<P>(ctx, seed{42}, o);
   auto data = batches();
   wsp_trainer t(ctx, net, opt, w);
-  for (int s = 0; s < n; ++s) t.step(data, s);
+  if (w.in_flight) {
+    REQUIRE(n % w.wave == 0);
+    for (int s = 0; s < n; s += w.wave) CHECK(t.wave(data, s).size() == static_cast<std::size_t>(w.wave));
+  } else {
+    for (int s = 0; s < n; ++s) t.step(data, s);
+  }
   t.finish();
   if (waves) *waves = t.waves();
+  if (rec) *rec = t.minibatches();
   return net.full_params();
 }
 
@@ -441,21 +449,6 @@ template <class Opt> tensor<float> in_flight_single(int waves, int n, Opt opt, d
   return out;
 }
 
-/// WSP with waves in flight over plan P on `spec`; every rank's full parameters after finish().
-template <class P, class Opt> tensor<float> train_in_flight(context& ctx, int waves, wsp_options w, Opt opt,
-                                                            std::vector<minibatch_record>* rec = nullptr) {
-  auto net = make<P>(ctx, seed{42});
-  auto data = batches();
-  wsp_trainer t(ctx, net, opt, w);
-  for (int c = 0; c < waves; ++c) {
-    const auto losses = t.wave(data, static_cast<std::int64_t>(c) * w.wave);
-    CHECK(losses.size() == static_cast<std::size_t>(w.wave));
-  }
-  t.finish();
-  if (rec) *rec = t.minibatches();
-  return net.full_params();
-}
-
 }  // namespace
 
 TEST_CASE("wsp in flight: one virtual worker over every rank equals one process with stale-by-wave updates, SGD and AdamW + clipping, on every rank") {
@@ -466,8 +459,8 @@ TEST_CASE("wsp in flight: one virtual worker over every rank equals one process 
     auto ctx = test::on_mesh(spec);
     const auto opt = sgd{.lr = 0.05f, .momentum = 0.9f};
     std::vector<minibatch_record> rec;
-    const auto got = train_in_flight<replicate<pipeline<one_f_one_b, small_deep>>>(
-        ctx, waves, wsp_options{.wave = per_wave, .in_flight = true}, opt, &rec);
+    const auto got = train_wsp<replicate<pipeline<one_f_one_b, small_deep>>>(
+        ctx, {}, wsp_options{.wave = per_wave, .in_flight = true}, waves * per_wave, opt, nullptr, &rec);
     const auto want = in_flight_single(waves, per_wave, opt, 0);
     const auto d = test::over_ranks(ctx.world(), test::compare(got.v(), want.v(), sgd_atol, sgd_rtol));
     if (ctx.rank() == 0) MESSAGE("in flight, SGD, " << spec << ": max |wsp - single| = " << d.max_abs);
@@ -487,8 +480,8 @@ TEST_CASE("wsp in flight: one virtual worker over every rank equals one process 
     auto ctx = test::on_mesh(spec);
     const auto opt = adamw{.lr = 1e-2f, .weight_decay = 0.01f};
     constexpr double max_norm = 0.05;  // below the gradients' norms here: every update is clipped
-    const auto got = train_in_flight<replicate<pipeline<gpipe, small_deep>>>(
-        ctx, waves, wsp_options{.wave = per_wave, .in_flight = true, .max_grad_norm = max_norm}, opt);
+    const auto got = train_wsp<replicate<pipeline<gpipe, small_deep>>>(
+        ctx, {}, wsp_options{.wave = per_wave, .in_flight = true, .max_grad_norm = max_norm}, waves * per_wave, opt);
     int clipped = 0;
     const auto want = in_flight_single(waves, per_wave, opt, max_norm, &clipped);
     CHECK(clipped == waves * per_wave);
@@ -505,7 +498,7 @@ TEST_CASE("wsp in flight: D = 0 over several virtual workers (pipelines) equals 
   const auto want = in_flight_single(waves, per_wave, opt, 0);
   auto check = [&]<class P>(const std::string& spec) {
     auto ctx = test::on_mesh(spec);
-    const auto got = train_in_flight<P>(ctx, waves, wsp_options{.staleness = 0, .wave = per_wave, .in_flight = true}, opt);
+    const auto got = train_wsp<P>(ctx, {}, wsp_options{.staleness = 0, .wave = per_wave, .in_flight = true}, waves * per_wave, opt);
     const auto d = test::over_ranks(ctx.world(), test::compare(got.v(), want.v(), sgd_atol, sgd_rtol));
     if (ctx.rank() == 0) MESSAGE("in flight D=0 on " << spec << ": max |wsp - single| = " << d.max_abs);
     CHECK(d.bad == 0);
@@ -587,17 +580,14 @@ TEST_CASE("worker cuts: each virtual worker cuts its pipeline for its own ranks,
   }
   {
     auto c2 = test::on_mesh("data=2,pipe=2");
-    auto net = make<P>(c2, seed{42}, wo);
-    auto data = batches();
-    wsp_trainer t(c2, net, opt, wsp_options{.staleness = 0, .wave = 2, .in_flight = true});
-    for (int c = 0; c < 3; ++c) t.wave(data, 2 * c);
-    t.finish();
-    const auto got = net.full_params();
+    const auto got = train_wsp<P>(c2, wo, wsp_options{.staleness = 0, .wave = 2, .in_flight = true}, 6, opt);
     const auto want = in_flight_single(3, 2, opt, 0);
     const auto d = test::over_ranks(c2.world(), test::compare(got.v(), want.v(), sgd_atol, sgd_rtol));
     if (c2.rank() == 0) MESSAGE("worker cuts, wsp in flight D=0: max |wsp - single| = " << d.max_abs);
     CHECK(d.bad == 0);
     // synchronous data parallelism cannot sum gradients of unlike replicas: an error on every rank
+    auto net = make<P>(c2, seed{42}, wo);
+    auto data = batches();
     trainer tr(net, opt, test::quiet());
     CHECK_THROWS_WITH_AS(tr.step(data, 0), doctest::Contains("worker_cuts gave each data replica its own stage cut"),
                          std::invalid_argument);
