@@ -73,23 +73,23 @@ template <class P> void executor<P>::fit_rows_to_caps() {
     if (!over) return;
     if (round == d_) break;
     // whole shares (in micro-batch multiples when the slice uses them): the capped replicas
-    // get what fits, the others the rest by speed, at least one each (largest remainders)
+    // get what fits, the others the rest by speed, at least one each
     const index_t q = o_.micro_batches > 1 && global % o_.micro_batches == 0 && global / o_.micro_batches >= d_ ? o_.micro_batches : 1;
     const index_t units = global / q;
     std::vector<index_t> want(static_cast<std::size_t>(d_), 0);
     index_t capped = 0;
-    double free_speed = 0;
-    int free_count = 0;
+    std::vector<double> free_speeds;  // of the replicas that are not capped
     for (int k = 0; k < d_; ++k) {
       const auto ku = static_cast<std::size_t>(k);
       if (fixed[ku]) {
         want[ku] = static_cast<index_t>(std::min(std::floor(room[ku] / static_cast<double>(q)), has[ku] / static_cast<double>(q)));
         capped += want[ku];
       } else {
-        free_speed += speed[ku], ++free_count;
+        free_speeds.push_back(speed[ku]);
       }
     }
     const index_t rest = units - capped;
+    const int free_count = static_cast<int>(free_speeds.size());
     for (int k = 0; k < d_; ++k)
       if (fixed[static_cast<std::size_t>(k)] && want[static_cast<std::size_t>(k)] < 1)
         throw std::invalid_argument("whale::" + layer_name<P>() + ": data replica " + std::to_string(k) +
@@ -99,18 +99,9 @@ template <class P> void executor<P>::fit_rows_to_caps() {
       throw std::invalid_argument("whale::" + layer_name<P>() + ": the memory caps (--memory-caps, WHALE_MEMORY_CAPS) of the "
                                   "data replicas hold fewer rows than a step of " + std::to_string(global) +
                                   " (plan_batch); raise the caps or use a smaller batch");
-    std::vector<std::pair<double, std::size_t>> frac;
-    index_t given = 0;
-    for (int k = 0; k < d_; ++k) {
-      const auto ku = static_cast<std::size_t>(k);
-      if (fixed[ku]) continue;
-      const double exact = static_cast<double>(rest - free_count) * speed[ku] / free_speed;
-      want[ku] = 1 + static_cast<index_t>(exact);
-      given += want[ku];
-      frac.push_back({exact - std::floor(exact), ku});
-    }
-    std::stable_sort(frac.begin(), frac.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
-    for (std::size_t i = 0; given < rest; ++i, ++given) ++want[frac[i % frac.size()].second];
+    // the others share the rest by speed, as the weighted slice splits any batch
+    for (int k = 0, i = 0; k < d_; ++k)
+      if (!fixed[static_cast<std::size_t>(k)]) want[static_cast<std::size_t>(k)] = detail::weighted_slice(rest, free_count, i++, free_speeds).second;
     // weighted_slice gives each part one unit, then the rest by weight: weights want - 1 give exactly `want`
     double sum = 0;
     for (int k = 0; k < d_; ++k) sum += static_cast<double>(want[static_cast<std::size_t>(k)] - 1);
