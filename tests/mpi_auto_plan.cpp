@@ -4,6 +4,9 @@
 // rank makes the same choice, a memory limit is respected (and one that no
 // plan fits is a clear error listing every candidate), and missing inputs are
 // clear errors. At 1, 2 and 4 ranks; on a data x pipe mesh where the world is even.
+// Tensor parallelism (split<M> on a data x model reshaping) and the class-split
+// head are chosen where they move the fewest bytes, and train as single-process
+// training with SGD and with AdamW + clipping.
 #include <doctest/doctest.h>
 
 #include <unistd.h>
@@ -17,6 +20,8 @@
 #include "support/plan_check.hpp"
 #include "whale/comm/context.hpp"
 #include "whale/models/gpt.hpp"
+#include "whale/nn/gelu.hpp"
+#include "whale/nn/relu.hpp"
 #include "whale/optim/adamw.hpp"
 #include "whale/optim/sgd.hpp"
 #include "whale/runtime/make.hpp"
@@ -39,6 +44,23 @@ plan_options auto_options(double memory_limit_mib = 0) {
   o.plan_seq = seq;
   o.memory_limit_mib = memory_limit_mib;
   return o;
+}
+
+// A profile file on every rank's path (rank 0 writes it): collectives of `coll_gbps`
+// and point-to-point messages of `p2p_gbps` (GB/s, 1 us latency), GEMMs at 100 GFLOP/s.
+std::string temp_profile(const context& ctx, const std::string& name, double coll_gbps, double p2p_gbps) {
+  long id = static_cast<long>(::getpid());
+  broadcast(ctx.world(), view<long>(&id, {1}), 0);
+  const auto path = (std::filesystem::temp_directory_path() / ("whale-" + name + "-" + std::to_string(id) + ".txt")).string();
+  if (ctx.rank() == 0) {
+    std::ofstream f(path);
+    f << "device " << name << "\ngemm 64 64 64 0 0 100\nbandwidth 10\n";
+    for (const char* k : {"all_reduce", "all_gather", "reduce_scatter", "broadcast"})
+      f << "link node " << k << " 2 1 " << coll_gbps << "\n";
+    f << "link node p2p 2 1 " << p2p_gbps << "\n";
+  }
+  barrier(ctx.world());
+  return path;
 }
 
 // Trains the chosen plan and single-process training on the same batches; every rank compares.
@@ -91,16 +113,7 @@ TEST_CASE("auto_plan on a data-only mesh also reshapes the world into data x pip
   auto ctx = context::init();
   if (ctx.size() == 1) return;  // one rank: nothing to reshape
   // a device whose collectives are slow and messages fast: a pipeline over every rank wins
-  long id = static_cast<long>(::getpid());
-  broadcast(ctx.world(), view<long>(&id, {1}), 0);
-  const auto path = (std::filesystem::temp_directory_path() / ("whale-slow-collectives-" + std::to_string(id) + ".txt")).string();
-  if (ctx.rank() == 0) {
-    std::ofstream f(path);
-    f << "device slow-collectives\ngemm 64 64 64 0 0 100\nbandwidth 10\n";
-    for (const char* k : {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}) f << "link node " << k << " 2 1 0.001\n";
-    f << "link node p2p 2 1 100\n";
-  }
-  barrier(ctx.world());
+  const auto path = temp_profile(ctx, "slow-collectives", 0.001, 100);
   auto o = auto_options();
   o.profile = path;
   {
@@ -175,4 +188,123 @@ TEST_CASE("auto_plan checkpoints through the plan it chose: saved, loaded by sin
   CHECK(test::compare(single.params(), saved, 0, 0).max_abs == 0.0);  // every rank reads the same bits
   barrier(ctx.world());
   if (ctx.rank() == 0) fs::remove_all(dir);
+}
+
+namespace {
+// Wide layers and a small batch: plans that move activations (tensor parallel, a
+// class-split head) send far fewer bytes than those that sum every gradient (dp, ZeRO).
+// Legend: rows are samples of 16 features, C classes.
+// 18 classes: the head splits 2 ways, not 4.
+using wide_mlp = sequential<linear<16, 512>, gelu, linear<512, 512>, gelu, linear<512, 18>, softmax_cross_entropy>;
+constexpr index_t wide_classes = 18;
+using wide_head = sequential<sequential<linear<16, 32>, relu>, sequential<linear<32, 4096>, softmax_cross_entropy>>;
+static_assert(splittable<wide_mlp> && splittable<wide_head> && splittable<small_gpt>);
+static_assert(!splittable<sequential<linear<4, 4>, repeat<2, recompute<sequential<linear<4, 4>, gelu>>>, softmax_cross_entropy>>,
+              "a recompute inside is refused by split<M>, so it is not splittable");
+static_assert(!splittable<sequential<replicate<linear<4, 4>>, softmax_cross_entropy>>,
+              "a strategy inside is refused by split<M>, so it is not splittable");
+static_assert(!detail::head_split<wide_mlp>::ok && detail::head_split<wide_head>::ok && !detail::head_split<small_gpt>::ok);
+
+// Trains auto_plan<M>'s choice and single-process M on the same batches (SGD, then
+// AdamW with every step clipped); every rank compares all parameters.
+template <class M>
+void check_choice_trains_as_single(const context& ctx, const plan_options& o, index_t classes) {
+  for (int opt = 0; opt < 2; ++opt) {
+    auto net = make<auto_plan<M>>(ctx, seed{42}, o);
+    network<M> single(seed{42});
+    auto run = [&](auto& n) {
+      teacher_data d(seed{7}, 16, classes, batch);
+      auto to = test::quiet();
+      if (opt == 0) {
+        trainer t(n, sgd{.lr = 0.05f, .momentum = 0.9f}, to);
+        t.run(d, steps{n_steps});
+      } else {
+        to.max_grad_norm = 0.05;  // below the gradients' norm: every step is clipped
+        trainer t(n, adamw{.lr = 1e-3f, .weight_decay = 0.01f}, to);
+        t.run(d, steps{n_steps});
+      }
+    };
+    run(net);
+    run(single);
+    const auto diff = test::compare(net.full_params(), single.params(), atol, rtol);
+    INFO("chosen " << net.choice().label << (opt ? ", AdamW + clipping" : ", SGD") << ": max |auto - single| = "
+                   << diff.max_abs);
+    CHECK(diff.bad == 0);
+  }
+}
+}  // namespace
+
+TEST_CASE("auto_plan prices tensor parallelism on every data x model reshaping, chooses it for wide layers, and it trains as single-process") {
+  auto ctx = context::init();
+  // a slow network (50 MB/s): bytes decide, and tensor parallelism sends activations, not 1 MiB of gradients
+  auto o = auto_options();
+  o.profile = temp_profile(ctx, "slow-network", 0.05, 0.05);
+  auto net = make<auto_plan<wide_mlp>>(ctx, seed{42}, o);
+  int tensor = 0, valid = 0;
+  for (const auto& c : net.ranking())
+    if (c.label.rfind("tensor parallel on data=", 0) == 0) {
+      INFO(c.label << ": " << c.why);
+      ++tensor, valid += c.valid;
+      // 18 classes do not split 4 ways: a reason the candidate cannot run, not an error
+      if (c.mesh == "data=1,pipe=1,model=4") CHECK(c.why.find("cannot be split 4 ways") != std::string::npos);
+      else CHECK(c.valid);
+    }
+  const int n = ctx.size();
+  CHECK(tensor == (n == 1 ? 0 : n == 2 ? 1 : 2));  // model = 2 (and 4) of the world's ranks
+  CHECK(valid == (n == 1 ? 0 : 1));
+  if (ctx.rank() == 0) {
+    std::ostringstream os;
+    os << net;
+    MESSAGE("ranks " << n << ":\n" << os.str().substr(0, 1200));
+  }
+  if (n > 1) {
+    INFO("chosen: " << net.choice().label);
+    CHECK(net.choice().label.rfind("tensor parallel on data=", 0) == 0);
+    CHECK(net.choice().mesh.find(",model=1") == std::string::npos);
+  }
+  check_choice_trains_as_single<wide_mlp>(ctx, o, wide_classes);
+  barrier(ctx.world());
+  if (ctx.rank() == 0) std::filesystem::remove(o.profile);
+}
+
+TEST_CASE("auto_plan on a data x model mesh prices tensor parallelism on it, and only it can run there") {
+  auto probe = context::init();
+  if (probe.size() == 1) return;
+  {
+    auto ctx = test::on_mesh("data=" + std::to_string(probe.size() / 2) + ",model=2");
+    auto net = make<auto_plan<wide_mlp>>(ctx, seed{42}, auto_options());
+    CHECK(net.choice().label == "tensor parallel");
+    for (const auto& c : net.ranking())
+      if (c.label != "tensor parallel") CHECK(!c.valid);
+    check_choice_trains_as_single<wide_mlp>(ctx, auto_options(), wide_classes);
+  }
+}
+
+TEST_CASE("auto_plan on a backbone and a head prices the class-split head (Whale's 100k-class plan) and it trains as single-process") {
+  auto ctx = context::init();
+  auto o = auto_options();
+  o.profile = temp_profile(ctx, "slow-network", 0.05, 0.05);
+  auto net = make<auto_plan<wide_head>>(ctx, seed{42}, o);
+  bool priced = false;
+  for (const auto& c : net.ranking())
+    if (c.label == "class-split head") {
+      INFO(c.why);
+      CHECK(c.valid);
+      priced = true;
+    }
+  CHECK(priced);
+  if (ctx.rank() == 0) {
+    std::ostringstream os;
+    os << net;
+    MESSAGE("ranks " << ctx.size() << ":\n" << os.str().substr(0, 1200));
+  }
+  // the head's gradients (0.5 MiB) are most of dp's and ZeRO's bytes, and a row-parallel
+  // head all-reduces whole logits: the class-split head sends least
+  if (ctx.size() > 1) {
+    INFO("chosen: " << net.choice().label);
+    CHECK(net.choice().label == "class-split head");
+  }
+  check_choice_trains_as_single<wide_head>(ctx, o, 4096);
+  barrier(ctx.world());
+  if (ctx.rank() == 0) std::filesystem::remove(o.profile);
 }

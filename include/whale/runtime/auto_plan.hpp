@@ -4,8 +4,12 @@
 // forwards the API every plan has to it. Candidates: replicate<M> and
 // shard<M, 1|2|3> on a data-only mesh; replicate<pipeline<one_f_one_b, M>>
 // with m = p, 2p, 4p micro-batches on a data x pipe mesh (M with one repeat),
-// and on a data-only mesh also on every data x pipe reshaping of the world.
-// Not here: tensor-parallel candidates. Checkpoints go through the chosen
+// and on a data-only mesh also on every data x pipe reshaping of the world;
+// split<M> (tensor parallel) on a mesh with a model axis and on every data x
+// model reshaping of a data-only one, when M is made of plain layers; and for
+// M = sequential<Backbone, Head>, the backbone replicated and the head split by
+// class over the data axis (Whale's 100k-class plan). Not here: 3-D plans
+// (tensor parallelism inside a pipeline's stages). Checkpoints go through the chosen
 // plan (a checkpoint names the concrete plan it was saved by).
 #pragma once
 
@@ -18,6 +22,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -31,6 +36,7 @@
 #include "whale/strategy/pipeline.hpp"
 #include "whale/strategy/replicate.hpp"
 #include "whale/strategy/shard.hpp"
+#include "whale/strategy/split.hpp"
 
 namespace whale {
 
@@ -49,11 +55,50 @@ struct plan_choice {
 
 namespace detail {
 template <class... P> struct plan_list {};
+template <class L, bool Add, class P> struct append_if { using type = L; };
+template <class... Q, class P> struct append_if<plan_list<Q...>, true, P> { using type = plan_list<Q..., P>; };
+
+/// Whale's plan for a classifier: M = sequential<Backbone, Head> with Head a
+/// loss-ending sequential (e.g. linear + softmax_cross_entropy), both plain
+/// layers. The candidate replicates the backbone and splits the head over the
+/// data axis (by class), as models::xc's hybrid; it keeps M's nesting, so it
+/// starts from M's parameters.
+template <class E> struct head_split_of {
+  static constexpr bool ok = false;
+  using type = void;
+};
+template <class A, class B> struct head_split_of<tlist<A, B>> {
+  static constexpr bool ok = Layer<A> && Loss<B> && sequential_like<B> && plain_layers<A>() && plain_layers<B>();
+  using type = sequential<replicate<A>, split<B, axis::data>>;
+};
+template <class M> auto head_split_probe() {
+  if constexpr (sequential_like<M>) return head_split_of<elements_of<M>>{};
+  else return head_split_of<void>{};
+}
+template <class M> using head_split = decltype(head_split_probe<M>());
+
+/// The candidate plan types of auto_plan<M>, in this order: dp, ZeRO 1-3; then
+/// the 1F1B pipeline when M has one repeat, tensor parallelism (split<M> over
+/// the model axis) when M is splittable, and the class-split head when M is a
+/// backbone and a head. Only those that are plans for M are listed (and compiled).
 template <class M>
-using auto_candidates = std::conditional_t<
-    pipelinable<M>(),
-    plan_list<replicate<M>, shard<M, 1>, shard<M, 2>, shard<M, 3>, replicate<pipeline<one_f_one_b, M>>>,
-    plan_list<replicate<M>, shard<M, 1>, shard<M, 2>, shard<M, 3>>>;
+using auto_candidates = typename append_if<
+    typename append_if<typename append_if<plan_list<replicate<M>, shard<M, 1>, shard<M, 2>, shard<M, 3>>,
+                                          pipelinable<M>(), replicate<pipeline<one_f_one_b, M>>>::type,
+                       splittable<M, axis::model>, split<M, axis::model>>::type,
+    head_split<M>::ok, typename head_split<M>::type>::type;
+
+template <class P, class L> struct index_in;
+template <class P, class... Q> struct index_in<P, plan_list<Q...>> {
+  static constexpr std::size_t value = [] {
+    constexpr bool same[] = {std::is_same_v<P, Q>..., false};
+    std::size_t i = 0;
+    while (i < sizeof...(Q) && !same[i]) ++i;
+    return i;
+  }();
+  static constexpr bool found = value < sizeof...(Q);
+};
+
 template <class L> struct auto_variant;
 template <class... P> struct auto_variant<plan_list<P...>> {
   using type = std::variant<std::unique_ptr<executor<P>>...>;
@@ -104,24 +149,40 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
     }
     cs.push_back(std::move(c));
   };
-  using ic = std::integral_constant<std::size_t, 0>;
-  price(ic{}, job, "dp", 0);
-  price(std::integral_constant<std::size_t, 1>{}, job, "zero1", 0);
-  price(std::integral_constant<std::size_t, 2>{}, job, "zero2", 0);
-  price(std::integral_constant<std::size_t, 3>{}, job, "zero3", 0);
-  if constexpr (V::size > 4) {
-    const int p = job.size(axis::pipe), n = job.size();
+  using L = detail::auto_candidates<M>;
+  auto at = [](auto plan) { return std::integral_constant<std::size_t, detail::index_in<typename decltype(plan)::type, L>::value>{}; };
+  price(at(std::type_identity<replicate<M>>{}), job, "dp", 0);
+  price(at(std::type_identity<shard<M, 1>>{}), job, "zero1", 0);
+  price(at(std::type_identity<shard<M, 2>>{}), job, "zero2", 0);
+  price(at(std::type_identity<shard<M, 3>>{}), job, "zero3", 0);
+  const int n = job.size();
+  const bool data_only = job.size(axis::pipe) == 1 && job.size(axis::model) == 1;
+  using pipe_plan = replicate<pipeline<one_f_one_b, M>>;
+  if constexpr (detail::index_in<pipe_plan, L>::found) {
+    const int p = job.size(axis::pipe);
     for (int k : {1, 2, 4})
-      price(std::integral_constant<std::size_t, 4>{}, job, "pipeline 1f1b m=" + std::to_string(k * p), k * p);
-    if (p == 1 && job.size(axis::model) == 1)  // a data-only mesh: the world reshaped into data x pipe
+      price(at(std::type_identity<pipe_plan>{}), job, "pipeline 1f1b m=" + std::to_string(k * p), k * p);
+    if (data_only)  // the world reshaped into data x pipe
       for (int q = 2; q <= n; ++q) {
         if (n % q) continue;
         const mesh_shape reshaped(n / q, q, 1);
         for (int k : {1, 2, 4})
-          price(std::integral_constant<std::size_t, 4>{}, reshaped,
+          price(at(std::type_identity<pipe_plan>{}), reshaped,
                 "pipeline 1f1b m=" + std::to_string(k * q) + " on " + reshaped.spec(), k * q);
       }
   }
+  using tensor_plan = split<M, axis::model>;
+  if constexpr (detail::index_in<tensor_plan, L>::found) {
+    if (job.size(axis::model) > 1) price(at(std::type_identity<tensor_plan>{}), job, "tensor parallel", 0);
+    if (data_only)  // the world reshaped into data x model (model innermost: neighbouring ranks)
+      for (int q = 2; q <= n; ++q) {
+        if (n % q) continue;
+        const mesh_shape reshaped(n / q, 1, q);
+        price(at(std::type_identity<tensor_plan>{}), reshaped, "tensor parallel on " + reshaped.spec(), 0);
+      }
+  }
+  if constexpr (detail::head_split<M>::ok)
+    price(at(std::type_identity<typename detail::head_split<M>::type>{}), job, "class-split head", 0);
   std::stable_sort(cs.begin(), cs.end(), [](const plan_choice& x, const plan_choice& y) {
     if (x.valid != y.valid) return x.valid;
     if (x.fits != y.fits) return x.fits;

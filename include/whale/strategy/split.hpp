@@ -360,6 +360,26 @@ template <class L> struct row_tag : L {
 template <class L> using column = column_tag<L>;
 template <class L> using row = row_tag<L>;
 
+namespace detail {
+template <class T> inline constexpr bool is_recompute_v = false;
+template <class B> inline constexpr bool is_recompute_v<recompute<B>> = true;
+template <class T> constexpr bool plain_layers();
+template <class... P> constexpr bool plain_parts(part_list<P...>) { return (plain_layers<P>() && ...); }
+/// T and every part of it at any depth are layers or containers: no strategy, no recompute.
+template <class T> constexpr bool plain_layers() {
+  return kind_of<T> == part_kind::layer && !is_recompute_v<T> && plain_parts(typename parts<T>::type{});
+}
+}  // namespace detail
+
+/// Whether split<M, A> is a plan, asked without compiling it: M is a Layer or
+/// a Loss made of layers and containers only. A strategy or a recompute<...>
+/// inside M is what split<M, A> refuses with a static_assert; every layer
+/// then takes the sharded form its incoming layout picks, and no layout of
+/// a plain model lacks a converting collective. The split degree is not
+/// checked here (a runtime value: lowering refuses a degree that does not divide).
+template <class M, axis A = axis::model>
+inline constexpr bool splittable = A != axis::pipe && (Layer<M> || Loss<M>) && detail::plain_layers<M>();
+
 /// Whether a model type contains a split region anywhere.
 template <class M> constexpr bool contains_split();
 namespace detail {
