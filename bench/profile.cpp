@@ -4,7 +4,8 @@
 // memory bandwidth): GEMM rates at shapes from 64 to 2048 with the transposes
 // backward uses, elementwise bandwidth, and — when launched on 2 or more
 // ranks — latency and bandwidth of all-reduce, all-gather, reduce-scatter
-// and messages, fitted by least squares over sizes from 4 KiB to 32 MiB. The
+// and messages, fitted by least squares over sizes from 4 KiB to 32 MiB (the
+// measured points kept beside the fit), and the cores the ranks shared. The
 // slowest rank's figures are written (by rank 0, atomically).
 //
 //   mpirun -np 4 ./whale_profile --out bench/profiles/this-machine-4.txt [--name NAME]
@@ -18,6 +19,7 @@
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -50,7 +52,8 @@ template <class F> double timed(world_comm& w, int reps, F&& f) {
 }
 
 /// Least squares t = alpha + bytes / beta over (bytes, seconds) points, each
-/// weighted by 1/t^2 (relative error), so that small messages fix alpha.
+/// weighted by 1/t^2 (relative error), so that small messages fix alpha; the
+/// points are kept too (times made non-decreasing), and the simulator follows them.
 link_fit fit(const std::vector<std::pair<double, double>>& pts, int ranks) {
   double sw = 0, sx = 0, sy = 0, sxx = 0, sxy = 0;
   for (auto [x, y] : pts) {
@@ -62,6 +65,7 @@ link_fit fit(const std::vector<std::pair<double, double>>& pts, int ranks) {
   f.ranks = ranks;
   f.beta_bps = slope > 0 ? 1.0 / slope : 1e12;
   f.alpha_s = std::max(0.0, (sy - slope * sx) / sw);
+  for (auto [x, y] : pts) f.points.push_back({x, f.points.empty() ? y : std::max(y, f.points.back().second)});
   return f;
 }
 }  // namespace
@@ -86,6 +90,9 @@ int main(int argc, char** argv) {
     const int p = ctx.size();
     device_profile prof;
     prof.name = name + "-" + std::to_string(p) + "-ranks";
+    // the ranks measure at once on this node's cores: the simulator then knows that
+    // a rank computing while others wait runs faster than these figures
+    if (const unsigned c = std::thread::hardware_concurrency(); c > 0) prof.cores = static_cast<int>(c), prof.cores_measured_ranks = p;
 
     // GEMM: squares per size class, and the transposes of backward at each
     const std::vector<std::tuple<index_t, index_t, index_t>> shapes = {
@@ -108,6 +115,33 @@ int main(int argc, char** argv) {
         prof.gemm.push_back(g);
       }
     }
+    // more ranks than cores: how much of a core a rank waiting in a receive still takes (MPI
+    // polls while it waits). Rank 0 multiplies while the others wait for its message; against
+    // every rank multiplying at once, sharing_slowdown (plan/device.hpp) gives the share.
+    if (prof.cores > 0 && p > prof.cores) {
+      const index_t m = 1024;
+      tensor<float> a({m * m}), b({m * m}), c({m * m});
+      for (auto& x : a) x = 0.5f;
+      for (auto& x : b) x = 0.25f;
+      const int times = std::max(1, static_cast<int>(0.3 * 30e9 / (2.0 * m * m * m)));
+      auto product = [&] {
+        for (int r = 0; r < times; ++r)
+          cpu::gemm(cpu::trans::no, cpu::trans::no, m, m, m, 1.f, a.data(), b.data(), 0.f, c.data());
+      };
+      const double all = timed(w, 3, product);
+      int token = 0;
+      const double alone = timed(w, 3, [&] {
+        if (ctx.rank() == 0) {
+          product();
+          for (int q = 1; q < p; ++q) send(w, cview<int>(&token, {1}), q, 9);
+        } else {
+          recv(w, view<int>(&token, {1}), 0, 9);
+        }
+      });
+      const double C = prof.cores, R = p;
+      const double load = alone / all * std::max(1.0, R / C) * C;  // 1 + share x (R - 1), where it is above C
+      prof.waiting_share = std::clamp((load - 1.0) / (R - 1.0), 0.0, 1.0);
+    }
     // elementwise: y = 2x + y over 64 MiB arrays (read x, read y, write y)
     {
       const index_t n = index_t{16} << 20;
@@ -123,8 +157,10 @@ int main(int argc, char** argv) {
     }
     // links, inside this node
     if (p > 1) {
-      // floats: 4 KiB .. 32 MiB (gradient buckets are 25 MiB by default)
-      const std::vector<index_t> sizes = {1024, 4096, 16384, 65536, 262144, 1048576, 4194304, 8388608};
+      // floats: 4 KiB .. 32 MiB (gradient buckets are 25 MiB by default), doubling: the
+      // times are kept as points, and they jump where the buffers leave the caches
+      std::vector<index_t> sizes;
+      for (index_t n = 1024; n <= 8388608; n *= 2) sizes.push_back(n);
       tensor<float> buf({sizes.back() * p}), out_buf({sizes.back() * p});
       for (auto& v : buf) v = 1.f;
       std::vector<std::pair<double, double>> ar, ag, rs, pp;

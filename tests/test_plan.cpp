@@ -322,6 +322,35 @@ TEST_CASE("device profile: the text format, interpolated GEMM rates, α–β lin
   CHECK_THROWS_WITH_AS(bad("speed 3\n"), doctest::Contains("unknown entry 'speed'"), std::invalid_argument);
 }
 
+TEST_CASE("device profile: measured link points are followed between and beyond them, α–β without them") {
+  std::istringstream in("device d\ngemm 8 8 8 0 0 1\nbandwidth 1\nlink node all_reduce 4 10 1\n"
+                        "point node all_reduce 1000000 1000\npoint node all_reduce 2000000 4000\n");
+  const auto p = device_profile::parse(in, "d.txt");
+  const auto ar = [&](double bytes, int ranks = 4) { return p.link_time(link_level::node, link_kind::all_reduce, ranks, bytes); };
+  CHECK(ar(1e6) == doctest::Approx(1e-3));                 // on a point: its time
+  CHECK(ar(1.5e6) == doctest::Approx(2.5e-3));             // between two: linear
+  CHECK(ar(3e6) == doctest::Approx(7e-3));                 // beyond the last: the last slope (3 ms per MB)
+  CHECK(ar(5e5) == doctest::Approx(0.5 * (10e-6 + 1e-3)));  // below the first: from (0, alpha)
+  CHECK(ar(1e6, 7) == doctest::Approx(1e-3 + 10e-6 * 2));  // 6 ring steps against 3: two more latencies
+  std::ostringstream round;
+  round << p;
+  std::istringstream again(round.str());
+  CHECK(device_profile::parse(again, "again").link_time(link_level::node, link_kind::all_reduce, 4, 1.5e6) == doctest::Approx(2.5e-3));
+  auto bad = [](const char* text) {
+    std::istringstream s(std::string("gemm 8 8 8 0 0 1\nbandwidth 1\n") + text);
+    return device_profile::parse(s, "bad.txt");
+  };
+  CHECK_THROWS_WITH_AS(bad("point node p2p 100 1\n"), doctest::Contains("bad.txt:3: a point of node p2p before its 'link' line"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("link node p2p 2 1 1\npoint node p2p 100 5\npoint node p2p 50 6\n"),
+                       doctest::Contains("bad.txt:5: the points of node p2p must grow"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("link node p2p 2 1 1\npoint node p2p 100 -5\n"), doctest::Contains("bad.txt:4: MICROSECONDS"),
+                       std::invalid_argument);
+  // without points: alpha + bytes / beta, as before
+  std::istringstream plain("gemm 8 8 8 0 0 1\nbandwidth 1\nlink node p2p 2 10 1\n");
+  CHECK(device_profile::parse(plain, "p").link_time(link_level::node, link_kind::p2p, 2, 1e9) == doctest::Approx(1.0 + 10e-6));
+}
+
 TEST_CASE("simulate: data parallel ranks end together, communication is the sum of α–β times, a pipeline idles") {
   const auto dev = flat_profile();
   using M = sequential<linear<64, 64>, relu, linear<64, 8>, softmax_cross_entropy>;
@@ -354,6 +383,57 @@ TEST_CASE("simulate: data parallel ranks end together, communication is the sum 
   CHECK(pipe.bubble() > 0);
   CHECK(pipe.step_s > pipe.ranks[0].compute_s);
   CHECK(pipe.spans.size() > pp[0].ops.size());
+}
+
+TEST_CASE("simulate with ranks sharing cores: alone a rank runs faster than figures measured with all busy, all together as measured") {
+  auto shared = flat_profile();
+  shared.cores = 1;                 // 2 ranks on 1 core,
+  shared.cores_measured_ranks = 2;  // and the figures measured with both computing
+  CHECK(shared.sharing_slowdown(2, 2) == doctest::Approx(1.0));
+  CHECK(shared.sharing_slowdown(1, 2) == doctest::Approx(0.5));    // the other rank waits and yields its core
+  CHECK(shared.sharing_slowdown(0.5, 2) == doctest::Approx(0.5));  // never faster than one rank on its own core
+  CHECK(flat_profile().sharing_slowdown(1, 3) == 1.0);             // no `cores` entry: a device per rank
+  auto polling = shared;
+  polling.waiting_share = 0.5;  // a waiting rank polls, taking half a core
+  CHECK(polling.sharing_slowdown(1, 2) == doctest::Approx(0.75));
+  // a pipeline of one micro-batch: the stages take turns, so every compute runs alone, at twice the figures
+  std::vector<program> pp;
+  auto m = batch(8);
+  m.micro_batches = 1;
+  const auto d = describe<two_stages>();
+  for (int r = 0; r < 2; ++r) pp.push_back(lower(d, mesh_shape(1, 2, 1), r, m));
+  const auto own = simulate(d, pp, flat_profile()), turns = simulate(d, pp, shared);
+  for (int r = 0; r < 2; ++r)
+    CHECK(turns.ranks[static_cast<std::size_t>(r)].compute_s ==
+          doctest::Approx(0.5 * own.ranks[static_cast<std::size_t>(r)].compute_s).epsilon(1e-6));
+  // two replicas compute at the same times: as the figures say
+  using M = sequential<linear<64, 64>, relu, linear<64, 8>, softmax_cross_entropy>;
+  const auto d2 = describe<replicate<M>>();
+  std::vector<program> ps;
+  for (int r = 0; r < 2; ++r) ps.push_back(lower(d2, mesh_shape(2, 1, 1), r, batch(64)));
+  CHECK(simulate(d2, ps, shared).step_s == doctest::Approx(simulate(d2, ps, flat_profile()).step_s));
+  // many micro-batches: the stages overlap between the fill and the drain, so the step lies in between
+  m.micro_batches = 8;
+  std::vector<program> p8;
+  for (int r = 0; r < 2; ++r) p8.push_back(lower(d, mesh_shape(1, 2, 1), r, m));
+  const double a = simulate(d, p8, flat_profile()).step_s, b = simulate(d, p8, shared).step_s;
+  CHECK(b < a);
+  CHECK(b > 0.5 * a);
+  CHECK(simulate(d, p8, polling).step_s > b);  // waiting ranks that poll leave less to the others
+  // the entry round-trips and is checked
+  std::ostringstream os;
+  os << shared;
+  std::istringstream back(os.str());
+  const auto again = device_profile::parse(back, "again");
+  CHECK(again.cores == 1);
+  CHECK(again.cores_measured_ranks == 2);
+  auto bad = [](const char* line) {
+    std::istringstream in(std::string("gemm 8 8 8 0 0 1\nbandwidth 1\n") + line);
+    return device_profile::parse(in, "bad.txt");
+  };
+  CHECK_THROWS_WITH_AS(bad("cores 0 2 0\n"), doctest::Contains("bad.txt:3: CORES"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("cores 2 2 1.5\n"), doctest::Contains("bad.txt:3: WAITING"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("cores 2 2\n"), doctest::Contains("'cores' takes CORES RANKS WAITING"), std::invalid_argument);
 }
 
 TEST_CASE("simulate with two streams: a gradient bucket hides under the backward that follows it, nothing else moves") {

@@ -15,6 +15,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "whale/detail/parse.hpp"
@@ -43,11 +44,35 @@ struct gemm_point {
 };
 
 /// t(bytes) = alpha + bytes / beta, `bytes` being what one rank sends (the
-/// ring model of comm_stats), for groups of `ranks`.
+/// ring model of comm_stats), for groups of `ranks`. Where the measured times
+/// are kept (`points`, sorted by bytes), t follows them instead: a CPU node's
+/// collectives are no straight line (here an all-reduce of 4 ranks sent 25 MB
+/// at 3.2 GB/s and 50 MB at 1 GB/s, once the buffers left the caches).
 struct link_fit {
   double alpha_s = 0;       ///< latency, seconds
   double beta_bps = 0;      ///< bytes per second sent by one rank
   int ranks = 0;            ///< the group size it was measured on (0: not measured)
+  std::vector<std::pair<double, double>> points;  ///< measured (bytes, seconds), if kept
+
+  /// Seconds to send `bytes` per rank in a group of the measured size: between
+  /// points linear, below the first from (0, alpha), beyond the last along the
+  /// last two points' slope (never faster than beta); without points alpha + bytes/beta.
+  double seconds(double bytes) const {
+    if (points.empty()) return alpha_s + bytes / beta_bps;
+    auto at = [](const std::pair<double, double>& a, const std::pair<double, double>& b, double x) {
+      return b.first > a.first ? a.second + (b.second - a.second) * (x - a.first) / (b.first - a.first) : b.second;
+    };
+    if (bytes <= points.front().first) return at({0.0, std::min(alpha_s, points.front().second)}, points.front(), bytes);
+    for (std::size_t i = 1; i < points.size(); ++i)
+      if (bytes <= points[i].first) return at(points[i - 1], points[i], bytes);
+    const auto& last = points.back();
+    double per_byte = 1.0 / beta_bps;
+    if (points.size() > 1) {
+      const auto& prev = points[points.size() - 2];
+      if (last.first > prev.first) per_byte = std::max(per_byte, (last.second - prev.second) / (last.first - prev.first));
+    }
+    return last.second + (bytes - last.first) * per_byte;
+  }
 };
 
 /// What one rank's device and links do per second.
@@ -60,6 +85,23 @@ struct device_profile {
   /// run in order on a communication stream of their own and compute waits only
   /// for the operations it depends on (a GPU with NCCL, as DDP and Horovod run).
   int streams = 1;
+  /// Ranks sharing cores (a CPU node running more ranks than it has cores): the
+  /// node's ranks share `cores` cores, and the GEMM and bandwidth figures were
+  /// measured with `cores_measured_ranks` ranks computing at once; a rank waiting
+  /// in a collective or a receive still takes `waiting_share` of a core (MPI
+  /// polls while it waits). 0 cores: every rank has a device of its own (GPUs,
+  /// and CPU nodes with a core per rank).
+  int cores = 0;
+  int cores_measured_ranks = 0;
+  double waiting_share = 0;
+  /// How much slower compute runs while `computing` of the node's `ranks` ranks
+  /// compute (the others wait) than the figures say; 1 without a `cores` entry.
+  double sharing_slowdown(double computing, double ranks) const {
+    if (cores <= 0) return 1.0;
+    const double c = static_cast<double>(cores);
+    const double load = computing + waiting_share * std::max(0.0, ranks - computing);
+    return std::max(1.0, load / c) / std::max(1.0, static_cast<double>(cores_measured_ranks) / c);
+  }
   std::array<std::array<link_fit, link_kinds>, 2> links{};  ///< [level][kind]
 
   /// GEMM rate (FLOP/s) of a product of `flops` FLOPs: interpolated in log(size)
@@ -94,7 +136,9 @@ struct device_profile {
       beta *= local;
       const auto& inside = links[static_cast<int>(link_level::node)][static_cast<int>(kind)];
       if (inside.ranks && inside.beta_bps > 0) beta = std::min(beta, inside.beta_bps);
+      return f.alpha_s * steps + bytes / beta;
     }
+    if (!f.points.empty()) return f.seconds(bytes) + f.alpha_s * (steps - 1.0);  // the measured curve, more or fewer ring steps
     return f.alpha_s * steps + bytes / beta;
   }
 
@@ -104,7 +148,10 @@ struct device_profile {
   ///   bandwidth GBPS                    (elementwise, read + write)
   ///   node RANKS                        (ranks per node; absent: every rank on one node)
   ///   streams 1|2                       (2: collectives overlap compute; absent: 1)
+  ///   cores CORES RANKS WAITING         (a node's ranks share CORES cores; the rates were measured with RANKS
+  ///                                      ranks at once; a waiting rank takes WAITING of a core, 0..1)
   ///   link LEVEL KIND RANKS ALPHA_US BETA_GBPS   (LEVEL: node|net; KIND: all_reduce|all_gather|reduce_scatter|broadcast|p2p)
+  ///   point LEVEL KIND BYTES MICROSECONDS        (a measured time, after its link line; the times then follow the points)
   friend std::ostream& operator<<(std::ostream& os, const device_profile& p) {
     os << "# whale device profile\ndevice " << p.name << "\n";
     for (const auto& g : p.gemm)
@@ -112,12 +159,16 @@ struct device_profile {
     os << "bandwidth " << p.bandwidth_bps / 1e9 << "\n";
     if (p.ranks_per_node) os << "node " << p.ranks_per_node << "\n";
     if (p.streams != 1) os << "streams " << p.streams << "\n";
+    if (p.cores > 0) os << "cores " << p.cores << ' ' << p.cores_measured_ranks << ' ' << p.waiting_share << "\n";
     for (int l = 0; l < 2; ++l)
       for (int k = 0; k < link_kinds; ++k) {
         const auto& f = p.links[static_cast<std::size_t>(l)][static_cast<std::size_t>(k)];
         if (f.ranks)
           os << "link " << link_level_name(static_cast<link_level>(l)) << ' ' << link_kind_name(static_cast<link_kind>(k)) << ' '
              << f.ranks << ' ' << f.alpha_s * 1e6 << ' ' << f.beta_bps / 1e9 << "\n";
+        for (const auto& [b, t] : f.points)
+          os << "point " << link_level_name(static_cast<link_level>(l)) << ' ' << link_kind_name(static_cast<link_kind>(k)) << ' '
+             << static_cast<long long>(b) << ' ' << t * 1e6 << "\n";
       }
     return os;
   }
@@ -163,8 +214,15 @@ struct device_profile {
       } else if (w[0] == "streams") {
         need(2, "1 or 2 (2: collectives on a stream of their own, beside compute)");
         p.streams = static_cast<int>(detail::parse_int(w[1], at + ": streams", 1, 2));
-      } else if (w[0] == "link") {
-        need(6, "LEVEL KIND RANKS ALPHA_US BETA_GBPS");
+      } else if (w[0] == "cores") {
+        need(4, "CORES RANKS WAITING (the cores a node's ranks share, how many ranks measured the rates at once, "
+                "and the share of a core a waiting rank takes, 0 to 1)");
+        p.cores = static_cast<int>(detail::parse_int(w[1], at + ": CORES", 1, 1 << 20));
+        p.cores_measured_ranks = static_cast<int>(detail::parse_int(w[2], at + ": RANKS", 1, 1 << 20));
+        p.waiting_share = num(3, "WAITING", 0, 1, false);
+      } else if (w[0] == "link" || w[0] == "point") {
+        if (w[0] == "link") need(6, "LEVEL KIND RANKS ALPHA_US BETA_GBPS");
+        else need(5, "LEVEL KIND BYTES MICROSECONDS");
         int level = w[1] == "node" ? 0 : w[1] == "net" ? 1 : -1;
         if (level < 0) throw std::invalid_argument(at + ": link level '" + w[1] + "' (have node, net)");
         int kind = -1;
@@ -172,11 +230,20 @@ struct device_profile {
           if (w[2] == link_kind_name(static_cast<link_kind>(k))) kind = k;
         if (kind < 0) throw std::invalid_argument(at + ": link kind '" + w[2] + "' (have all_reduce, all_gather, reduce_scatter, broadcast, p2p)");
         auto& f = p.links[static_cast<std::size_t>(level)][static_cast<std::size_t>(kind)];
+        if (w[0] == "point") {
+          if (f.ranks == 0)
+            throw std::invalid_argument(at + ": a point of " + w[1] + " " + w[2] + " before its 'link' line (the link gives the group size)");
+          const double b = num(3, "BYTES", 0, 1e18, true), t = num(4, "MICROSECONDS", 0, 1e12, true) * 1e-6;
+          if (!f.points.empty() && !(b > f.points.back().first && t >= f.points.back().second))
+            throw std::invalid_argument(at + ": the points of " + w[1] + " " + w[2] + " must grow in bytes, and not shrink in time");
+          f.points.push_back({b, t});
+          continue;
+        }
         f.ranks = static_cast<int>(detail::parse_int(w[3], at + ": RANKS", 2, 1 << 20));
         f.alpha_s = num(4, "ALPHA_US", 0, 1e9, false) * 1e-6;
         f.beta_bps = num(5, "BETA_GBPS", 0, 1e6, true) * 1e9;
       } else {
-        throw std::invalid_argument(at + ": unknown entry '" + w[0] + "' (have device, gemm, bandwidth, node, streams, link)");
+        throw std::invalid_argument(at + ": unknown entry '" + w[0] + "' (have device, gemm, bandwidth, node, streams, cores, link, point)");
       }
     }
     if (p.gemm.empty()) throw std::invalid_argument(origin + ": no 'gemm' line: a profile needs at least one GEMM rate");

@@ -12,6 +12,8 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <stdexcept>
@@ -123,6 +125,12 @@ inline bool replicas_alike(const mesh_shape& m, axes axes_, int ranks_per_node, 
   return true;
 }
 
+namespace detail {
+/// Per rank (an index in progs), per operation: a factor on its compute time, and
+/// where the replay put it ({start, end}; {0, 0} for operations that do not compute).
+using per_op = std::vector<std::vector<double>>;
+using op_spans = std::vector<std::vector<std::array<double, 2>>>;
+
 /// Every rank's program (`progs[r]` for rank r, from lower(d, mesh, r, ...)) replayed
 /// on `dev`; ranks in nodes of `ranks_per_node` (0: the profile's `node` entry,
 /// and without one every rank on one node); mesh rank r on device `devices[r]`
@@ -133,9 +141,11 @@ inline bool replicas_alike(const mesh_shape& m, axes axes_, int ranks_per_node, 
 /// when replicas are equal, no speeds or balanced rows, and the ranks of a
 /// tensor-parallel group hold equal shards), so a collective starts when its
 /// simulated members arrive and is priced for its whole group and placement.
-/// Then sim.ranks[i] is progs[i]'s rank.
-inline step_simulation simulate(const model_desc& d, const std::vector<program>& progs, const device_profile& dev,
-                                int ranks_per_node = 0, const std::vector<int>& devices = {}) {
+/// Then sim.ranks[i] is progs[i]'s rank. `scale` (optional) multiplies each compute
+/// operation's time; `computed` (optional) receives where each one ran.
+inline step_simulation simulate_pass(const model_desc& d, const std::vector<program>& progs, const device_profile& dev,
+                                     int ranks_per_node, const std::vector<int>& devices, const per_op* scale,
+                                     op_spans* computed) {
   const int n = static_cast<int>(progs.size());
   if (n == 0) throw std::invalid_argument("whale::simulate: no programs");
   const auto& mesh = progs.front().mesh;
@@ -323,7 +333,9 @@ inline step_simulation simulate(const model_desc& d, const std::vector<program>&
           const double ready = deps_done(r, o);
           if (ready > t) rt.wait_s += ready - t, t = ready;
         }
-        const double dur = detail::compute_seconds(d, p, o, dev);
+        const double dur = detail::compute_seconds(d, p, o, dev) *
+                           (scale ? (*scale)[static_cast<std::size_t>(r)][i] : 1.0);
+        if (computed) (*computed)[static_cast<std::size_t>(r)][i] = {t, t + dur};
         span(r, o.kind == op_kind::weight ? span_kind::weight : o.kind == op_kind::backward ? span_kind::backward
                 : o.kind == op_kind::optimizer ? span_kind::optimizer : span_kind::forward,
              o.micro, t, t + dur);
@@ -345,6 +357,73 @@ inline step_simulation simulate(const model_desc& d, const std::vector<program>&
     const double end = std::max(clock[static_cast<std::size_t>(r)], comm_clock[static_cast<std::size_t>(r)]);
     sim.ranks[static_cast<std::size_t>(r)].end_s = end;
     sim.step_s = std::max(sim.step_s, end);
+  }
+  return sim;
+}
+
+/// Ranks computing at once over [a, b), on average: from every simulated compute
+/// span, each standing for `weight` ranks (the ranks its program stands for).
+class busy_profile {
+ public:
+  busy_profile(const op_spans& spans, double weight) {
+    std::vector<std::pair<double, double>> ev;  // (time, +-weight)
+    for (const auto& r : spans)
+      for (const auto& s : r)
+        if (s[1] > s[0]) ev.push_back({s[0], weight}), ev.push_back({s[1], -weight});
+    std::sort(ev.begin(), ev.end());
+    double level = 0, area = 0, last = 0;
+    for (const auto& [t, dw] : ev) {
+      area += level * (t - last);
+      last = t;
+      level += dw;
+      t_.push_back(t), area_.push_back(area), level_.push_back(level);
+    }
+  }
+  double mean(double a, double b) const { return b > a ? (integral(b) - integral(a)) / (b - a) : 0.0; }
+
+ private:
+  double integral(double x) const {  // of the busy count from 0 to x
+    const auto it = std::upper_bound(t_.begin(), t_.end(), x);
+    if (it == t_.begin()) return 0.0;
+    const auto k = static_cast<std::size_t>(it - t_.begin()) - 1;
+    return area_[k] + level_[k] * (x - t_[k]);
+  }
+  std::vector<double> t_, area_, level_;
+};
+}  // namespace detail
+
+/// Every rank's program (`progs[r]` for rank r, from lower(d, mesh, r, ...)) replayed
+/// on `dev`; see simulate_pass above for placement and replay by symmetry.
+/// Ranks sharing cores (a profile with a `cores` entry, every rank on one node):
+/// compute runs slower while more ranks than cores compute at once, and faster
+/// than the figures (measured with every rank busy) while fewer do, e.g. in a
+/// pipeline's bubble (a waiting rank still takes the profile's waiting share). Which ranks compute when depends on how fast they do, so
+/// the replay is repeated, each compute operation slowed by the ranks found
+/// computing beside it in the replay before (averaged with its previous factor),
+/// until the step moves by under 0.1% (at most 8 replays).
+inline step_simulation simulate(const model_desc& d, const std::vector<program>& progs, const device_profile& dev,
+                                int ranks_per_node = 0, const std::vector<int>& devices = {}) {
+  const int full = progs.empty() ? 0 : progs.front().mesh.size();
+  const int per_node = ranks_per_node > 0 ? ranks_per_node : dev.ranks_per_node > 0 ? dev.ranks_per_node : full;
+  if (dev.cores <= 0 || per_node < full) return detail::simulate_pass(d, progs, dev, ranks_per_node, devices, nullptr, nullptr);
+  const std::size_t n = progs.size();
+  detail::per_op scale(n);
+  detail::op_spans spans(n);
+  for (std::size_t r = 0; r < n; ++r) {
+    scale[r].assign(progs[r].ops.size(), dev.sharing_slowdown(static_cast<double>(full), static_cast<double>(full)));
+    spans[r].assign(progs[r].ops.size(), {0.0, 0.0});
+  }
+  auto sim = detail::simulate_pass(d, progs, dev, ranks_per_node, devices, &scale, &spans);
+  for (int pass = 1; pass < 8; ++pass) {
+    const detail::busy_profile busy(spans, static_cast<double>(full) / static_cast<double>(n));
+    for (std::size_t r = 0; r < n; ++r)
+      for (std::size_t i = 0; i < spans[r].size(); ++i)
+        if (spans[r][i][1] > spans[r][i][0])
+          scale[r][i] = 0.5 * (scale[r][i] + dev.sharing_slowdown(busy.mean(spans[r][i][0], spans[r][i][1]),
+                                                                  static_cast<double>(full)));
+    const double before = sim.step_s;
+    sim = detail::simulate_pass(d, progs, dev, ranks_per_node, devices, &scale, &spans);
+    if (std::abs(sim.step_s - before) <= 1e-3 * before) break;
   }
   return sim;
 }
