@@ -349,6 +349,20 @@ inline whale::memory_stats max_memory(whale::context& ctx) {
   return m;
 }
 
+/// The most one rank holds, in MiB: each rank's category peaks summed (workspace left
+/// out, as the prediction leaves it out), the largest over ranks. Collective. Where the
+/// ranks hold different things (pipeline stages, tensor-parallel shards) this is what
+/// predicted total compares with; the per-category maxima of memory_json come from
+/// different ranks there.
+inline double busiest_rank_mib(whale::context& ctx) {
+  const auto m = whale::memory_snapshot();
+  double t = 0;
+  for (int i = 0; i < whale::mem_kind_count; ++i)
+    if (static_cast<whale::mem_kind>(i) != whale::mem_kind::workspace) t += static_cast<double>(m.peak[static_cast<std::size_t>(i)]);
+  whale::all_reduce(ctx.world(), whale::view<double>(&t, {1}), whale::reduce_op::max);
+  return t / 1048576.0;
+}
+
 /// The plan's predicted memory (plan/memory.hpp) by category, max over ranks, in MiB, as a JSON object.
 inline std::string predicted_memory_json(whale::context& ctx, const whale::memory_estimate& e) {
   double v[6] = {static_cast<double>(e.params), static_cast<double>(e.grads), static_cast<double>(e.optimizer),

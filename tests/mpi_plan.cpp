@@ -78,14 +78,14 @@ void check_plan(const std::string& spec, Data make_data, index_t batch, index_t 
     CHECK(t.bytes_received == m.received);
     CHECK(t.params_held == held);
     // the predicted memory (plan/memory.hpp) against the tracker's peaks: model
-    // state exactly, activations and buffers within 15%
+    // state exactly, activations within 5% (and 4 KiB), buffers within bounds
     const auto e = predict_memory(describe<P>(), prog);
     INFO("predicted " << e << "\nmeasured " << m.memory);
     CHECK(e.params == m.memory.peak_of(mem_kind::params));
     CHECK(e.grads == m.memory.peak_of(mem_kind::grads));
     CHECK(e.optimizer == m.memory.peak_of(mem_kind::optimizer));
     const auto near = [](std::int64_t predicted, std::int64_t measured) {
-      return static_cast<double>(std::llabs(predicted - measured)) <= 0.15 * static_cast<double>(std::max<std::int64_t>(measured, 1)) + 4096;
+      return static_cast<double>(std::llabs(predicted - measured)) <= 0.05 * static_cast<double>(std::max<std::int64_t>(measured, 1)) + 4096;
     };
     CHECK(near(e.activations, m.memory.peak_of(mem_kind::activations)));
     // pipelines: one outgoing copy per live micro-batch is an upper bound (as many exist as sends are unfinished)
@@ -127,6 +127,9 @@ TEST_CASE("program bytes equal the counted bytes: tensor-parallel gpt") {
   const int n = world_size();
   const std::string spec = n == 4 ? "data=2,model=2" : "model=" + std::to_string(n);
   check_plan<tp_gpt>(spec, [] { return markov_data(seed{7}, 64, 16, 4); }, 4, 16);
+  // the whole model split (auto_plan's tensor-parallel candidate): a split residual ends in
+  // its exit all-reduce, whose unit carries the residual's stream buffers
+  check_plan<split<small_gpt, axis::model>>(spec, [] { return markov_data(seed{7}, 64, 16, 4); }, 4, 16);
 }
 
 TEST_CASE("program bytes equal the counted bytes: pipelines (1F1B, ZB-H1 and interleaved cut at run time, GPipe explicit, data x pipe)") {

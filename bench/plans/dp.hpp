@@ -85,6 +85,7 @@ struct dp {
     // Read before the limit measurements below, which allocate on their own.
     const double rss = max_over_ranks(ctx, peak_rss_mib());
     const auto mem = max_memory(ctx);
+    const double busiest_mib = busiest_rank_mib(ctx);
     const auto predicted_mem = predicted_memory_json(ctx, net.predicted_memory(global, data.seq(), 4));  // SGD with momentum
 
     // ---- compute limit 1: this rank's GEMMs alone, all ranks at once ----
@@ -147,6 +148,7 @@ struct dp {
     j.add("comm_bytes_per_rank_per_step", static_cast<long long>(sent / timed_steps));
     j.add("peak_rss_mib_per_rank", rss);
     j.raw("memory_mib", memory_json(mem));
+    j.add("memory_busiest_rank_mib", busiest_mib);
     j.raw("predicted_memory_mib", predicted_mem);
     j.add("sgemm_gflops", gl.flops / gemm_s / 1e9).add("gemm_only_step_s", gemm_s);
     j.add("gemm_flops_per_step_per_rank", gl.flops).add("executed_gemm_gflops_per_rank", gl.flops / step_s / 1e9);

@@ -102,6 +102,7 @@ struct hybrid {
     const double step_s = median(std::vector<double>(secs.begin() + 2, secs.end()));
     const double rss = max_over_ranks(ctx, peak_rss_mib());
     const auto mem = max_memory(ctx);
+    const double busiest_mib = busiest_rank_mib(ctx);
     const auto predicted_mem = predicted_memory_json(ctx, net.predicted_memory(global, data.seq(), 4));  // SGD with momentum
     barrier(ctx.world());
     const auto gl = time_gemms(log);
@@ -128,6 +129,7 @@ struct hybrid {
     j.add("comm_bytes_per_rank_per_step", static_cast<long long>(sent / timed_steps));
     j.add("peak_rss_mib_per_rank", rss);
     j.raw("memory_mib", memory_json(mem));
+    j.add("memory_busiest_rank_mib", busiest_mib);
     j.raw("predicted_memory_mib", predicted_mem);
     j.add("params_per_rank", static_cast<long long>(net.param_count()));
     j.add("sgemm_gflops", gl.flops / gemm_s / 1e9).add("gemm_only_step_s", gemm_s);

@@ -74,6 +74,7 @@ struct pipeline {
     const double step_s = run.step_s;
     const double rss = max_over_ranks(ctx, peak_rss_mib());
     const auto mem = max_memory(ctx);
+    const double busiest_mib = busiest_rank_mib(ctx);
     const auto predicted_mem = predicted_memory_json(ctx, net.predicted_memory(global, data.seq(), 4));  // SGD with momentum
     // per-stage activation peak (MiB) and bytes sent, gathered in rank order (= stage order)
     std::vector<double> act(static_cast<std::size_t>(P)), bytes(static_cast<std::size_t>(P));
@@ -109,6 +110,7 @@ struct pipeline {
     j.raw("comm_bytes_per_stage_per_step", list(bytes));
     j.add("peak_rss_mib_per_rank", rss);
     j.raw("memory_mib", memory_json(mem));
+    j.add("memory_busiest_rank_mib", busiest_mib);
     j.raw("predicted_memory_mib", predicted_mem);
     j.raw("activation_mib_per_stage", list(act));
     // bubble_measured: idle fraction of the busiest stage (the one that sets the

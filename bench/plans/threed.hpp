@@ -109,6 +109,7 @@ struct threed {
     const double state = max_over_ranks(ctx, static_cast<double>(tot.param_bytes + tot.grad_bytes + tot.optimizer_bytes));
     const double rss = max_over_ranks(ctx, peak_rss_mib());
     const auto mem = max_memory(ctx);
+    const double busiest_mib = busiest_rank_mib(ctx);
     const auto predicted_mem = predicted_memory_json(ctx, net.predicted_memory(global, data.seq(), 4));  // SGD with momentum
     if (ctx.rank() != 0) return;
     char plan[256];
@@ -125,6 +126,7 @@ struct threed {
     j.add("model_state_mib_per_rank", state / 1048576.0);
     j.add("peak_rss_mib_per_rank", rss);
     j.raw("memory_mib", memory_json(mem));
+    j.add("memory_busiest_rank_mib", busiest_mib);
     j.raw("predicted_memory_mib", predicted_mem);
     j.add("loss_first", losses.front()).add("loss_last", losses.back());
     j.print();

@@ -87,6 +87,7 @@ template <int Level> struct zero {
     const double step_s = median(std::vector<double>(secs.begin() + 2, secs.end()));
     const double rss = max_over_ranks(ctx, peak_rss_mib());
     const auto mem = max_memory(ctx);
+    const double busiest_mib = busiest_rank_mib(ctx);
     const auto predicted_mem = predicted_memory_json(ctx, net.predicted_memory(global, data.seq(), 4));  // SGD with momentum
     const double state_mib = max_over_ranks(ctx, static_cast<double>(model_state)) / 1048576.0;
     const double formula_mib =
@@ -103,6 +104,7 @@ template <int Level> struct zero {
     j.add("comm_bytes_per_rank_per_step", static_cast<long long>(sent / timed_steps));
     j.add("peak_rss_mib_per_rank", rss);
     j.raw("memory_mib", memory_json(mem));
+    j.add("memory_busiest_rank_mib", busiest_mib);
     j.raw("predicted_memory_mib", predicted_mem);
     j.add("model_state_mib_per_rank", state_mib).add("model_state_formula_mib", formula_mib);
     j.add("recompute", rc ? 1 : 0);

@@ -158,6 +158,8 @@ inline memory_estimate predict_memory(const model_desc& d, const program& p, con
                                        : detail::shard_of(u.cost, degree(u), u.split_params, u.replicated_params);
     if (u.kind == unit_kind::convert) {  // its output and gradient buffers, and a staging buffer for column collectives
       detail::convert_bytes(u, p.mesh.size(static_cast<axis>(u.split_axis)), e.rows, all_rows, kept, comm_per_micro);
+      // a split residual ending in its exit conversion keeps its stream buffers there
+      (u.recompute_group < 0 ? kept : group[u.recompute_group]) += u.container_act_bytes * static_cast<double>(e.rows);
       continue;
     }
     const double rows = static_cast<double>(u.all_rows() ? all_rows : e.rows);
