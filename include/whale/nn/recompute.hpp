@@ -168,4 +168,10 @@ class recompute {
   std::vector<detail::slot_record> rec_;
 };
 
+namespace detail {
+/// Whether T is a recompute<Block>.
+template <class T> inline constexpr bool is_recompute_v = false;
+template <class B> inline constexpr bool is_recompute_v<recompute<B>> = true;
+}  // namespace detail
+
 }  // namespace whale

@@ -98,8 +98,6 @@ template <class T> struct is_split_loss : std::false_type {};
 template <axis A> struct is_split_loss<split_softmax_cross_entropy<A>> : std::true_type {};
 template <class L> struct unsplit_of { using type = L; };
 template <class L> requires requires { typename L::unsplit_type; } struct unsplit_of<L> { using type = typename L::unsplit_type; };
-template <class T> struct is_recompute : std::false_type {};
-template <class B> struct is_recompute<recompute<B>> : std::true_type {};
 
 struct describer {
   model_desc* d;
@@ -204,7 +202,7 @@ struct describer {
       }
       --depth;
       block = saved;
-    } else if constexpr (is_recompute<T>::value) {
+    } else if constexpr (is_recompute_v<T>) {
       const int saved = recompute_group;
       recompute_group = recompute_groups++;
       walk<typename T::block_type>();

@@ -397,10 +397,11 @@ class busy_profile {
 /// Ranks sharing cores (a profile with a `cores` entry, every rank on one node):
 /// compute runs slower while more ranks than cores compute at once, and faster
 /// than the figures (measured with every rank busy) while fewer do, e.g. in a
-/// pipeline's bubble (a waiting rank still takes the profile's waiting share). Which ranks compute when depends on how fast they do, so
-/// the replay is repeated, each compute operation slowed by the ranks found
-/// computing beside it in the replay before (averaged with its previous factor),
-/// until the step moves by under 0.1% (at most 8 replays).
+/// pipeline's bubble (a waiting rank still takes the profile's waiting share).
+/// Which ranks compute when depends on how fast they do, so the replay is
+/// repeated, each compute operation slowed by the ranks found computing beside
+/// it in the replay before (averaged with its previous factor), until the step
+/// moves by under 0.1% (at most 8 replays).
 inline step_simulation simulate(const model_desc& d, const std::vector<program>& progs, const device_profile& dev,
                                 int ranks_per_node = 0, const std::vector<int>& devices = {}) {
   const int full = progs.empty() ? 0 : progs.front().mesh.size();

@@ -361,8 +361,6 @@ template <class L> using column = column_tag<L>;
 template <class L> using row = row_tag<L>;
 
 namespace detail {
-template <class T> inline constexpr bool is_recompute_v = false;
-template <class B> inline constexpr bool is_recompute_v<recompute<B>> = true;
 template <class T> constexpr bool plain_layers();
 template <class... P> constexpr bool plain_parts(part_list<P...>) { return (plain_layers<P>() && ...); }
 /// T and every part of it at any depth are layers or containers: no strategy, no recompute.
