@@ -2,13 +2,15 @@
 // cost model and writes a device profile (plan/device.hpp, docs/planning.md).
 // Every rank measures at once, as they run in training (ranks share cores and
 // memory bandwidth): GEMM rates at shapes from 64 to 2048 with the transposes
-// backward uses, elementwise bandwidth, and — when launched on 2 or more
-// ranks — latency and bandwidth of all-reduce, all-gather, reduce-scatter
-// and messages, fitted by least squares over sizes from 4 KiB to 32 MiB (the
-// measured points kept beside the fit), and the cores the ranks shared. The
+// backward uses (with --thin, also thin shapes: 64 to 512 rows through a
+// 1024 x 4096 layer), elementwise bandwidth,
+// and — when launched on 2 or more ranks — latency and bandwidth of
+// all-reduce, all-gather, reduce-scatter and messages, fitted by least squares
+// over sizes from 4 KiB to 32 MiB (the measured points kept beside the fit),
+// and the cores the ranks shared. The
 // slowest rank's figures are written (by rank 0, atomically).
 //
-//   mpirun -np 4 ./whale_profile --out bench/profiles/this-machine-4.txt [--name NAME]
+//   mpirun -np 4 ./whale_profile --out bench/profiles/this-machine-4.txt [--name NAME] [--thin]
 #include <whale/whale.hpp>
 #include <whale/comm/detail/cost.hpp>
 #include <whale/detail/io.hpp>
@@ -74,6 +76,7 @@ int main(int argc, char** argv) {
   auto ctx = context::init(argc, argv);
   return ctx.guard([&] {
     std::string out, name = "this-machine";
+    bool thin = false;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
       auto value = [&]() -> std::string {
@@ -82,7 +85,8 @@ int main(int argc, char** argv) {
       };
       if (a == "--out") out = value();
       else if (a == "--name") name = value();
-      else throw std::invalid_argument("whale_profile: unknown argument " + a + " (have --out FILE, --name NAME)");
+      else if (a == "--thin") thin = true;
+      else throw std::invalid_argument("whale_profile: unknown argument " + a + " (have --out FILE, --name NAME, --thin)");
     }
     if (out.empty()) throw std::invalid_argument("whale_profile: --out FILE is required");
     auto& w = ctx.world();
@@ -95,24 +99,33 @@ int main(int argc, char** argv) {
     if (const unsigned c = std::thread::hardware_concurrency(); c > 0) prof.cores = static_cast<int>(c), prof.cores_measured_ranks = p;
 
     // GEMM: squares per size class, and the transposes of backward at each
-    const std::vector<std::tuple<index_t, index_t, index_t>> shapes = {
-        {64, 64, 64}, {128, 128, 128}, {256, 256, 256}, {512, 512, 512}, {256, 1024, 256}, {1024, 1024, 1024},
-        {2048, 1024, 256}, {1024, 4096, 1024}, {2048, 2048, 2048}};
-    for (auto [m, n, k] : shapes) {
+    auto measure = [&](index_t m, index_t n, index_t k, bool ta, bool tb) {
       tensor<float> a({m * k}), b({k * n}), c({m * n});
       for (auto& x : a) x = 0.5f;
       for (auto& x : b) x = 0.25f;
-      for (int t = 0; t < 3; ++t) {
-        const bool ta = t == 2, tb = t == 1;  // NN (forward), NT (d input), TN (d weights)
-        // repeated to at least 0.1 s per run, so that the ranks' GEMMs overlap as in training
-        gemm_point g{m, n, k, ta, tb, 0};
-        const int times = std::max(1, static_cast<int>(0.1 * 30e9 / g.flops()));
-        const double s = timed(w, 3, [&] {
-          for (int r = 0; r < times; ++r)
-            cpu::gemm(ta ? cpu::trans::yes : cpu::trans::no, tb ? cpu::trans::yes : cpu::trans::no, m, n, k, 1.f, a.data(), b.data(), 0.f, c.data());
-        });
-        g.gflops = g.flops() * times / s / 1e9;
-        prof.gemm.push_back(g);
+      // repeated to at least 0.1 s per run, so that the ranks' GEMMs overlap as in training
+      gemm_point g{m, n, k, ta, tb, 0};
+      const int times = std::max(1, static_cast<int>(0.1 * 30e9 / g.flops()));
+      const double s = timed(w, 3, [&] {
+        for (int r = 0; r < times; ++r)
+          cpu::gemm(ta ? cpu::trans::yes : cpu::trans::no, tb ? cpu::trans::yes : cpu::trans::no, m, n, k, 1.f, a.data(), b.data(), 0.f, c.data());
+      });
+      g.gflops = g.flops() * times / s / 1e9;
+      prof.gemm.push_back(g);
+    };
+    const std::vector<std::tuple<index_t, index_t, index_t>> shapes = {
+        {64, 64, 64}, {128, 128, 128}, {256, 256, 256}, {512, 512, 512}, {256, 1024, 256}, {1024, 1024, 1024},
+        {2048, 1024, 256}, {1024, 4096, 1024}, {2048, 2048, 2048}};
+    for (auto [m, n, k] : shapes)
+      for (int t = 0; t < 3; ++t) measure(m, n, k, t == 2, t == 1);  // NN (forward), NT (d input), TN (d weights)
+    // --thin: a batch of t rows through a 1024 x 4096 layer, as a linear layer runs it:
+    // forward y = x W^T (t, 4096, 1024), d input dy W (t, 1024, 4096), d weights dy^T x
+    // (4096, 1024, t). Not by default: see docs/planning.md section 6 for what they did here.
+    for (index_t t : {64, 128, 256, 512}) {
+      if (thin) {
+        measure(t, 4096, 1024, false, true);
+        measure(t, 1024, 4096, false, false);
+        measure(4096, 1024, t, true, false);
       }
     }
     // more ranks than cores: how much of a core a rank waiting in a receive still takes (MPI

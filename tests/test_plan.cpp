@@ -296,6 +296,34 @@ device_profile flat_profile() {  // 100 GFLOP/s at every size, 10 GB/s, 10 us + 
 }
 }  // namespace
 
+TEST_CASE("device profile: a shape's transposes by their median; thin products priced by their rows") {
+  // 1000^3 measured at 40, 10 (a noisy run) and 44: the median 40, not whichever sorts last
+  std::istringstream in("device d\ngemm 100 100 100 0 0 10\ngemm 1000 1000 1000 0 0 40\ngemm 1000 1000 1000 0 1 10\n"
+                        "gemm 1000 1000 1000 1 0 44\nbandwidth 8\n");
+  const auto p = device_profile::parse(in, "d.txt");
+  CHECK(p.gemm_rate(2e9) == doctest::Approx(40e9));
+  CHECK(p.gemm_rate(std::sqrt(2e6 * 2e9)) == doctest::Approx(25e9));
+  // thin shapes: 64 rows at half the size curve's rate, 512 rows at 90% of it (by the median of
+  // the three forms); the size curve is left alone by them
+  std::istringstream thin("device t\ngemm 100 100 100 0 0 10\ngemm 1000 1000 1000 0 0 40\n"
+                          "gemm 64 16384 2048 0 1 20\ngemm 64 2048 16384 0 0 19\ngemm 16384 2048 64 1 0 21\n"
+                          "gemm 512 16384 2048 0 1 36\ngemm 512 2048 16384 0 0 36\ngemm 16384 2048 512 1 0 30\nbandwidth 8\n");
+  const auto q = device_profile::parse(thin, "t.txt");
+  CHECK(q.gemm_rate(2e9) == doctest::Approx(40e9));               // rows not known: the size curve
+  CHECK(q.gemm_rate(2e9, 64) == doctest::Approx(20e9));           // the 64-row factor, 0.5
+  CHECK(q.gemm_rate(2e9, 16) == doctest::Approx(20e9));           // below the thinnest: its factor
+  CHECK(q.gemm_rate(2e9, 512) == doctest::Approx(36e9));          // 0.9
+  CHECK(q.gemm_rate(2e9, std::sqrt(64.0 * 512)) == doctest::Approx(28e9));  // halfway in log(rows)
+  CHECK(q.gemm_rate(2e9, 4096) == doctest::Approx(40e9));         // 8 x 512 rows: no longer thin
+  CHECK(q.gemm_rate(2e9, 512 * std::sqrt(8.0)) == doctest::Approx(38e9));  // halfway there
+  CHECK(q.gemm_rate(2e6, 64) == doctest::Approx(5e9));            // the factor applies at every size
+  // written and read back: the same rates
+  std::ostringstream out;
+  out << q;
+  std::istringstream again(out.str());
+  CHECK(device_profile::parse(again, "again").gemm_rate(2e9, 64) == doctest::Approx(20e9));
+}
+
 TEST_CASE("device profile: the text format, interpolated GEMM rates, α–β links, errors with file and line") {
   std::istringstream in("# a comment\ndevice d\ngemm 100 100 100 0 0 10\ngemm 1000 1000 1000 0 1 40\nbandwidth 8\n"
                         "link node all_reduce 4 20 2\n");
@@ -304,6 +332,7 @@ TEST_CASE("device profile: the text format, interpolated GEMM rates, α–β lin
   CHECK(p.gemm_rate(2e6) == doctest::Approx(10e9));    // the smallest shape's rate below it
   CHECK(p.gemm_rate(2e9) == doctest::Approx(40e9));    // the largest's above it
   CHECK(p.gemm_rate(std::sqrt(2e6 * 2e9)) == doctest::Approx(25e9));  // halfway in log(size)
+  CHECK(p.gemm_rate(2e9, 64) == doctest::Approx(40e9));  // no thin shapes measured: rows change nothing
   CHECK(p.link_time(link_level::node, link_kind::all_reduce, 4, 2e9) == doctest::Approx(20e-6 + 1.0));
   CHECK(p.link_time(link_level::node, link_kind::all_reduce, 7, 0) == doctest::Approx(40e-6));  // 6 ring steps against 3
   CHECK_THROWS_WITH_AS(p.link_time(link_level::net, link_kind::all_reduce, 4, 1), doctest::Contains("no all_reduce figures for the net level"), std::logic_error);

@@ -1,6 +1,6 @@
 // A device profile: what one rank's device does per second, measured once
 // per machine (scripts/profile) or written from a datasheet. GEMM rates at a
-// few shapes (interpolated by size), elementwise bandwidth, and the α–β
+// few shapes (by size, and by how thin the product is), elementwise bandwidth, and the α–β
 // parameters (latency, bandwidth) of each collective and of point-to-point
 // messages per link level (inside a node, between nodes). Plain data, a text
 // format, and the time of an operation; no measurement here.
@@ -41,6 +41,10 @@ struct gemm_point {
   bool ta = false, tb = false;
   double gflops = 0;
   double flops() const noexcept { return 2.0 * static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k); }
+  index_t thinnest() const noexcept { return std::min({m, n, k}); }
+  /// Thin: the longest side more than 8 times the shortest (a small batch's
+  /// product, e.g. 64 rows through a 4096-wide layer); the rest are the size curve.
+  bool thin() const noexcept { return std::max({m, n, k}) > 8 * thinnest(); }
 };
 
 /// t(bytes) = alpha + bytes / beta, `bytes` being what one rank sends (the
@@ -78,7 +82,7 @@ struct link_fit {
 /// What one rank's device and links do per second.
 struct device_profile {
   std::string name = "unnamed";
-  std::vector<gemm_point> gemm;  ///< sorted by size when read
+  std::vector<gemm_point> gemm;  ///< as measured, sorted by size when read
   double bandwidth_bps = 0;      ///< elementwise: bytes read plus written per second
   int ranks_per_node = 0;        ///< devices (ranks) per node of the cluster it describes; 0: one node
   /// 1: a collective blocks its rank until it ends (the CPU runtime); 2: collectives
@@ -104,19 +108,87 @@ struct device_profile {
   }
   std::array<std::array<link_fit, link_kinds>, 2> links{};  ///< [level][kind]
 
-  /// GEMM rate (FLOP/s) of a product of `flops` FLOPs: interpolated in log(size)
-  /// between the measured shapes, the end rates beyond them.
-  double gemm_rate(double flops) const {
+  /// GEMM rate (FLOP/s) of a product of `flops` FLOPs whose rows (the batch
+  /// side: M of the forward and input-gradient products, K of the weight
+  /// gradient's) are `rows`; 0: not known, taken as not thin.
+  /// - The size curve: the shapes that are not thin, each at the median of its
+  ///   measured transposes, interpolated in log(FLOPs); beyond the ends, the end rates.
+  /// - The thin factor: a thin shape's rate over the curve's at its size, the
+  ///   median per thinnest side; for `rows`, interpolated in log(rows) between the
+  ///   sides measured, the smallest's below them, and above the largest rising
+  ///   to 1 at 8 times it (where a shape is no longer thin). 1 without thin shapes.
+  /// (An OpenBLAS core here ran 64-row products at 55-70% of its square-shape rate.)
+  double gemm_rate(double flops, double rows = 0) const {
     if (gemm.empty()) throw std::logic_error("whale::device_profile '" + name + "': no GEMM rates");
-    if (flops <= gemm.front().flops()) return gemm.front().gflops * 1e9;
-    if (flops >= gemm.back().flops()) return gemm.back().gflops * 1e9;
-    for (std::size_t i = 1; i < gemm.size(); ++i)
-      if (flops <= gemm[i].flops()) {
-        const double a = std::log(gemm[i - 1].flops()), b = std::log(gemm[i].flops());
-        const double t = b > a ? (std::log(flops) - a) / (b - a) : 1.0;
-        return (gemm[i - 1].gflops + t * (gemm[i].gflops - gemm[i - 1].gflops)) * 1e9;
+    if (size_curve_.empty()) settle_gemm();
+    return size_rate(flops) * thin_factor(rows);
+  }
+  /// Derives the size curve and the thin factors from `gemm` (parse does; call it
+  /// after changing `gemm` by hand).
+  void settle_gemm() const {
+    size_curve_.clear();
+    thin_factors_.clear();
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      const std::size_t h = v.size() / 2;
+      return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
+    };
+    // one point per shape not thin: (FLOPs, median rate of its transposes), by size
+    std::vector<gemm_point> shapes;
+    for (const auto& g : gemm)
+      if (!g.thin() && std::none_of(shapes.begin(), shapes.end(), [&](const gemm_point& s) { return s.m == g.m && s.n == g.n && s.k == g.k; }))
+        shapes.push_back(g);
+    if (shapes.empty()) {  // only thin shapes: their own rates make the curve
+      for (const auto& g : gemm)
+        if (std::none_of(shapes.begin(), shapes.end(), [&](const gemm_point& s) { return s.m == g.m && s.n == g.n && s.k == g.k; }))
+          shapes.push_back(g);
+    }
+    for (const auto& s : shapes) {
+      std::vector<double> r;
+      for (const auto& g : gemm)
+        if (g.m == s.m && g.n == s.n && g.k == s.k) r.push_back(g.gflops * 1e9);
+      size_curve_.push_back({s.flops(), median(r)});
+    }
+    std::sort(size_curve_.begin(), size_curve_.end());
+    if (std::any_of(gemm.begin(), gemm.end(), [](const gemm_point& g) { return !g.thin(); })) {
+      std::vector<double> sides;
+      for (const auto& g : gemm)
+        if (g.thin() && std::find(sides.begin(), sides.end(), static_cast<double>(g.thinnest())) == sides.end())
+          sides.push_back(static_cast<double>(g.thinnest()));
+      std::sort(sides.begin(), sides.end());
+      for (double t : sides) {
+        std::vector<double> f;
+        for (const auto& g : gemm)
+          if (g.thin() && static_cast<double>(g.thinnest()) == t) f.push_back(g.gflops * 1e9 / size_rate(g.flops()));
+        thin_factors_.push_back({t, median(f)});
       }
-    return gemm.back().gflops * 1e9;
+    }
+  }
+  /// The size curve's rate at `flops` (FLOP/s), ignoring thinness.
+  double size_rate(double flops) const {
+    const auto& c = size_curve_;
+    if (flops <= c.front().first) return c.front().second;
+    for (std::size_t i = 1; i < c.size(); ++i)
+      if (flops <= c[i].first) {
+        const double a = std::log(c[i - 1].first), b = std::log(c[i].first);
+        const double t = b > a ? (std::log(flops) - a) / (b - a) : 1.0;
+        return c[i - 1].second + t * (c[i].second - c[i - 1].second);
+      }
+    return c.back().second;
+  }
+  /// The thin factor at `rows` (see gemm_rate); 1 for rows 0 or without thin shapes.
+  double thin_factor(double rows) const {
+    const auto& f = thin_factors_;
+    if (f.empty() || !(rows > 0)) return 1.0;
+    auto lerp = [](std::pair<double, double> a, std::pair<double, double> b, double x) {
+      const double t = (std::log(x) - std::log(a.first)) / (std::log(b.first) - std::log(a.first));
+      return a.second + t * (b.second - a.second);
+    };
+    if (rows <= f.front().first) return f.front().second;
+    for (std::size_t i = 1; i < f.size(); ++i)
+      if (rows <= f[i].first) return lerp(f[i - 1], f[i], rows);
+    const std::pair<double, double> square{8 * f.back().first, 1.0};
+    return rows >= square.first ? 1.0 : lerp(f.back(), square, rows);
   }
   /// Seconds of a communication that sends `bytes` per rank in a group of `ranks` at `level`.
   /// A collective over nodes whose group has `local` ranks on each node runs `local`
@@ -249,6 +321,7 @@ struct device_profile {
     if (p.gemm.empty()) throw std::invalid_argument(origin + ": no 'gemm' line: a profile needs at least one GEMM rate");
     if (!(p.bandwidth_bps > 0)) throw std::invalid_argument(origin + ": no 'bandwidth' line");
     std::sort(p.gemm.begin(), p.gemm.end(), [](const gemm_point& a, const gemm_point& b) { return a.flops() < b.flops(); });
+    p.settle_gemm();
     return p;
   }
   static device_profile load(const std::string& path) {
@@ -256,6 +329,10 @@ struct device_profile {
     if (!f) throw std::invalid_argument("whale::device_profile: cannot read '" + path + "'");
     return parse(f, path);
   }
+
+ private:
+  // derived from `gemm` by settle_gemm: (FLOPs, FLOP/s) by size; (thinnest side, factor) by side
+  mutable std::vector<std::pair<double, double>> size_curve_, thin_factors_;
 };
 
 /// The link kind of a program operation (collectives and messages).
