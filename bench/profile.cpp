@@ -3,11 +3,10 @@
 // Every rank measures at once, as they run in training (ranks share cores and
 // memory bandwidth): GEMM rates at shapes from 64 to 2048 with the transposes
 // backward uses (with --thin, also thin shapes: 64 to 512 rows through a
-// 1024 x 4096 layer), elementwise bandwidth,
-// and — when launched on 2 or more ranks — latency and bandwidth of
-// all-reduce, all-gather, reduce-scatter and messages, fitted by least squares
-// over sizes from 4 KiB to 32 MiB (the measured points kept beside the fit),
-// and the cores the ranks shared. The
+// 1024 x 4096 layer), elementwise bandwidth, and — when launched on 2 or more
+// ranks — latency and bandwidth of all-reduce, all-gather, reduce-scatter and
+// messages, fitted by least squares over sizes from 4 KiB to 32 MiB (the
+// measured points kept beside the fit), and the cores the ranks shared. The
 // slowest rank's figures are written (by rank 0, atomically).
 //
 //   mpirun -np 4 ./whale_profile --out bench/profiles/this-machine-4.txt [--name NAME] [--thin]
@@ -121,13 +120,12 @@ int main(int argc, char** argv) {
     // --thin: a batch of t rows through a 1024 x 4096 layer, as a linear layer runs it:
     // forward y = x W^T (t, 4096, 1024), d input dy W (t, 1024, 4096), d weights dy^T x
     // (4096, 1024, t). Not by default: see docs/planning.md section 6 for what they did here.
-    for (index_t t : {64, 128, 256, 512}) {
-      if (thin) {
+    if (thin)
+      for (index_t t : {64, 128, 256, 512}) {
         measure(t, 4096, 1024, false, true);
         measure(t, 1024, 4096, false, false);
         measure(4096, 1024, t, true, false);
       }
-    }
     // more ranks than cores: how much of a core a rank waiting in a receive still takes (MPI
     // polls while it waits). Rank 0 multiplies while the others wait for its message; against
     // every rank multiplying at once, sharing_slowdown (plan/device.hpp) gives the share.

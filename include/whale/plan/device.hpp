@@ -1,8 +1,8 @@
 // A device profile: what one rank's device does per second, measured once
 // per machine (scripts/profile) or written from a datasheet. GEMM rates at a
-// few shapes (by size, and by how thin the product is), elementwise bandwidth, and the α–β
-// parameters (latency, bandwidth) of each collective and of point-to-point
-// messages per link level (inside a node, between nodes). Plain data, a text
+// few shapes (by size, and by how thin the product is), elementwise
+// bandwidth, and the α–β parameters (latency, bandwidth) of each collective
+// and of point-to-point messages per link level (inside a node, between nodes). Plain data, a text
 // format, and the time of an operation; no measurement here.
 #pragma once
 
@@ -133,16 +133,14 @@ struct device_profile {
       const std::size_t h = v.size() / 2;
       return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
     };
-    // one point per shape not thin: (FLOPs, median rate of its transposes), by size
+    // one point per shape not thin (only thin ones measured: all of them): (FLOPs, the
+    // median rate of its transposes), by size
+    const bool any_square = std::any_of(gemm.begin(), gemm.end(), [](const gemm_point& g) { return !g.thin(); });
     std::vector<gemm_point> shapes;
     for (const auto& g : gemm)
-      if (!g.thin() && std::none_of(shapes.begin(), shapes.end(), [&](const gemm_point& s) { return s.m == g.m && s.n == g.n && s.k == g.k; }))
+      if ((!g.thin() || !any_square) &&
+          std::none_of(shapes.begin(), shapes.end(), [&](const gemm_point& s) { return s.m == g.m && s.n == g.n && s.k == g.k; }))
         shapes.push_back(g);
-    if (shapes.empty()) {  // only thin shapes: their own rates make the curve
-      for (const auto& g : gemm)
-        if (std::none_of(shapes.begin(), shapes.end(), [&](const gemm_point& s) { return s.m == g.m && s.n == g.n && s.k == g.k; }))
-          shapes.push_back(g);
-    }
     for (const auto& s : shapes) {
       std::vector<double> r;
       for (const auto& g : gemm)
@@ -150,7 +148,7 @@ struct device_profile {
       size_curve_.push_back({s.flops(), median(r)});
     }
     std::sort(size_curve_.begin(), size_curve_.end());
-    if (std::any_of(gemm.begin(), gemm.end(), [](const gemm_point& g) { return !g.thin(); })) {
+    if (any_square) {
       std::vector<double> sides;
       for (const auto& g : gemm)
         if (g.thin() && std::find(sides.begin(), sides.end(), static_cast<double>(g.thinnest())) == sides.end())
