@@ -54,7 +54,7 @@ TEST_CASE("every kernel body gives the same result on every CPU instruction set 
       for (index_t r = 0; r < kc::R; ++r) CHECK(got.rowd[r] == doctest::Approx(ref.rowd[r]).epsilon(1e-6));
     }
   });
-  CHECK(cases == 23);
+  CHECK(cases == 27);
 }
 
 TEST_CASE("elementwise bodies match their formulas in double precision") {
@@ -130,6 +130,29 @@ TEST_CASE("row bodies: LayerNorm, causal softmax, cross-entropy and column sums 
     double want = 0;
     for (index_t r = 0; r < R; ++r) want += h.a[r * C + j];
     CHECK(out[j] == doctest::Approx(2 * want).epsilon(1e-5).scale(1.0));
+  }
+}
+
+TEST_CASE("embedding bodies: a lookup and its gradient, over the whole table or a slice of it") {
+  // the table is a (R rows of C), tokens in [0, R); a slice holds rows [10, 25)
+  for (const index_t first : {index_t{0}, index_t{10}}) {
+    const index_t held = first ? 15 : -1;
+    kc::host_buffers h;
+    cpu::launch(kc::R, kernels::gather_rows{h.a.data(), h.tokens.data(), h.f.data(), kc::C, first, held});
+    std::vector<float> grad(static_cast<std::size_t>(kc::N), 0.f);
+    cpu::launch(kernels::col_blocks(kc::C),
+                kernels::scatter_add_rows{h.b.data(), h.tokens.data(), grad.data(), kc::R, kc::C, 0, first, held});
+    std::vector<float> want_grad(static_cast<std::size_t>(kc::N), 0.f);
+    for (index_t r = 0; r < kc::R; ++r) {
+      const index_t t = h.tokens[r] - first;
+      const bool mine = held < 0 || (t >= 0 && t < held);
+      for (index_t j = 0; j < kc::C; ++j) {
+        INFO("first " << first << ", row " << r << ", column " << j);
+        CHECK(h.f[r * kc::C + j] == (mine ? h.a[t * kc::C + j] : 0.f));
+        if (mine) want_grad[t * kc::C + j] += h.b[r * kc::C + j];
+      }
+    }
+    CHECK(grad == want_grad);  // the same rows added in the same order
   }
 }
 

@@ -81,6 +81,11 @@ template <class F> void for_each_case(F&& f) {
     [](buffers p) { return k::scatter_add_rows{p.a, p.tokens, p.f, R, C, 0}; });
   f("scatter_add_rows (positions)", k::col_blocks(C),
     [](buffers p) { return k::scatter_add_rows{p.a, nullptr, p.f, R, C, T}; });
+  f("gather_rows", R, [](buffers p) { return k::gather_rows{p.a, p.tokens, p.f, C}; });
+  f("gather_rows (a slice of the table)", R, [](buffers p) { return k::gather_rows{p.a, p.tokens, p.f, C, 10, 15}; });
+  f("scatter_add_rows (a slice of the table)", k::col_blocks(C),
+    [](buffers p) { return k::scatter_add_rows{p.a, p.tokens, p.f, R, C, 0, 10, 15}; });
+  f("scale", N, [](buffers p) { return k::scale{p.a, 0.37f}; });
   f("sgd_plain", N, [](buffers p) { return k::sgd_plain{p.a, p.b, 0.01f, 0.1f}; });
   f("sgd_momentum", N, [](buffers p) { return k::sgd_momentum{p.a, p.b, p.c, 0.01f, 0.1f, 0.9f, false}; });
   f("adamw_step", N,

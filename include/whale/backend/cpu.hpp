@@ -82,34 +82,7 @@ inline int default_threads() {
   return 1;
 }
 
-// ---- elementwise kernels shared by layers (written to vectorize) ----
-
-/// y[r, :] += b for each of `rows` rows of width `cols`.
-inline void add_row_bias(float* y, const float* b, index_t rows, index_t cols) {
-  launch(rows, kernels::bias_rows{y, b, cols, true});
-}
-
-/// db[c] (+)= sum over rows of dy[r, c].
-inline void sum_rows(const float* dy, float* db, index_t rows, index_t cols, bool accumulate) {
-  launch(kernels::col_blocks(cols), kernels::column_sums{dy, db, rows, cols, accumulate});
-}
-
-/// A fully connected layer's parameter gradients from R rows: dW (out, in) =
-/// dy^T x and db (out) = the column sums of dy (dy: (R, out), x: (R, in));
-/// `accumulate` adds to them instead of overwriting.
-inline void linear_weight_grads(index_t R, index_t out, index_t in, const float* dy, const float* x, float* dw, float* db,
-                                bool accumulate) {
-  gemm(trans::yes, trans::no, out, in, R, 1.f, dy, x, accumulate ? 1.f : 0.f, dw);
-  sum_rows(dy, db, R, out, accumulate);
-}
-
-inline void axpy(index_t n, float a, const float* __restrict x, float* __restrict y) {
-  for (index_t i = 0; i < n; ++i) y[i] += a * x[i];
-}
-
-inline void scale(index_t n, float a, float* __restrict x) {
-  for (index_t i = 0; i < n; ++i) x[i] *= a;
-}
+// ---- host-side reductions (the runtime's, on host memory) ----
 
 inline double sum_squares(index_t n, const float* __restrict x) {
   // Blocked float partial sums in 16 independent lanes (which the compiler turns

@@ -9,8 +9,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "whale/backend/cpu.hpp"
-#include "whale/backend/cpu/launch.hpp"
 #include "whale/backend/kernels/rows.hpp"
 #include "whale/nn/layer.hpp"
 
@@ -26,7 +24,7 @@ namespace detail {
 /// Causal attention of H heads of width hd on B sequences of T tokens.
 /// qkv: (B*T, 3W) = [Q | K | V], heads side by side (W = H*hd); p: (B, H, T, T)
 /// probabilities (out); att: (B*T, W) heads' outputs side by side (out).
-inline void attention_core_forward(const float* qkv, float* p, float* att, index_t B, index_t T, index_t H,
+inline void attention_core_forward(const backend_ref& be, const float* qkv, float* p, float* att, index_t B, index_t T, index_t H,
                                    index_t hd) {
   const index_t W = H * hd;
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
@@ -36,17 +34,17 @@ inline void attention_core_forward(const float* qkv, float* p, float* att, index
       const float* v = q + 2 * W;
       float* pb = p + b * H * T * T;     // (H, T, T)
       // S = Q K^T / sqrt(hd), all heads of sequence b
-      cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::yes, T, T, hd, scale, q, 3 * W, hd, k,
+      be.gemm_strided_batched(trans::no, trans::yes, T, T, hd, scale, q, 3 * W, hd, k,
                                 3 * W, hd, 0.f, pb, T, T * T, H);
-      cpu::launch(H * T, kernels::causal_softmax_forward{pb, T});
+      be.launch(H * T, kernels::causal_softmax_forward{pb, T});
       // att = P V
-      cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::no, T, hd, T, 1.f, pb, T, T * T, v,
+      be.gemm_strided_batched(trans::no, trans::no, T, hd, T, 1.f, pb, T, T * T, v,
                                 3 * W, hd, 0.f, att + b * T * W, W, hd, H);
     }
 }
 
 /// Backward of attention_core_forward: datt (B*T, W) -> dqkv (B*T, 3W); ds is (H, T, T) scratch.
-inline void attention_core_backward(const float* qkv, const float* p, const float* datt, float* dqkv, float* ds,
+inline void attention_core_backward(const backend_ref& be, const float* qkv, const float* p, const float* datt, float* dqkv, float* ds,
                                     index_t B, index_t T, index_t H, index_t hd) {
   const index_t W = H * hd;
   const float scale = 1.f / std::sqrt(static_cast<float>(hd));
@@ -60,16 +58,16 @@ inline void attention_core_backward(const float* qkv, const float* p, const floa
       float* dk = dq + W;
       float* dv = dq + 2 * W;
       // dP = d(att) V^T ; dV = P^T d(att)
-      cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::yes, T, T, hd, 1.f, da, W, hd, v,
+      be.gemm_strided_batched(trans::no, trans::yes, T, T, hd, 1.f, da, W, hd, v,
                                 3 * W, hd, 0.f, ds, T, T * T, H);
-      cpu::gemm_strided_batched(cpu::trans::yes, cpu::trans::no, T, hd, T, 1.f, pb, T, T * T, da,
+      be.gemm_strided_batched(trans::yes, trans::no, T, hd, T, 1.f, pb, T, T * T, da,
                                 W, hd, 0.f, dv, 3 * W, hd, H);
       // dS = P * (dP - rowsum(dP * P))
-      cpu::launch(H * T, kernels::causal_softmax_backward{pb, ds, T});
+      be.launch(H * T, kernels::causal_softmax_backward{pb, ds, T});
       // dQ = dS K / sqrt(hd) ; dK = dS^T Q / sqrt(hd)
-      cpu::gemm_strided_batched(cpu::trans::no, cpu::trans::no, T, hd, T, scale, ds, T,
+      be.gemm_strided_batched(trans::no, trans::no, T, hd, T, scale, ds, T,
                                 T * T, k, 3 * W, hd, 0.f, dq, 3 * W, hd, H);
-      cpu::gemm_strided_batched(cpu::trans::yes, cpu::trans::no, T, hd, T, scale, ds, T,
+      be.gemm_strided_batched(trans::yes, trans::no, T, hd, T, scale, ds, T,
                                 T * T, q, 3 * W, hd, 0.f, dk, 3 * W, hd, H);
     }
 }
@@ -147,12 +145,12 @@ struct causal_self_attention {
     auto p = detail::ensure(s.p, {B, Heads, T, T});     // (B, H, T, T) probabilities
     auto att = detail::ensure(s.att, {R, D});            // (B*T, D): heads' outputs side by side
     auto y = detail::ensure(s.y, {R, D});                // (B*T, D)
-    fill_rows(qkv.data(), bqkv_.data(), R, 3 * D);
-    cpu::gemm(cpu::trans::no, cpu::trans::yes, R, 3 * D, D, 1.f, x.data(), wqkv_.data(), 1.f,
+    fill_rows(c.be, qkv.data(), bqkv_.data(), R, 3 * D);
+    c.be.gemm(trans::no, trans::yes, R, 3 * D, D, 1.f, x.data(), wqkv_.data(), 1.f,
               qkv.data());
-    detail::attention_core_forward(qkv.data(), p.data(), att.data(), B, T, Heads, hd);
-    fill_rows(y.data(), bo_.data(), R, D);
-    cpu::gemm(cpu::trans::no, cpu::trans::yes, R, D, D, 1.f, att.data(), wo_.data(), 1.f, y.data());
+    detail::attention_core_forward(c.be, qkv.data(), p.data(), att.data(), B, T, Heads, hd);
+    fill_rows(c.be, y.data(), bo_.data(), R, D);
+    c.be.gemm(trans::no, trans::yes, R, D, D, 1.f, att.data(), wo_.data(), 1.f, y.data());
     return y;
   }
 
@@ -165,21 +163,21 @@ struct causal_self_attention {
     auto ds = detail::ensure(s.ds, {Heads, T, T});       // (H, T, T) scratch: dP, then dS
     s.dy = dy;
     // output projection, attention core, then (if asked) d(input) through the QKV projection
-    cpu::gemm(cpu::trans::no, cpu::trans::no, R, D, D, 1.f, dy.data(), wo_.data(), 0.f, datt.data());
-    detail::attention_core_backward(s.qkv.data(), s.p.data(), datt.data(), dqkv.data(), ds.data(), B, T, Heads, hd);
-    if (!defer_weights(c, this)) weight_grads(c.slot, c.accumulate);
+    c.be.gemm(trans::no, trans::no, R, D, D, 1.f, dy.data(), wo_.data(), 0.f, datt.data());
+    detail::attention_core_backward(c.be, s.qkv.data(), s.p.data(), datt.data(), dqkv.data(), ds.data(), B, T, Heads, hd);
+    if (!defer_weights(c, this)) weight_grads(c.be, c.slot, c.accumulate);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
-    cpu::gemm(cpu::trans::no, cpu::trans::no, R, D, 3 * D, 1.f, dqkv.data(), wqkv_.data(), 0.f,
+    c.be.gemm(trans::no, trans::no, R, D, 3 * D, 1.f, dqkv.data(), wqkv_.data(), 0.f,
               dx.data());
     return dx;
   }
   /// The projections' weight and bias gradients from slot `slot`'s saved x, dy, att and d(qkv).
-  void weight_grads(int slot, bool accumulate) {
+  void weight_grads(const backend_ref& be, int slot, bool accumulate) {
     auto& s = st_(slot);
     const index_t R = s.dy.numel() / D;
-    cpu::linear_weight_grads(R, D, D, s.dy.data(), s.att.data(), dwo_.data(), dbo_.data(), accumulate);
-    cpu::linear_weight_grads(R, 3 * D, D, s.dqkv.data(), s.x.data(), dwqkv_.data(), dbqkv_.data(), accumulate);
+    be.linear_weight_grads(R, D, D, s.dy.data(), s.att.data(), dwo_.data(), dbo_.data(), accumulate);
+    be.linear_weight_grads(R, 3 * D, D, s.dqkv.data(), s.x.data(), dwqkv_.data(), dbqkv_.data(), accumulate);
   }
 
   view<float> qkv_weight() const noexcept { return wqkv_; }
@@ -196,8 +194,8 @@ struct causal_self_attention {
           std::to_string(D) + "; set batch and seq in the step context");
     return c.batch * c.seq;
   }
-  static void fill_rows(float* y, const float* b, index_t rows, index_t cols) {
-    cpu::launch(rows, kernels::bias_rows{y, b, cols, false});
+  static void fill_rows(const backend_ref& be, float* y, const float* b, index_t rows, index_t cols) {
+    be.launch(rows, kernels::bias_rows{y, b, cols, false});
   }
   struct state {
     cview<float> x, dy;

@@ -9,7 +9,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "whale/backend/cpu/launch.hpp"
 #include "whale/backend/kernels/rows.hpp"
 #include "whale/nn/layer.hpp"
 
@@ -57,21 +56,19 @@ struct embedding {
     for (index_t r = 0; r < R; ++r) check(tokens[r]);
     s.tokens = tokens;
     auto y = detail::ensure(s.y, {R, D});
-    for (index_t r = 0; r < R; ++r)
-      std::memcpy(y.data() + r * D, w_.data() + static_cast<index_t>(tokens[r]) * D,
-                  D * sizeof(float));
+    c.be.launch(R, kernels::gather_rows{w_.data(), tokens.data(), y.data(), D});
     return y;
   }
   // dy: (B*T, D) -> no input gradient (tokens are not differentiable); returns an empty view.
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
-    if (!c.accumulate) std::memset(dw_.data(), 0, dw_.bytes());
+    if (!c.accumulate) c.be.fill_zero(dw_.data(), dw_.bytes());
     const index_t R = s.tokens.numel();
     if (dy.numel() != R * D)
       throw std::invalid_argument("whale::embedding: the output gradient has " +
                                   std::to_string(dy.numel()) + " elements, expected " +
                                   std::to_string(R * D));
-    cpu::launch(kernels::col_blocks(D), kernels::scatter_add_rows{dy.data(), s.tokens.data(), dw_.data(), R, D, 0});
+    c.be.launch(kernels::col_blocks(D), kernels::scatter_add_rows{dy.data(), s.tokens.data(), dw_.data(), R, D, 0});
     return {};
   }
 
@@ -133,7 +130,7 @@ struct position_embedding {
     const index_t T = check(c, x.numel());
     auto& s = st_(c.slot);
     auto y = detail::ensure(s.y, {R, D});
-    cpu::launch(R, kernels::add_positions{x.data(), p_.data(), y.data(), T, D});
+    c.be.launch(R, kernels::add_positions{x.data(), p_.data(), y.data(), T, D});
     return y;
   }
   // dy: (B*T, D) -> dx = dy: (B*T, D)
@@ -141,11 +138,11 @@ struct position_embedding {
     const index_t R = dy.numel() / D;
     const index_t T = check(c, dy.numel());
     auto& s = st_(c.slot);
-    if (!c.accumulate) std::memset(dp_.data(), 0, dp_.bytes());
-    cpu::launch(kernels::col_blocks(D), kernels::scatter_add_rows{dy.data(), nullptr, dp_.data(), R, D, T});
+    if (!c.accumulate) c.be.fill_zero(dp_.data(), dp_.bytes());
+    c.be.launch(kernels::col_blocks(D), kernels::scatter_add_rows{dy.data(), nullptr, dp_.data(), R, D, T});
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
-    copy(dy, dx);
+    c.be.copy(dx.data(), dy.data(), dy.bytes());
     return dx;
   }
 

@@ -5,7 +5,6 @@
 
 #include <string>
 
-#include "whale/backend/cpu/launch.hpp"
 #include "whale/backend/kernels/elementwise.hpp"
 #include "whale/nn/layer.hpp"
 
@@ -32,7 +31,7 @@ struct gelu : stateless_params {
     auto& s = st_(c.slot);
     s.x = x;
     auto y = detail::ensure(s.y, x.shape());
-    cpu::launch(x.numel(), kernels::gelu_forward{x.data(), y.data()});
+    c.be.launch(x.numel(), kernels::gelu_forward{x.data(), y.data()});
     return y;
   }
   // dy: (R, F) -> dx: (R, F)
@@ -40,7 +39,7 @@ struct gelu : stateless_params {
     auto& s = st_(c.slot);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, dy.shape());
-    cpu::launch(dy.numel(), kernels::gelu_backward{s.x.data(), dy.data(), dx.data()});
+    c.be.launch(dy.numel(), kernels::gelu_backward{s.x.data(), dy.data(), dx.data()});
     return dx;
   }
 

@@ -13,7 +13,7 @@
 #include <string>
 #include <vector>
 
-#include "whale/backend/cpu/launch.hpp"
+#include "whale/backend/backend_ref.hpp"
 #include "whale/backend/kernels/elementwise.hpp"
 #include "whale/tensor/random.hpp"
 #include "whale/tensor/tensor.hpp"
@@ -61,12 +61,13 @@ struct layer_hooks;
 
 /// Weight-gradient work a layer put off during a split backward (zb_h1's B
 /// pass), to be run by the schedule's W pass of the same micro-batch:
-/// `run(owner, slot, accumulate)` computes the layer's parameter gradients
-/// from the state it saved in activation slot `slot`.
+/// `run(owner, be, slot, accumulate)` computes the layer's parameter gradients
+/// on backend `be` from the state it saved in activation slot `slot`.
 struct weight_task {
   void* owner = nullptr;
+  backend_ref be;
   int slot = 0;
-  void (*run)(void* owner, int slot, bool accumulate) = nullptr;
+  void (*run)(void* owner, const backend_ref& be, int slot, bool accumulate) = nullptr;
 };
 
 /// A label that counts for nothing: no loss and no gradient, and it is left
@@ -75,6 +76,9 @@ inline constexpr std::int32_t ignore_index = -100;
 
 /// What one forward/backward pass needs to know at run time.
 struct step_ctx {
+  /// Where the layers compute: every GEMM and kernel body of the pass goes
+  /// through it (the CPU unless the executor runs on another backend).
+  backend_ref be;
   index_t batch = 0;        ///< sequences (or samples) on this rank in this pass
   index_t seq = 1;          ///< tokens per sequence; 1 for non-sequence models
   index_t global_rows = 0;  ///< rows (samples, or tokens) of the global batch
@@ -273,7 +277,7 @@ inline void check_finite_values(cview<float> v, const std::string& name, const c
 namespace detail {
 /// Under bf16 mixed precision, a tensor as it would be stored: rounded to bf16 in place.
 inline view<float> stored(const step_ctx& c, view<float> v) {
-  if (c.bf16 && v.data() && v.numel() > 0) cpu::launch(v.numel(), kernels::to_bf16{v.data()});
+  if (c.bf16 && v.data() && v.numel() > 0) c.be.launch(v.numel(), kernels::to_bf16{v.data()});
   return v;
 }
 }  // namespace detail
@@ -378,17 +382,19 @@ template <class L> void gather_full_params(L& l, const float* local, float* full
 
 /// In a layer's backward: if the pass is split, put the weight gradients of
 /// activation slot `c.slot` off to the W pass (the layer's
-/// `weight_grads(slot, accumulate)`, from the state it keeps in that slot,
-/// which stays alive until then) and return true; otherwise return false and
-/// the layer computes them now.
+/// `weight_grads(be, slot, accumulate)`, from the state it keeps in that
+/// slot, which stays alive until then) and return true; otherwise return false
+/// and the layer computes them now.
 template <class L> bool defer_weights(step_ctx& c, L* layer) {
   if (!c.deferred) return false;
-  c.deferred->push_back({layer, c.slot, [](void* o, int slot, bool acc) { static_cast<L*>(o)->weight_grads(slot, acc); }});
+  c.deferred->push_back({layer, c.be, c.slot, [](void* o, const backend_ref& be, int slot, bool acc) {
+                           static_cast<L*>(o)->weight_grads(be, slot, acc);
+                         }});
   return true;
 }
 /// The W pass: run the put-off weight gradients (in the order they were put off).
 inline void run_weight_tasks(const std::vector<weight_task>& tasks, bool accumulate) {
-  for (const auto& t : tasks) t.run(t.owner, t.slot, accumulate);
+  for (const auto& t : tasks) t.run(t.owner, t.be, t.slot, accumulate);
 }
 
 namespace detail {

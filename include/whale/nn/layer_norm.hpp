@@ -8,7 +8,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "whale/backend/cpu/launch.hpp"
 #include "whale/backend/kernels/rows.hpp"
 #include "whale/nn/layer.hpp"
 
@@ -65,7 +64,7 @@ struct layer_norm {
     auto y = detail::ensure(s.y, {R, D});
     auto xh = detail::ensure(s.xhat, {R, D});
     auto rs = detail::ensure(s.rstd, {R});
-    cpu::launch(R, kernels::layer_norm_forward{x.data(), g_.data(), b_.data(), y.data(), xh.data(), rs.data(), D, eps});
+    c.be.launch(R, kernels::layer_norm_forward{x.data(), g_.data(), b_.data(), y.data(), xh.data(), rs.data(), D, eps});
     return y;
   }
 
@@ -73,11 +72,11 @@ struct layer_norm {
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
     const index_t R = dy.numel() / D;
-    cpu::launch(kernels::col_blocks(D), kernels::layer_norm_param_grads{dy.data(), s.xhat.data(), dg_.data(),
+    c.be.launch(kernels::col_blocks(D), kernels::layer_norm_param_grads{dy.data(), s.xhat.data(), dg_.data(),
                                                                         db_.data(), R, D, c.accumulate});
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
-    cpu::launch(R, kernels::layer_norm_backward{dy.data(), s.xhat.data(), s.rstd.data(), g_.data(), dx.data(), D});
+    c.be.launch(R, kernels::layer_norm_backward{dy.data(), s.xhat.data(), s.rstd.data(), g_.data(), dx.data(), D});
     return dx;
   }
 

@@ -6,7 +6,6 @@
 #include <cmath>
 #include <string>
 
-#include "whale/backend/cpu.hpp"
 #include "whale/nn/layer.hpp"
 
 namespace whale {
@@ -56,8 +55,8 @@ struct linear {
     const index_t R = x.numel() / In;
     s.x = x;
     auto y = detail::ensure(s.y, {R, Out});
-    cpu::launch(R, kernels::bias_rows{y.data(), b_.data(), Out, false});
-    cpu::gemm(cpu::trans::no, cpu::trans::yes, R, Out, In, 1.f, x.data(), w_.data(), 1.f, y.data());
+    c.be.launch(R, kernels::bias_rows{y.data(), b_.data(), Out, false});
+    c.be.gemm(trans::no, trans::yes, R, Out, In, 1.f, x.data(), w_.data(), 1.f, y.data());
     return y;
   }
   // dy: (R, Out) -> dx: (R, In); the weight gradients now or, in a split backward, in the W pass
@@ -65,17 +64,17 @@ struct linear {
     auto& s = st_(c.slot);
     const index_t R = dy.numel() / Out;
     s.dy = dy;
-    if (!defer_weights(c, this)) weight_grads(c.slot, c.accumulate);
+    if (!defer_weights(c, this)) weight_grads(c.be, c.slot, c.accumulate);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, In});
-    cpu::gemm(cpu::trans::no, cpu::trans::no, R, In, Out, 1.f, dy.data(), w_.data(), 0.f, dx.data());
+    c.be.gemm(trans::no, trans::no, R, In, Out, 1.f, dy.data(), w_.data(), 0.f, dx.data());
     return dx;
   }
 
   /// dW = dy^T x and db = column sums of dy, from slot `slot`'s saved x and dy.
-  void weight_grads(int slot, bool accumulate) {
+  void weight_grads(const backend_ref& be, int slot, bool accumulate) {
     auto& s = st_(slot);
-    cpu::linear_weight_grads(s.dy.numel() / Out, Out, In, s.dy.data(), s.x.data(), dw_.data(), db_.data(), accumulate);
+    be.linear_weight_grads(s.dy.numel() / Out, Out, In, s.dy.data(), s.x.data(), dw_.data(), db_.data(), accumulate);
   }
 
   view<float> weight() const noexcept { return w_; }

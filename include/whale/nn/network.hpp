@@ -74,7 +74,7 @@ class network {
   }
   /// Scale gradients by `grad_scale` (clipping) and apply one optimizer step.
   template <class O> void apply_optimizer(const O& opt, typename O::state& s, float grad_scale) {
-    if (grad_scale != 1.f) cpu::scale(grads_.numel(), grad_scale, grads_.data());
+    if (grad_scale != 1.f) cpu::launch(grads_.numel(), kernels::scale{grads_.data(), grad_scale});
     opt.update(s, params_.v(), grads_.v());
   }
 

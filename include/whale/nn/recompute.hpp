@@ -132,7 +132,7 @@ class recompute {
     auto y = run_forward(block_, c, x, offset_);
     scope.stop();  // the copy below is the recompute's own, not Block's
     auto out = detail::ensure(s.y, y.shape());
-    if (y.numel()) std::memcpy(out.data(), y.data(), y.bytes());
+    c.be.copy(out.data(), y.data(), y.bytes());
     return out;  // Block's buffers are released when `scope` ends
   }
 
@@ -148,7 +148,7 @@ class recompute {
     scope.stop();
     if (!c.need_input_grad || dx.empty()) return {};
     auto out = detail::ensure(s.dx, dx.shape());
-    std::memcpy(out.data(), dx.data(), dx.bytes());
+    c.be.copy(out.data(), dx.data(), dx.bytes());
     return out;
   }
 

@@ -3,7 +3,6 @@
 
 #include <string>
 
-#include "whale/backend/cpu/launch.hpp"
 #include "whale/backend/kernels/elementwise.hpp"
 #include "whale/nn/layer.hpp"
 
@@ -27,13 +26,13 @@ struct relu : stateless_params {
   view<float> forward(step_ctx& c, cview<float> x) {
     auto& s = st_(c.slot);
     auto y = detail::ensure(s.y, x.shape());
-    cpu::launch(x.numel(), kernels::relu_forward{x.data(), y.data()});
+    c.be.launch(x.numel(), kernels::relu_forward{x.data(), y.data()});
     return y;
   }
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
     auto dx = detail::ensure(s.dx, dy.shape());
-    cpu::launch(dy.numel(), kernels::relu_backward{s.y.data(), dy.data(), dx.data()});
+    c.be.launch(dy.numel(), kernels::relu_backward{s.y.data(), dy.data(), dx.data()});
     return dx;
   }
 

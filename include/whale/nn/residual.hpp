@@ -7,7 +7,6 @@
 #include <string>
 #include <type_traits>
 
-#include "whale/backend/cpu/launch.hpp"
 #include "whale/backend/kernels/elementwise.hpp"
 #include "whale/nn/layer.hpp"
 #include "whale/nn/sequential.hpp"
@@ -95,7 +94,7 @@ class residual {
                                   " outputs; a residual branch must keep the width");
     auto& s = st_(c.slot);
     auto y = detail::ensure(s.y, x.shape());
-    cpu::launch(x.numel(), kernels::add{x.data(), h.data(), y.data()});
+    c.be.launch(x.numel(), kernels::add{x.data(), h.data(), y.data()});
     return y;
   }
   // dy: (R, F) -> dx = dy + inner'(dy): (R, F)
@@ -104,7 +103,7 @@ class residual {
     if (!c.need_input_grad) return {};
     auto& s = st_(c.slot);
     auto dx = detail::ensure(s.dx, dy.shape());
-    cpu::launch(dy.numel(), kernels::add{dy.data(), dh.data(), dx.data()});
+    c.be.launch(dy.numel(), kernels::add{dy.data(), dh.data(), dx.data()});
     return dx;
   }
 

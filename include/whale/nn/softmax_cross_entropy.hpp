@@ -8,7 +8,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "whale/backend/cpu/launch.hpp"
 #include "whale/backend/kernels/rows.hpp"
 #include "whale/nn/layer.hpp"
 
@@ -52,7 +51,7 @@ struct softmax_cross_entropy : stateless_params {
                                 std::to_string(ignore_index) + ")");
     }
     auto loss = detail::ensure(s.row_loss, {R});
-    cpu::launch(R, kernels::cross_entropy_rows{logits.data(), labels.data(), p.data(), loss.data(), C,
+    c.be.launch(R, kernels::cross_entropy_rows{logits.data(), labels.data(), p.data(), loss.data(), C,
                                                static_cast<float>(inv), ignore_index});
     double total = 0.0;
     for (index_t r = 0; r < R; ++r) total += loss[r];

@@ -4,7 +4,7 @@
 
 #include <cmath>
 
-#include "whale/backend/cpu/launch.hpp"
+#include "whale/backend/backend_ref.hpp"
 #include "whale/backend/kernels/optim.hpp"
 #include "whale/optim/optimizer.hpp"
 
@@ -29,12 +29,12 @@ struct adamw {
     s.v = tensor<float>({n}, mem_kind::optimizer);
     return s;
   }
-  void update(state& s, view<float> p, cview<float> g) const {
+  void update(state& s, view<float> p, cview<float> g, const backend_ref& be = {}) const {
     ++s.steps;
     const float b1 = beta1, b2 = beta2;
     const float c1 = 1.f - static_cast<float>(std::pow(static_cast<double>(b1), static_cast<double>(s.steps)));
     const float c2 = 1.f - static_cast<float>(std::pow(static_cast<double>(b2), static_cast<double>(s.steps)));
-    cpu::launch(p.numel(), kernels::adamw_step{p.data(), g.data(), s.m.data(), s.v.data(), b1, b2, lr / c1, 1.f / c2,
+    be.launch(p.numel(), kernels::adamw_step{p.data(), g.data(), s.m.data(), s.v.data(), b1, b2, lr / c1, 1.f / c2,
                                                1.f - lr * weight_decay, eps});
   }
 };

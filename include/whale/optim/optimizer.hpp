@@ -5,14 +5,20 @@
 #include <cmath>
 #include <concepts>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <typeinfo>
 #include <vector>
 
-#include "whale/backend/cpu.hpp"
+#include "whale/backend/backend_ref.hpp"
+#include "whale/backend/kernels/elementwise.hpp"
 #include "whale/tensor/tensor.hpp"
 
 namespace whale {
 
-/// An update rule: `make_state(n)` for n parameters, `update(state, p, g)` once per step.
+/// An update rule: `make_state(n)` for n parameters, `update(state, p, g)` once
+/// per step. A rule that also takes the backend, `update(state, p, g, be)`,
+/// runs where the executor computes; one without it runs on the CPU only.
 template <class O>
 concept Optimizer = requires(const O& o, typename O::state& s, view<float> p, cview<float> g) {
   typename O::state;
@@ -40,12 +46,28 @@ inline float clip_coefficient(double norm, double max_norm) {
   return static_cast<float>(max_norm / (norm + 1e-6));
 }
 
-/// Clip gradients in place by their norm (single process); returns the norm before clipping.
+/// Clip gradients in place by their norm (single process, host memory);
+/// returns the norm before clipping.
 inline double clip_grad_norm(view<float> g, double max_norm) {
   const double norm = std::sqrt(cpu::sum_squares(g.numel(), g.data()));
   const float k = clip_coefficient(norm, max_norm);
-  if (k != 1.f) cpu::scale(g.numel(), k, g.data());
+  if (k != 1.f) cpu::launch(g.numel(), kernels::scale{g.data(), k});
   return norm;
+}
+
+/// Run one update of rule `o` on backend `be`: through the rule's backend
+/// overload where it has one; a rule without it runs on the CPU, so on any
+/// other backend it is an error that names the rule.
+template <Optimizer O>
+void update_on(const backend_ref& be, const O& o, typename O::state& s, view<float> p, cview<float> g) {
+  if constexpr (requires { o.update(s, p, g, be); }) o.update(s, p, g, be);
+  else {
+    if (!be.on_cpu())
+      throw std::invalid_argument(std::string("whale: the optimizer ") + typeid(O).name() +
+                                  " has no update(state, p, g, backend) and so runs on the CPU only, but the "
+                                  "parameters are on " + be.name());
+    o.update(s, p, g);
+  }
 }
 
 }  // namespace whale

@@ -2,7 +2,7 @@
 // on a flat slice of parameters. Any slice: a sharded optimizer updates its own.
 #pragma once
 
-#include "whale/backend/cpu/launch.hpp"
+#include "whale/backend/backend_ref.hpp"
 #include "whale/backend/kernels/optim.hpp"
 #include "whale/optim/optimizer.hpp"
 
@@ -28,11 +28,11 @@ struct sgd {
     if (momentum != 0.f) s.buf = tensor<float>({n}, mem_kind::optimizer);
     return s;
   }
-  void update(state& s, view<float> p, cview<float> g) const {
+  void update(state& s, view<float> p, cview<float> g, const backend_ref& be = {}) const {
     if (momentum == 0.f)
-      cpu::launch(p.numel(), kernels::sgd_plain{p.data(), g.data(), lr, weight_decay});
+      be.launch(p.numel(), kernels::sgd_plain{p.data(), g.data(), lr, weight_decay});
     else
-      cpu::launch(p.numel(), kernels::sgd_momentum{p.data(), g.data(), s.buf.data(), lr, weight_decay, momentum,
+      be.launch(p.numel(), kernels::sgd_momentum{p.data(), g.data(), s.buf.data(), lr, weight_decay, momentum,
                                                    s.steps == 0});
     ++s.steps;
   }

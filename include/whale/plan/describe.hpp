@@ -157,7 +157,7 @@ struct describer {
       using unsplit = typename unsplit_of<L>::type;
       if constexpr (requires { unsplit::param_tensors(); }) u.tensors = &tensors_of<unsplit>;
       u.split_loss = is_split_loss<L>::value;
-      u.defers = recompute_group < 0 && requires(L& l) { l.weight_grads(0, false); };
+      u.defers = recompute_group < 0 && requires(L& l, const backend_ref& be) { l.weight_grads(be, 0, false); };
     }
     if constexpr (requires { L::out_features; })
       if constexpr (L::out_features != any_features) width = L::out_features;

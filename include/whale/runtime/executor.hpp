@@ -212,6 +212,8 @@ template <class P> class executor {
     return std::sqrt(sq);
   }
   int rank() const noexcept { return ctx_->rank(); }
+  /// The backend this rank's layers and optimizer run on (every pass sets step_ctx::be to it).
+  const backend_ref& backend() const noexcept { return be_; }
   /// The job's world communicator (checkpoints agree on errors and gather file records over it).
   world_comm& world() const noexcept { return ctx_->world(); }
   int world_size() const noexcept { return ctx_->size(); }
@@ -225,8 +227,8 @@ template <class P> class executor {
   template <class O> void apply_optimizer(const O& opt, typename O::state& st, float grad_scale) {
     const auto t0 = tr_.now();
     auto g = local_grads();
-    if (grad_scale != 1.f) cpu::scale(g.numel(), grad_scale, g.data());
-    opt.update(st, local_params(), g);
+    if (grad_scale != 1.f) be_.launch(g.numel(), kernels::scale{g.data(), grad_scale});
+    update_on(be_, opt, st, local_params(), g);
     if constexpr (level > 0 && level < 3) zero_.gather_after_update(params_.data());
     tr_.add(span_kind::optimizer, step_ - 1, -1, t0, tr_.now());
   }
@@ -380,6 +382,7 @@ template <class P> class executor {
   const context* ctx_;
   plan_options o_;
   program prog_;
+  backend_ref be_;  // where this rank computes: every layer, weight pass and update (the CPU)
   world_comm *pipe_ = nullptr, *data_ = nullptr, *model_comm_ = nullptr;
   int p_ = 1, d_ = 1, stage_ = 0, replica_ = 0, model_rank_ = 0;
   std::vector<std::pair<index_t, index_t>> no_sync_;  // ranges split over data (filled while binding)

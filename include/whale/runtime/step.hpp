@@ -19,6 +19,7 @@ namespace whale {
 template <class P>
 double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels, bool train, bool sync,
                          tensor<float>* logits) {
+  c.be = be_;
   const index_t B = c.batch, T = c.seq;
   const int m = micro_count(B);
   schedule_for(m);

@@ -242,7 +242,7 @@ class split_residual {
   view<float> forward(step_ctx& c, cview<float> x) {
     auto h = inner_.forward(c, x);
     auto y = detail::ensure(st_(c.slot).y, x.shape());
-    cpu::launch(x.numel(), kernels::add{x.data(), h.data(), y.data()});
+    c.be.launch(x.numel(), kernels::add{x.data(), h.data(), y.data()});
     return y;
   }
   view<float> backward(step_ctx& c, cview<float> dy) {
@@ -250,7 +250,7 @@ class split_residual {
     auto dh = inner_.backward(c, dy);
     if (!outer) return {};
     auto dx = detail::ensure(st_(c.slot).dx, dy.shape());
-    cpu::launch(dy.numel(), kernels::add{dy.data(), dh.data(), dx.data()});
+    c.be.launch(dy.numel(), kernels::add{dy.data(), dh.data(), dx.data()});
     return dx;
   }
 

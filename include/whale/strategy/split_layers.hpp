@@ -13,7 +13,6 @@
 #include <string>
 #include <vector>
 
-#include "whale/backend/cpu.hpp"
 #include "whale/nn/causal_self_attention.hpp"
 #include "whale/nn/embedding.hpp"
 #include "whale/nn/linear.hpp"
@@ -59,10 +58,10 @@ class split_softmax_cross_entropy : public stateless_params {
     auto g = detail::ensure(s.grad, {R, n});
     auto st = detail::ensure(s.stats, {R});  // row maxima
     float* mx = st.data();
-    cpu::launch(R, kernels::row_max{logits.data(), mx, n});
+    c.be.launch(R, kernels::row_max{logits.data(), mx, n});
     all_reduce(*comm_, view<float>(mx, {R}), reduce_op::max);
     auto tg = detail::ensure(s.target, {2 * R});
-    cpu::launch(R, kernels::exp_rows{logits.data(), mx, g.data(), tg.data(), n});
+    c.be.launch(R, kernels::exp_rows{logits.data(), mx, g.data(), tg.data(), n});
     for (index_t r = 0; r < R; ++r) {
       const float* z = logits.data() + r * n;
       const index_t y = labels[r];
@@ -81,7 +80,7 @@ class split_softmax_cross_entropy : public stateless_params {
     double total = 0;
     for (index_t r = 0; r < R; ++r)
       if (labels[r] != ignore_index) total += std::log(static_cast<double>(tg[r])) + mx[r] - tg[R + r];
-    cpu::launch(R, kernels::softmax_grad_rows{g.data(), tg.data(), labels.data(), n, c0, static_cast<float>(inv),
+    c.be.launch(R, kernels::softmax_grad_rows{g.data(), tg.data(), labels.data(), n, c0, static_cast<float>(inv),
                                               ignore_index});
     // every rank of a data-axis split computes the loss of all rows: share 1/p each
     return A == axis::data ? total * inv / p_ : total * inv;
@@ -153,29 +152,21 @@ class vocab_embedding {
     const index_t R = tokens.numel();
     s.tokens = tokens;
     auto y = detail::ensure(s.y, {R, D});
-    const index_t v0 = r_ * n_;
     for (index_t i = 0; i < R; ++i) {
       const index_t t = tokens[i];
       if (t < 0 || t >= Vocab)
         throw std::out_of_range("whale::vocab_embedding: token " + std::to_string(t) +
                                 " is outside the vocabulary of " + std::to_string(Vocab));
-      float* yr = y.data() + i * D;
-      if (t >= v0 && t < v0 + n_) std::memcpy(yr, w_.data() + (t - v0) * D, static_cast<std::size_t>(D) * sizeof(float));
-      else std::memset(yr, 0, static_cast<std::size_t>(D) * sizeof(float));
     }
+    // rows of this rank's slice of the vocabulary; zeros for other tokens
+    c.be.launch(R, kernels::gather_rows{w_.data(), tokens.data(), y.data(), D, r_ * n_, n_});
     return y;
   }
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
-    if (!c.accumulate) std::memset(dw_.data(), 0, dw_.bytes());
-    const index_t v0 = r_ * n_;
-    for (index_t i = 0; i < s.tokens.numel(); ++i) {
-      const index_t t = s.tokens[i];
-      if (t < v0 || t >= v0 + n_) continue;
-      float* g = dw_.data() + (t - v0) * D;
-      const float* d = dy.data() + i * D;
-      for (index_t j = 0; j < D; ++j) g[j] += d[j];
-    }
+    if (!c.accumulate) c.be.fill_zero(dw_.data(), dw_.bytes());
+    c.be.launch(kernels::col_blocks(D), kernels::scatter_add_rows{dy.data(), s.tokens.data(), dw_.data(),
+                                                                  s.tokens.numel(), D, 0, r_ * n_, n_});
     return {};
   }
 
@@ -286,11 +277,11 @@ class head_attention {
     auto y = detail::ensure(s.y, {R, D});
     for (index_t i = 0; i < R; ++i)
       std::memcpy(qkv.data() + i * 3 * w_, bqkv_.data(), static_cast<std::size_t>(3 * w_) * sizeof(float));
-    cpu::gemm(cpu::trans::no, cpu::trans::yes, R, 3 * w_, D, 1.f, x.data(), wqkv_.data(), 1.f, qkv.data());
-    detail::attention_core_forward(qkv.data(), p.data(), att.data(), B, T, h_, hd);
+    c.be.gemm(trans::no, trans::yes, R, 3 * w_, D, 1.f, x.data(), wqkv_.data(), 1.f, qkv.data());
+    detail::attention_core_forward(c.be, qkv.data(), p.data(), att.data(), B, T, h_, hd);
     if (r_ == 0)
       for (index_t i = 0; i < R; ++i) std::memcpy(y.data() + i * D, bo_.data(), static_cast<std::size_t>(D) * sizeof(float));
-    cpu::gemm(cpu::trans::no, cpu::trans::yes, R, D, w_, 1.f, att.data(), wo_.data(), r_ == 0 ? 1.f : 0.f, y.data());
+    c.be.gemm(trans::no, trans::yes, R, D, w_, 1.f, att.data(), wo_.data(), r_ == 0 ? 1.f : 0.f, y.data());
     return y;
   }
   // dy: (B*T, D) replicated -> dx: (B*T, D) partial; weight gradients now or in the W pass
@@ -301,20 +292,20 @@ class head_attention {
     auto dqkv = detail::ensure(s.dqkv, {R, 3 * w_});
     auto ds = detail::ensure(s.ds, {h_, T, T});
     s.dy = dy;
-    cpu::gemm(cpu::trans::no, cpu::trans::no, R, w_, D, 1.f, dy.data(), wo_.data(), 0.f, datt.data());
-    detail::attention_core_backward(s.qkv.data(), s.p.data(), datt.data(), dqkv.data(), ds.data(), B, T, h_, hd);
-    if (!defer_weights(c, this)) weight_grads(c.slot, c.accumulate);
+    c.be.gemm(trans::no, trans::no, R, w_, D, 1.f, dy.data(), wo_.data(), 0.f, datt.data());
+    detail::attention_core_backward(c.be, s.qkv.data(), s.p.data(), datt.data(), dqkv.data(), ds.data(), B, T, h_, hd);
+    if (!defer_weights(c, this)) weight_grads(c.be, c.slot, c.accumulate);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
-    cpu::gemm(cpu::trans::no, cpu::trans::no, R, D, 3 * w_, 1.f, dqkv.data(), wqkv_.data(), 0.f, dx.data());
+    c.be.gemm(trans::no, trans::no, R, D, 3 * w_, 1.f, dqkv.data(), wqkv_.data(), 0.f, dx.data());
     return dx;
   }
   /// This rank's heads' projection gradients (and the whole output bias's) from slot `slot`.
-  void weight_grads(int slot, bool accumulate) {
+  void weight_grads(const backend_ref& be, int slot, bool accumulate) {
     auto& s = st_(slot);
     const index_t R = s.dy.numel() / D;
-    cpu::linear_weight_grads(R, D, w_, s.dy.data(), s.att.data(), dwo_.data(), dbo_.data(), accumulate);
-    cpu::linear_weight_grads(R, 3 * w_, D, s.dqkv.data(), s.x.data(), dwqkv_.data(), dbqkv_.data(), accumulate);
+    be.linear_weight_grads(R, D, w_, s.dy.data(), s.att.data(), dwo_.data(), dbo_.data(), accumulate);
+    be.linear_weight_grads(R, 3 * w_, D, s.dqkv.data(), s.x.data(), dwqkv_.data(), dbqkv_.data(), accumulate);
   }
 
  private:

@@ -10,7 +10,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "whale/backend/cpu.hpp"
 #include "whale/nn/linear.hpp"
 #include "whale/strategy/layout.hpp"
 
@@ -102,7 +101,7 @@ class column_linear {
     s.x = x;
     auto y = detail::ensure(s.y, {R, n_});
     for (index_t r = 0; r < R; ++r) std::memcpy(y.data() + r * n_, b_.data(), static_cast<std::size_t>(n_) * sizeof(float));
-    cpu::gemm(cpu::trans::no, cpu::trans::yes, R, n_, In, 1.f, x.data(), w_.data(), 1.f, y.data());
+    c.be.gemm(trans::no, trans::yes, R, n_, In, 1.f, x.data(), w_.data(), 1.f, y.data());
     return y;
   }
   // dy: (R, Out/p) -> dx: (R, In), partial
@@ -110,16 +109,16 @@ class column_linear {
     auto& s = st_(c.slot);
     const index_t R = dy.numel() / n_;
     s.dy = dy;
-    if (!defer_weights(c, this)) weight_grads(c.slot, c.accumulate);
+    if (!defer_weights(c, this)) weight_grads(c.be, c.slot, c.accumulate);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, In});
-    cpu::gemm(cpu::trans::no, cpu::trans::no, R, In, n_, 1.f, dy.data(), w_.data(), 0.f, dx.data());
+    c.be.gemm(trans::no, trans::no, R, In, n_, 1.f, dy.data(), w_.data(), 0.f, dx.data());
     return dx;
   }
   /// This rank's rows of dW and db from slot `slot`'s saved x and dy.
-  void weight_grads(int slot, bool accumulate) {
+  void weight_grads(const backend_ref& be, int slot, bool accumulate) {
     auto& s = st_(slot);
-    cpu::linear_weight_grads(s.dy.numel() / n_, n_, In, s.dy.data(), s.x.data(), dw_.data(), db_.data(), accumulate);
+    be.linear_weight_grads(s.dy.numel() / n_, n_, In, s.dy.data(), s.x.data(), dw_.data(), db_.data(), accumulate);
   }
 
  private:
@@ -205,7 +204,7 @@ class row_linear {
     if (r_ == 0) {
       for (index_t r = 0; r < R; ++r) std::memcpy(y.data() + r * Out, b_.data(), static_cast<std::size_t>(Out) * sizeof(float));
     }
-    cpu::gemm(cpu::trans::no, cpu::trans::yes, R, Out, k_, 1.f, x.data(), w_.data(), r_ == 0 ? 1.f : 0.f, y.data());
+    c.be.gemm(trans::no, trans::yes, R, Out, k_, 1.f, x.data(), w_.data(), r_ == 0 ? 1.f : 0.f, y.data());
     return y;
   }
   // dy: (R, Out) replicated -> dx: (R, In/p)
@@ -213,16 +212,16 @@ class row_linear {
     auto& s = st_(c.slot);
     const index_t R = dy.numel() / Out;
     s.dy = dy;
-    if (!defer_weights(c, this)) weight_grads(c.slot, c.accumulate);
+    if (!defer_weights(c, this)) weight_grads(c.be, c.slot, c.accumulate);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, k_});
-    cpu::gemm(cpu::trans::no, cpu::trans::no, R, k_, Out, 1.f, dy.data(), w_.data(), 0.f, dx.data());
+    c.be.gemm(trans::no, trans::no, R, k_, Out, 1.f, dy.data(), w_.data(), 0.f, dx.data());
     return dx;
   }
   /// This rank's columns of dW, and the whole db, from slot `slot`'s saved x and dy.
-  void weight_grads(int slot, bool accumulate) {
+  void weight_grads(const backend_ref& be, int slot, bool accumulate) {
     auto& s = st_(slot);
-    cpu::linear_weight_grads(s.dy.numel() / Out, Out, k_, s.dy.data(), s.x.data(), dw_.data(), db_.data(), accumulate);
+    be.linear_weight_grads(s.dy.numel() / Out, Out, k_, s.dy.data(), s.x.data(), dw_.data(), db_.data(), accumulate);
   }
 
  private:

@@ -1,5 +1,5 @@
 // Elementwise kernel bodies, body(i) over the elements: GELU (tanh form) and
-// ReLU forward and backward, the residual sum, bf16 rounding. One body each,
+// ReLU forward and backward, the residual sum, scaling, bf16 rounding. One body each,
 // run by a CPU loop or a CUDA grid (backend/kernel.hpp); no reductions here.
 #pragma once
 
@@ -54,6 +54,13 @@ struct add {
   const float* b;
   float* out;
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { out[i] = a[i] + b[i]; }
+};
+
+/// x *= k (gradient clipping and scaling).
+struct scale {
+  float* x;
+  float k;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { x[i] *= k; }
 };
 
 /// x rounded to the nearest bfloat16 (ties to even), kept in a float: the

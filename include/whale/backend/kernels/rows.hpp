@@ -35,6 +35,28 @@ struct bias_rows {
   }
 };
 
+/// y[r, :] = table[tokens[r] - first, :]: an embedding lookup, a row of width D
+/// per body (token ids checked by the caller). A table that holds only the
+/// `held` rows from `first` (a vocabulary slice) gives zeros for other tokens;
+/// held < 0: the whole table.
+struct gather_rows {
+  const float* table;
+  const std::int32_t* tokens;
+  float* y;
+  index_t D;
+  index_t first = 0, held = -1;
+  WHALE_HD WHALE_INLINE void operator()(index_t r) const noexcept {
+    const index_t t = static_cast<index_t>(tokens[r]) - first;
+    float* yr = y + r * D;
+    if (held >= 0 && (t < 0 || t >= held)) {
+      for (index_t c = 0; c < D; ++c) yr[c] = 0.f;
+      return;
+    }
+    const float* src = table + t * D;
+    for (index_t c = 0; c < D; ++c) yr[c] = src[c];
+  }
+};
+
 /// out[c] (+)= sum over R rows of x[r, c], for the columns of block `blk`.
 struct column_sums {
   const float* x;
@@ -245,7 +267,9 @@ struct add_positions {
 };
 /// Scatter-add of R gradient rows into table rows: table[idx(r), c] += dy[r, c]
 /// for the columns of block `blk`, rows in order. idx(r) is tokens[r] when
-/// tokens is set, else r % T (positions). One block per body, so that no two
+/// tokens is set, else r % T (positions); a table that holds only the `held`
+/// rows from `first` (a vocabulary slice; held < 0: all) takes the rows of its
+/// tokens, at tokens[r] - first, and skips the rest. One block per body, so that no two
 /// bodies write the same element (no atomics on the GPU) and every element
 /// sums its rows in the same order on both sides.
 struct scatter_add_rows {
@@ -253,11 +277,13 @@ struct scatter_add_rows {
   const std::int32_t* tokens;
   float* table;
   index_t R, D, T;
+  index_t first = 0, held = -1;
   WHALE_HD WHALE_INLINE void operator()(index_t blk) const noexcept {
     const index_t c0 = blk * col_block;
     const index_t w = D - c0 < col_block ? D - c0 : col_block;
     for (index_t r = 0; r < R; ++r) {
-      const index_t row = tokens ? static_cast<index_t>(tokens[r]) : r % T;
+      const index_t row = tokens ? static_cast<index_t>(tokens[r]) - first : r % T;
+      if (held >= 0 && (row < 0 || row >= held)) continue;
       float* tr = table + row * D + c0;
       const float* gr = dy + r * D + c0;
       for (index_t c = 0; c < w; ++c) tr[c] += gr[c];

@@ -1,0 +1,143 @@
+// `backend_ref`: the backend a rank computes on, chosen at run time among the
+// ones built into the program -- the CPU always, a GPU (any Backend whose
+// space is `cuda`, i.e. cuda_backend) where nvcc compiles the training code.
+// Layers, their split forms and the optimizers issue every GEMM and kernel
+// body through one (step_ctx::be), so one layer source serves both spaces.
+// Small and copied by value; a GPU reference does not own the backend.
+#pragma once
+
+#include <concepts>
+#include <cstring>
+#include <stdexcept>
+
+#include "whale/backend/backend.hpp"
+#include "whale/backend/cpu.hpp"
+#if defined(__CUDACC__)
+#include <cuda_runtime.h>
+
+#include "whale/backend/cuda/launch.cuh"
+#endif
+
+namespace whale {
+
+class backend_ref {
+ public:
+  /// The CPU: OpenBLAS GEMMs and kernel bodies by a loop (the default).
+  constexpr backend_ref() noexcept = default;
+  /// A GPU backend, held by reference: GEMMs through it, kernel bodies on its
+  /// compute stream. Launching bodies on it needs the calling translation unit
+  /// compiled by nvcc (a .cu file); from any other it is an error that says so.
+  template <Backend G>
+    requires std::same_as<typename G::space, cuda>
+  explicit backend_ref(G& gpu) noexcept
+      : gpu_(&gpu), stream_(static_cast<void*>(gpu.compute_stream())), ops_(&gpu_table<G>) {}
+
+  /// Whether this is the CPU (host memory) or a GPU (device memory).
+  bool on_cpu() const noexcept { return gpu_ == nullptr; }
+  const char* name() const noexcept { return gpu_ ? "cuda" : "cpu"; }
+
+  /// C(M,N) = alpha op(A) op(B) + beta C, row-major, with the rows' strides.
+  void gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
+            const float* B, index_t ldb, float beta, float* C, index_t ldc) const {
+    if (!gpu_) return cpu::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    ops_->gemm(gpu_, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
+  /// Contiguous operands: the strides follow from the stored shapes.
+  void gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, const float* B,
+            float beta, float* C) const {
+    gemm(ta, tb, M, N, K, alpha, A, ta == trans::yes ? M : K, B, tb == trans::yes ? K : N, beta, C, N);
+  }
+  /// `count` GEMMs whose operands are strideA/B/C elements apart (attention heads).
+  void gemm_strided_batched(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A,
+                            index_t lda, index_t strideA, const float* B, index_t ldb, index_t strideB, float beta,
+                            float* C, index_t ldc, index_t strideC, index_t count) const {
+    if (!gpu_)
+      return cpu::gemm_strided_batched(ta, tb, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc,
+                                       strideC, count);
+    ops_->batched(gpu_, ta, tb, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC, count);
+  }
+  /// body(i) for i in [0, n): a CPU loop, or a CUDA grid on the GPU's compute stream.
+  template <kernels::KernelBody K> void launch(index_t n, const K& body) const {
+    if (!gpu_) return cpu::launch(n, body);
+#if defined(__CUDACC__)
+    cuda_space::launch(n, body, static_cast<cudaStream_t>(stream_));
+#else
+    (void)n;
+    (void)body;
+    throw std::logic_error(
+        "whale::backend_ref: a kernel body was launched on a CUDA device from a translation unit not compiled by "
+        "nvcc; compile the training code as a .cu file (every unit of the program with the same compiler)");
+#endif
+  }
+  /// Copy within the backend's space (and, on the GPU, between spaces), in its queue's order.
+  void copy(void* dst, const void* src, std::size_t bytes) const {
+    if (!gpu_) {
+      if (bytes) std::memcpy(dst, src, bytes);
+      return;
+    }
+    ops_->copy(gpu_, dst, src, bytes);
+  }
+  /// Zero `bytes` in the backend's space, in its queue's order.
+  void fill_zero(void* p, std::size_t bytes) const {
+    if (!gpu_) {
+      if (bytes) std::memset(p, 0, bytes);
+      return;
+    }
+    ops_->fill_zero(gpu_, p, bytes);
+  }
+  /// Wait until the queue's work is done (nothing to wait for on the CPU).
+  void synchronize() const {
+    if (gpu_) ops_->synchronize(gpu_);
+  }
+
+  // ---- the compositions layers share ----
+
+  /// y[r, :] += b over `rows` rows of width `cols`.
+  void add_row_bias(float* y, const float* b, index_t rows, index_t cols) const {
+    launch(rows, kernels::bias_rows{y, b, cols, true});
+  }
+  /// db[c] (+)= the sum over rows of dy[r, c].
+  void sum_rows(const float* dy, float* db, index_t rows, index_t cols, bool accumulate) const {
+    launch(kernels::col_blocks(cols), kernels::column_sums{dy, db, rows, cols, accumulate});
+  }
+  /// A fully connected layer's parameter gradients from R rows: dW (out, in) =
+  /// dy^T x and db (out) = the column sums of dy; `accumulate` adds to them.
+  void linear_weight_grads(index_t R, index_t out, index_t in, const float* dy, const float* x, float* dw, float* db,
+                           bool accumulate) const {
+    gemm(trans::yes, trans::no, out, in, R, 1.f, dy, x, accumulate ? 1.f : 0.f, dw);
+    sum_rows(dy, db, R, out, accumulate);
+  }
+
+ private:
+  struct table {
+    void (*gemm)(void*, trans, trans, index_t, index_t, index_t, float, const float*, index_t, const float*, index_t,
+                 float, float*, index_t);
+    void (*batched)(void*, trans, trans, index_t, index_t, index_t, float, const float*, index_t, index_t,
+                    const float*, index_t, index_t, float, float*, index_t, index_t, index_t);
+    void (*copy)(void*, void*, const void*, std::size_t);
+    void (*fill_zero)(void*, void*, std::size_t);
+    void (*synchronize)(void*);
+  };
+  template <class G>
+  static constexpr table gpu_table{
+      [](void* g, trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
+         const float* B, index_t ldb, float beta, float* C, index_t ldc) {
+        static_cast<G*>(g)->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+      },
+      [](void* g, trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
+         index_t sA, const float* B, index_t ldb, index_t sB, float beta, float* C, index_t ldc, index_t sC,
+         index_t count) {
+        static_cast<G*>(g)->gemm_strided_batched(ta, tb, M, N, K, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc, sC,
+                                                 count);
+      },
+      [](void* g, void* dst, const void* src, std::size_t bytes) { static_cast<G*>(g)->copy(dst, src, bytes); },
+      [](void* g, void* p, std::size_t bytes) { static_cast<G*>(g)->fill_zero(p, bytes); },
+      [](void* g) { static_cast<G*>(g)->synchronize(); },
+  };
+
+  void* gpu_ = nullptr;     // the GPU backend; null: the CPU
+  void* stream_ = nullptr;  // its compute stream (a cudaStream_t)
+  const table* ops_ = nullptr;
+};
+
+}  // namespace whale
