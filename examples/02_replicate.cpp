@@ -6,6 +6,7 @@
 // time. The loss falls slowly from ln(1024) ≈ 6.93: 1024 teacher classes.
 //
 //   mpirun -np 2 ./build/examples/example_02_replicate [--steps N] [--save DIR [--save-every K]] [--resume DIR] [--log FILE] [--threads T]
+//                  [--bf16-reduce]   (gradient buckets summed in bf16: half the bytes, each sum rounded to bf16)
 //
 // Legend of shape comments: B the global batch (256), B/p the rows of one of p ranks.
 #include <whale/whale.hpp>
@@ -24,16 +25,18 @@ int main(int argc, char** argv) {
   auto ctx = context::init(argc, argv);
   return ctx.guard([&] {
     run_flags flags(20);  // --steps --save --save-every --resume --log
+    plan_options o = plan_options::from_env();
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
       if (flags.take(i, argc, argv)) continue;
-      else throw std::invalid_argument("example_02: unknown argument " + a + " (have " + std::string(run_flags::names) + ", --threads)");
+      else if (a == "--bf16-reduce") o.bf16_reduce = true;
+      else throw std::invalid_argument("example_02: unknown argument " + a + " (have " + std::string(run_flags::names) + ", --threads, --bf16-reduce)");
     }
 
     // 2. The plan is the type: replicate<mlp> = mlp, data parallel over `data`.
     //    (B/p, 1024) -> (B/p, 4096) -> (B/p, 4096) -> (B/p, 1024) logits -> loss
     using model = replicate<models::mlp>;
-    auto net = make<model>(ctx, seed{42});  // same initial parameters on every rank
+    auto net = make<model>(ctx, seed{42}, o);  // same initial parameters on every rank
 
     // 3. Print the plan (rank 0): the mesh, the buckets, the layers.
     if (ctx.rank() == 0) std::cout << net;

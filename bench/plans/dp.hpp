@@ -25,7 +25,7 @@ struct dp {
   static constexpr const char* name = "dp";
   static constexpr const char* help =
       "data parallel: replicate<model> over all ranks; --bucket-mib X (default 25), --no-overlap, "
-      "--nonblocking (xc: 64 samples per rank); time to loss (deep-mlp, or with --target-loss / --speeds): "
+      "--nonblocking, --bf16-reduce (gradient buckets summed in bf16) (xc: 64 samples per rank); time to loss (deep-mlp, or with --target-loss / --speeds): "
       "--speeds 1,1,2,4, --balance, --target-loss X, --max-steps N, --curve FILE";
   template <class W> static constexpr bool supports = true;
 
@@ -49,6 +49,7 @@ struct dp {
     o.bucket_mib = c.args.value("--bucket-mib", o.bucket_mib);
     if (c.args.flag("--no-overlap")) o.overlap = false;
     if (c.args.flag("--nonblocking")) o.blocking = false;
+    if (c.args.flag("--bf16-reduce")) o.bf16_reduce = true;
     const auto prec = precision_arg(c.args);
     c.args.done(name);
     if (o.bucket_mib <= 0) throw usage_error("bench: --bucket-mib must be positive");
@@ -116,10 +117,14 @@ struct dp {
     // ---- communication limit: all gradient bytes in one blocking all-reduce,
     // and in the plan's buckets as the plan issues them (blocking one after the
     // other, or non-blocking all started then waited for) ----
+    // (--bf16-reduce: the same counts of bf16 elements, without the packing)
     auto g = net.grads();
+    tensor<bf16> g16(o.bf16_reduce ? shape{g.numel()} : shape{0}, mem_kind::comm);
+    const dtype gt = o.bf16_reduce ? dtype::bf16 : dtype::f32;
+    auto at = [&](index_t i) -> void* { return o.bf16_reduce ? static_cast<void*>(g16.data() + i) : g.data() + i; };
     std::vector<double> one, bucketed;
     for (int r = 0; r <= 3; ++r) {
-      const double dt = timed(ctx, [&] { all_reduce(comm, g); });
+      const double dt = timed(ctx, [&] { comm.all_reduce(at(0), g.numel(), gt, reduce_op::sum); });
       if (r > 0) one.push_back(dt);
     }
     const auto per = std::max<index_t>(1, static_cast<index_t>(o.bucket_mib * 1048576.0 / sizeof(float)));
@@ -128,8 +133,8 @@ struct dp {
         std::vector<typename world_comm::request> q;
         for (index_t end = g.numel(); end > 0; end -= per) {
           const index_t begin = std::max<index_t>(0, end - per);
-          if (o.blocking) all_reduce(comm, view<float>(g.data() + begin, {end - begin}));
-          else q.push_back(comm.iall_reduce(g.data() + begin, end - begin, dtype::f32, reduce_op::sum));
+          if (o.blocking) comm.all_reduce(at(begin), end - begin, gt, reduce_op::sum);
+          else q.push_back(comm.iall_reduce(at(begin), end - begin, gt, reduce_op::sum));
         }
         for (auto& x : q) x.wait();
       });
@@ -145,6 +150,7 @@ struct dp {
     json_line j;
     head_fields<W>(j, plan, P, step_s, global, data.seq());
     j.add("precision", to_string(prec));
+    j.add("grad_reduce", o.bf16_reduce ? "bf16" : "fp32");
     j.add("comm_bytes_per_rank_per_step", static_cast<long long>(sent / timed_steps));
     j.add("peak_rss_mib_per_rank", rss);
     j.raw("memory_mib", memory_json(mem));

@@ -22,7 +22,7 @@ inline const char* to_string(reduce_op op) noexcept {
   return names[static_cast<int>(op)];
 }
 inline const char* to_string(dtype d) noexcept {
-  constexpr const char* names[] = {"f32", "f64", "i32", "i64", "u8"};
+  constexpr const char* names[] = {"f32", "f64", "i32", "i64", "u8", "bf16"};
   return names[static_cast<int>(d)];
 }
 

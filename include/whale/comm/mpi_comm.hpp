@@ -222,13 +222,13 @@ class mpi_comm {
 
   template <bool Blocking> request do_all_reduce(void* buf, index_t n, dtype t, reduce_op op) {
     auto& s = state();
+    const auto O = detail::mpi_op(op, t);  // before start: a refused op enters no collective
     auto r = start(detail::coll::all_reduce, n, t);
     r.rop_ = op;
     const int cn = s.to_int(n, "all_reduce");
     detail::add(s.stats, detail::all_reduce_traffic(n * static_cast<index_t>(size_of(t)), s.size));
     if (op == reduce_op::avg) r.avg_buf_ = buf, r.avg_n_ = n;
     const auto T = detail::mpi_type(t);
-    const auto O = detail::mpi_op(op);
     return run<Blocking>(
         std::move(r), [&] { return MPI_Allreduce(MPI_IN_PLACE, buf, cn, T, O, s.comm); },
         [&](MPI_Request* q) { return MPI_Iallreduce(MPI_IN_PLACE, buf, cn, T, O, s.comm, q); },
@@ -273,6 +273,7 @@ class mpi_comm {
   template <bool Blocking>
   request do_reduce_scatter(const void* in, void* out, index_t n, dtype t, reduce_op op) {
     auto& s = state();
+    const auto O = detail::mpi_op(op, t);
     auto r = start(detail::coll::reduce_scatter, n, t);
     r.rop_ = op;
     s.to_int(n * s.size, "reduce_scatter");
@@ -281,7 +282,6 @@ class mpi_comm {
     if (op == reduce_op::avg) r.avg_buf_ = out, r.avg_n_ = n;
     const void* src = in == out ? MPI_IN_PLACE : in;
     const auto T = detail::mpi_type(t);
-    const auto O = detail::mpi_op(op);
     return run<Blocking>(
         std::move(r), [&] { return MPI_Reduce_scatter_block(src, out, cn, T, O, s.comm); },
         [&](MPI_Request* q) { return MPI_Ireduce_scatter_block(src, out, cn, T, O, s.comm, q); },
@@ -292,6 +292,7 @@ class mpi_comm {
   request do_reduce_scatter_v(const void* in, void* out, std::span<const index_t> counts, dtype t,
                               reduce_op op) {
     auto& s = state();
+    const auto O = detail::mpi_op(op, t);
     check_counts(counts, "reduce_scatter_v");
     const auto me = static_cast<std::size_t>(s.rank);
     auto r = start(detail::coll::reduce_scatter_v, counts[me], t);
@@ -301,7 +302,6 @@ class mpi_comm {
     if (op == reduce_op::avg) r.avg_buf_ = out, r.avg_n_ = counts[me];
     const void* src = in == out ? MPI_IN_PLACE : in;
     const auto T = detail::mpi_type(t);
-    const auto O = detail::mpi_op(op);
     const int* rc = r.counts_.data();
     return run<Blocking>(
         std::move(r), [&] { return MPI_Reduce_scatter(src, out, rc, T, O, s.comm); },

@@ -22,6 +22,7 @@ struct lower_options {
   std::vector<int> stage_blocks;  ///< pipelines of a repeat: blocks per stage (empty: balanced)
   index_t balance_seq = 128;    ///< context length the stage balancer assumes
   double bucket_mib = 25.0;     ///< gradient bucket size
+  bool bf16_reduce = false;     ///< gradient buckets summed in bf16 (2 bytes an element; plan_options::bf16_reduce)
   int zero_level = -1;          ///< -1: the plan's (shard<M, L>); 0..3 overrides
   /// The trainer's global gradient norm: an 8-byte all-reduce over the world per
   /// step (for clipping, and the non-finite check the trainer runs by default).

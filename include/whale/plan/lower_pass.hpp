@@ -171,9 +171,11 @@ inline void lowering::zero_scatter(const holding& h, int after, int micro) {
 inline void lowering::ready(index_t offset, int after) {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].first >= offset) {
     const auto [b, e] = buckets_[next_bucket_];
-    const int id = add_coll(coll_kind::all_reduce, axes(axis::data), D_, all_reduce_traffic((e - b) * 4, D_), e - b,
+    const index_t bytes = o_.bf16_reduce ? 2 : 4;
+    const int id = add_coll(coll_kind::all_reduce, axes(axis::data), D_, all_reduce_traffic((e - b) * bytes, D_), e - b,
                             "gradient bucket " + std::to_string(next_bucket_) + " [" + std::to_string(b) + ", " +
-                                std::to_string(e) + ")" + (P_ > 1 ? " of stage " + std::to_string(s_) : ""),
+                                std::to_string(e) + ")" + (P_ > 1 ? " of stage " + std::to_string(s_) : "") +
+                                (o_.bf16_reduce ? " in bf16" : ""),
                             -1);
     p_.ops[static_cast<std::size_t>(id)].deps = {after};
     sync_.push_back(id);

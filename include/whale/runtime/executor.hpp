@@ -313,7 +313,8 @@ template <class P> class executor {
          << (e.o_.micro_batches ? std::to_string(e.o_.micro_batches) : std::string(staged ? "auto (<= 4 x stages)" : "1")) << "\n";
     if (e.d_ > 1 && level < 2)
       os << "  buckets of <= " << e.o_.bucket_mib << " MiB" << (e.o_.blocking ? ", blocking" : ", non-blocking")
-         << (e.o_.overlap ? ", during backward" : ", after backward") << "\n";
+         << (e.o_.overlap ? ", during backward" : ", after backward") << (e.o_.bf16_reduce ? ", summed in bf16" : "")
+         << "\n";
     const auto t = e.prog_.totals();
     os << "  this rank holds " << t.params_held << " of " << e.prog_.full_params << " parameters ("
        << static_cast<double>(t.params_held) * 4 / 1048576.0 << " MiB):\n";

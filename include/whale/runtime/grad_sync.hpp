@@ -1,15 +1,21 @@
 // The one gradient synchroniser: buckets of a flat gradient buffer summed
 // over the data axis (all-reduce), launched as backward makes each bucket
-// final — blocking, or non-blocking and waited for at the end. The buckets
+// final — blocking, or non-blocking and waited for at the end; in fp32, or
+// packed to bf16 (half the bytes, each partial sum rounded to bf16) and
+// unpacked when summed. The buckets
 // are cut by plan/partition.hpp's bucket_ranges, the function the lowering
 // uses, so what runs is what the program says. No model knowledge here.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <optional>
 #include <utility>
 #include <vector>
 
+#include "whale/backend/cpu/launch.hpp"
+#include "whale/backend/kernels/elementwise.hpp"
 #include "whale/comm/collectives.hpp"
 #include "whale/comm/context.hpp"
 
@@ -18,11 +24,19 @@ namespace whale::detail {
 class grad_sync {
  public:
   /// `buckets`: local ranges [begin, end) in launch order (last layer first);
-  /// `blocking`: each bucket in one blocking all-reduce as soon as it is ready.
-  void plan(std::vector<std::pair<index_t, index_t>> buckets, bool blocking) {
+  /// `blocking`: each bucket in one blocking all-reduce as soon as it is ready;
+  /// `in_bf16`: buckets travel and are summed in bf16 (a staging buffer half the
+  /// size of the gradients they cover, allocated here, once).
+  void plan(std::vector<std::pair<index_t, index_t>> buckets, bool blocking, bool in_bf16 = false) {
     blocking_ = blocking;
+    bf16_ = in_bf16;
     buckets_.clear();
-    for (auto [b, e] : buckets) buckets_.push_back({b, e, {}});
+    index_t end = 0;
+    for (auto [b, e] : buckets) {
+      buckets_.push_back({b, e, {}});
+      end = std::max(end, e);
+    }
+    staging_ = in_bf16 ? tensor<whale::bf16>({end}, mem_kind::comm) : tensor<whale::bf16>{};
   }
   std::size_t size() const noexcept { return buckets_.size(); }
   const auto& ranges() const noexcept { return buckets_; }
@@ -32,8 +46,21 @@ class grad_sync {
   void ready(world_comm& c, float* grads, index_t offset) {
     while (next_ < buckets_.size() && buckets_[next_].begin >= offset) {
       auto& b = buckets_[next_++];
-      if (blocking_) all_reduce(c, view<float>(grads + b.begin, {b.end - b.begin}));
-      else b.req.emplace(c.iall_reduce(grads + b.begin, b.end - b.begin, dtype::f32, reduce_op::sum));
+      const index_t n = b.end - b.begin;
+      if (bf16_) {
+        const view<whale::bf16> packed(staging_.data() + b.begin, {n});
+        cpu::launch(n, kernels::pack_bf16{grads + b.begin, bits(packed.data())});
+        if (blocking_) {
+          all_reduce(c, packed);
+          cpu::launch(n, kernels::unpack_bf16{bits(packed.data()), grads + b.begin});
+        } else {
+          b.req.emplace(c.iall_reduce(packed.data(), n, dtype::bf16, reduce_op::sum));
+        }
+      } else if (blocking_) {
+        all_reduce(c, view<float>(grads + b.begin, {n}));
+      } else {
+        b.req.emplace(c.iall_reduce(grads + b.begin, n, dtype::f32, reduce_op::sum));
+      }
     }
     for (std::size_t i = 0; i < next_; ++i)
       if (buckets_[i].req) buckets_[i].req->test();  // drive progress
@@ -41,18 +68,26 @@ class grad_sync {
   /// Launch what is left and wait for all.
   void finish(world_comm& c, float* grads) {
     ready(c, grads, std::numeric_limits<index_t>::min());
-    for (std::size_t i = 0; i < next_; ++i)
-      if (buckets_[i].req) buckets_[i].req->wait(), buckets_[i].req.reset();
+    for (std::size_t i = 0; i < next_; ++i) {
+      auto& b = buckets_[i];
+      if (!b.req) continue;
+      b.req->wait(), b.req.reset();
+      if (bf16_)
+        cpu::launch(b.end - b.begin, kernels::unpack_bf16{bits(staging_.data() + b.begin), grads + b.begin});
+    }
   }
+  bool in_bf16() const noexcept { return bf16_; }
 
  private:
+  static std::uint16_t* bits(whale::bf16* p) noexcept { return reinterpret_cast<std::uint16_t*>(p); }
   struct bucket {
     index_t begin = 0, end = 0;
     std::optional<world_comm::request> req;
   };
   std::vector<bucket> buckets_;
   std::size_t next_ = 0;
-  bool blocking_ = true;
+  bool blocking_ = true, bf16_ = false;
+  tensor<whale::bf16> staging_;  // bf16: the packed buckets, at their gradients' offsets
 };
 
 }  // namespace whale::detail

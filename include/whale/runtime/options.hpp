@@ -35,6 +35,12 @@ struct plan_options {
   /// progresses a non-blocking all-reduce while backward keeps every core busy,
   /// and Open MPI's blocking algorithms measured ~2.7x faster at 25 MiB (docs/bench.md).
   bool blocking = true;
+  /// Sum gradient buckets over the data axis in bf16: each bucket is rounded to
+  /// bf16, all-reduced as bf16 (half the bytes; each partial sum rounded to
+  /// bf16) and widened back to fp32 before the optimizer, as DDP's bf16
+  /// compression hook and DeepSpeed's communication_data_type do. Data
+  /// parallelism and ZeRO-1 only (ZeRO 2-3 reduce-scatter in fp32: an error).
+  bool bf16_reduce = false;
   // ---- ZeRO ----
   bool prefetch = true;       ///< level 3: gather the next leaf while the current one runs
   int max_pending = 2;        ///< levels 2–3: leaves whose reduce-scatters may be in flight
@@ -76,7 +82,7 @@ struct plan_options {
   index_t plan_batch = 0, plan_seq = 1;
 
   /// WHALE_MICRO_BATCHES, WHALE_STAGE_BLOCKS ("1,3"), WHALE_TRACE (a path), WHALE_BUCKET_MIB,
-  /// WHALE_DP_OVERLAP, WHALE_DP_BLOCKING, WHALE_ZERO_PREFETCH, WHALE_CHECK_FINITE, WHALE_BALANCE (booleans:
+  /// WHALE_DP_OVERLAP, WHALE_DP_BLOCKING, WHALE_BF16_REDUCE, WHALE_ZERO_PREFETCH, WHALE_CHECK_FINITE, WHALE_BALANCE (booleans:
   /// true/false, 1/0, yes/no, on/off), WHALE_SPEEDS ("1,1,2,4"), WHALE_MEMORY_CAPS, WHALE_WORKER_CUTS (a boolean), WHALE_PROFILE (a device profile file, for auto_plan).
   static plan_options from_env() {
     plan_options o;
@@ -87,6 +93,7 @@ struct plan_options {
     if (const char* e = std::getenv("WHALE_BUCKET_MIB")) o.bucket_mib = detail::parse_double(e, "WHALE_BUCKET_MIB", 0, 1 << 20, true);
     if (const char* e = std::getenv("WHALE_DP_OVERLAP")) o.overlap = detail::parse_bool(e, "WHALE_DP_OVERLAP");
     if (const char* e = std::getenv("WHALE_DP_BLOCKING")) o.blocking = detail::parse_bool(e, "WHALE_DP_BLOCKING");
+    if (const char* e = std::getenv("WHALE_BF16_REDUCE")) o.bf16_reduce = detail::parse_bool(e, "WHALE_BF16_REDUCE");
     if (const char* e = std::getenv("WHALE_ZERO_PREFETCH")) o.prefetch = detail::parse_bool(e, "WHALE_ZERO_PREFETCH");
     if (const char* e = std::getenv("WHALE_CHECK_FINITE")) o.check_finite = detail::parse_bool(e, "WHALE_CHECK_FINITE");
     if (const char* e = std::getenv("WHALE_SPEEDS")) o.speeds = parse_speeds(e, "WHALE_SPEEDS");
@@ -97,7 +104,7 @@ struct plan_options {
     return o;
   }
   /// from_env(), then --micro-batches M, --stage-blocks 1,3, --trace PATH,
-  /// --bucket-mib X, --check-finite, --speeds 1,1,2,4, --balance, --memory-caps, --worker-cuts and --profile PATH, which are removed from argv
+  /// --bucket-mib X, --bf16-reduce, --check-finite, --speeds 1,1,2,4, --balance, --memory-caps, --worker-cuts and --profile PATH, which are removed from argv
   /// (argv[argc] stays nullptr).
   static plan_options from_args(int& argc, char** argv) {
     plan_options o = from_env();
@@ -113,6 +120,7 @@ struct plan_options {
       else if (a == "--trace") o.trace_path = value();
       else if (a == "--bucket-mib") o.bucket_mib = detail::parse_double(value(), "--bucket-mib", 0, 1 << 20, true);
       else if (a == "--check-finite") o.check_finite = true;
+      else if (a == "--bf16-reduce") o.bf16_reduce = true;
       else if (a == "--speeds") o.speeds = parse_speeds(value(), "--speeds");
       else if (a == "--balance") o.balance = true;
       else if (a == "--profile") o.profile = value();

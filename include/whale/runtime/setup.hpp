@@ -21,6 +21,10 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
   // first: a rank launched differently is named before it can hang the others
   detail::check_ranks_agree(ctx.world(), detail::launch_fields(layer_name<P>(), shape, o_), who);
   if (!(o_.bucket_mib > 0)) throw std::invalid_argument(who + "the bucket size must be positive (got " + std::to_string(o_.bucket_mib) + " MiB)");
+  if (o_.bf16_reduce && level >= 2)
+    throw std::invalid_argument(who + "plan_options::bf16_reduce (--bf16-reduce) sums gradient buckets of data "
+                                      "parallelism and ZeRO-1 in bf16; ZeRO level " + std::to_string(level) +
+                                      " reduce-scatters its gradients in fp32: drop bf16_reduce or use level 1");
   if (o_.micro_batches * V > max_micro)
     throw std::invalid_argument(who + "at most " + std::to_string(max_micro / V) + " micro-batches" +
                                 (V > 1 ? " with " + std::to_string(V) + " chunks per pipe rank" : std::string()));
@@ -137,6 +141,7 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
   lo.stage_blocks = o_.blocks;
   lo.balance_seq = o_.balance_seq;
   lo.bucket_mib = o_.bucket_mib;
+  lo.bf16_reduce = o_.bf16_reduce;
   prog_ = lower<P>(shape, ctx.rank(), lo);
   const index_t n = chunk_at_[V];
   const auto held = prog_.totals();
@@ -152,7 +157,8 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
       for (auto [b, e] : detail::complement(no_sync_, n)) broadcast(*data_, params_.v().rows(b, e - b), 0);
   }
   if (d_ > 1 && level < 2 && !o_.worker_cuts)
-    sync_.plan(detail::bucket_ranges(detail::complement(no_sync_, n), detail::bucket_elements(o_.bucket_mib)), o_.blocking);
+    sync_.plan(detail::bucket_ranges(detail::complement(no_sync_, n), detail::bucket_elements(o_.bucket_mib)), o_.blocking,
+               o_.bf16_reduce);
   msg_.bind(*pipe_);
   if (o_.trace || !o_.trace_path.empty()) {
     tr_.enable(ctx.rank(), stage_, replica_);

@@ -28,24 +28,33 @@ struct cuda {
   static constexpr const char* name = "cuda";
 };
 
+/// The bits of a bfloat16 (the high half of a float), as stored and sent
+/// (named bf16, not bfloat16: OpenBLAS declares a global bfloat16 typedef):
+/// gradient buckets summed in bf16 (plan_options::bf16_reduce) travel as these.
+struct bf16 {
+  std::uint16_t bits;
+};
+
 /// Element types whale knows, for the type-erased cores (MPI, NCCL, BLAS).
-enum class dtype : int { f32, f64, i32, i64, u8 };
+enum class dtype : int { f32, f64, i32, i64, u8, bf16 };
 template <class T> constexpr dtype dtype_of() {
   using U = std::remove_cv_t<T>;
   if constexpr (std::is_same_v<U, float>) return dtype::f32;
   else if constexpr (std::is_same_v<U, double>) return dtype::f64;
   else if constexpr (std::is_same_v<U, std::int32_t>) return dtype::i32;
   else if constexpr (std::is_same_v<U, std::int64_t>) return dtype::i64;
+  else if constexpr (std::is_same_v<U, bf16>) return dtype::bf16;
   else if constexpr (std::is_same_v<U, std::uint8_t> || std::is_same_v<U, char> ||
                      std::is_same_v<U, std::byte>)
     return dtype::u8;
-  else static_assert(sizeof(T) == 0, "whale::dtype_of: unsupported element type; use float, double, int32, int64 or uint8");
+  else static_assert(sizeof(T) == 0, "whale::dtype_of: unsupported element type; use float, double, int32, int64, uint8 or bf16");
 }
 inline constexpr std::size_t size_of(dtype d) {
   switch (d) {
     case dtype::f32: case dtype::i32: return 4;
     case dtype::f64: case dtype::i64: return 8;
     case dtype::u8: return 1;
+    case dtype::bf16: return 2;
   }
   return 0;
 }

@@ -1,5 +1,5 @@
 // Elementwise kernel bodies, body(i) over the elements: GELU (tanh form) and
-// ReLU forward and backward, the residual sum, scaling, bf16 rounding. One body each,
+// ReLU forward and backward, the residual sum, scaling, bf16 rounding and packing. One body each,
 // run by a CPU loop or a CUDA grid (backend/kernel.hpp); no reductions here.
 #pragma once
 
@@ -73,6 +73,26 @@ WHALE_HD WHALE_INLINE float round_bf16(float x) noexcept {
   // inf and NaN pass through (an integer select, so that the loop vectorizes)
   return as_float((b & 0x7f800000) == 0x7f800000 ? b : static_cast<std::int32_t>(r));
 }
+/// The bits of x rounded to bf16 (what a cast to bfloat16 stores), and back.
+WHALE_HD WHALE_INLINE std::uint16_t bf16_bits(float x) noexcept {
+  return static_cast<std::uint16_t>(static_cast<std::uint32_t>(as_int(round_bf16(x))) >> 16);
+}
+WHALE_HD WHALE_INLINE float from_bf16_bits(std::uint16_t b) noexcept {
+  return as_float(static_cast<std::int32_t>(static_cast<std::uint32_t>(b) << 16));
+}
+/// out[i] = the bf16 bits of x[i] (a gradient bucket packed to travel in bf16).
+struct pack_bf16 {
+  const float* x;
+  std::uint16_t* out;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { out[i] = bf16_bits(x[i]); }
+};
+/// out[i] = the float of bf16 bits in[i] (the summed bucket unpacked).
+struct unpack_bf16 {
+  const std::uint16_t* in;
+  float* out;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { out[i] = from_bf16_bits(in[i]); }
+};
+
 /// x[i] = round_bf16(x[i]) in place.
 struct to_bf16 {
   float* x;

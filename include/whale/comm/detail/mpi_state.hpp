@@ -20,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "whale/backend/kernels/elementwise.hpp"
 #include "whale/comm/communicator.hpp"
 #include "whale/comm/detail/watchdog.hpp"
 #include "whale/comm/failure.hpp"
@@ -46,10 +47,34 @@ inline MPI_Datatype mpi_type(dtype t) noexcept {
     case dtype::i32: return MPI_INT32_T;
     case dtype::i64: return MPI_INT64_T;
     case dtype::u8: return MPI_UINT8_T;
+    case dtype::bf16: return MPI_UINT16_T;  // summed by bf16_sum_op
   }
   return MPI_DATATYPE_NULL;
 }
-inline MPI_Op mpi_op(reduce_op op) noexcept {
+/// MPI's reduction for bf16 sums: each pair added in fp32 and rounded back to
+/// bf16 (to nearest, ties to even), as NCCL's bf16 sum does.
+inline void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const std::uint16_t*>(in);
+  auto* b = static_cast<std::uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i)
+    b[i] = kernels::bf16_bits(kernels::from_bf16_bits(a[i]) + kernels::from_bf16_bits(b[i]));
+}
+inline MPI_Op bf16_sum_op() {
+  static const MPI_Op op = [] {
+    MPI_Op o = MPI_OP_NULL;
+    MPI_Op_create(&bf16_sum, 1, &o);
+    return o;
+  }();
+  return op;
+}
+/// The MPI op of `op` on elements of type `t`; bf16 has sum only (an error names the op).
+inline MPI_Op mpi_op(reduce_op op, dtype t) {
+  if (t == dtype::bf16) {
+    if (op != reduce_op::sum)
+      throw std::invalid_argument(std::string("whale::mpi_comm: bf16 buffers are reduced by sum only (asked: ") +
+                                  to_string(op) + ")");
+    return bf16_sum_op();
+  }
   switch (op) {
     case reduce_op::sum: case reduce_op::avg: return MPI_SUM;
     case reduce_op::max: return MPI_MAX;
@@ -76,6 +101,7 @@ inline void divide(void* buf, index_t n, dtype t, int p) noexcept {
     case dtype::i32: run(static_cast<std::int32_t*>(buf)); break;
     case dtype::i64: run(static_cast<std::int64_t*>(buf)); break;
     case dtype::u8: run(static_cast<std::uint8_t*>(buf)); break;
+    case dtype::bf16: break;  // never: bf16 reduces by sum only (mpi_op)
   }
 }
 

@@ -30,6 +30,7 @@ inline ncclDataType_t nccl_type(dtype t) noexcept {
     case dtype::i32: return ncclInt32;
     case dtype::i64: return ncclInt64;
     case dtype::u8: return ncclUint8;
+    case dtype::bf16: return ncclBfloat16;
   }
   return ncclFloat32;
 }
