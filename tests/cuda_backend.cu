@@ -2,7 +2,8 @@
 // backend/kernels/ run by a CUDA grid against the same body run by the CPU
 // loop (tests/support/kernel_cases.hpp), cuBLAS GEMMs in every transpose and
 // strided-batched against OpenBLAS (fp32, TF32, bf16 inputs), and the caching
-// allocator's steady state (no cudaMalloc after the first step). Compiled by
+// allocator's steady state (no cudaMalloc after the first step), and
+// backend_ref holding the GPU as a layer uses it. Compiled by
 // nvcc in CI; without a GPU it prints "skipped: no CUDA device" and exits 77
 // (ctest's skip code). Tolerances are stated beside each check.
 #include <algorithm>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "support/kernel_cases.hpp"
+#include "whale/backend/backend_ref.hpp"
 #include "whale/backend/cpu.hpp"
 #include "whale/backend/cuda.hpp"
 
@@ -144,6 +146,40 @@ void gemms(cuda_backend& gpu) {
   std::printf("gemms: fp32 and TF32 in four transposes, strided-batched, bf16\n");
 }
 
+// backend_ref holding the GPU, as a layer uses it: a linear layer's forward
+// (bias rows, then y += x W^T) and its weight gradients (dW = dy^T x, db = the
+// column sums of dy) on device buffers, against the same calls on the CPU's
+// backend_ref. Tolerance 1e-5 relative (fp32 GEMMs; sums in another order).
+void backend_ref_on_gpu(cuda_backend& gpu) {
+  const index_t R = 37, in = 300, out = 30;  // every operand fits the N floats of a host buffer
+  kc::host_buffers h;  // a: x (R, in), b: W (out, in), c: dy (R, out), d: bias (out)
+  const backend_ref host, dev(gpu);
+  check(!dev.on_cpu() && std::string(dev.name()) == "cuda", "backend_ref(gpu) is a GPU backend");
+  auto linear_step = [&](const backend_ref& be, const float* x, const float* w, const float* dy, const float* bias,
+                         float* y, float* dw, float* db) {
+    be.launch(R, kernels::bias_rows{y, bias, out, false});
+    be.gemm(trans::no, trans::yes, R, out, in, 1.f, x, w, 1.f, y);
+    be.linear_weight_grads(R, out, in, dy, x, dw, db, false);
+  };
+  std::vector<float> y_c(R * out), dw_c(out * in), db_c(out);
+  linear_step(host, h.a.data(), h.b.data(), h.c.data(), h.d.data(), y_c.data(), dw_c.data(), db_c.data());
+  device_buffers d(gpu, h);  // f[0..5] hold a..f
+  auto* y = static_cast<float*>(gpu.allocate(y_c.size() * 4));
+  auto* dw = static_cast<float*>(gpu.allocate(dw_c.size() * 4));
+  auto* db = static_cast<float*>(gpu.allocate(db_c.size() * 4));
+  linear_step(dev, d.f[0], d.f[1], d.f[2], d.f[3], y, dw, db);
+  std::vector<float> y_g(y_c.size()), dw_g(dw_c.size()), db_g(db_c.size());
+  dev.copy(y_g.data(), y, y_g.size() * 4);
+  dev.copy(dw_g.data(), dw, dw_g.size() * 4);
+  dev.copy(db_g.data(), db, db_g.size() * 4);
+  dev.synchronize();
+  for (auto* p : {y, dw, db}) gpu.deallocate(p, 0);
+  check(kc::max_rel_diff(y_g, y_c) <= 1e-5, "backend_ref: a linear forward on the GPU against the CPU");
+  check(kc::max_rel_diff(dw_g, dw_c) <= 1e-5, "backend_ref: dW on the GPU against the CPU");
+  check(kc::max_rel_diff(db_g, db_c) <= 1e-5, "backend_ref: db on the GPU against the CPU");
+  std::printf("backend_ref: a linear layer's forward and weight gradients on the GPU match the CPU\n");
+}
+
 void allocator_steady_state(cuda_backend& gpu) {
   const auto before = gpu.allocator().upstream_allocations;
   std::int64_t after_first = 0;
@@ -170,6 +206,7 @@ int main() {
     cuda_backend gpu;
     kernel_bodies(gpu);
     gemms(gpu);
+    backend_ref_on_gpu(gpu);
     allocator_steady_state(gpu);
   } catch (const std::exception& e) {
     std::printf("FAILED: %s\n", e.what());

@@ -115,19 +115,19 @@ TEST_CASE("replicate<mlp> equals single-process training (global batch 32, 5 ste
 // (every leaf kind, 4 blocks, 1.3 MB of gradients: 6 buckets of 0.25 MiB), so both cases run in seconds.
 using small_gpt = models::gpt_model<1024, 64, 64, 4, 256, 4>;
 
-// n steps of replicate<small_gpt> (plan options `po`) and of one process, both
+// n steps of Plan (replicate<small_gpt> unless given; plan options `po`) and of one process, both
 // in precision `prec`, from the same seed and data, with `opt` clipped at
 // `clip` (0: not clipped): the replicas agree exactly, every parameter is
 // within `atol` of the single process's, and at most `share` of them are
 // past 1e-5 + 1e-3 |p|.
-template <class Opt>
+template <class Plan = replicate<small_gpt>, class Opt>
 void check_near_single(const context& ctx, const plan_options& po, precision prec, Opt opt, double clip, int n,
                        double atol, double share, const std::string& what) {
   auto data = [] { return markov_data(seed{7}, small_gpt::vocab, small_gpt::max_seq, 8); };
   trainer_options o = quiet();
   o.precision = prec;
   o.max_grad_norm = clip;
-  auto dp = make<replicate<small_gpt>>(ctx, seed{42}, po);
+  auto dp = make<Plan>(ctx, seed{42}, po);
   network<small_gpt> single(seed{42});
   {
     auto d = data();
@@ -235,6 +235,9 @@ TEST_CASE("replicate<gpt> with gradient buckets summed in bf16 stays within bf16
   };
   run(sgd{.lr = 0.01f, .momentum = 0.9f}, 0.0, 1e-3, 0.001);
   run(adamw{.lr = 1e-3f}, 0.5, 2 * 1e-3 * n, 0.05);
+  // ZeRO-1 sums the same buckets before each rank updates its shard
+  check_near_single<shard<small_gpt, 1>>(ctx, po, precision::fp32, adamw{.lr = 1e-3f}, 0.5, n, 2 * 1e-3 * n, 0.05,
+                                         "bf16 buckets, ZeRO-1");
 }
 
 TEST_CASE("plan_options::bf16_reduce with ZeRO 2-3 is a clear error on every rank") {

@@ -296,6 +296,23 @@ device_profile flat_profile() {  // 100 GFLOP/s at every size, 10 GB/s, 10 us + 
 }
 }  // namespace
 
+TEST_CASE("device profile: a rate that falls with size is pooled with its neighbours") {
+  // 2e6 FLOPs at 10, 2e7 at 50, 2e8 at 30 (a dip), 2e9 at 40: the last three pool to their mean, 40,
+  // so a product cut smaller is never priced faster than the whole
+  std::istringstream in("device d\ngemm 100 100 100 0 0 10\ngemm 215 215 215 0 0 50\ngemm 464 464 464 0 0 30\n"
+                        "gemm 1000 1000 1000 0 0 40\nbandwidth 8\n");
+  const auto p = device_profile::parse(in, "d.txt");
+  CHECK(p.gemm_rate(2e6) == doctest::Approx(10e9));
+  CHECK(p.gemm_rate(2 * 464.0 * 464 * 464) == doctest::Approx(40e9));
+  CHECK(p.gemm_rate(2 * 215.0 * 215 * 215) == doctest::Approx(40e9));
+  CHECK(p.gemm_rate(2e9) == doctest::Approx(40e9));
+  double last = 0;
+  for (double f = 1e6; f < 1e10; f *= 1.5) {
+    CHECK(p.gemm_rate(f) >= last);
+    last = p.gemm_rate(f);
+  }
+}
+
 TEST_CASE("device profile: a shape's transposes by their median; thin products priced by their rows") {
   // 1000^3 measured at 40, 10 (a noisy run) and 44: the median 40, not whichever sorts last
   std::istringstream in("device d\ngemm 100 100 100 0 0 10\ngemm 1000 1000 1000 0 0 40\ngemm 1000 1000 1000 0 1 10\n"

@@ -25,7 +25,8 @@ struct dp {
   static constexpr const char* name = "dp";
   static constexpr const char* help =
       "data parallel: replicate<model> over all ranks; --bucket-mib X (default 25), --no-overlap, "
-      "--nonblocking, --bf16-reduce (gradient buckets summed in bf16) (xc: 64 samples per rank); time to loss (deep-mlp, or with --target-loss / --speeds): "
+      "--nonblocking, --bf16-reduce (gradient buckets summed in bf16), --micro-batches m (gradient accumulation: m "
+      "passes a step, the buckets summed in the last) (xc: 64 samples per rank); time to loss (deep-mlp, or with --target-loss / --speeds): "
       "--speeds 1,1,2,4, --balance, --target-loss X, --max-steps N, --curve FILE";
   template <class W> static constexpr bool supports = true;
 
@@ -50,6 +51,8 @@ struct dp {
     if (c.args.flag("--no-overlap")) o.overlap = false;
     if (c.args.flag("--nonblocking")) o.blocking = false;
     if (c.args.flag("--bf16-reduce")) o.bf16_reduce = true;
+    o.micro_batches =
+        static_cast<int>(whale::detail::parse_int(c.args.text("--micro-batches", "0"), "--micro-batches", 0, 1 << 16));
     const auto prec = precision_arg(c.args);
     c.args.done(name);
     if (o.bucket_mib <= 0) throw usage_error("bench: --bucket-mib must be positive");
@@ -144,9 +147,10 @@ struct dp {
     if (ctx.rank() != 0) return;
 
     char plan[160];
-    std::snprintf(plan, sizeof plan, "dp: replicate<%s> over data:%d, %zu %s bucket(s) of <= %g MiB %s", W::name,
+    std::snprintf(plan, sizeof plan, "dp: replicate<%s> over data:%d, %zu %s bucket(s) of <= %g MiB %s%s", W::name,
                   P, net.bucket_count(), o.blocking ? "blocking" : "non-blocking", o.bucket_mib,
-                  o.overlap ? "during backward" : "after backward");
+                  o.overlap ? "during backward" : "after backward",
+                  o.micro_batches > 1 ? (", " + std::to_string(o.micro_batches) + " micro-batches").c_str() : "");
     json_line j;
     head_fields<W>(j, plan, P, step_s, global, data.seq());
     j.add("precision", to_string(prec));

@@ -148,6 +148,24 @@ struct device_profile {
       size_curve_.push_back({s.flops(), median(r)});
     }
     std::sort(size_curve_.begin(), size_curve_.end());
+    // A product's rate does not fall as it grows: a measured dip (noise, or one shape's
+    // cache luck) is pooled with its neighbours (isotonic regression, pool adjacent
+    // violators), so that no plan looks faster for cutting its products smaller.
+    std::vector<std::pair<double, std::size_t>> pools;  // (mean rate, points)
+    for (const auto& [f, r] : size_curve_) {
+      pools.push_back({r, 1});
+      while (pools.size() > 1 && pools[pools.size() - 2].first > pools.back().first) {
+        const auto b = pools.back();
+        pools.pop_back();
+        auto& a = pools.back();
+        a.first = (a.first * static_cast<double>(a.second) + b.first * static_cast<double>(b.second)) /
+                  static_cast<double>(a.second + b.second);
+        a.second += b.second;
+      }
+    }
+    std::size_t at = 0;
+    for (const auto& [rate, count] : pools)
+      for (std::size_t k = 0; k < count; ++k) size_curve_[at++].second = rate;
     if (any_square) {
       std::vector<double> sides;
       for (const auto& g : gemm)
