@@ -149,7 +149,9 @@ void gemms(cuda_backend& gpu) {
 // backend_ref holding the GPU, as a layer uses it: a linear layer's forward
 // (bias rows, then y += x W^T) and its weight gradients (dW = dy^T x, db = the
 // column sums of dy) on device buffers, against the same calls on the CPU's
-// backend_ref. Tolerance 1e-5 relative (fp32 GEMMs; sums in another order).
+// backend_ref. Tolerance 1e-4 relative to max(1, |value|): sums of 300 (and
+// 37) products of inputs in [-3, 3) in another order, with FMA, differ by up to
+// ~1.5e-5 in fp32 (estimated for three summation orders on these inputs).
 void backend_ref_on_gpu(cuda_backend& gpu) {
   const index_t R = 37, in = 300, out = 30;  // every operand fits the N floats of a host buffer
   kc::host_buffers h;  // a: x (R, in), b: W (out, in), c: dy (R, out), d: bias (out)
@@ -174,9 +176,9 @@ void backend_ref_on_gpu(cuda_backend& gpu) {
   dev.copy(db_g.data(), db, db_g.size() * 4);
   dev.synchronize();
   for (auto* p : {y, dw, db}) gpu.deallocate(p, 0);
-  check(kc::max_rel_diff(y_g, y_c) <= 1e-5, "backend_ref: a linear forward on the GPU against the CPU");
-  check(kc::max_rel_diff(dw_g, dw_c) <= 1e-5, "backend_ref: dW on the GPU against the CPU");
-  check(kc::max_rel_diff(db_g, db_c) <= 1e-5, "backend_ref: db on the GPU against the CPU");
+  check(kc::max_rel_diff(y_g, y_c) <= 1e-4, "backend_ref: a linear forward on the GPU against the CPU");
+  check(kc::max_rel_diff(dw_g, dw_c) <= 1e-4, "backend_ref: dW on the GPU against the CPU");
+  check(kc::max_rel_diff(db_g, db_c) <= 1e-4, "backend_ref: db on the GPU against the CPU");
   std::printf("backend_ref: a linear layer's forward and weight gradients on the GPU match the CPU\n");
 }
 

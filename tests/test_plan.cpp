@@ -297,8 +297,8 @@ device_profile flat_profile() {  // 100 GFLOP/s at every size, 10 GB/s, 10 us + 
 }  // namespace
 
 TEST_CASE("device profile: a rate that falls with size is pooled with its neighbours") {
-  // 2e6 FLOPs at 10, 2e7 at 50, 2e8 at 30 (a dip), 2e9 at 40: the last three pool to their mean, 40,
-  // so a product cut smaller is never priced faster than the whole
+  // 2e6 FLOPs at 10, 2e7 at 50, 2e8 at 30 (a dip), 2e9 at 40: 50 and 30 pool to their mean, 40
+  // (2e9 stays at its 40), so a product cut smaller is never priced faster than the whole
   std::istringstream in("device d\ngemm 100 100 100 0 0 10\ngemm 215 215 215 0 0 50\ngemm 464 464 464 0 0 30\n"
                         "gemm 1000 1000 1000 0 0 40\nbandwidth 8\n");
   const auto p = device_profile::parse(in, "d.txt");

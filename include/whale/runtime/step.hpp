@@ -111,6 +111,7 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
     mc.hooks = zc.hooks;
     mc.check_finite = c.check_finite || o_.check_finite;
     mc.bf16 = c.bf16;
+    mc.be = c.be;
     if (a.kind == pipe_action::forward) {
       cview<float> in;
       if (!first) {

@@ -275,12 +275,10 @@ class head_attention {
     auto p = detail::ensure(s.p, {B, h_, T, T});
     auto att = detail::ensure(s.att, {R, w_});
     auto y = detail::ensure(s.y, {R, D});
-    for (index_t i = 0; i < R; ++i)
-      std::memcpy(qkv.data() + i * 3 * w_, bqkv_.data(), static_cast<std::size_t>(3 * w_) * sizeof(float));
+    c.be.launch(R, kernels::bias_rows{qkv.data(), bqkv_.data(), 3 * w_, false});
     c.be.gemm(trans::no, trans::yes, R, 3 * w_, D, 1.f, x.data(), wqkv_.data(), 1.f, qkv.data());
     detail::attention_core_forward(c.be, qkv.data(), p.data(), att.data(), B, T, h_, hd);
-    if (r_ == 0)
-      for (index_t i = 0; i < R; ++i) std::memcpy(y.data() + i * D, bo_.data(), static_cast<std::size_t>(D) * sizeof(float));
+    if (r_ == 0) c.be.launch(R, kernels::bias_rows{y.data(), bo_.data(), D, false});
     c.be.gemm(trans::no, trans::yes, R, D, w_, 1.f, att.data(), wo_.data(), r_ == 0 ? 1.f : 0.f, y.data());
     return y;
   }

@@ -100,7 +100,7 @@ class column_linear {
     const index_t R = x.numel() / In;
     s.x = x;
     auto y = detail::ensure(s.y, {R, n_});
-    for (index_t r = 0; r < R; ++r) std::memcpy(y.data() + r * n_, b_.data(), static_cast<std::size_t>(n_) * sizeof(float));
+    c.be.launch(R, kernels::bias_rows{y.data(), b_.data(), n_, false});
     c.be.gemm(trans::no, trans::yes, R, n_, In, 1.f, x.data(), w_.data(), 1.f, y.data());
     return y;
   }
@@ -201,9 +201,7 @@ class row_linear {
     const index_t R = x.numel() / k_;
     s.x = x;
     auto y = detail::ensure(s.y, {R, Out});
-    if (r_ == 0) {
-      for (index_t r = 0; r < R; ++r) std::memcpy(y.data() + r * Out, b_.data(), static_cast<std::size_t>(Out) * sizeof(float));
-    }
+    if (r_ == 0) c.be.launch(R, kernels::bias_rows{y.data(), b_.data(), Out, false});
     c.be.gemm(trans::no, trans::yes, R, Out, k_, 1.f, x.data(), w_.data(), r_ == 0 ? 1.f : 0.f, y.data());
     return y;
   }
