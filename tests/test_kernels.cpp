@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <limits>
 #include <vector>
 
 #include "support/kernel_cases.hpp"
@@ -154,6 +155,26 @@ TEST_CASE("embedding bodies: a lookup and its gradient, over the whole table or 
     }
     CHECK(grad == want_grad);  // the same rows added in the same order
   }
+}
+
+TEST_CASE("bf16 packing: pack then unpack is round_bf16; inf and NaN kept") {
+  kc::host_buffers h;
+  std::vector<float> x(h.a);
+  x.insert(x.end(), {0.f, -0.f, 1e-40f, 3.4e38f, std::numeric_limits<float>::infinity(),
+                     -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(),
+                     kernels::as_float(0x7f800001)});  // the last: a NaN whose payload is only in the low bits
+  const auto n = static_cast<index_t>(x.size());
+  std::vector<std::uint16_t> bits(x.size());
+  std::vector<float> back(x.size());
+  cpu::launch(n, kernels::pack_bf16{x.data(), bits.data()});
+  cpu::launch(n, kernels::unpack_bf16{bits.data(), back.data()});
+  for (index_t i = 0; i < n; ++i) {
+    INFO("element " << i << ": " << x[i]);
+    const float want = kernels::round_bf16(x[i]);
+    if (std::isnan(x[i])) CHECK(std::isnan(back[i]));
+    else CHECK(kernels::as_int(back[i]) == kernels::as_int(want));
+  }
+  CHECK(std::isnan(kernels::from_bf16_bits(kernels::bf16_bits(kernels::as_float(0x7f800001)))));
 }
 
 TEST_CASE("optimizer bodies match the scalar update rules") {

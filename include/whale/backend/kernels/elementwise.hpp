@@ -74,8 +74,11 @@ WHALE_HD WHALE_INLINE float round_bf16(float x) noexcept {
   return as_float((b & 0x7f800000) == 0x7f800000 ? b : static_cast<std::int32_t>(r));
 }
 /// The bits of x rounded to bf16 (what a cast to bfloat16 stores), and back.
+/// A NaN stays a NaN (quieted: its payload may lie only in the bits dropped).
 WHALE_HD WHALE_INLINE std::uint16_t bf16_bits(float x) noexcept {
-  return static_cast<std::uint16_t>(static_cast<std::uint32_t>(as_int(round_bf16(x))) >> 16);
+  const auto u = static_cast<std::uint32_t>(as_int(round_bf16(x)));
+  const bool nan = (u & 0x7fffffffu) > 0x7f800000u;
+  return static_cast<std::uint16_t>((u >> 16) | (nan ? 0x0040u : 0u));
 }
 WHALE_HD WHALE_INLINE float from_bf16_bits(std::uint16_t b) noexcept {
   return as_float(static_cast<std::int32_t>(static_cast<std::uint32_t>(b) << 16));

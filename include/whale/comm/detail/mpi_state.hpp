@@ -62,7 +62,8 @@ inline void bf16_sum(void* in, void* inout, int* len, MPI_Datatype*) {
 inline MPI_Op bf16_sum_op() {
   static const MPI_Op op = [] {
     MPI_Op o = MPI_OP_NULL;
-    MPI_Op_create(&bf16_sum, 1, &o);
+    if (MPI_Op_create(&bf16_sum, 1, &o) != MPI_SUCCESS || o == MPI_OP_NULL)
+      throw std::runtime_error("whale::mpi_comm: MPI_Op_create failed for the bf16 sum");
     return o;
   }();
   return op;
