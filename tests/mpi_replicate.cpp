@@ -139,18 +139,20 @@ void check_near_single(const context& ctx, const plan_options& po, precision pre
     trainer t(single, opt, o);
     t.run(d, steps{n});
   }
+  const tensor<float> mine = dp.full_params();  // ZeRO-3: gathered from the owners
   tensor<float> root({dp.param_count()});
-  copy<float>(dp.params(), root);
+  copy<float>(mine.v(), root);
   broadcast(ctx.world(), root.v(), 0);
-  CHECK(test::compare(dp.params(), root, 0, 0).max_abs == 0.0);
-  const auto all = test::compare(dp.params(), single.params(), atol, 0);
-  const auto tight = test::compare(dp.params(), single.params(), 1e-5, 1e-3);
+  CHECK(test::compare(mine.v(), root, 0, 0).max_abs == 0.0);
+  const auto all = test::compare(mine.v(), single.params(), atol, 0);
+  const auto tight = test::compare(mine.v(), single.params(), 1e-5, 1e-3);
   MESSAGE(what << ", ranks " << ctx.size() << std::string(clip > 0 ? ", AdamW clipped" : ", SGD")
                << ": max |dp - single| = " << all.max_abs << ", past 1e-5 + 1e-3|p|: " << tight.bad << " of "
                << dp.param_count());
   CHECK(all.bad == 0);
   CHECK(static_cast<double>(tight.bad) <= share * static_cast<double>(dp.param_count()));
-  if (po.bf16_reduce && ctx.size() > 1 && clip == 0) {  // unclipped, the last step's summed gradients are bf16 values: the path ran
+  if (po.bf16_reduce && ctx.size() > 1 && clip == 0 && po.micro_batches <= 1) {
+    // unclipped and one micro-batch, the last step's summed gradients are bf16 values: the path ran
     index_t wide = 0;
     for (index_t i = 0; i < dp.grads().numel(); ++i) wide += (kernels::as_int(dp.grads()[i]) & 0xffff) != 0;
     CHECK(wide == 0);
@@ -245,13 +247,88 @@ TEST_CASE("replicate<gpt> with gradient buckets summed in bf16 stays within bf16
                                          0.001, "bf16 buckets, ZeRO-1");
 }
 
-TEST_CASE("plan_options::bf16_reduce with ZeRO 2-3 is a clear error on every rank") {
-  auto ctx = context::init();
+// ZeRO 2-3 with plan_options::bf16_reduce: each leaf's gradient buckets are
+// packed to bf16, reduce-scattered with the bf16 sum, and each rank widens
+// its owned piece (adds it, in micro-batches after the first). The same
+// bounds as the all-reduced buckets above, on every rank: the owned
+// gradients of one step are bf16 values within 2^-6 of the largest single-
+// process gradient; 5 steps of SGD and of clipped AdamW stay within the bf16
+// bounds; with 2 micro-batches each rank's owned gradients are the sum of two
+// widened pieces. Alone (1 rank) nothing is summed, so nothing is rounded.
+// Measured: gradients within 1.0e-3 to 4.4e-3 of the largest at 2 and 4
+// ranks; SGD 3.2e-5 at most, clipped AdamW 4.4e-3 (the bf16 buckets' figures).
+template <int Level> void check_zero_bf16(const context& ctx, int micro) {
+  auto data = [] { return markov_data(seed{7}, small_gpt::vocab, small_gpt::max_seq, 8); };
   plan_options po;
   po.bf16_reduce = true;
-  using zero2 = shard<small_gpt, 2>;
-  auto build = [&] { return make<zero2>(ctx, seed{42}, po); };
-  CHECK_THROWS_WITH_AS(build(), doctest::Contains("reduce-scatters its gradients in fp32"), std::invalid_argument);
+  po.bucket_mib = 0.25;
+  po.micro_batches = micro;
+  using Plan = shard<small_gpt, Level>;
+  const std::string what = "bf16 reduce-scatter, ZeRO-" + std::to_string(Level) + ", micro-batches " + std::to_string(micro);
+  // the buffers the engine holds after a step (gradient buffers; packed
+  // buckets and bf16 pieces, or fp32 pieces when accumulating) are those the program predicts
+  for (const bool in_bf16 : {false, true}) {
+    if (ctx.size() == 1) break;  // alone, the engine's buffers are not priced (nothing is communicated)
+    plan_options q = po;
+    q.bf16_reduce = in_bf16;
+    const auto comm0 = memory_snapshot().live_of(mem_kind::comm);
+    auto z = make<Plan>(ctx, seed{42}, q);
+    auto d = data();
+    trainer t(z, sgd{.lr = 0.f}, quiet());
+    t.run(d, steps{1});
+    const std::string label = what + (in_bf16 ? "" : " (but fp32)") + ", ranks " + std::to_string(ctx.size());
+    INFO(label);
+    CHECK(memory_snapshot().live_of(mem_kind::comm) - comm0 == z.predicted_memory(8, small_gpt::max_seq, 4).comm);
+  }
+  {  // one step's owned gradients against the single process's
+    auto z = make<Plan>(ctx, seed{42}, po);
+    network<small_gpt> single(seed{42});
+    const sgd still{.lr = 0.f};
+    {
+      auto d = data();
+      trainer t(z, still, quiet());
+      t.run(d, steps{1});
+    }
+    {
+      auto d = data();
+      trainer t(single, still, quiet());
+      t.run(d, steps{1});
+    }
+    const auto [lo, hi] = z.range();
+    REQUIRE(z.grads().numel() == hi - lo);
+    double gmax = 0, emax = 0;
+    index_t wide = 0;
+    for (index_t i = 0; i < single.grads().numel(); ++i) gmax = std::max(gmax, std::abs(static_cast<double>(single.grads()[i])));
+    for (index_t i = 0; i < z.grads().numel(); ++i) {
+      const float g = z.grads()[i], want = single.grads()[lo + i];
+      emax = std::max(emax, std::abs(static_cast<double>(g) - want));
+      if ((kernels::as_int(g) & 0xffff) != 0) ++wide;
+    }
+    MESSAGE(what << ", ranks " << ctx.size() << ": max |g - g_single| / max |g_single| = " << emax / gmax
+                 << ", owned gradients not bf16 values: " << wide << " of " << z.grads().numel());
+    if (ctx.size() == 1) {  // nothing summed, nothing rounded: exact, or fp32 accumulation order over micro-batches
+      if (micro == 1) CHECK(emax == 0.0);
+      else CHECK(emax <= 1e-5 * gmax);
+    } else {
+      if (micro == 1) CHECK(wide == 0);
+      CHECK(emax > 0.0);
+      CHECK(emax <= std::ldexp(gmax, -6));
+    }
+  }
+  constexpr int n = 5;
+  check_near_single<Plan>(ctx, po, precision::fp32, sgd{.lr = 0.01f, .momentum = 0.9f}, 0.0, n, 1e-3, 0.001, what);
+  check_near_single<Plan>(ctx, po, precision::fp32, adamw{.lr = 1e-3f}, 0.5, n, 2 * 1e-3 * n, 0.05, what);
+}
+
+TEST_CASE("shard<gpt, 2> with gradients reduce-scattered in bf16 stays within bf16 rounding of fp32 training") {
+  auto ctx = context::init();
+  check_zero_bf16<2>(ctx, 1);
+  check_zero_bf16<2>(ctx, 2);
+}
+
+TEST_CASE("shard<gpt, 3> with gradients reduce-scattered in bf16 stays within bf16 rounding of fp32 training") {
+  auto ctx = context::init();
+  check_zero_bf16<3>(ctx, 1);
 }
 
 TEST_CASE("replicate<replicate<M>> trains exactly as replicate<M>") {

@@ -175,6 +175,14 @@ TEST_CASE("bf16 packing: pack then unpack is round_bf16; inf and NaN kept") {
     else CHECK(kernels::as_int(back[i]) == kernels::as_int(want));
   }
   CHECK(std::isnan(kernels::from_bf16_bits(kernels::bf16_bits(kernels::as_float(0x7f800001)))));
+  // unpack_add adds the widened value (ZeRO 2-3 accumulating micro-batches in bf16)
+  std::vector<float> acc(x.size(), 0.5f);
+  cpu::launch(n, kernels::unpack_add_bf16{bits.data(), acc.data()});
+  for (index_t i = 0; i < n; ++i) {
+    INFO("element " << i << ": " << x[i]);
+    if (std::isnan(x[i])) CHECK(std::isnan(acc[i]));
+    else CHECK(acc[i] == 0.5f + back[i]);
+  }
 }
 
 TEST_CASE("optimizer bodies match the scalar update rules") {

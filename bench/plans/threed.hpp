@@ -32,7 +32,7 @@ struct threed {
   static constexpr const char* help =
       "gpt only: tensor parallel over model, pipelined over pipe, replicated over data, on --mesh "
       "data=D,pipe=P,model=M; --schedule gpipe|1f1b (default 1f1b), --micro-batches m (default: the runtime's), "
-      "--recompute, --zero 0..3 (ZeRO inside each stage; 1f1b, no --recompute)";
+      "--recompute, --zero 0..3 (ZeRO inside each stage; 1f1b, no --recompute), --bf16-reduce (gradients summed in bf16)";
   template <class W> static constexpr bool supports = std::is_same_v<W, gpt_workload>;
 
   // (B, T) tokens -> vocabulary-split embedding -> (B*T, C) -> Stack -> class-split head and loss
@@ -48,6 +48,7 @@ struct threed {
     const std::string mtext = c.args.text("--micro-batches", "0");
     const int m = static_cast<int>(whale::detail::parse_int(mtext, "--micro-batches", 0, 1 << 16));
     const bool rec = c.args.flag("--recompute");
+    bf16_ = c.args.flag("--bf16-reduce");
     const int zero = static_cast<int>(whale::detail::parse_int(c.args.text("--zero", "0"), "--zero", 0, 3));
     c.args.done(name);
     if (sched != "gpipe" && sched != "1f1b") throw usage_error("bench: --schedule " + sched + ": have gpipe, 1f1b");
@@ -66,6 +67,7 @@ struct threed {
   }
 
  private:
+  static inline bool bf16_ = false;  // --bf16-reduce
   template <class Sched, class Stack> using plan = whale::replicate<whale::pipeline<Sched, tp_gpt<Stack>>>;
   template <class Stack, int L> using zero_plan = whale::shard<plan<whale::one_f_one_b, Stack>, L>;
   template <class> struct plan_parts;
@@ -85,6 +87,7 @@ struct threed {
     const auto& shape = ctx.mesh().shape();
     plan_options o;
     o.micro_batches = m;
+    o.bf16_reduce = bf16_;
     const index_t global = W::global_batch(1);
     lower_options lo;
     lo.global_batch = global;
@@ -92,6 +95,7 @@ struct threed {
     lo.micro_batches = m;
     lo.optimizer_bytes_per_param = 4;  // SGD with momentum
     lo.zero_level = plan_parts<P>::zero;
+    lo.bf16_reduce = bf16_;
     const auto prog = lower<P>(shape, ctx.rank(), lo);  // checks the plan against the mesh on every rank
     auto data = W::data(global);
     auto net = make<P>(ctx, seed{42}, o);
@@ -113,14 +117,15 @@ struct threed {
     const auto predicted_mem = predicted_memory_json(ctx, net.predicted_memory(global, data.seq(), 4));  // SGD with momentum
     if (ctx.rank() != 0) return;
     char plan[256];
-    std::snprintf(plan, sizeof plan, "3d: gpt tensor parallel over model:%d, %s pipeline over pipe:%d (m=%d%s), data:%d%s",
+    std::snprintf(plan, sizeof plan, "3d: gpt tensor parallel over model:%d, %s pipeline over pipe:%d (m=%d%s), data:%d%s%s",
                   shape.size(axis::model), Sched::name().c_str(), shape.size(axis::pipe), net.micro_batches(),
                   plan_parts<P>::recomputed ? ", blocks recomputed" : "", shape.size(axis::data),
-                  plan_parts<P>::zero ? (", ZeRO-" + std::to_string(plan_parts<P>::zero)).c_str() : "");
+                  plan_parts<P>::zero ? (", ZeRO-" + std::to_string(plan_parts<P>::zero)).c_str() : "",
+                  bf16_ ? ", gradients summed in bf16" : "");
     json_line j;
     head_fields<W>(j, plan, ctx.size(), step_s, global, data.seq());
     j.add("mesh", shape.spec()).add("schedule", Sched::name()).add("micro_batches", net.micro_batches());
-    j.add("zero", plan_parts<P>::zero);
+    j.add("zero", plan_parts<P>::zero).add("grad_reduce", bf16_ ? "bf16" : "fp32");
     j.add("comm_bytes_per_rank_per_step", static_cast<long long>(counted));
     j.add("program_bytes_per_rank_per_step", static_cast<long long>(predicted));
     j.add("model_state_mib_per_rank", state / 1048576.0);

@@ -40,9 +40,9 @@ template <> struct recomputed<whale::models::mlp> {
 template <int Level> struct zero {
   static constexpr const char* name = Level == 1 ? "zero1" : Level == 2 ? "zero2" : "zero3";
   static constexpr const char* help =
-      Level == 1 ? "ZeRO-1: shard<model, 1> (optimizer state partitioned) over all ranks; --recompute, --bucket-mib X"
-      : Level == 2 ? "ZeRO-2: shard<model, 2> (plus gradients reduce-scattered); --recompute, --bucket-mib X"
-                   : "ZeRO-3: shard<model, 3> (plus parameters gathered per leaf); --recompute, --bucket-mib X, --no-prefetch";
+      Level == 1 ? "ZeRO-1: shard<model, 1> (optimizer state partitioned) over all ranks; --recompute, --bucket-mib X, --bf16-reduce"
+      : Level == 2 ? "ZeRO-2: shard<model, 2> (plus gradients reduce-scattered); --recompute, --bucket-mib X, --bf16-reduce"
+                   : "ZeRO-3: shard<model, 3> (plus parameters gathered per leaf); --recompute, --bucket-mib X, --no-prefetch, --bf16-reduce";
   template <class W> static constexpr bool supports = !W::time_to_loss;
 
   template <class W> static void run(config& c) {
@@ -56,6 +56,7 @@ template <int Level> struct zero {
     plan_options o = plan_options::from_env();
     o.bucket_mib = c.args.value("--bucket-mib", o.bucket_mib);
     if (c.args.flag("--no-prefetch")) o.prefetch = false;
+    if (c.args.flag("--bf16-reduce")) o.bf16_reduce = true;
     c.args.done(name);
     if (o.bucket_mib <= 0) throw usage_error("bench: --bucket-mib must be positive");
 
@@ -95,10 +96,11 @@ template <int Level> struct zero {
         1048576.0;
     if (ctx.rank() != 0) return;
 
-    char plan[200];
-    std::snprintf(plan, sizeof plan, "zero%d: shard<%s%s, %d> over data:%d%s", Level, W::name,
+    char plan[240];
+    std::snprintf(plan, sizeof plan, "zero%d: shard<%s%s, %d> over data:%d%s%s", Level, W::name,
                   rc ? " with recompute" : "", Level, P,
-                  Level == 3 ? (o.prefetch ? ", per-leaf gathers prefetched" : ", per-leaf gathers") : "");
+                  Level == 3 ? (o.prefetch ? ", per-leaf gathers prefetched" : ", per-leaf gathers") : "",
+                  o.bf16_reduce ? (Level == 1 ? ", gradients summed in bf16" : ", gradients reduce-scattered in bf16") : "");
     json_line j;
     head_fields<W>(j, plan, P, step_s, global, data.seq());
     j.add("comm_bytes_per_rank_per_step", static_cast<long long>(sent / timed_steps));
@@ -108,6 +110,7 @@ template <int Level> struct zero {
     j.raw("predicted_memory_mib", predicted_mem);
     j.add("model_state_mib_per_rank", state_mib).add("model_state_formula_mib", formula_mib);
     j.add("recompute", rc ? 1 : 0);
+    j.add("grad_reduce", o.bf16_reduce ? "bf16" : "fp32");
     j.add("loss_first", losses.front()).add("loss_last", losses.back());
     j.print();
   }

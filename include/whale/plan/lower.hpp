@@ -43,6 +43,7 @@ class lowering {
     dr_ = p_.coords[0], s_ = p_.coords[1], mr_ = p_.coords[2];
     zero_ = o.zero_level >= 0 ? o.zero_level : d.zero_level;
     p_.zero_level = zero_;
+    p_.bf16_reduce = o.bf16_reduce;
     V_ = d.pipeline ? d.chunks : 1;
     p_.chunks = V_;
   }

@@ -160,10 +160,11 @@ inline void lowering::zero_scatter(const holding& h, int after, int micro) {
   for (index_t a = 0; a < h.local_params; a += per_bucket_) {
     const index_t b = std::min(h.local_params, a + per_bucket_);
     const auto c = zero_split(h.local_offset + a, h.local_offset + b);
-    const auto t = reduce_scatter_traffic(std::span<const index_t>(c), dr_, D_, 4);
+    const auto t = reduce_scatter_traffic(std::span<const index_t>(c), dr_, D_, o_.bf16_reduce ? 2 : 4);
     const int id = add_coll(coll_kind::reduce_scatter, axes(axis::data), D_, t, b - a,
-                            "ZeRO gradients of " + h.name, micro);
+                            "ZeRO gradients of " + h.name + (o_.bf16_reduce ? " in bf16" : ""), micro);
     p_.ops[static_cast<std::size_t>(id)].deps = {after};
+    p_.ops[static_cast<std::size_t>(id)].mine = c[static_cast<std::size_t>(dr_)];
     sync_.push_back(id);
   }
 }

@@ -61,8 +61,10 @@ namespace detail {
 /// Bytes of the ZeRO engine's buffer pool after one step of program `p`: a
 /// gradient buffer per leaf in backward (back to the pool when its
 /// reduce-scatters end, at most `max_pending` leaves later), an accumulation
-/// buffer per bucket in micro-batches after the first, and at level 3 the
-/// gathered parameters of the running leaf and of the prefetched one.
+/// buffer per bucket (the piece this rank keeps) in micro-batches after the
+/// first — or, when gradients are reduce-scattered in bf16, a packed bf16 copy
+/// of each bucket and a bf16 piece instead — and at level 3 the gathered
+/// parameters of the running leaf and of the prefetched one.
 inline std::int64_t zero_pool_bytes(const program& p, const memory_options& o) {
   std::map<std::int64_t, std::pair<int, int>> pool;  // size -> (buffers, free)
   auto take = [&](std::int64_t n) {
@@ -71,43 +73,62 @@ inline std::int64_t zero_pool_bytes(const program& p, const memory_options& o) {
     else ++b.first;
   };
   auto give = [&](std::int64_t n) { ++pool[n].second; };
+  std::map<std::int64_t, std::pair<int, int>> pool16;  // bf16 gradients: packed buckets and summed pieces
+  auto take16 = [&](std::int64_t n) {
+    auto& b = pool16[n];
+    if (b.second > 0) --b.second;
+    else ++b.first;
+  };
+  auto give16 = [&](std::int64_t n) { ++pool16[n].second; };
   std::vector<std::int64_t> gathered;                 // level 3: in use, oldest first
   std::vector<std::vector<std::int64_t>> in_flight;   // per leaf: its gradient buffer and accumulation buffers
+  std::vector<std::vector<std::int64_t>> in_flight16; // per leaf (bf16): its packed buckets and summed pieces
   const int D = p.mesh.size(axis::data);
   const int keep = o.prefetch ? 2 : 1;
   int micro = -1;
   for (std::size_t i = 0; i < p.ops.size(); ++i) {
     const auto& op = p.ops[i];
-    if (op.micro >= 0 && op.micro != micro) {  // a pass ends: every buffer back in the pool
+    // a micro-batch ends: its gathered parameters go back to the pool; the
+    // reduce-scatters in flight do not (one engine pass spans the step's
+    // micro-batches, and at most max_pending leaves are in flight in it)
+    if (op.micro >= 0 && op.micro != micro) {
       for (auto n : gathered) give(n);
-      for (const auto& l : in_flight)
-        for (auto n : l) give(n);
-      gathered.clear(), in_flight.clear();
+      gathered.clear();
       micro = op.micro;
     }
     if (op.kind == op_kind::collective && op.coll == coll_kind::all_gather && op.what.starts_with("ZeRO-3 gather")) {
       while (static_cast<int>(gathered.size()) >= keep) give(gathered.front()), gathered.erase(gathered.begin());
       take(op.elements), gathered.push_back(op.elements);
     } else if (op.kind == op_kind::backward) {
-      std::vector<std::int64_t> bufs;
+      std::vector<std::int64_t> bufs, bufs16;
       for (std::size_t k = i + 1; k < p.ops.size(); ++k) {  // its reduce-scatters follow it
         const auto& rs = p.ops[k];
         if (rs.kind != op_kind::collective || rs.coll != coll_kind::reduce_scatter) break;
         if (bufs.empty()) bufs.push_back(0);
         bufs.front() += rs.elements;
-        if (op.micro > 0) bufs.push_back((rs.elements + D - 1) / D);
+        if (p.bf16_reduce && D > 1) {  // the packed bucket, and the summed piece this rank keeps
+          bufs16.push_back(rs.elements);
+          if (rs.mine > 0) bufs16.push_back(rs.mine);
+        } else if (op.micro > 0 && rs.mine > 0) {
+          bufs.push_back(rs.mine);  // accumulating: the piece arrives beside the owned gradients
+        }
       }
       if (bufs.empty()) continue;
       for (auto n : bufs) take(n);
+      for (auto n : bufs16) take16(n);
       in_flight.push_back(std::move(bufs));
+      in_flight16.push_back(std::move(bufs16));
       while (static_cast<int>(in_flight.size()) > o.max_pending) {
         for (auto n : in_flight.front()) give(n);
+        for (auto n : in_flight16.front()) give16(n);
         in_flight.erase(in_flight.begin());
+        in_flight16.erase(in_flight16.begin());
       }
     }
   }
   std::int64_t bytes = 0;
   for (const auto& [n, b] : pool) bytes += 4 * n * b.first;
+  for (const auto& [n, b] : pool16) bytes += 2 * n * b.first;
   return bytes;
 }
 /// A split region's inserted conversion (strategy/layout.hpp): the buffer its
@@ -203,6 +224,12 @@ inline memory_estimate predict_memory(const model_desc& d, const program& p, con
   // ZeRO collectives (levels 2-3): buffers from a pool taken by exact size, as
   // runtime/zero.hpp takes them, replayed over the step's operations
   if (p.zero_level >= 2 && p.mesh.size(axis::data) > 1) e.comm += detail::zero_pool_bytes(p, o);
+  // gradient buckets summed in bf16 (data parallel, ZeRO-1): one staging
+  // buffer of 2 bytes per gradient they cover, as runtime/grad_sync.hpp holds it
+  if (p.bf16_reduce && p.zero_level < 2)
+    for (const auto& op : p.ops)
+      if (op.kind == op_kind::collective && op.coll == coll_kind::all_reduce && op.what.starts_with("gradient bucket"))
+        e.comm += 2 * op.elements;
   return e;
 }
 

@@ -65,6 +65,7 @@ struct op {
   std::int64_t bytes_received = 0;  ///< by this rank
   std::int64_t slowest_bytes = 0;   ///< collectives: the most any member sends or receives (the ring's pace)
   std::int64_t elements = 0;        ///< elements of the collective's full buffer (or message)
+  std::int64_t mine = 0;            ///< reduce-scatter: the elements this rank keeps of them
   double flops = 0;          ///< compute and optimizer operations
   index_t rows = 0;          ///< compute: rows (samples, or tokens) it runs on
   std::string what;          ///< the layer, or why the communication happens
@@ -91,6 +92,7 @@ struct program {
   int micro_batches = 1;
   std::string schedule;        ///< "gpipe", "1f1b" or empty
   int zero_level = 0;
+  bool bf16_reduce = false;    ///< gradients summed in bf16 (buckets and ZeRO reduce-scatters)
   index_t global_batch = 0, seq = 1;  ///< sequences per step and tokens per sequence
   index_t local_sequences = 0;        ///< sequences this rank's replica feeds per step
   index_t full_params = 0;            ///< the unsplit model's parameters

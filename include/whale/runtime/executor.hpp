@@ -305,7 +305,7 @@ template <class P> class executor {
     if (level) os << "  ZeRO-" << level << " over data:" << e.d_ << "\n";
     if (e.d_ > 1)
       os << "  data: " << e.d_ << " replica(s); "
-         << (level >= 2 ? "gradients reduce-scattered per leaf" : "gradients all-reduced in " + std::to_string(e.sync_.size()) + " bucket(s)")
+         << (level >= 2 ? std::string("gradients reduce-scattered per leaf") + (e.o_.bf16_reduce ? " in bf16" : "") : "gradients all-reduced in " + std::to_string(e.sync_.size()) + " bucket(s)")
          << (level ? ", ZeRO-" + std::to_string(level) + " owns [" + std::to_string(e.range().first) + ", " + std::to_string(e.range().second) + ")" : "")
          << "\n";
     if (e.p_ > 1 || e.o_.micro_batches > 1)
@@ -349,7 +349,7 @@ template <class P> class executor {
   /// plan_batch rows would pass a rank's cap get only the rows that fit; the
   /// others share the rest by speed (collective over the world).
   void fit_rows_to_caps();
-  detail::zero_engine::options zopts() const { return {o_.bucket_mib, o_.prefetch, o_.max_pending}; }
+  detail::zero_engine::options zopts() const { return {o_.bucket_mib, o_.prefetch, o_.max_pending, o_.bf16_reduce}; }
 
   std::pair<index_t, index_t> slice(index_t global_batch, int replica) const {
     return detail::weighted_slice(global_batch, d_, replica, replica_weights_, std::max(1, o_.micro_batches));

@@ -24,6 +24,7 @@ lower_options executor<P>::step_lowering(index_t global_batch, index_t seq, int 
   lo.stage_blocks = o_.blocks;
   lo.balance_seq = o_.balance_seq;
   lo.bucket_mib = o_.bucket_mib;
+  lo.bf16_reduce = o_.bf16_reduce;
   lo.replica_weights = replica_weights_;
   lo.optimizer_bytes_per_param = optimizer_bytes_per_param;
   return lo;

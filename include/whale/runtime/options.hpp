@@ -38,8 +38,8 @@ struct plan_options {
   /// Sum gradient buckets over the data axis in bf16: each bucket is rounded to
   /// bf16, all-reduced as bf16 (half the bytes; each partial sum rounded to
   /// bf16) and widened back to fp32 before the optimizer, as DDP's bf16
-  /// compression hook and DeepSpeed's communication_data_type do. Data
-  /// parallelism and ZeRO-1 only (ZeRO 2-3 reduce-scatter in fp32: an error).
+  /// compression hook and DeepSpeed's communication_data_type do. ZeRO 2-3
+  /// reduce-scatter each leaf's gradients in bf16 the same way.
   bool bf16_reduce = false;
   // ---- ZeRO ----
   bool prefetch = true;       ///< level 3: gather the next leaf while the current one runs

@@ -21,10 +21,6 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
   // first: a rank launched differently is named before it can hang the others
   detail::check_ranks_agree(ctx.world(), detail::launch_fields(layer_name<P>(), shape, o_), who);
   if (!(o_.bucket_mib > 0)) throw std::invalid_argument(who + "the bucket size must be positive (got " + std::to_string(o_.bucket_mib) + " MiB)");
-  if (o_.bf16_reduce && level >= 2)
-    throw std::invalid_argument(who + "plan_options::bf16_reduce (--bf16-reduce) sums gradient buckets of data "
-                                      "parallelism and ZeRO-1 in bf16; ZeRO level " + std::to_string(level) +
-                                      " reduce-scatters its gradients in fp32: drop bf16_reduce or use level 1");
   if (o_.micro_batches * V > max_micro)
     throw std::invalid_argument(who + "at most " + std::to_string(max_micro / V) + " micro-batches" +
                                 (V > 1 ? " with " + std::to_string(V) + " chunks per pipe rank" : std::string()));

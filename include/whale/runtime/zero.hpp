@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include "whale/backend/cpu/launch.hpp"
+#include "whale/backend/kernels/elementwise.hpp"
 #include "whale/comm/collectives.hpp"
 #include "whale/comm/context.hpp"
 #include "whale/nn/layer.hpp"
@@ -30,6 +32,7 @@ class zero_engine {
     double bucket_mib = 25.0;  ///< reduce-scatter buckets within a leaf
     bool prefetch = true;      ///< level 3: gather the next leaf while one runs
     int max_pending = 2;       ///< leaves whose reduce-scatters may be in flight
+    bool bf16 = false;         ///< levels 2-3: gradients packed to bf16 and reduce-scattered in bf16
   };
 
   /// `full_params` (levels 1–2): the executor's buffer of all n parameters.
@@ -42,6 +45,7 @@ class zero_engine {
     base_ = base;
     n_ = n;
     o_ = o;
+    o_.bf16 = o.bf16 && data.size() > 1;  // alone, nothing is summed: no rounding
     counts_ = block_counts(n, data.size());
     starts_.assign(counts_.size(), 0);
     for (std::size_t r = 1; r < counts_.size(); ++r) starts_[r] = starts_[r - 1] + counts_[r - 1];
@@ -59,7 +63,7 @@ class zero_engine {
   const std::vector<index_t>& counts() const noexcept { return counts_; }
   view<float> shard_params() const noexcept { return shard_params_.v(); }
   view<float> shard_grads() const noexcept { return shard_grads_.v(); }
-  std::size_t comm_buffers() const noexcept { return pool_.size(); }
+  std::size_t comm_buffers() const noexcept { return pool_.size() + pool16_.size(); }
   /// Level 3: how often a pass asked for parameters in an order other than the
   /// one recorded for its kind (each such pass prefetches nothing from there on).
   std::size_t rerecords() const noexcept { return rerecords_; }
@@ -121,25 +125,34 @@ class zero_engine {
     return leaves_.emplace(offset, std::move(l)).first->second;
   }
 
-  // A pool of comm buffers, taken by exact size and released at fixed points,
-  // so that every step takes the same buffers: nothing is allocated after the first.
-  struct buffer {
-    tensor<float> t;
-    bool busy = false;
+  // Pools of comm buffers (fp32, and bf16 for packed gradients), taken by
+  // exact size and released at fixed points, so that every step takes the
+  // same buffers: nothing is allocated after the first.
+  template <class T> struct pool {
+    struct buffer {
+      tensor<T> t;
+      bool busy = false;
+    };
+    std::vector<buffer> bufs;
+    int acquire(index_t count) {
+      for (std::size_t i = 0; i < bufs.size(); ++i)
+        if (!bufs[i].busy && static_cast<index_t>(bufs[i].t.capacity()) == count) {
+          bufs[i].busy = true;
+          return static_cast<int>(i);
+        }
+      bufs.push_back({tensor<T>({count}, mem_kind::comm), true});
+      return static_cast<int>(bufs.size() - 1);
+    }
+    T* data(int b) const noexcept { return bufs[static_cast<std::size_t>(b)].t.data(); }
+    void release(int b) noexcept {
+      if (b >= 0) bufs[static_cast<std::size_t>(b)].busy = false;
+    }
+    std::size_t size() const noexcept { return bufs.size(); }
   };
-  int acquire(index_t count) {
-    for (std::size_t i = 0; i < pool_.size(); ++i)
-      if (!pool_[i].busy && static_cast<index_t>(pool_[i].t.capacity()) == count) {
-        pool_[i].busy = true;
-        return static_cast<int>(i);
-      }
-    pool_.push_back({tensor<float>({count}, mem_kind::comm), true});
-    return static_cast<int>(pool_.size() - 1);
-  }
-  float* data(int b) const noexcept { return pool_[static_cast<std::size_t>(b)].t.data(); }
-  void release(int b) noexcept {
-    if (b >= 0) pool_[static_cast<std::size_t>(b)].busy = false;
-  }
+  int acquire(index_t count) { return pool_.acquire(count); }
+  float* data(int b) const noexcept { return pool_.data(b); }
+  void release(int b) noexcept { pool_.release(b); }
+  std::uint16_t* bits(int b) const noexcept { return reinterpret_cast<std::uint16_t*>(pool16_.data(b)); }
 
   struct pending {
     world_comm::request req;
@@ -147,6 +160,8 @@ class zero_engine {
     bool last;      // the leaf's last bucket: its buffer returns to the pool when this completes
     int sum = -1;   // accumulating: the buffer the owned piece arrived in, added on completion
     index_t at = 0, count = 0;
+    int packed = -1, recv = -1;  // bf16: the bucket packed, and the owned piece summed in bf16
+    bool add = false;            // bf16: added to the owned gradients (micro-batches after the first)
   };
   void progress() {
     for (auto& p : pending_) p.req.test();
@@ -154,12 +169,19 @@ class zero_engine {
   void wait_oldest() {
     auto& p = pending_.front();
     p.req.wait();
+    if (p.recv >= 0 && !dry_) {  // bf16: widen the owned piece into (or onto) the owned gradients
+      float* g = shard_grads_.data() + p.at;
+      if (p.add) cpu::launch(p.count, kernels::unpack_add_bf16{bits(p.recv), g});
+      else cpu::launch(p.count, kernels::unpack_bf16{bits(p.recv), g});
+    }
     if (p.sum >= 0 && !dry_) {
       const float* s = data(p.sum);
       float* g = shard_grads_.data() + p.at;
       for (index_t i = 0; i < p.count; ++i) g[i] += s[i];
     }
     release(p.sum);
+    pool16_.release(p.packed);
+    pool16_.release(p.recv);
     if (p.last) {
       release(p.buf);
       --pending_leaves_;
@@ -260,6 +282,18 @@ class zero_engine {
         if (r == comm_->rank() && hi > lo) mine = hi - lo, mine_at = lo - begin_;
       }
       const bool last = b == l.count;
+      if (o_.bf16) {  // packed, summed in bf16 into a bf16 piece, widened when it completes
+        const int packed = pool16_.acquire(b - a), recv = mine > 0 ? pool16_.acquire(mine) : -1;
+        pending pd{world_comm::request{}, grad_buf_, last, -1, mine_at, mine, packed, recv, accumulate_};
+        if (!dry_) {
+          cpu::launch(b - a, kernels::pack_bf16{data(grad_buf_) + a, bits(packed)});
+          pd.req = ireduce_scatter_v(*comm_, cview<whale::bf16>(pool16_.data(packed), {b - a}),
+                                     view<whale::bf16>(recv >= 0 ? pool16_.data(recv) : nullptr, {mine}),
+                                     std::span<const index_t>(scratch_counts_));
+        }
+        pending_.push_back(std::move(pd));
+        continue;
+      }
       const int sum = accumulate_ && mine > 0 ? acquire(mine) : -1;
       float* dst = sum >= 0 ? data(sum) : shard_grads_.data() + mine_at;
       if (dry_) {
@@ -344,7 +378,8 @@ class zero_engine {
   float* full_params_ = nullptr;
   hooks hooks_;
   std::unordered_map<index_t, leaf_info> leaves_;
-  std::vector<buffer> pool_;
+  pool<float> pool_;
+  pool<whale::bf16> pool16_;
   std::vector<pending> pending_;
   int pending_leaves_ = 0, grad_buf_ = -1;
   gathered held_, next_;

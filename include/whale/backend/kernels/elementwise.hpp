@@ -96,6 +96,13 @@ struct unpack_bf16 {
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { out[i] = from_bf16_bits(in[i]); }
 };
 
+/// out[i] += the float of bf16 bits in[i] (a summed piece added to accumulated gradients).
+struct unpack_add_bf16 {
+  const std::uint16_t* in;
+  float* out;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { out[i] += from_bf16_bits(in[i]); }
+};
+
 /// x[i] = round_bf16(x[i]) in place.
 struct to_bf16 {
   float* x;
