@@ -329,6 +329,7 @@ TEST_CASE("shard<gpt, 2> with gradients reduce-scattered in bf16 stays within bf
 TEST_CASE("shard<gpt, 3> with gradients reduce-scattered in bf16 stays within bf16 rounding of fp32 training") {
   auto ctx = context::init();
   check_zero_bf16<3>(ctx, 1);
+  check_zero_bf16<3>(ctx, 2);
 }
 
 TEST_CASE("replicate<replicate<M>> trains exactly as replicate<M>") {

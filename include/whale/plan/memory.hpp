@@ -63,7 +63,8 @@ namespace detail {
 /// reduce-scatters end, at most `max_pending` leaves later), an accumulation
 /// buffer per bucket (the piece this rank keeps) in micro-batches after the
 /// first — or, when gradients are reduce-scattered in bf16, a packed bf16 copy
-/// of each bucket and a bf16 piece instead — and at level 3 the gathered
+/// of each bucket and a bf16 piece instead, the gradient buffer going back as
+/// soon as the leaf is packed — and at level 3 the gathered
 /// parameters of the running leaf and of the prefetched one.
 inline std::int64_t zero_pool_bytes(const program& p, const memory_options& o) {
   std::map<std::int64_t, std::pair<int, int>> pool;  // size -> (buffers, free)
@@ -115,6 +116,7 @@ inline std::int64_t zero_pool_bytes(const program& p, const memory_options& o) {
       }
       if (bufs.empty()) continue;
       for (auto n : bufs) take(n);
+      if (p.bf16_reduce && D > 1) give(bufs.front()), bufs.clear();  // packed: the fp32 gradients go back at once
       for (auto n : bufs16) take16(n);
       in_flight.push_back(std::move(bufs));
       in_flight16.push_back(std::move(bufs16));

@@ -25,18 +25,18 @@ class grad_sync {
  public:
   /// `buckets`: local ranges [begin, end) in launch order (last layer first);
   /// `blocking`: each bucket in one blocking all-reduce as soon as it is ready;
-  /// `in_bf16`: buckets travel and are summed in bf16 (a staging buffer half the
-  /// size of the gradients they cover, allocated here, once).
+  /// `in_bf16`: buckets travel and are summed in bf16 (a staging buffer of 2
+  /// bytes per gradient they cover, allocated here, once).
   void plan(std::vector<std::pair<index_t, index_t>> buckets, bool blocking, bool in_bf16 = false) {
     blocking_ = blocking;
     bf16_ = in_bf16;
     buckets_.clear();
-    index_t end = 0;
+    index_t at = 0;  // bf16: each bucket's place in the staging buffer (buckets back to back)
     for (auto [b, e] : buckets) {
-      buckets_.push_back({b, e, {}});
-      end = std::max(end, e);
+      buckets_.push_back({b, e, at, {}});
+      at += e - b;
     }
-    staging_ = in_bf16 ? tensor<whale::bf16>({end}, mem_kind::comm) : tensor<whale::bf16>{};
+    staging_ = in_bf16 ? tensor<whale::bf16>({at}, mem_kind::comm) : tensor<whale::bf16>{};
   }
   std::size_t size() const noexcept { return buckets_.size(); }
   const auto& ranges() const noexcept { return buckets_; }
@@ -48,7 +48,7 @@ class grad_sync {
       auto& b = buckets_[next_++];
       const index_t n = b.end - b.begin;
       if (bf16_) {
-        const view<whale::bf16> packed(staging_.data() + b.begin, {n});
+        const view<whale::bf16> packed(staging_.data() + b.at, {n});
         cpu::launch(n, kernels::pack_bf16{grads + b.begin, bits(packed.data())});
         if (blocking_) {
           all_reduce(c, packed);
@@ -73,7 +73,7 @@ class grad_sync {
       if (!b.req) continue;
       b.req->wait(), b.req.reset();
       if (bf16_)
-        cpu::launch(b.end - b.begin, kernels::unpack_bf16{bits(staging_.data() + b.begin), grads + b.begin});
+        cpu::launch(b.end - b.begin, kernels::unpack_bf16{bits(staging_.data() + b.at), grads + b.begin});
     }
   }
   bool in_bf16() const noexcept { return bf16_; }
@@ -82,12 +82,13 @@ class grad_sync {
   static std::uint16_t* bits(whale::bf16* p) noexcept { return reinterpret_cast<std::uint16_t*>(p); }
   struct bucket {
     index_t begin = 0, end = 0;
+    index_t at = 0;  // bf16: offset of its packed copy in staging_
     std::optional<world_comm::request> req;
   };
   std::vector<bucket> buckets_;
   std::size_t next_ = 0;
   bool blocking_ = true, bf16_ = false;
-  tensor<whale::bf16> staging_;  // bf16: the packed buckets, at their gradients' offsets
+  tensor<whale::bf16> staging_;  // bf16: the packed buckets, back to back
 };
 
 }  // namespace whale::detail

@@ -284,7 +284,7 @@ class zero_engine {
       const bool last = b == l.count;
       if (o_.bf16) {  // packed, summed in bf16 into a bf16 piece, widened when it completes
         const int packed = pool16_.acquire(b - a), recv = mine > 0 ? pool16_.acquire(mine) : -1;
-        pending pd{world_comm::request{}, grad_buf_, last, -1, mine_at, mine, packed, recv, accumulate_};
+        pending pd{world_comm::request{}, -1, last, -1, mine_at, mine, packed, recv, accumulate_};
         if (!dry_) {
           cpu::launch(b - a, kernels::pack_bf16{data(grad_buf_) + a, bits(packed)});
           pd.req = ireduce_scatter_v(*comm_, cview<whale::bf16>(pool16_.data(packed), {b - a}),
@@ -305,6 +305,7 @@ class zero_engine {
       }
     }
     ++pending_leaves_;
+    if (o_.bf16) release(grad_buf_);  // packed: the fp32 gradients are read no more
     grad_buf_ = -1;
     progress();
     while (pending_leaves_ > o_.max_pending) wait_oldest();
