@@ -4,10 +4,11 @@
 // micro-batches per stage on a data x pipe mesh; on a data-only mesh the
 // pipeline also on every data x pipe reshaping of the world, and tensor
 // parallelism, split<gpt>, on every data x model one), replays each on
-// a measured device profile, drops those over the memory limit, and runs the fastest.
-// It prints its choice, the prediction and why the others lost, then trains.
+// a measured device profile, drops those over the memory limit, and runs the fastest
+// (of candidates predicted within --plan-tie of the fastest, default 0.02, the
+// simplest). It prints its choice, the prediction and why the others lost, then trains.
 //
-//   mpirun -np 2 ./build/examples/example_12_auto_plan --profile bench/profiles/vm-2.txt [--steps N] [--memory-mib M]
+//   mpirun -np 2 ./build/examples/example_12_auto_plan --profile bench/profiles/vm-2.txt [--steps N] [--memory-mib M] [--plan-tie F]
 //   mpirun -np 4 ./build/examples/example_12_auto_plan --profile bench/profiles/vm-4.txt --mesh data=2,pipe=2
 //
 // Legend of shape comments: B the global batch (16 sequences), T 128 tokens.
@@ -32,7 +33,8 @@ int main(int argc, char** argv) {
       const std::string a = argv[i];
       if (flags.take(i, argc, argv)) continue;
       if (a == "--memory-mib" && i + 1 < argc) o.memory_limit_mib = detail::parse_double(argv[++i], "--memory-mib", 0, 1e9);
-      else throw std::invalid_argument("example_12: unknown argument " + a + " (have " + std::string(run_flags::names) + ", --profile, --memory-mib, --mesh)");
+      else if (a == "--plan-tie" && i + 1 < argc) o.plan_tie = detail::parse_double(argv[++i], "--plan-tie", 0, 1);  // 1 itself: the library's error
+      else throw std::invalid_argument("example_12: unknown argument " + a + " (have " + std::string(run_flags::names) + ", --profile, --memory-mib, --plan-tie, --mesh)");
     }
 
     // 2. What the planner prices: the global batch (B, T) and, with --memory-mib, a cap per rank.

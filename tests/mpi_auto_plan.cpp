@@ -13,6 +13,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <cmath>
 #include <functional>
 #include <sstream>
 #include <string>
@@ -164,6 +165,70 @@ TEST_CASE("auto_plan without a profile or a batch to price is a clear error") {
   o = auto_options();
   o.profile = "/nonexistent/profile.txt";
   CHECK_THROWS_AS(make<auto_plan<small_gpt>>(ctx, seed{42}, o), std::exception);
+}
+
+// plan_options::plan_tie: candidates predicted within that fraction of the
+// fastest tie, and the one listed first (the simplest: dp, ZeRO 1-3,
+// pipelines, tensor parallelism) runs; the others keep their order.
+TEST_CASE("prefer_simpler moves the simplest candidate within the band to the front, and only it") {
+  auto choice = [](const char* label, int order, double step, bool valid = true, bool fits = true) {
+    plan_choice c;
+    c.label = label, c.order = order, c.step_s = step, c.valid = valid, c.fits = fits;
+    return c;
+  };
+  auto labels = [](const std::vector<plan_choice>& cs) {
+    std::string l;
+    for (const auto& c : cs) l += c.label + std::string(c.tie ? "*" : "") + " ";
+    return l;
+  };
+  // ranked by time: tp 1.00, zero1 1.01, dp 1.015, zero3 1.03, then one over memory and one that cannot run
+  const std::vector<plan_choice> ranked = {choice("tp", 5, 1.00), choice("zero1", 1, 1.01), choice("dp", 0, 1.015),
+                                           choice("zero3", 3, 1.03), choice("big", 0, 0.5, true, false),
+                                           choice("bad", 0, 0, false)};
+  auto with = [&](double tie) {
+    auto cs = ranked;
+    detail::prefer_simpler(cs, tie);
+    return labels(cs);
+  };
+  CHECK(with(0.0) == "tp zero1 dp zero3 big bad ");        // no band: the fastest
+  CHECK(with(0.005) == "tp zero1 dp zero3 big bad ");      // nothing simpler within 0.5%
+  CHECK(with(0.012) == "zero1* tp dp zero3 big bad ");     // zero1 within 1.2%, dp not
+  CHECK(with(0.02) == "dp* tp zero1 zero3 big bad ");      // dp within 2%: the simplest
+  CHECK(with(0.9) == "dp* tp zero1 zero3 big bad ");       // never one over memory or unable to run
+  std::vector<plan_choice> none = {choice("bad", 0, 0, false)};
+  detail::prefer_simpler(none, 0.5);  // nothing runnable: unchanged
+  CHECK(labels(none) == "bad ");
+}
+
+TEST_CASE("auto_plan's ranking applies plan_tie on every rank; a band outside [0, 1) is an error") {
+  auto ctx = context::init();
+  const auto dev = device_profile::load(auto_options().profile);
+  const auto& mesh = ctx.mesh().shape();
+  auto o = auto_options();
+  o.plan_tie = 0;
+  const auto exact = rank_auto_plans<small_gpt>(mesh, o, dev);
+  CHECK(!exact.front().tie);
+  for (const auto& c : exact)
+    if (c.valid && c.fits) CHECK(c.step_s >= exact.front().step_s);  // no band: the fastest prediction
+  for (const double band : {0.02, 0.1, 0.5}) {
+    o.plan_tie = band;
+    const auto r = rank_auto_plans<small_gpt>(mesh, o, dev);
+    INFO("plan_tie " << band << ": chose " << r.front().label << ", fastest " << exact.front().label);
+    REQUIRE(r.size() == exact.size());
+    // the ranking without a band, with one candidate moved to the front
+    auto expect = exact;
+    detail::prefer_simpler(expect, band);
+    for (std::size_t i = 0; i < r.size(); ++i) CHECK(r[i].label == expect[i].label);
+    CHECK(r.front().step_s <= exact.front().step_s * (1 + band));
+    for (const auto& c : r)  // no simpler candidate within the band
+      if (c.valid && c.fits && c.step_s <= exact.front().step_s * (1 + band)) CHECK(r.front().order <= c.order);
+    CHECK(r.front().tie == (r.front().label != exact.front().label));
+  }
+  for (const double bad : {-0.01, 1.0, std::nan("")}) {
+    o.plan_tie = bad;
+    CHECK_THROWS_WITH_AS(rank_auto_plans<small_gpt>(mesh, o, dev), doctest::Contains("plan_tie must be in [0, 1)"),
+                         std::invalid_argument);
+  }
 }
 
 TEST_CASE("auto_plan checkpoints through the plan it chose: saved, loaded by single-process training, identical") {

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -51,6 +52,8 @@ struct plan_choice {
   std::string why;
   double step_s = 0, memory_mib = 0;
   rank_time slowest;      ///< the simulated slowest rank (compute, communication, waits)
+  int order = 0;          ///< simplicity: the order candidates are listed in (dp first)
+  bool tie = false;       ///< the choice: predicted within plan_tie of a faster candidate, and simpler
 };
 
 namespace detail {
@@ -107,9 +110,30 @@ template <class... P> struct auto_variant<plan_list<P...>> {
 };
 }  // namespace detail
 
+namespace detail {
+/// A near-tie goes to the simplest: among the runnable, fitting candidates at
+/// the front of `cs` (ranked by predicted step time), the one of lowest
+/// `order` predicted within `tie` of the fastest moves to the front (the
+/// others keep their order) and is marked `tie`. Predictions closer than that
+/// are within the model's error (docs/planning.md, section 6), and fewer
+/// mechanisms leave less that the model does not see.
+inline void prefer_simpler(std::vector<plan_choice>& cs, double tie) {
+  if (cs.empty() || !cs.front().valid || !cs.front().fits) return;
+  std::size_t pick = 0;
+  for (std::size_t i = 1; i < cs.size() && cs[i].valid && cs[i].fits; ++i)
+    if (cs[i].step_s <= cs.front().step_s * (1.0 + tie) && cs[i].order < cs[pick].order) pick = i;
+  if (pick == 0) return;
+  const auto at = cs.begin() + static_cast<std::ptrdiff_t>(pick);
+  std::rotate(cs.begin(), at, at + 1);
+  cs.front().tie = true;
+}
+}  // namespace detail
+
 /// The candidates of auto_plan<M> on `job` (the job's mesh), priced on `dev`, best
 /// first: runnable plans that fit `o.memory_limit_mib` (0: no limit) by predicted
-/// step time, then those over memory, then those that cannot run (with the reason).
+/// step time — except that the simplest candidate within `o.plan_tie` of the
+/// fastest comes first (detail::prefer_simpler) — then those over memory, then
+/// those that cannot run (with the reason).
 /// On a data-only mesh of N ranks the pipeline also competes on every data=N/p x
 /// pipe=p (every p > 1 dividing N). Pure: every rank computes the same ranking. Prices
 /// with the global batch o.plan_batch of o.plan_seq tokens and AdamW's optimizer
@@ -118,11 +142,17 @@ template <class M>
 std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_options& o, const device_profile& dev) {
   using V = detail::auto_variant<detail::auto_candidates<M>>;
   std::vector<plan_choice> cs;
+  if (!(o.plan_tie >= 0 && o.plan_tie < 1)) {
+    std::ostringstream why;
+    why << "whale::auto_plan<" << layer_name<M>() << ">: plan_options::plan_tie must be in [0, 1) (got " << o.plan_tie << ")";
+    throw std::invalid_argument(why.str());
+  }
   auto price = [&]<std::size_t I>(std::integral_constant<std::size_t, I>, const mesh_shape& mesh, const std::string& label,
                                   int micro) {
     using P = typename V::template at<I>;
     plan_choice c;
     c.label = label, c.index = I, c.micro_batches = micro, c.mesh = mesh.spec();
+    c.order = static_cast<int>(cs.size());
     try {
       const auto d = describe<P>();
       lower_options lo;
@@ -131,6 +161,7 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
       lo.micro_batches = micro;
       lo.bucket_mib = o.bucket_mib;
       lo.balance_seq = o.balance_seq;
+      lo.bf16_reduce = o.bf16_reduce;
       std::vector<program> all;
       std::int64_t mem = 0;
       for (int r = 0; r < mesh.size(); ++r) {
@@ -198,6 +229,7 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
           << (c.valid ? "needs " + std::to_string(c.memory_mib) + " MiB per rank" : c.why);
     throw std::invalid_argument(why.str());
   }
+  detail::prefer_simpler(cs, o.plan_tie);
   return cs;
 }
 
@@ -289,16 +321,21 @@ class auto_executor {
     std::snprintf(line, sizeof line, "auto_plan: chose %s (predicted step %.3f s, %.0f MiB per rank)\n",
                   b.label.c_str(), b.step_s, b.memory_mib);
     os << line;
+    if (b.tie && a.ranking_.size() > 1) {
+      std::snprintf(line, sizeof line, "  (%s is predicted %.1f%% faster: within plan_tie, so the simpler plan runs)\n",
+                    a.ranking_[1].label.c_str(), 100.0 * (1.0 - a.ranking_[1].step_s / b.step_s));
+      os << line;
+    }
     for (std::size_t i = 1; i < a.ranking_.size(); ++i) {
       const auto& c = a.ranking_[i];
       if (!c.valid) std::snprintf(line, sizeof line, "  %-20s cannot run here: %.180s\n", c.label.c_str(), c.why.c_str());
       else if (!c.fits)
         std::snprintf(line, sizeof line, "  %-20s over the memory limit: %.0f MiB per rank\n", c.label.c_str(), c.memory_mib);
       else
-        std::snprintf(line, sizeof line, "  %-20s %+.1f%% slower (%.3f s; its slowest rank: compute %.3f s, "
+        std::snprintf(line, sizeof line, "  %-20s %.1f%% %s (%.3f s; its slowest rank: compute %.3f s, "
                       "communication %.3f s, waiting %.3f s), %.0f MiB per rank\n", c.label.c_str(),
-                      100.0 * (c.step_s / b.step_s - 1.0), c.step_s, c.slowest.compute_s, c.slowest.comm_s,
-                      c.slowest.wait_s, c.memory_mib);
+                      100.0 * std::abs(c.step_s / b.step_s - 1.0), c.step_s < b.step_s ? "faster, a tie" : "slower",
+                      c.step_s, c.slowest.compute_s, c.slowest.comm_s, c.slowest.wait_s, c.memory_mib);
       os << line;
     }
     a.visit([&](auto& e) { os << e; });

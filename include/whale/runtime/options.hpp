@@ -80,6 +80,10 @@ struct plan_options {
   double memory_limit_mib = 0;
   /// The global batch (sequences or samples) and tokens per sequence auto_plan prices.
   index_t plan_batch = 0, plan_seq = 1;
+  /// auto_plan: candidates predicted within this fraction of the fastest are a
+  /// tie, and the simplest of them runs (dp, then ZeRO 1-3, pipelines, tensor
+  /// parallelism, the class-split head). 0: the fastest prediction always wins.
+  double plan_tie = 0.02;
 
   /// WHALE_MICRO_BATCHES, WHALE_STAGE_BLOCKS ("1,3"), WHALE_TRACE (a path), WHALE_BUCKET_MIB,
   /// WHALE_DP_OVERLAP, WHALE_DP_BLOCKING, WHALE_BF16_REDUCE, WHALE_ZERO_PREFETCH, WHALE_CHECK_FINITE, WHALE_BALANCE (booleans:
