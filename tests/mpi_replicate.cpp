@@ -185,6 +185,14 @@ TEST_CASE("replicate<gpt> in bf16 mixed precision matches single-process bf16 tr
   run(adamw{.lr = 1e-3f}, 0.5, 2 * 1e-3 * n, 0.05);
 }
 
+// One step at lr 0 on a fresh copy of `data`: the parameters stay, the
+// gradients are the step's.
+template <class Net, class Data> void step_at_lr0(Net& net, const Data& data) {
+  auto d = data();
+  trainer t(net, sgd{.lr = 0.f}, quiet());
+  t.run(d, steps{1});
+}
+
 // plan_options::bf16_reduce: every gradient bucket is rounded to bf16 (2^-9
 // relative), summed in bf16 (each of the p - 1 partial sums rounded again)
 // and widened back. Checked, on every rank, after one step of the same global
@@ -208,17 +216,8 @@ TEST_CASE("replicate<gpt> with gradient buckets summed in bf16 stays within bf16
   {  // one step's gradients (lr 0 keeps the parameters)
     auto dp = make<replicate<small_gpt>>(ctx, seed{42}, po);
     network<small_gpt> single(seed{42});
-    const sgd still{.lr = 0.f};
-    {
-      auto d = data();
-      trainer t(dp, still, quiet());
-      t.run(d, steps{1});
-    }
-    {
-      auto d = data();
-      trainer t(single, still, quiet());
-      t.run(d, steps{1});
-    }
+    step_at_lr0(dp, data);
+    step_at_lr0(single, data);
     double gmax = 0, emax = 0;
     index_t wide = 0;
     for (index_t i = 0; i < dp.grads().numel(); ++i) {
@@ -273,9 +272,7 @@ template <int Level> void check_zero_bf16(const context& ctx, int micro) {
     q.bf16_reduce = in_bf16;
     const auto comm0 = memory_snapshot().live_of(mem_kind::comm);
     auto z = make<Plan>(ctx, seed{42}, q);
-    auto d = data();
-    trainer t(z, sgd{.lr = 0.f}, quiet());
-    t.run(d, steps{1});
+    step_at_lr0(z, data);
     const std::string label = what + (in_bf16 ? "" : " (but fp32)") + ", ranks " + std::to_string(ctx.size());
     INFO(label);
     CHECK(memory_snapshot().live_of(mem_kind::comm) - comm0 == z.predicted_memory(8, small_gpt::max_seq, 4).comm);
@@ -283,17 +280,8 @@ template <int Level> void check_zero_bf16(const context& ctx, int micro) {
   {  // one step's owned gradients against the single process's
     auto z = make<Plan>(ctx, seed{42}, po);
     network<small_gpt> single(seed{42});
-    const sgd still{.lr = 0.f};
-    {
-      auto d = data();
-      trainer t(z, still, quiet());
-      t.run(d, steps{1});
-    }
-    {
-      auto d = data();
-      trainer t(single, still, quiet());
-      t.run(d, steps{1});
-    }
+    step_at_lr0(z, data);
+    step_at_lr0(single, data);
     const auto [lo, hi] = z.range();
     REQUIRE(z.grads().numel() == hi - lo);
     double gmax = 0, emax = 0;
