@@ -67,24 +67,27 @@ namespace detail {
 /// soon as the leaf is packed — and at level 3 the gathered
 /// parameters of the running leaf and of the prefetched one.
 inline std::int64_t zero_pool_bytes(const program& p, const memory_options& o) {
-  std::map<std::int64_t, std::pair<int, int>> pool;  // size -> (buffers, free)
-  auto take = [&](std::int64_t n) {
-    auto& b = pool[n];
-    if (b.second > 0) --b.second;
-    else ++b.first;
+  struct size_pool {  // buffers taken by exact size: size -> (buffers, free), as the engine's pools
+    std::map<std::int64_t, std::pair<int, int>> by;
+    void take(std::int64_t n) {
+      auto& b = by[n];
+      if (b.second > 0) --b.second;
+      else ++b.first;
+    }
+    void give(std::int64_t n) { ++by[n].second; }
+    std::int64_t elements() const {
+      std::int64_t e = 0;
+      for (const auto& [n, b] : by) e += n * b.first;
+      return e;
+    }
+  } pool, pool16;  // fp32; bf16 (packed buckets and summed pieces)
+  struct leaf {    // a leaf's buffers while its reduce-scatters are in flight
+    std::vector<std::int64_t> fp32, bf16;
   };
-  auto give = [&](std::int64_t n) { ++pool[n].second; };
-  std::map<std::int64_t, std::pair<int, int>> pool16;  // bf16 gradients: packed buckets and summed pieces
-  auto take16 = [&](std::int64_t n) {
-    auto& b = pool16[n];
-    if (b.second > 0) --b.second;
-    else ++b.first;
-  };
-  auto give16 = [&](std::int64_t n) { ++pool16[n].second; };
-  std::vector<std::int64_t> gathered;                 // level 3: in use, oldest first
-  std::vector<std::vector<std::int64_t>> in_flight;   // per leaf: its gradient buffer and accumulation buffers
-  std::vector<std::vector<std::int64_t>> in_flight16; // per leaf (bf16): its packed buckets and summed pieces
+  std::vector<std::int64_t> gathered;  // level 3: in use, oldest first
+  std::vector<leaf> in_flight;
   const int D = p.mesh.size(axis::data);
+  const bool in_bf16 = p.bf16_reduce && D > 1;
   const int keep = o.prefetch ? 2 : 1;
   int micro = -1;
   for (std::size_t i = 0; i < p.ops.size(); ++i) {
@@ -93,45 +96,41 @@ inline std::int64_t zero_pool_bytes(const program& p, const memory_options& o) {
     // reduce-scatters in flight do not (one engine pass spans the step's
     // micro-batches, and at most max_pending leaves are in flight in it)
     if (op.micro >= 0 && op.micro != micro) {
-      for (auto n : gathered) give(n);
+      for (auto n : gathered) pool.give(n);
       gathered.clear();
       micro = op.micro;
     }
     if (op.kind == op_kind::collective && op.coll == coll_kind::all_gather && op.what.starts_with("ZeRO-3 gather")) {
-      while (static_cast<int>(gathered.size()) >= keep) give(gathered.front()), gathered.erase(gathered.begin());
-      take(op.elements), gathered.push_back(op.elements);
+      while (static_cast<int>(gathered.size()) >= keep) pool.give(gathered.front()), gathered.erase(gathered.begin());
+      pool.take(op.elements), gathered.push_back(op.elements);
     } else if (op.kind == op_kind::backward) {
-      std::vector<std::int64_t> bufs, bufs16;
+      std::int64_t grads = 0;  // the leaf's gradient buffer
+      leaf l;
       for (std::size_t k = i + 1; k < p.ops.size(); ++k) {  // its reduce-scatters follow it
         const auto& rs = p.ops[k];
         if (rs.kind != op_kind::collective || rs.coll != coll_kind::reduce_scatter) break;
-        if (bufs.empty()) bufs.push_back(0);
-        bufs.front() += rs.elements;
-        if (p.bf16_reduce && D > 1) {  // the packed bucket, and the summed piece this rank keeps
-          bufs16.push_back(rs.elements);
-          if (rs.mine > 0) bufs16.push_back(rs.mine);
+        grads += rs.elements;
+        if (in_bf16) {  // the packed bucket, and the summed piece this rank keeps
+          l.bf16.push_back(rs.elements);
+          if (rs.mine > 0) l.bf16.push_back(rs.mine);
         } else if (op.micro > 0 && rs.mine > 0) {
-          bufs.push_back(rs.mine);  // accumulating: the piece arrives beside the owned gradients
+          l.fp32.push_back(rs.mine);  // accumulating: the piece arrives beside the owned gradients
         }
       }
-      if (bufs.empty()) continue;
-      for (auto n : bufs) take(n);
-      if (p.bf16_reduce && D > 1) give(bufs.front()), bufs.clear();  // packed: the fp32 gradients go back at once
-      for (auto n : bufs16) take16(n);
-      in_flight.push_back(std::move(bufs));
-      in_flight16.push_back(std::move(bufs16));
+      if (grads == 0) continue;
+      if (in_bf16) pool.take(grads), pool.give(grads);  // packed: the fp32 gradients go back at once
+      else l.fp32.push_back(grads);
+      for (auto n : l.fp32) pool.take(n);
+      for (auto n : l.bf16) pool16.take(n);
+      in_flight.push_back(std::move(l));
       while (static_cast<int>(in_flight.size()) > o.max_pending) {
-        for (auto n : in_flight.front()) give(n);
-        for (auto n : in_flight16.front()) give16(n);
+        for (auto n : in_flight.front().fp32) pool.give(n);
+        for (auto n : in_flight.front().bf16) pool16.give(n);
         in_flight.erase(in_flight.begin());
-        in_flight16.erase(in_flight16.begin());
       }
     }
   }
-  std::int64_t bytes = 0;
-  for (const auto& [n, b] : pool) bytes += 4 * n * b.first;
-  for (const auto& [n, b] : pool16) bytes += 2 * n * b.first;
-  return bytes;
+  return 4 * pool.elements() + 2 * pool16.elements();
 }
 /// A split region's inserted conversion (strategy/layout.hpp): the buffer its
 /// forward writes, the one its backward writes, and for column collectives

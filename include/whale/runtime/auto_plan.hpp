@@ -108,9 +108,7 @@ template <class... P> struct auto_variant<plan_list<P...>> {
   static constexpr std::size_t size = sizeof...(P);
   template <std::size_t I> using at = std::tuple_element_t<I, std::tuple<P...>>;
 };
-}  // namespace detail
 
-namespace detail {
 /// A near-tie goes to the simplest: among the runnable, fitting candidates at
 /// the front of `cs` (ranked by predicted step time), the one of lowest
 /// `order` predicted within `tie` of the fastest moves to the front (the
