@@ -106,8 +106,9 @@ struct gemm_limit {
 };
 
 /// Time every distinct GEMM of `calls` alone (median of `reps` after one warm-up
-/// run), and add them up with their multiplicities.
-inline gemm_limit time_gemms(const std::vector<whale::cpu::gemm_call>& calls, int reps = 3) {
+/// run), and add them up with their multiplicities; `calls` holds `steps`
+/// steps' GEMMs, and the result is per step.
+inline gemm_limit time_gemms(const std::vector<whale::cpu::gemm_call>& calls, int steps = 1, int reps = 3) {
   using key = std::tuple<bool, bool, whale::index_t, whale::index_t, whale::index_t>;
   std::map<key, int> count;
   for (const auto& c : calls) ++count[key{c.ta, c.tb, c.M, c.N, c.K}];
@@ -132,8 +133,9 @@ inline gemm_limit time_gemms(const std::vector<whale::cpu::gemm_call>& calls, in
       run();
       t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
-    r.seconds += median(t) * n;
-    r.flops += 2.0 * static_cast<double>(M) * N * K * n;
+    const double per_step = static_cast<double>(n) / steps;
+    r.seconds += median(t) * per_step;
+    r.flops += 2.0 * static_cast<double>(M) * N * K * per_step;
   }
   return r;
 }

@@ -6,6 +6,7 @@
 
 #include <cblas.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -25,11 +26,13 @@ namespace whale::cpu {
 
 using whale::trans;
 
-/// One GEMM as issued: transposes and sizes. Benchmarks record a step's GEMMs
-/// (set_gemm_log) and time them alone to measure the compute limit.
+/// One GEMM as issued: transposes, sizes, and how long it took where it ran.
+/// Benchmarks record a step's GEMMs (set_gemm_log), add up their time inside the
+/// step, and time each shape alone to measure the compute limit.
 struct gemm_call {
   bool ta = false, tb = false;
   index_t M = 0, N = 0, K = 0;
+  double seconds = 0;  ///< wall time of this call inside the step
   double flops() const noexcept { return 2.0 * static_cast<double>(M) * N * K; }
 };
 namespace detail {
@@ -46,11 +49,15 @@ inline void set_gemm_log(std::vector<gemm_call>* log) noexcept { detail::gemm_lo
 inline void gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A,
                  index_t lda, const float* B, index_t ldb, float beta, float* C, index_t ldc) {
   if (M == 0 || N == 0) return;
-  if (auto* log = detail::gemm_log()) log->push_back({ta == trans::yes, tb == trans::yes, M, N, K});
+  auto* log = detail::gemm_log();
+  const auto t0 = log ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
   cblas_sgemm(CblasRowMajor, ta == trans::yes ? CblasTrans : CblasNoTrans,
               tb == trans::yes ? CblasTrans : CblasNoTrans, static_cast<int>(M),
               static_cast<int>(N), static_cast<int>(K), alpha, A, static_cast<int>(lda), B,
               static_cast<int>(ldb), beta, C, static_cast<int>(ldc));
+  if (log)
+    log->push_back({ta == trans::yes, tb == trans::yes, M, N, K,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()});
 }
 
 /// Contiguous GEMM: lda/ldb/ldc follow from the stored shapes.
