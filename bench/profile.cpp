@@ -2,7 +2,7 @@
 // cost model and writes a device profile (plan/device.hpp, docs/planning.md).
 // Every rank measures at once, as they run in training (ranks share cores and
 // memory bandwidth): GEMM rates at shapes from 64 to 2048 with the transposes
-// backward uses (with --thin, also thin shapes: 64 to 512 rows through a
+// backward uses (with --thin, also thin shapes: 16 to 512 rows through a
 // 1024 x 4096 layer), elementwise bandwidth, and — when launched on 2 or more
 // ranks — latency and bandwidth of all-reduce, all-gather, reduce-scatter and
 // messages, fitted by least squares over sizes from 4 KiB to 32 MiB (the
@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <sstream>
@@ -119,12 +120,40 @@ int main(int argc, char** argv) {
       for (int t = 0; t < 3; ++t) measure(m, n, k, t == 2, t == 1);  // NN (forward), NT (d input), TN (d weights)
     // --thin: a batch of t rows through a 1024 x 4096 layer, as a linear layer runs it:
     // forward y = x W^T (t, 4096, 1024), d input dy W (t, 1024, 4096), d weights dy^T x
-    // (4096, 1024, t). Not by default: see docs/planning.md section 6 for what they did here.
+    // (4096, 1024, t), each timed in turns with a cube of the same FLOPs, 5 pairs: the
+    // factor is the median of the pairs' rate ratios (the median of the three forms),
+    // so a slow spell of the machine falls on both sides of a pair. Rates timed
+    // minutes apart were not steady enough here (docs/planning.md section 6).
     if (thin)
-      for (index_t t : {64, 128, 256, 512}) {
-        measure(t, 4096, 1024, false, true);
-        measure(t, 1024, 4096, false, false);
-        measure(4096, 1024, t, true, false);
+      for (index_t t : {16, 32, 64, 128, 256, 512}) {
+        const double flops = 2.0 * static_cast<double>(t) * 4096 * 1024;
+        const auto side = static_cast<index_t>(std::lround(std::cbrt(flops / 2.0)));
+        const int times = std::max(1, static_cast<int>(0.05 * 30e9 / flops));
+        tensor<float> a({4096 * 1024}), b({4096 * 1024}), c({4096 * 1024}), q({side * side}), r({side * side}), o({side * side});
+        for (auto* x : {&a, &b, &q, &r})
+          for (auto& v : *x) v = 0.5f;
+        auto product = [&](index_t m, index_t n, index_t k, bool ta, bool tb, const float* x, const float* y, float* z) {
+          return [=] {
+            for (int i = 0; i < times; ++i)
+              cpu::gemm(ta ? cpu::trans::yes : cpu::trans::no, tb ? cpu::trans::yes : cpu::trans::no, m, n, k, 1.f, x, y, 0.f, z);
+          };
+        };
+        const auto cube = product(side, side, side, false, false, q.data(), r.data(), o.data());
+        std::vector<double> forms;
+        for (const auto& f : {product(t, 4096, 1024, false, true, a.data(), b.data(), c.data()),
+                              product(t, 1024, 4096, false, false, a.data(), b.data(), c.data()),
+                              product(4096, 1024, t, true, false, a.data(), b.data(), c.data())}) {
+          std::vector<double> ratio;
+          for (int pair = 0; pair < 5; ++pair) {
+            const double thin_s = timed(w, 1, f), cube_s = timed(w, 1, cube);
+            const double cube_flops = 2.0 * static_cast<double>(side) * static_cast<double>(side) * static_cast<double>(side);
+            ratio.push_back((flops / thin_s) / (cube_flops / cube_s));  // thin rate over cube rate
+          }
+          std::sort(ratio.begin(), ratio.end());
+          forms.push_back(ratio[2]);
+        }
+        std::sort(forms.begin(), forms.end());
+        prof.thin.push_back({static_cast<double>(t), forms[1]});
       }
     // more ranks than cores: how much of a core a rank waiting in a receive still takes (MPI
     // polls while it waits). Rank 0 multiplies while the others wait for its message; against

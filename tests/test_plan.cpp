@@ -339,6 +339,29 @@ TEST_CASE("device profile: a shape's transposes by their median; thin products p
   out << q;
   std::istringstream again(out.str());
   CHECK(device_profile::parse(again, "again").gemm_rate(2e9, 64) == doctest::Approx(20e9));
+  // `thin` lines (factors measured in turns with a square product) are the factors when
+  // present, in any order, and the thin gemm shapes then price nothing
+  std::istringstream lines("device l\ngemm 100 100 100 0 0 10\ngemm 1000 1000 1000 0 0 40\n"
+                           "gemm 64 16384 2048 0 1 20\nthin 512 0.9\nthin 32 0.25\nthin 128 0.5\nbandwidth 8\n");
+  const auto l = device_profile::parse(lines, "l.txt");
+  CHECK(l.gemm_rate(2e9) == doctest::Approx(40e9));
+  CHECK(l.gemm_rate(2e9, 16) == doctest::Approx(10e9));   // below the thinnest line: its factor
+  CHECK(l.gemm_rate(2e9, 64) == doctest::Approx(15e9));   // halfway between 32 and 128 rows in log
+  CHECK(l.gemm_rate(2e9, 128) == doctest::Approx(20e9));  // not the 64-row gemm shape's 0.5 at 64
+  CHECK(l.gemm_rate(2e9, 4096) == doctest::Approx(40e9));
+  std::ostringstream written;
+  written << l;
+  std::istringstream read_back(written.str());
+  CHECK(device_profile::parse(read_back, "again").gemm_rate(2e9, 64) == doctest::Approx(15e9));
+  auto bad = [](const char* text) {
+    std::istringstream s(text);
+    return device_profile::parse(s, "bad.txt");
+  };
+  CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 1\nthin 64\nbandwidth 1\n"), doctest::Contains("bad.txt:2: 'thin' takes ROWS FACTOR"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 1\nthin 64 0\nbandwidth 1\n"), doctest::Contains("bad.txt:2: FACTOR '0'"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 1\nthin 64 nan\nbandwidth 1\n"), doctest::Contains("bad.txt:2: FACTOR 'nan'"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 1\nthin -5 0.5\nbandwidth 1\n"), doctest::Contains("bad.txt:2: ROWS '-5'"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 1\nthin 64 0.5\nthin 64 0.6\nbandwidth 1\n"), doctest::Contains("bad.txt:3: a second 'thin' line for 64 rows"), std::invalid_argument);
 }
 
 TEST_CASE("device profile: the text format, interpolated GEMM rates, α–β links, errors with file and line") {

@@ -83,6 +83,10 @@ struct link_fit {
 struct device_profile {
   std::string name = "unnamed";
   std::vector<gemm_point> gemm;  ///< as measured, sorted by size when read
+  /// Thin factors measured as such (`thin ROWS FACTOR` lines: a thin product's
+  /// rate over a square one's of the same FLOPs, timed in turns), by rows. When
+  /// present they are the factors; else they come from the thin `gemm` shapes.
+  std::vector<std::pair<double, double>> thin;
   double bandwidth_bps = 0;      ///< elementwise: bytes read plus written per second
   int ranks_per_node = 0;        ///< devices (ranks) per node of the cluster it describes; 0: one node
   /// 1: a collective blocks its rank until it ends (the CPU runtime); 2: collectives
@@ -113,10 +117,11 @@ struct device_profile {
   /// gradient's) are `rows`; 0: not known, taken as not thin.
   /// - The size curve: the shapes that are not thin, each at the median of its
   ///   measured transposes, interpolated in log(FLOPs); beyond the ends, the end rates.
-  /// - The thin factor: a thin shape's rate over the curve's at its size, the
-  ///   median per thinnest side; for `rows`, interpolated in log(rows) between the
-  ///   sides measured, the smallest's below them, and above the largest rising
-  ///   to 1 at 8 times it (where a shape is no longer thin). 1 without thin shapes.
+  /// - The thin factor: the `thin` lines where there are any, else a thin shape's
+  ///   rate over the curve's at its size, the median per thinnest side; for
+  ///   `rows`, interpolated in log(rows) between the sides measured, the
+  ///   smallest's below them, and above the largest rising to 1 at 8 times it
+  ///   (where a shape is no longer thin). 1 without either.
   /// (An OpenBLAS core here ran 64-row products at 55-70% of its square-shape rate.)
   double gemm_rate(double flops, double rows = 0) const {
     if (gemm.empty()) throw std::logic_error("whale::device_profile '" + name + "': no GEMM rates");
@@ -166,7 +171,10 @@ struct device_profile {
     std::size_t at = 0;
     for (const auto& [rate, count] : pools)
       for (std::size_t k = 0; k < count; ++k) size_curve_[at++].second = rate;
-    if (any_square) {
+    if (!thin.empty()) {
+      thin_factors_ = thin;
+      std::sort(thin_factors_.begin(), thin_factors_.end());
+    } else if (any_square) {
       std::vector<double> sides;
       for (const auto& g : gemm)
         if (g.thin() && std::find(sides.begin(), sides.end(), static_cast<double>(g.thinnest())) == sides.end())
@@ -233,6 +241,7 @@ struct device_profile {
   /// The text format (see docs/planning.md): one entry per line, '#' comments.
   ///   device NAME
   ///   gemm M N K TA TB GFLOPS          (TA, TB: 0 or 1)
+  ///   thin ROWS FACTOR                  (products of ROWS rows run at FACTOR of the size curve's rate)
   ///   bandwidth GBPS                    (elementwise, read + write)
   ///   node RANKS                        (ranks per node; absent: every rank on one node)
   ///   streams 1|2                       (2: collectives overlap compute; absent: 1)
@@ -244,6 +253,7 @@ struct device_profile {
     os << "# whale device profile\ndevice " << p.name << "\n";
     for (const auto& g : p.gemm)
       os << "gemm " << g.m << ' ' << g.n << ' ' << g.k << ' ' << g.ta << ' ' << g.tb << ' ' << g.gflops << "\n";
+    for (const auto& [rows, f] : p.thin) os << "thin " << static_cast<long long>(rows) << ' ' << f << "\n";
     os << "bandwidth " << p.bandwidth_bps / 1e9 << "\n";
     if (p.ranks_per_node) os << "node " << p.ranks_per_node << "\n";
     if (p.streams != 1) os << "streams " << p.streams << "\n";
@@ -293,6 +303,12 @@ struct device_profile {
         g.tb = detail::parse_int(w[5], at + ": TB", 0, 1) != 0;
         g.gflops = num(6, "GFLOPS", 0, 1e9, true);
         p.gemm.push_back(g);
+      } else if (w[0] == "thin") {
+        need(3, "ROWS FACTOR (products of ROWS rows run at FACTOR of the size curve's rate)");
+        const double rows = static_cast<double>(detail::parse_int(w[1], at + ": ROWS", 1, 1 << 30));
+        if (std::any_of(p.thin.begin(), p.thin.end(), [&](const auto& t) { return t.first == rows; }))
+          throw std::invalid_argument(at + ": a second 'thin' line for " + w[1] + " rows");
+        p.thin.push_back({rows, num(2, "FACTOR", 0, 2, true)});
       } else if (w[0] == "bandwidth") {
         need(2, "GBPS");
         p.bandwidth_bps = num(1, "bandwidth", 0, 1e6, true) * 1e9;
@@ -331,7 +347,7 @@ struct device_profile {
         f.alpha_s = num(4, "ALPHA_US", 0, 1e9, false) * 1e-6;
         f.beta_bps = num(5, "BETA_GBPS", 0, 1e6, true) * 1e9;
       } else {
-        throw std::invalid_argument(at + ": unknown entry '" + w[0] + "' (have device, gemm, bandwidth, node, streams, cores, link, point)");
+        throw std::invalid_argument(at + ": unknown entry '" + w[0] + "' (have device, gemm, thin, bandwidth, node, streams, cores, link, point)");
       }
     }
     if (p.gemm.empty()) throw std::invalid_argument(origin + ": no 'gemm' line: a profile needs at least one GEMM rate");
