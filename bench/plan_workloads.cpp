@@ -40,6 +40,7 @@ struct args : bench::search::plan_query {
   int search = 0;              ///< --search N: every plan of the workload on N ranks, simulated and ranked
   double memory_limit_mib = 0; ///< --memory-limit-mib X: plans over it are refused (0: no limit)
   bool pipe_outer = false;     ///< --stages-across-nodes: simulate with pipe_outer_devices (the stages on other nodes)
+  bool tie_given = false;      ///< --plan-tie F given (it belongs to --search)
 };
 
 [[noreturn]] void usage(const std::string& why) {
@@ -48,7 +49,7 @@ struct args : bench::search::plan_query {
             "--mesh data=D,pipe=P,model=M [--rank R] [--batch B] [--seq T] [--micro-batches M] "
             "[--schedule gpipe|1f1b] [--zero 0..3] [--recompute] [--no-grad-norm] [--bucket-mib X] "
             "[--stage-blocks 1,2,...] [--summary] [--json] [--optimizer-bytes 8|4|0] [--simulate PROFILE [--ranks-per-node K] [--stages-across-nodes] [--trace FILE]] "
-            "[--search N --simulate PROFILE [--memory-limit-mib X]] (with --search, --plan and --mesh are chosen)");
+            "[--search N --simulate PROFILE [--memory-limit-mib X] [--plan-tie F]] (with --search, --plan and --mesh are chosen)");
 }
 
 args parse(int argc, char** argv) {
@@ -83,6 +84,7 @@ args parse(int argc, char** argv) {
     else if (f == "--no-grad-norm") a.o.grad_norm = false;
     else if (f == "--simulate") a.profile = value();
     else if (f == "--search") a.search = static_cast<int>(detail::parse_int(value(), "--search", 1, 1 << 16));
+    else if (f == "--plan-tie") a.plan_tie = detail::parse_double(value(), "--plan-tie", 0, 1), a.tie_given = true;  // 1 itself: the search's error
     else if (f == "--memory-limit-mib") a.memory_limit_mib = detail::parse_double(value(), "--memory-limit-mib", 0, 1 << 30, true);
     else if (f == "--optimizer-bytes") a.o.optimizer_bytes_per_param = static_cast<int>(detail::parse_int(value(), "--optimizer-bytes", 0, 64));
     else if (f == "--trace") a.trace = value();
@@ -93,6 +95,7 @@ args parse(int argc, char** argv) {
     else if (f == "--help" || f == "-h") usage("whale_plan: lowers a reference workload's plan for a mesh");
     else usage("whale_plan: unknown option '" + f + "'");
   }
+  if (a.tie_given && !a.search) usage("whale_plan: --plan-tie is the search's (give --search N)");
   if (a.search && a.profile.empty()) usage("whale_plan: --search needs --simulate PROFILE (the device to price the plans on)");
   if (a.search) a.plan = "dp";  // each candidate sets its own
   if (a.workload.empty() || a.plan.empty()) usage("whale_plan: --workload and --plan are required");
@@ -115,16 +118,19 @@ int search(const args& base) {
     for (const auto& c : cs)
       if (c.valid)
         std::printf("{\"workload\": \"%s\", \"candidate\": \"%s\", \"ranks\": %d, \"profile\": \"%s\", \"predicted_step_s\": %.6f, "
-                    "\"predicted_memory_mib\": %.2f, \"fits\": %s, \"chosen\": %s}\n",
-                    base.workload.c_str(), c.label().c_str(), n, dev.name.c_str(), c.step, c.memory_mib, c.fits ? "true" : "false",
-                    &c == &best ? "true" : "false");
+                    "\"predicted_memory_mib\": %.2f, \"fits\": %s, \"chosen\": %s, \"tie\": %s}\n",
+                    base.workload.c_str(), c.label().c_str(), n, dev.name.c_str(), c.step_s, c.memory_mib, c.fits ? "true" : "false",
+                    &c == &best ? "true" : "false", c.tie ? "true" : "false");
     return 0;
   }
   std::cout << "searched " << cs.size() << " plans of " << base.workload << " on " << n << " ranks with the profile '" << dev.name << "'"
             << (base.memory_limit_mib > 0 ? " and at most " + std::to_string(base.memory_limit_mib) + " MiB per rank" : std::string()) << ":\n";
-  std::cout << "  chosen: " << best.label() << ": predicted " << best.step << " s per step, " << best.memory_mib
+  std::cout << "  chosen: " << best.label() << ": predicted " << best.step_s << " s per step, " << best.memory_mib
             << " MiB on the largest rank (its slowest rank computes " << best.slowest.compute_s << " s, communicates "
             << best.slowest.comm_s << " s, waits " << best.slowest.wait_s << " s)\n";
+  if (best.tie && cs.size() > 1)
+    std::cout << "  (" << cs[1].label() << " is predicted " << (1.0 - cs[1].step_s / best.step_s) * 100
+              << "% faster: within the tie band of " << base.plan_tie * 100 << "%, so the simpler plan is chosen)\n";
   int shown = 0, over = 0, broken = 0;
   for (const auto& c : cs) {
     if (&c == &best) continue;
@@ -137,7 +143,8 @@ int search(const args& base) {
       continue;
     }
     if (++shown > 8) continue;
-    std::cout << "  " << c.label() << ": " << c.step << " s (+" << (c.step / best.step - 1) * 100 << "%: compute "
+    const double behind = (c.step_s / best.step_s - 1) * 100;  // negative: faster, chosen against by a tie
+    std::cout << "  " << c.label() << ": " << c.step_s << " s (" << (behind >= 0 ? "+" : "") << behind << "%: compute "
               << (c.slowest.compute_s - best.slowest.compute_s >= 0 ? "+" : "") << c.slowest.compute_s - best.slowest.compute_s
               << " s, communication " << (c.slowest.comm_s - best.slowest.comm_s >= 0 ? "+" : "") << c.slowest.comm_s - best.slowest.comm_s
               << " s, waiting " << (c.slowest.wait_s - best.slowest.wait_s >= 0 ? "+" : "") << c.slowest.wait_s - best.slowest.wait_s

@@ -17,6 +17,7 @@
 #include "whale/plan/lower.hpp"
 #include "whale/plan/memory.hpp"
 #include "whale/plan/simulate.hpp"
+#include "whale/plan/tie.hpp"
 
 namespace bench::search {
 
@@ -30,6 +31,7 @@ struct plan_query {
   bool recompute = false;
   int per_node = 0;       ///< ranks per node for the simulation (0: one node)
   lower_options o;        ///< global_batch / seq < 0: the workload's
+  double plan_tie = 0.02; ///< the search: near-ties within this fraction go to the simpler plan (plan/tie.hpp)
 };
 
 [[noreturn]] inline void plan_error(const std::string& why) { throw std::invalid_argument(why); }
@@ -163,8 +165,10 @@ struct candidate {
   bool pipe_outer = false;  ///< placed with the stages across nodes (pipe_outer_devices)
   bool valid = false, fits = true;
   std::string why;  ///< not valid: the plan's error
-  double step = 0, memory_mib = 0;
+  double step_s = 0, memory_mib = 0;
   rank_time slowest;
+  int order = 0;     ///< simplicity: the order candidates are listed in (dp first)
+  bool tie = false;  ///< the choice: predicted within plan_tie of a faster candidate, and simpler
   std::string label() const {
     std::string l = a.plan;
     if (a.plan == "pipeline" || a.plan == "3d") l += " " + a.schedule + " m=" + std::to_string(a.o.micro_batches);
@@ -176,9 +180,14 @@ struct candidate {
 
 /// Every plan of the workload on n ranks, lowered for every rank, simulated on
 /// `dev` and ranked: runnable plans that fit `memory_limit_mib` (0: no limit)
-/// first, by predicted step time; then those over memory; then those that cannot
-/// run, with the plan's own error. Throws when none runs and fits.
+/// first, by predicted step time, except that the simplest predicted within
+/// `base.plan_tie` of the fastest comes first (prefer_simpler; simplicity is
+/// the order listed: single, dp, ZeRO 1-3, their gradient accumulation and
+/// recompute, pipelines, tensor parallelism, the class-split head, 3-D); then
+/// those over memory; then those that cannot run, with the plan's own error.
+/// Throws when none runs and fits.
 inline std::vector<candidate> rank_plans(const plan_query& base, int n, const device_profile& dev, double memory_limit_mib) {
+  check_plan_tie(base.plan_tie, "plan search: the tie band (--plan-tie)");
   std::vector<candidate> cs;
   auto add = [&](const std::string& plan, const std::string& mesh, const std::string& sched = "1f1b", int micro = 0, bool rec = false) {
     candidate c;
@@ -186,6 +195,7 @@ inline std::vector<candidate> rank_plans(const plan_query& base, int n, const de
     c.a.plan = plan, c.a.schedule = sched, c.a.recompute = rec;
     c.a.o.micro_batches = micro;
     c.mesh = mesh;
+    c.order = static_cast<int>(cs.size());
     cs.push_back(std::move(c));
   };
   const std::string N = std::to_string(n);
@@ -198,22 +208,25 @@ inline std::vector<candidate> rank_plans(const plan_query& base, int n, const de
         if (k > 1) add(p, "data=" + N, "1f1b", k);
         add(p, "data=" + N, "1f1b", k, true);
       }
-  if (w.class_split) add("hybrid", "data=" + N);
+  // listed from the simplest (the order near-ties are broken by)
   if (w.blocks) {
-    for (int m = 2; m <= n; m *= 2)
-      if (n % m == 0) add("hybrid", "data=" + std::to_string(n / m) + ",model=" + std::to_string(m));
     for (int p = 2; p <= n; p *= 2) {
       if (n % p) continue;
       const std::string mesh = "data=" + std::to_string(n / p) + ",pipe=" + std::to_string(p);
       for (const char* sched : {"1f1b", "gpipe"})
         for (int k : {1, 2, 4}) add("pipeline", mesh, sched, k * p);
+    }
+    for (int m = 2; m <= n; m *= 2)
+      if (n % m == 0) add("hybrid", "data=" + std::to_string(n / m) + ",model=" + std::to_string(m));
+  }
+  if (w.class_split) add("hybrid", "data=" + N);
+  if (w.blocks)
+    for (int p = 2; p <= n; p *= 2)
       for (int m = 2; p * m <= n; m *= 2)
         if (n % (p * m) == 0) {
           const std::string m3 = "data=" + std::to_string(n / (p * m)) + ",pipe=" + std::to_string(p) + ",model=" + std::to_string(m);
           for (int k : {1, 2, 4}) add("3d", m3, "1f1b", k * p), add("3d", m3, "1f1b", k * p, true);
         }
-    }
-  }
   // over several nodes, a pipeline beside data parallelism can also run with its
   // stages across nodes and each stage's data-parallel group inside one
   const int per_node = base.per_node > 0 ? base.per_node : dev.ranks_per_node > 0 ? dev.ranks_per_node : n;
@@ -249,7 +262,7 @@ inline std::vector<candidate> rank_plans(const plan_query& base, int n, const de
       }
       const auto sim = simulate(d, all, dev, c.a.per_node, placed);
       c.valid = true;
-      c.step = sim.step_s;
+      c.step_s = sim.step_s;
       c.memory_mib = static_cast<double>(mem) / 1048576.0;
       c.fits = !(memory_limit_mib > 0) || c.memory_mib <= memory_limit_mib;
       for (const auto& r : sim.ranks)
@@ -261,11 +274,12 @@ inline std::vector<candidate> rank_plans(const plan_query& base, int n, const de
   std::stable_sort(cs.begin(), cs.end(), [](const candidate& x, const candidate& y) {
     if (x.valid != y.valid) return x.valid;
     if (x.fits != y.fits) return x.fits;
-    return x.step < y.step;
+    return x.step_s < y.step_s;
   });
   if (cs.empty() || !cs.front().valid || !cs.front().fits)
     throw std::invalid_argument("plan search: no plan of " + base.workload + " runs on " + N + " ranks" +
                                 (memory_limit_mib > 0 ? " within " + std::to_string(memory_limit_mib) + " MiB" : std::string()));
+  prefer_simpler(cs, base.plan_tie);
   return cs;
 }
 

@@ -187,7 +187,7 @@ TEST_CASE("prefer_simpler moves the simplest candidate within the band to the fr
                                            choice("bad", 0, 0, false)};
   auto with = [&](double tie) {
     auto cs = ranked;
-    detail::prefer_simpler(cs, tie);
+    prefer_simpler(cs, tie);
     return labels(cs);
   };
   CHECK(with(0.0) == "tp zero1 dp zero3 big bad ");        // no band: the fastest
@@ -196,7 +196,7 @@ TEST_CASE("prefer_simpler moves the simplest candidate within the band to the fr
   CHECK(with(0.02) == "dp* tp zero1 zero3 big bad ");      // dp within 2%: the simplest
   CHECK(with(0.9) == "dp* tp zero1 zero3 big bad ");       // never one over memory or unable to run
   std::vector<plan_choice> none = {choice("bad", 0, 0, false)};
-  detail::prefer_simpler(none, 0.5);  // nothing runnable: unchanged
+  prefer_simpler(none, 0.5);  // nothing runnable: unchanged
   CHECK(labels(none) == "bad ");
 }
 
@@ -217,7 +217,7 @@ TEST_CASE("auto_plan's ranking applies plan_tie on every rank; a band outside [0
     REQUIRE(r.size() == exact.size());
     // the ranking without a band, with one candidate moved to the front
     auto expect = exact;
-    detail::prefer_simpler(expect, band);
+    prefer_simpler(expect, band);
     for (std::size_t i = 0; i < r.size(); ++i) CHECK(r[i].label == expect[i].label);
     CHECK(r.front().step_s <= exact.front().step_s * (1 + band));
     for (const auto& c : r)  // no simpler candidate within the band

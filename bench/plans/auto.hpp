@@ -1,7 +1,8 @@
 // Plan `auto`: the plan search (search.hpp) chooses, on this machine's device
 // profile (bench/profiles/vm-<ranks>.txt unless --profile), the plan with the
-// smallest predicted step time that fits; then that plan runs as its own
-// benchmark, and its JSON line carries the choice, the prediction and the runners-up.
+// smallest predicted step time that fits, or the simplest predicted within
+// --plan-tie (default 2%) of it; then that plan runs as its own benchmark,
+// and its JSON line carries the choice, the prediction and the runners-up.
 #pragma once
 
 #include <unistd.h>
@@ -19,10 +20,11 @@ namespace bench::plans {
 struct auto_choice {
   static constexpr const char* name = "auto";
   static constexpr const char* help =
-      "the plan search chooses the plan (fastest predicted that fits) on --profile FILE (default "
+      "the plan search chooses the plan (fastest predicted that fits, or the simplest within --plan-tie F of it, "
+      "default 0.02) on --profile FILE (default "
       "bench/profiles/vm-<ranks>.txt; --ranks-per-node K for a cluster's profile), optionally under --memory-limit-mib X, "
       "and runs it; the line adds "
-      "auto_plan, predicted_step_s, predicted_memory_mib and the runners-up";
+      "auto_plan, predicted_step_s, auto_tie, predicted_memory_mib and the runners-up";
   template <class W> static constexpr bool supports = !W::time_to_loss;
 
   template <class W> static void run(config& c) {
@@ -30,6 +32,7 @@ struct auto_choice {
     const std::string profile = c.args.text("--profile", "bench/profiles/vm-" + std::to_string(c.ranks()) + ".txt");
     const double limit = c.args.value("--memory-limit-mib", 0);
     const int per_node = static_cast<int>(c.args.count("--ranks-per-node", 0, 1, 1000000));
+    const double tie = c.args.value("--plan-tie", 0.02);
     c.args.done(name);
     if (::access(profile.c_str(), R_OK) != 0)
       throw usage_error("bench: --plan auto: cannot read the device profile '" + profile +
@@ -42,6 +45,7 @@ struct auto_choice {
     q.o.seq = -1;
     q.o.optimizer_bytes_per_param = 4;  // the benchmarks' SGD with momentum
     q.per_node = per_node;              // 0: one node (this machine)
+    q.plan_tie = tie;
     const auto cs = search::rank_plans(q, c.ranks(), dev, limit);
     const auto& best = cs.front();
 
@@ -69,15 +73,16 @@ struct auto_choice {
     extra.clear();
     extra.emplace_back("auto_plan", "\"" + best.label() + "\"");
     extra.emplace_back("auto_profile", "\"" + dev.name + "\"");
-    std::snprintf(num, sizeof num, "%.6g", best.step);
+    std::snprintf(num, sizeof num, "%.6g", best.step_s);
     extra.emplace_back("predicted_step_s", num);
+    extra.emplace_back("auto_tie", best.tie ? "true" : "false");
     std::snprintf(num, sizeof num, "%.2f", best.memory_mib);
     extra.emplace_back("predicted_memory_mib_total", num);
     std::string runners = "[";
     int shown = 0;
     for (const auto& r : cs) {
       if (&r == &best || !r.valid || !r.fits || shown == 3) continue;
-      std::snprintf(num, sizeof num, "%.6g", r.step);
+      std::snprintf(num, sizeof num, "%.6g", r.step_s);
       runners += std::string(shown++ ? ", " : "") + "{\"plan\": \"" + r.label() + "\", \"predicted_step_s\": " + num + "}";
     }
     extra.emplace_back("auto_runners_up", runners + "]");

@@ -32,6 +32,7 @@
 #include "whale/plan/lower.hpp"
 #include "whale/plan/memory.hpp"
 #include "whale/plan/simulate.hpp"
+#include "whale/plan/tie.hpp"
 #include "whale/runtime/executor.hpp"
 #include "whale/strategy/auto_plan.hpp"
 #include "whale/strategy/pipeline.hpp"
@@ -109,28 +110,12 @@ template <class... P> struct auto_variant<plan_list<P...>> {
   template <std::size_t I> using at = std::tuple_element_t<I, std::tuple<P...>>;
 };
 
-/// A near-tie goes to the simplest: among the runnable, fitting candidates at
-/// the front of `cs` (ranked by predicted step time), the one of lowest
-/// `order` predicted within `tie` of the fastest moves to the front (the
-/// others keep their order) and is marked `tie`. Predictions closer than that
-/// are within the model's error (docs/planning.md, section 6), and fewer
-/// mechanisms leave less that the model does not see.
-inline void prefer_simpler(std::vector<plan_choice>& cs, double tie) {
-  if (cs.empty() || !cs.front().valid || !cs.front().fits) return;
-  std::size_t pick = 0;
-  for (std::size_t i = 1; i < cs.size() && cs[i].valid && cs[i].fits; ++i)
-    if (cs[i].step_s <= cs.front().step_s * (1.0 + tie) && cs[i].order < cs[pick].order) pick = i;
-  if (pick == 0) return;
-  const auto at = cs.begin() + static_cast<std::ptrdiff_t>(pick);
-  std::rotate(cs.begin(), at, at + 1);
-  cs.front().tie = true;
-}
 }  // namespace detail
 
 /// The candidates of auto_plan<M> on `job` (the job's mesh), priced on `dev`, best
 /// first: runnable plans that fit `o.memory_limit_mib` (0: no limit) by predicted
 /// step time — except that the simplest candidate within `o.plan_tie` of the
-/// fastest comes first (detail::prefer_simpler) — then those over memory, then
+/// fastest comes first (prefer_simpler, plan/tie.hpp) — then those over memory, then
 /// those that cannot run (with the reason).
 /// On a data-only mesh of N ranks the pipeline also competes on every data=N/p x
 /// pipe=p (every p > 1 dividing N). Pure: every rank computes the same ranking. Prices
@@ -140,11 +125,7 @@ template <class M>
 std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_options& o, const device_profile& dev) {
   using V = detail::auto_variant<detail::auto_candidates<M>>;
   std::vector<plan_choice> cs;
-  if (!(o.plan_tie >= 0 && o.plan_tie < 1)) {
-    std::ostringstream why;
-    why << "whale::auto_plan<" << layer_name<M>() << ">: plan_options::plan_tie must be in [0, 1) (got " << o.plan_tie << ")";
-    throw std::invalid_argument(why.str());
-  }
+  check_plan_tie(o.plan_tie, "whale::auto_plan<" + layer_name<M>() + ">: plan_options::plan_tie");
   auto price = [&]<std::size_t I>(std::integral_constant<std::size_t, I>, const mesh_shape& mesh, const std::string& label,
                                   int micro) {
     using P = typename V::template at<I>;
@@ -227,7 +208,7 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
           << (c.valid ? "needs " + std::to_string(c.memory_mib) + " MiB per rank" : c.why);
     throw std::invalid_argument(why.str());
   }
-  detail::prefer_simpler(cs, o.plan_tie);
+  prefer_simpler(cs, o.plan_tie);
   return cs;
 }
 
