@@ -179,11 +179,21 @@ TEST_CASE("lowering ZeRO: levels partition optimizer state, gradients and parame
     CHECK(t.optimizer_bytes == 8 * 106);
     CHECK(t.grad_bytes == 4 * (level >= 2 ? 106 : 212));
     CHECK(t.param_bytes == 4 * (level >= 3 ? 106 : 212));
-    int gathers = 0, scatters = 0;
+    int gathers = 0, scatters = 0, uneven = 0;
     for (const auto& x : p.ops) {
       gathers += x.kind == op_kind::collective && x.coll == coll_kind::all_gather;
       scatters += x.kind == op_kind::collective && x.coll == coll_kind::reduce_scatter;
+      if (x.kind == op_kind::collective && x.coll != coll_kind::all_reduce) {
+        // the bytes of an even split of the same buffer (what the link curves were measured on),
+        // never more than the busiest member's
+        CHECK(x.even_bytes == x.elements * 4 / 2);
+        CHECK(x.slowest_bytes >= x.even_bytes);
+        uneven += x.slowest_bytes > x.even_bytes;
+      }
     }
+    // ZeRO-2/3's reduce-scatters: the first leaf (144 parameters) is cut at 106, not at its
+    // middle, and the second (68) lies in rank 1's range alone
+    if (level >= 2) CHECK(uneven > 0);
     // level 1: one bucket all-reduced, parameters gathered after the update
     // level 2: each leaf with parameters reduce-scattered, parameters gathered after the update
     // level 3: each leaf gathered for forward and for backward (the last one stays held), no gather after
@@ -401,6 +411,15 @@ TEST_CASE("device profile: measured link points are followed between and beyond 
   CHECK(ar(3e6) == doctest::Approx(7e-3));                 // beyond the last: the last slope (3 ms per MB)
   CHECK(ar(5e5) == doctest::Approx(0.5 * (10e-6 + 1e-3)));  // below the first: from (0, alpha)
   CHECK(ar(1e6, 7) == doctest::Approx(1e-3 + 10e-6 * 2));  // 6 ring steps against 3: two more latencies
+  // an uneven collective (the busiest rank sends 3 MB where an even split of its buffer sends
+  // 1.5 MB): the points read at the even split (2.5 ms), the part past the latency scaled by 2;
+  // read at 3 MB they would have said 7 ms (the last slope, a bigger buffer's cache regime)
+  const auto uneven = [&](double bytes, double even) {
+    return p.link_time(link_level::node, link_kind::all_reduce, 4, bytes, 1, even);
+  };
+  CHECK(uneven(3e6, 1.5e6) == doctest::Approx(10e-6 + (2.5e-3 - 10e-6) * 2));
+  CHECK(uneven(1.5e6, 1.5e6) == doctest::Approx(ar(1.5e6)));  // even: as before
+  CHECK(uneven(1.5e6, 0) == doctest::Approx(ar(1.5e6)));      // not given: as before
   std::ostringstream round;
   round << p;
   std::istringstream again(round.str());

@@ -219,7 +219,11 @@ struct device_profile {
   /// times the net figure (which is one rank's share when every rank of a node is in
   /// another group): its ring leaves each node once, over the node's shared links,
   /// so a group of 8 ranks per node gets the whole NIC. Never more than the node figure.
-  double link_time(link_level level, link_kind kind, int ranks, double bytes, int local = 1) const {
+  /// `even` (0: `bytes`): what each rank would send with the same buffer split evenly,
+  /// as the measured points were; an uneven collective (ZeRO's pieces, one bucket
+  /// owned by one rank) reads the points there, in the cache regime of its buffer,
+  /// and scales their time past the latency by bytes / even.
+  double link_time(link_level level, link_kind kind, int ranks, double bytes, int local = 1, double even = 0) const {
     if (ranks <= 1 && kind != link_kind::p2p) return 0;
     const auto& f = links[static_cast<int>(level)][static_cast<int>(kind)];
     if (f.ranks == 0 || !(f.beta_bps > 0))
@@ -234,7 +238,13 @@ struct device_profile {
       if (inside.ranks && inside.beta_bps > 0) beta = std::min(beta, inside.beta_bps);
       return f.alpha_s * steps + bytes / beta;
     }
-    if (!f.points.empty()) return f.seconds(bytes) + f.alpha_s * (steps - 1.0);  // the measured curve, more or fewer ring steps
+    if (!f.points.empty()) {  // the measured curve, more or fewer ring steps
+      if (even > 0 && even < bytes) {
+        const double t = f.seconds(even), lat = std::min(f.alpha_s, t);
+        return lat + (t - lat) * (bytes / even) + f.alpha_s * (steps - 1.0);
+      }
+      return f.seconds(bytes) + f.alpha_s * (steps - 1.0);
+    }
     return f.alpha_s * steps + bytes / beta;
   }
 

@@ -229,6 +229,7 @@ class lowering {
     o.group_size = size;
     o.bytes_sent = t.sent;
     o.slowest_bytes = t.slowest;
+    o.even_bytes = t.even;
     o.bytes_received = t.received;
     o.elements = elements;
     o.micro = micro;

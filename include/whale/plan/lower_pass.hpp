@@ -40,6 +40,7 @@ inline void lowering::zero_gather(int unit, bool backward, int micro) {
   o.group_size = D_;
   o.bytes_sent = t.sent;
   o.slowest_bytes = t.slowest;
+  o.even_bytes = t.even;
   o.bytes_received = t.received;
   o.elements = h.local_params;
   o.micro = micro;

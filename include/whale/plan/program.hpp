@@ -64,6 +64,7 @@ struct op {
   std::int64_t bytes_sent = 0;      ///< by this rank (ring/chain model of comm_stats)
   std::int64_t bytes_received = 0;  ///< by this rank
   std::int64_t slowest_bytes = 0;   ///< collectives: the most any member sends or receives (the ring's pace)
+  std::int64_t even_bytes = 0;      ///< collectives: each member's bytes were the buffer split evenly (0: slowest_bytes)
   std::int64_t elements = 0;        ///< elements of the collective's full buffer (or message)
   std::int64_t mine = 0;            ///< reduce-scatter: the elements this rank keeps of them
   double flops = 0;          ///< compute and optimizer operations

@@ -283,9 +283,11 @@ inline step_simulation simulate_pass(const model_desc& d, const std::vector<prog
           // every member has arrived: its start is the latest arrival
           double start = 0;
           for (int q : m) start = std::max(start, arrival[static_cast<std::size_t>(q)]);
-          // the ring runs at the pace of its busiest member (uneven ZeRO pieces, uneven rows)
+          // the ring runs at the pace of its busiest member (uneven ZeRO pieces, uneven rows);
+          // measured points are read at the even split of the same buffer (link_time)
           const double bytes = static_cast<double>(std::max({o.slowest_bytes, o.bytes_sent, o.bytes_received}));
-          const double dur = dev.link_time(cached->second.level, link_of(o), o.group_size, bytes, cached->second.local);
+          const double even = o.even_bytes > 0 ? std::min(bytes, static_cast<double>(o.even_bytes)) : bytes;
+          const double dur = dev.link_time(cached->second.level, link_of(o), o.group_size, bytes, cached->second.local, even);
           for (int q : m) {
             const auto& pq = progs[static_cast<std::size_t>(q)];
             const std::size_t iq = next[static_cast<std::size_t>(q)];
