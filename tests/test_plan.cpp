@@ -473,6 +473,35 @@ TEST_CASE("simulate: data parallel ranks end together, communication is the sum 
   CHECK(pipe.spans.size() > pp[0].ops.size());
 }
 
+TEST_CASE("simulate: an uneven ZeRO reduce-scatter reads the measured points at its buffer's even split") {
+  // reduce-scatter points with a cliff past 300 bytes (a buffer leaving the caches)
+  std::istringstream in("device cliff\ngemm 64 64 64 0 0 100\nbandwidth 10\nlink node all_reduce 2 10 1\n"
+                        "link node all_gather 2 10 1\nlink node p2p 2 10 1\nlink node reduce_scatter 2 1 1\n"
+                        "point node reduce_scatter 100 1\npoint node reduce_scatter 300 3\npoint node reduce_scatter 400 100\n");
+  const auto dev = device_profile::parse(in, "cliff");
+  auto o = batch(8);
+  o.zero_level = 2;
+  const auto d = describe<replicate<mlp>>();
+  std::vector<program> ps;
+  for (int r = 0; r < 2; ++r) ps.push_back(lower(d, mesh_shape(2, 1, 1), r, o));
+  auto flat = ps;  // the same programs priced at the busiest member's bytes
+  double expect = 0;
+  int uneven = 0;
+  for (auto& p : flat)
+    for (auto& x : p.ops) x.even_bytes = 0;
+  for (const auto& x : ps[0].ops)
+    if (x.kind == op_kind::collective && x.coll == coll_kind::reduce_scatter) {
+      const double b = static_cast<double>(x.slowest_bytes), e = static_cast<double>(x.even_bytes);
+      expect += dev.link_time(link_level::node, link_kind::reduce_scatter, 2, b, 1, e) -
+                dev.link_time(link_level::node, link_kind::reduce_scatter, 2, b);
+      uneven += b > e;
+    }
+  CHECK(uneven == 2);  // the 144-parameter leaf cut at 106 (424 B busiest, 288 even), the 68 in rank 1's range
+  CHECK(expect < 0);   // 424 B lies past the cliff, 288 B before it
+  const auto a = simulate(d, ps, dev), b = simulate(d, flat, dev);
+  CHECK(a.ranks[0].comm_s - b.ranks[0].comm_s == doctest::Approx(expect));
+}
+
 TEST_CASE("simulate with ranks sharing cores: alone a rank runs faster than figures measured with all busy, all together as measured") {
   auto shared = flat_profile();
   shared.cores = 1;                 // 2 ranks on 1 core,

@@ -240,7 +240,8 @@ struct device_profile {
     }
     if (!f.points.empty()) {  // the measured curve, more or fewer ring steps
       if (even > 0 && even < bytes) {
-        const double t = f.seconds(even), lat = std::min(f.alpha_s, t);
+        // the latency where the curve starts (seconds() rises from it below the first point)
+        const double t = f.seconds(even), lat = std::min(f.alpha_s, f.points.front().second);
         return lat + (t - lat) * (bytes / even) + f.alpha_s * (steps - 1.0);
       }
       return f.seconds(bytes) + f.alpha_s * (steps - 1.0);
