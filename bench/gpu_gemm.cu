@@ -4,9 +4,16 @@
 // the attention products per head (strided-batched), the LM head -- timed alone
 // through cuda_backend in bf16 (inputs bf16, fp32 accumulation; fp32 and TF32
 // with --precision). Prints one JSON line: the step's GEMM FLOPs, their time
-// and the rate (the denominator of MFU). Without a GPU: a clear error, exit 2.
+// and the rate (the denominator of MFU). With --step S (fp32 or tf32), it then
+// trains gpt-gpu itself on the GPU for S timed steps (after 2 warm-up steps):
+// every layer through backend_ref on cuda_backend, parameters, gradients,
+// AdamW state and activations in device memory (network<M> on a device), and
+// prints a second line: the median step, tokens/s, model FLOPs by the
+// workloads.md formula, and MFU against the GEMM rate of the first line.
+// bf16 has no layer path on the GPU yet (layers compute in fp32), so --step
+// with bf16 is refused. Without a GPU: a clear error, exit 2.
 //
-//   gpu_gemm [--precision bf16|fp32|tf32] [--reps R] [--sequences B]
+//   gpu_gemm [--precision bf16|fp32|tf32] [--reps R] [--sequences B] [--step S]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -15,6 +22,9 @@
 
 #include "whale/backend/cuda.hpp"
 #include "whale/detail/parse.hpp"
+#include "whale/models/gpt.hpp"
+#include "whale/nn/network.hpp"
+#include "whale/optim/adamw.hpp"
 
 using namespace whale;
 
@@ -55,12 +65,60 @@ std::vector<shape_t> step_gemms(index_t B, index_t T, index_t D, index_t H, inde
       {"lm head dw", trans::yes, trans::no, V, D, R, 1, 1},
   };
 }
+// gpt-gpu trained on the GPU: `steps` timed steps after 2 warm-up ones; one JSON line.
+void train_steps(cuda_backend& gpu, const std::string& precision, index_t B, index_t steps, double gemm_rate) {
+  constexpr index_t V = 32768, T = 1024, D = 1024, H = 16, F = 4096;
+  constexpr std::size_t L = 12;
+  using gpt_gpu = models::gpt_model<V, T, D, H, F, L>;
+  network<gpt_gpu> net(seed{1}, backend_ref(gpu));
+  const adamw opt{.lr = 1e-4f};
+  auto st = net.make_optimizer_state(opt);
+  std::vector<std::int32_t> tokens(static_cast<std::size_t>(B * T)), labels(tokens.size());
+  const counter_rng r(seed{7});
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>(r.uniform(i) * (V - 1));
+  for (std::size_t i = 0; i < tokens.size(); ++i) labels[i] = tokens[(i + 1) % tokens.size()];
+  const cview<std::int32_t> x(tokens.data(), {B, T}), y(labels.data(), {B * T});
+  std::vector<double> times;
+  double loss_first = 0, loss_last = 0;
+  std::int64_t mallocs_warm = 0, in_use = 0;
+  for (index_t s = 0; s < steps + 2; ++s) {
+    gpu.synchronize();
+    const auto t0 = std::chrono::steady_clock::now();
+    step_ctx c;
+    c.batch = B;
+    c.seq = T;
+    c.global_rows = B * T;
+    const double loss = net.train_step(c, x, y);
+    in_use = std::max(in_use, gpu.allocator().bytes_in_use);  // activations are kept until the next step
+    net.apply_optimizer(opt, st, clip_coefficient(net.grad_norm(), 1.0));
+    gpu.synchronize();
+    if (s >= 2) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    if (s == 0) loss_first = loss;
+    if (s == 1) mallocs_warm = gpu.allocator().upstream_allocations;
+    loss_last = loss;
+  }
+  std::sort(times.begin(), times.end());
+  const double step = times[times.size() / 2];
+  // workloads.md: 6 x params (without the token and position tables) x tokens, plus attention's 12 L T^2 D B
+  const double params = static_cast<double>(net.param_count() - V * D - T * D);
+  const double model_flops = 6.0 * params * static_cast<double>(B * T) + 12.0 * L * T * T * D * static_cast<double>(B);
+  std::printf("{\"workload\": \"gpt-gpu\", \"backend\": \"cuda\", \"plan\": \"single\", \"precision\": \"%s\", "
+              "\"sequences\": %lld, \"seq\": %lld, \"steps\": %lld, \"step_s\": %.6g, \"tokens_per_s\": %.6g, "
+              "\"model_flops_per_step\": %.6g, \"achieved_tflops\": %.3f, \"gemm_tflops\": %.3f, \"mfu_vs_gemm\": %.4f, "
+              "\"loss_first\": %.6g, \"loss_last\": %.6g, \"cuda_mallocs_after_warmup\": %lld, "
+              "\"device_bytes_in_use_after_forward_backward\": %lld}\n",
+              precision.c_str(), static_cast<long long>(B), static_cast<long long>(T), static_cast<long long>(steps), step,
+              static_cast<double>(B * T) / step, model_flops, model_flops / step / 1e12, gemm_rate / 1e12,
+              model_flops / step / gemm_rate, loss_first, loss_last,
+              static_cast<long long>(gpu.allocator().upstream_allocations - mallocs_warm),
+              static_cast<long long>(in_use));
+}
 }  // namespace
 
 int main(int argc, char** argv) {
   try {
     std::string precision = "bf16";
-    index_t reps = 10, B = 8;
+    index_t reps = 10, B = 8, steps = 0;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--precision" && i + 1 < argc) {
@@ -69,8 +127,12 @@ int main(int argc, char** argv) {
           throw std::invalid_argument("gpu_gemm: --precision '" + precision + "': expected bf16, fp32 or tf32");
       } else if (a == "--reps" && i + 1 < argc) reps = detail::parse_int(argv[++i], "--reps", 1, 1000);
       else if (a == "--sequences" && i + 1 < argc) B = detail::parse_int(argv[++i], "--sequences", 1, 512);
-      else throw std::invalid_argument("gpu_gemm: unknown argument " + a + " (have --precision, --reps, --sequences)");
+      else if (a == "--step" && i + 1 < argc) steps = detail::parse_int(argv[++i], "--step", 1, 1000);
+      else throw std::invalid_argument("gpu_gemm: unknown argument " + a + " (have --precision, --reps, --sequences, --step)");
     }
+    if (steps > 0 && precision == "bf16")
+      throw std::invalid_argument("gpu_gemm: --step trains through the layers, which compute in fp32 on the GPU (no bf16 "
+                                  "layer path yet): use --precision fp32 or tf32 with it");
     if (cuda_device_count() == 0) {
       std::fprintf(stderr, "gpu_gemm: no CUDA device found: the GPU benchmark needs a GPU (use the CPU backend here)\n");
       return 2;
@@ -128,6 +190,7 @@ int main(int argc, char** argv) {
                 precision.c_str(), static_cast<long long>(B), static_cast<long long>(T), flops, seconds,
                 flops / seconds / 1e12, per_shape.c_str(), static_cast<long long>(gpu.allocator().upstream_allocations));
     for (void* p : {A, Bm, C}) gpu.deallocate(p, 0);
+    if (steps > 0) train_steps(gpu, precision, B, steps, flops / seconds);
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gpu_gemm: %s\n", e.what());

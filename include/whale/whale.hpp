@@ -12,6 +12,7 @@
 
 // backend/
 #include "whale/backend/cpu.hpp"
+#include "whale/backend/guarded.hpp"
 
 // comm/
 #include "whale/comm/collectives.hpp"

@@ -3,12 +3,15 @@
 // space is `cuda`, i.e. cuda_backend) where nvcc compiles the training code.
 // Layers, their split forms and the optimizers issue every GEMM and kernel
 // body through one (step_ctx::be), so one layer source serves both spaces.
-// Small and copied by value; a GPU reference does not own the backend.
+// Small and copied by value; a GPU reference does not own the backend. The
+// guarded backend (backend/guarded.hpp) is a third kind: the CPU computing in
+// memory host code may not touch, a GPU's memory rules without a GPU.
 #pragma once
 
 #include <concepts>
 #include <cstring>
 #include <stdexcept>
+#include <vector>
 
 #include "whale/backend/backend.hpp"
 #include "whale/backend/cpu.hpp"
@@ -31,10 +34,23 @@ class backend_ref {
     requires std::same_as<typename G::space, cuda>
   explicit backend_ref(G& gpu) noexcept
       : gpu_(&gpu), stream_(static_cast<void*>(gpu.compute_stream())), ops_(&gpu_table<G>) {}
+  /// A backend whose kernel bodies run on the host between its `enter()` and
+  /// `leave()` (the guarded backend): device memory rules, CPU arithmetic.
+  template <Backend G>
+    requires requires(G& g) {
+      requires G::host_executed;
+      g.enter();
+      g.leave();
+    }
+  explicit backend_ref(G& dev) noexcept : gpu_(&dev), ops_(&gpu_table<G>) {}
 
-  /// Whether this is the CPU (host memory) or a GPU (device memory).
+  /// Whether this is the CPU (host memory, which host code may read) or a
+  /// device backend (a GPU, or the guarded backend): memory only its calls touch.
   bool on_cpu() const noexcept { return gpu_ == nullptr; }
-  const char* name() const noexcept { return gpu_ ? "cuda" : "cpu"; }
+  const char* name() const noexcept { return gpu_ ? ops_->name : "cpu"; }
+  /// Where tensors allocated for this backend live (open a place_scope on it):
+  /// null for the CPU (host memory).
+  const memory_place* memory() const noexcept { return gpu_ ? ops_->memory(gpu_) : nullptr; }
 
   /// C(M,N) = alpha op(A) op(B) + beta C, row-major, with the rows' strides.
   void gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
@@ -59,6 +75,10 @@ class backend_ref {
   /// body(i) for i in [0, n): a CPU loop, or a CUDA grid on the GPU's compute stream.
   template <kernels::KernelBody K> void launch(index_t n, const K& body) const {
     if (!gpu_) return cpu::launch(n, body);
+    if (ops_->enter) {  // host-executed: the CPU loop inside the backend's window
+      const opened o(*this);
+      return cpu::launch(n, body);
+    }
 #if defined(__CUDACC__)
     cuda_space::launch(n, body, static_cast<cudaStream_t>(stream_));
 #else
@@ -89,8 +109,37 @@ class backend_ref {
   void synchronize() const {
     if (gpu_) ops_->synchronize(gpu_);
   }
+  /// `v` readable by host code: `v` itself on the CPU; on a device, a copy in
+  /// `keep` (queued after the work so far, waited for), which the result views.
+  template <class T> cview<T> host_readable(cview<T> v, std::vector<std::remove_const_t<T>>& keep) const {
+    if (!gpu_ || v.data() == nullptr) return v;
+    keep.resize(static_cast<std::size_t>(v.numel()));
+    copy(keep.data(), v.data(), v.bytes());
+    synchronize();
+    return cview<T>(keep.data(), v.shape());
+  }
 
   // ---- the compositions layers share ----
+
+  /// The sum of squares of x[0, n) (a gradient norm): cpu::sum_squares on the
+  /// CPU; on a device, per-block sums there (kernels::sum_squares_blocks, the
+  /// same arithmetic) added on the host in order -- the same value to the bit.
+  double sum_squares(index_t n, const float* x) const {
+    if (!gpu_) return cpu::sum_squares(n, x);
+    const index_t nb = kernels::sum_squares_blocks::blocks(n);
+    if (nb == 0) return 0.0;
+    tensor<double> partial;
+    {
+      const place_scope on(memory());
+      partial = tensor<double>({nb}, mem_kind::workspace);
+    }
+    launch(nb, kernels::sum_squares_blocks{x, partial.data(), n});
+    std::vector<double> host;
+    const auto sums = host_readable(cview<double>(partial), host);
+    double total = 0.0;
+    for (index_t b = 0; b < nb; ++b) total += sums[b];
+    return total;
+  }
 
   /// y[r, :] += b over `rows` rows of width `cols`.
   void add_row_bias(float* y, const float* b, index_t rows, index_t cols) const {
@@ -109,6 +158,14 @@ class backend_ref {
   }
 
  private:
+  /// The window of a host-executed backend, closed on every way out.
+  struct opened {
+    const backend_ref& b;
+    explicit opened(const backend_ref& r) : b(r) { b.ops_->enter(b.gpu_); }
+    ~opened() { b.ops_->leave(b.gpu_); }
+    opened(const opened&) = delete;
+    opened& operator=(const opened&) = delete;
+  };
   struct table {
     void (*gemm)(void*, trans, trans, index_t, index_t, index_t, float, const float*, index_t, const float*, index_t,
                  float, float*, index_t);
@@ -117,7 +174,18 @@ class backend_ref {
     void (*copy)(void*, void*, const void*, std::size_t);
     void (*fill_zero)(void*, void*, std::size_t);
     void (*synchronize)(void*);
+    const memory_place* (*memory)(void*);
+    const char* name;
+    void (*enter)(void*);  // host-executed backends only; null otherwise
+    void (*leave)(void*);
   };
+  template <class G> static constexpr bool host_executed_v = requires { requires G::host_executed; };
+  template <class G> static void enter_of(void* g) {
+    if constexpr (host_executed_v<G>) static_cast<G*>(g)->enter();
+  }
+  template <class G> static void leave_of(void* g) {
+    if constexpr (host_executed_v<G>) static_cast<G*>(g)->leave();
+  }
   template <class G>
   static constexpr table gpu_table{
       [](void* g, trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
@@ -133,6 +201,10 @@ class backend_ref {
       [](void* g, void* dst, const void* src, std::size_t bytes) { static_cast<G*>(g)->copy(dst, src, bytes); },
       [](void* g, void* p, std::size_t bytes) { static_cast<G*>(g)->fill_zero(p, bytes); },
       [](void* g) { static_cast<G*>(g)->synchronize(); },
+      [](void* g) -> const memory_place* { return static_cast<G*>(g)->memory(); },
+      G::name(),
+      host_executed_v<G> ? &enter_of<G> : nullptr,
+      host_executed_v<G> ? &leave_of<G> : nullptr,
   };
 
   void* gpu_ = nullptr;     // the GPU backend; null: the CPU

@@ -91,22 +91,20 @@ inline int default_threads() {
 
 // ---- host-side reductions (the runtime's, on host memory) ----
 
-inline double sum_squares(index_t n, const float* __restrict x) {
-  // Blocked float partial sums in 16 independent lanes (which the compiler turns
-  // into vector registers without reassociating anything), accumulated in double
-  // per block: one pass at memory speed, and accurate.
+inline double sum_squares(index_t n, const float* x) {
+  // Blocks of 4096 in 16 float lanes each (kernels::sum_squares_blocks, which
+  // the compiler turns into vector registers without reassociating anything),
+  // accumulated in double in block order: one pass at memory speed, and
+  // accurate. The same body a device backend runs, through the same launch,
+  // so the guarded backend's norm is this one to the bit.
+  const index_t nb = kernels::sum_squares_blocks::blocks(n);
+  constexpr index_t chunk = 256;  // block sums per launch, on the stack
+  double part[chunk];
   double total = 0.0;
-  constexpr index_t block = 4096, lanes = 16;
-  for (index_t i0 = 0; i0 < n; i0 += block) {
-    const index_t e = i0 + block < n ? i0 + block : n;
-    float acc[lanes] = {};
-    index_t i = i0;
-    for (; i + lanes <= e; i += lanes)
-      for (index_t k = 0; k < lanes; ++k) acc[k] += x[i + k] * x[i + k];
-    float s = 0.f;
-    for (; i < e; ++i) s += x[i] * x[i];
-    for (index_t k = 0; k < lanes; ++k) s += acc[k];
-    total += s;
+  for (index_t b0 = 0; b0 < nb; b0 += chunk) {
+    const index_t m = nb - b0 < chunk ? nb - b0 : chunk;
+    launch(m, kernels::sum_squares_blocks{x + b0 * kernels::sum_squares_blocks::block, part, n - b0 * kernels::sum_squares_blocks::block});
+    for (index_t b = 0; b < m; ++b) total += part[b];
   }
   return total;
 }

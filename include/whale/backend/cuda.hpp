@@ -4,7 +4,8 @@
 // (no cudaMalloc in the steady state), pinned host staging, a compute and a
 // communication stream with events between them. Needs the CUDA toolkit
 // (link whale::cuda); launching bodies needs a .cu file compiled by nvcc.
-// Layers do not yet run on it (docs/backend.md says what does).
+// A network<M> given backend_ref(gpu) trains on it in device memory; the
+// executor and the parallel plans do not yet (docs/backend.md says what does).
 #pragma once
 
 #include <cublas_v2.h>
@@ -168,6 +169,9 @@ class cuda_backend {
 #endif
   }
 
+  /// Where tensors live on this GPU: a place_scope on it allocates tensors'
+  /// storage from this backend's cache and zeroes it on the compute stream.
+  const memory_place* memory() const noexcept { return &place_; }
   /// Device memory from the cache (cudaMalloc only when no cached block fits).
   void* allocate(std::size_t bytes) { return alloc_.allocate(bytes); }
   void deallocate(void* p, std::size_t bytes) { alloc_.deallocate(p, bytes); }
@@ -218,6 +222,11 @@ class cuda_backend {
   cudaStream_t compute_ = nullptr, comm_ = nullptr;
   cublasHandle_t blas_ = nullptr;
   caching_allocator<detail::cuda_device_upstream> alloc_;
+  memory_place place_{this,
+                      [](void* o, std::size_t n) { return static_cast<cuda_backend*>(o)->allocate(n); },
+                      [](void* o, void* p, std::size_t n) { static_cast<cuda_backend*>(o)->deallocate(p, n); },
+                      [](void* o, void* p, std::size_t n) { static_cast<cuda_backend*>(o)->fill_zero(p, n); },
+                      "cuda"};
 };
 static_assert(Backend<cuda_backend>, "whale::cuda_backend must model the Backend concept");
 

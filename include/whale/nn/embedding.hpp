@@ -53,7 +53,9 @@ struct embedding {
   view<float> forward(step_ctx& c, cview<std::int32_t> tokens) {
     auto& s = st_(c.slot);
     const index_t R = tokens.numel();
-    for (index_t r = 0; r < R; ++r) check(tokens[r]);
+    std::vector<std::int32_t> host;  // the tokens on the host, when they are on a device
+    const auto readable = c.be.host_readable(tokens, host);
+    for (index_t r = 0; r < R; ++r) check(readable[r]);
     s.tokens = tokens;
     auto y = detail::ensure(s.y, {R, D});
     c.be.launch(R, kernels::gather_rows{w_.data(), tokens.data(), y.data(), D});

@@ -258,8 +258,10 @@ struct layer_hooks {
 
 namespace detail {
 /// --check-finite: the first NaN/Inf of `v` (what leaf `name` produced), as an error naming it.
-inline void check_finite_values(cview<float> v, const std::string& name, const char* what, const step_ctx& c) {
-  if (v.data() == nullptr) return;  // no input gradient asked for
+inline void check_finite_values(cview<float> given, const std::string& name, const char* what, const step_ctx& c) {
+  if (given.data() == nullptr) return;  // no input gradient asked for
+  std::vector<float> host;  // the values on the host, when they are on a device
+  const auto v = c.be.host_readable(given, host);
   for (index_t i = 0; i < v.numel(); ++i) {
     const float x = v[i];
     if (x - x != 0.f) {  // NaN or +-Inf

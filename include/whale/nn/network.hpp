@@ -2,6 +2,10 @@
 // softmax_cross_entropy) with its parameters and gradients in two flat,
 // huge-page buffers, initialised from a seed. No parallelism here: the
 // strategies in strategy/ decide what each rank holds and communicates.
+// Given a device backend (a GPU, or the guarded backend), everything the
+// network allocates -- parameters, gradients, optimizer state, activations,
+// the step's inputs -- lives in that backend's memory, and the host touches
+// none of it: see docs/backend.md, "Training on a device".
 #pragma once
 
 #include <cstdint>
@@ -10,9 +14,11 @@
 #include <cmath>
 #include <concepts>
 #include <utility>
+#include <vector>
 
 #include "whale/backend/cpu.hpp"
 #include "whale/nn/layer.hpp"
+#include "whale/optim/optimizer.hpp"
 
 namespace whale {
 
@@ -28,62 +34,130 @@ class network {
   using input_type = typename M::input_type;
 
   explicit network(seed s) : network(s, [](M&) {}) {}
+  /// On backend `be`: a device backend places everything in its memory (the
+  /// backend must outlive the network); the CPU, the default, keeps it on the host.
+  network(seed s, backend_ref be) : network(s, [](M&) {}, be) {}
   /// `configure(model)` runs before parameters are counted: plans use it to
   /// tell sharded layers their degree and communicators.
   template <class F>
     requires std::invocable<F&, M&>
-  network(seed s, F&& configure) {
+  network(seed s, F&& configure, backend_ref be = {}) : be_(be) {
     configure(model_);
     const index_t n = model_.param_count();
     params_ = tensor<float>({n}, mem_kind::params);
     grads_ = tensor<float>({n}, mem_kind::grads);
     param_binder b(params_.data(), grads_.data(), n);
     model_.bind(b);
-    model_.init(counter_rng(s));
+    model_.init(counter_rng(s));  // on the host: initialisers are host loops
+    if (!be_.on_cpu()) {          // then into the device's memory, and the layers bound there
+      tensor<float> p, g;
+      {
+        const place_scope on(be_.memory());
+        p = tensor<float>({n}, mem_kind::params);
+        g = tensor<float>({n}, mem_kind::grads);
+      }
+      be_.copy(p.data(), params_.data(), p.v().bytes());
+      be_.synchronize();
+      params_ = std::move(p);
+      grads_ = std::move(g);
+      param_binder d(params_.data(), grads_.data(), n);
+      model_.bind(d);
+    }
   }
   network(const network&) = delete;
   network& operator=(const network&) = delete;
 
   /// One forward and backward pass; returns this rank's share of the loss.
+  /// On a device, `x` and `labels` are host memory (what a data source gives):
+  /// they are copied to the device first.
   double train_step(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) {
-    const double loss = model_.forward_loss(c, x, labels);
-    c.need_input_grad = false;
-    model_.backward_loss(c);
-    return loss;
+    if (!be_.on_cpu()) return on_device(c, [&](cview<input_type> dx, cview<std::int32_t> dl) {
+      return train_step_here(c, dx, dl);
+    }, x, labels);
+    return train_step_here(c, x, labels);
   }
   /// Forward only; returns this rank's share of the loss.
   double evaluate(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) {
+    if (!be_.on_cpu()) return on_device(c, [&](cview<input_type> dx, cview<std::int32_t> dl) {
+      return model_.forward_loss(c, dx, dl);
+    }, x, labels);
     return model_.forward_loss(c, x, labels);
   }
-  /// The logits of rows `x` (the model's output before its loss), (rows, classes).
+  /// The logits of rows `x` (host memory), (rows, classes), in host memory.
   tensor<float> forward(step_ctx& c, cview<input_type> x) {
-    const auto y = model_.forward(c, x);
+    view<float> y;
+    if (!be_.on_cpu()) {
+      c.be = be_;
+      const place_scope on(be_.memory());
+      y = model_.forward(c, upload(x, in_));
+    } else {
+      y = model_.forward(c, x);
+    }
     tensor<float> out({y.shape()[0], y.numel() / (y.shape()[0] ? y.shape()[0] : 1)}, mem_kind::workspace);
-    std::memcpy(out.data(), y.data(), static_cast<std::size_t>(y.numel()) * sizeof(float));
+    be_.copy(out.data(), y.data(), static_cast<std::size_t>(y.numel()) * sizeof(float));
+    be_.synchronize();
     return out;
   }
 
   // ---- Trainable (single process): the whole batch, no communication ----
   std::pair<index_t, index_t> local_batch(index_t global_batch) const { return {0, global_batch}; }
   double reduce_loss(double share) const noexcept { return share; }
-  double grad_norm() const { return std::sqrt(cpu::sum_squares(grads_.numel(), grads_.data())); }
+  double grad_norm() const { return std::sqrt(be_.sum_squares(grads_.numel(), grads_.data())); }
   int rank() const noexcept { return 0; }
   int world_size() const noexcept { return 1; }
+  /// The optimizer's state, in the network's memory (the device's, on one).
   template <class O> typename O::state make_optimizer_state(const O& opt) const {
+    const place_scope on(be_.memory());
     return opt.make_state(param_count());
   }
-  /// Scale gradients by `grad_scale` (clipping) and apply one optimizer step.
+  /// Scale gradients by `grad_scale` (clipping) and apply one optimizer step, on the network's backend.
   template <class O> void apply_optimizer(const O& opt, typename O::state& s, float grad_scale) {
-    if (grad_scale != 1.f) cpu::launch(grads_.numel(), kernels::scale{grads_.data(), grad_scale});
-    opt.update(s, params_.v(), grads_.v());
+    if (grad_scale != 1.f) be_.launch(grads_.numel(), kernels::scale{grads_.data(), grad_scale});
+    update_on(be_, opt, s, params_.v(), grads_.v());
   }
 
   M& model() noexcept { return model_; }
   const M& model() const noexcept { return model_; }
+  /// The flat parameters and gradients where they live: on a device backend,
+  /// device memory (read them with params_on_host / grads_on_host).
   view<float> params() const noexcept { return params_.v(); }
   view<float> grads() const noexcept { return grads_.v(); }
   index_t param_count() const noexcept { return params_.numel(); }
+  /// The backend the network computes on and keeps its memory in.
+  const backend_ref& backend() const noexcept { return be_; }
+  /// Copies in host memory, wherever the network lives.
+  std::vector<float> params_on_host() const { return to_host(params_); }
+  std::vector<float> grads_on_host() const { return to_host(grads_); }
 
+ private:
+  /// Host values into device buffer `buf` (reused from step to step).
+  template <class T> cview<T> upload(cview<T> host, tensor<T>& buf) {
+    buf.resize(host.shape());
+    be_.copy(buf.data(), host.data(), host.bytes());
+    return buf.v();
+  }
+  /// Run `f` on device copies of `x` and `labels`, with everything it allocates
+  /// in the device's memory and every call on its backend.
+  template <class F>
+  double on_device(step_ctx& c, F&& f, cview<input_type> x, cview<std::int32_t> labels) {
+    c.be = be_;
+    const place_scope on(be_.memory());
+    return f(upload(x, in_), upload(labels, labels_));
+  }
+  double train_step_here(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) {
+    const double loss = model_.forward_loss(c, x, labels);
+    c.need_input_grad = false;
+    model_.backward_loss(c);
+    return loss;
+  }
+  std::vector<float> to_host(const tensor<float>& t) const {
+    std::vector<float> h(static_cast<std::size_t>(t.numel()));
+    be_.copy(h.data(), t.data(), h.size() * sizeof(float));
+    be_.synchronize();
+    return h;
+  }
+
+ public:
   friend std::ostream& operator<<(std::ostream& os, const network& n) {
     os << "network: " << n.param_count() << " parameters ("
        << static_cast<double>(n.param_count()) * 4 / 1048576.0 << " MiB)\n";
@@ -92,8 +166,11 @@ class network {
   }
 
  private:
+  backend_ref be_;  // where the network computes and keeps its memory
   M model_;
   tensor<float> params_, grads_;
+  tensor<input_type> in_;       // the step's inputs and labels on a device
+  tensor<std::int32_t> labels_;
 };
 
 }  // namespace whale

@@ -43,8 +43,10 @@ struct softmax_cross_entropy : stateless_params {
     auto p = detail::ensure(s.grad, {R, C});
     const double n = c.global_rows > 0 ? c.loss_count() : static_cast<double>(R);
     const double inv = n > 0 ? 1.0 / n : 0.0;
+    std::vector<std::int32_t> host_labels;  // the labels on the host, when they are on a device
+    const auto readable = c.be.host_readable(labels, host_labels);
     for (index_t r = 0; r < R; ++r) {
-      const std::int32_t y = labels[r];
+      const std::int32_t y = readable[r];
       if (y != ignore_index && (y < 0 || y >= C))
         throw std::out_of_range("whale::softmax_cross_entropy: label " + std::to_string(y) +
                                 " out of range for " + std::to_string(C) + " classes (ignore_index is " +
@@ -53,8 +55,10 @@ struct softmax_cross_entropy : stateless_params {
     auto loss = detail::ensure(s.row_loss, {R});
     c.be.launch(R, kernels::cross_entropy_rows{logits.data(), labels.data(), p.data(), loss.data(), C,
                                                static_cast<float>(inv), ignore_index});
+    std::vector<double> host_loss;
+    const auto rows = c.be.host_readable(cview<double>(loss), host_loss);
     double total = 0.0;
-    for (index_t r = 0; r < R; ++r) total += loss[r];
+    for (index_t r = 0; r < R; ++r) total += rows[r];
     return total * inv;
   }
   view<float> backward_loss(step_ctx& c) { return st_(c.slot).grad.v(); }

@@ -1,6 +1,8 @@
-// Host memory for whale: aligned allocation (2 MiB + MADV_HUGEPAGE for big
+// Memory for whale: aligned host allocation (2 MiB + MADV_HUGEPAGE for big
 // buffers), a tracker of live and peak bytes per category, an allocation
-// counter, and the activation pool that recompute scopes allocate from. It does not hold tensors or shapes (see tensor.hpp).
+// counter, the activation pool that recompute scopes allocate from, and
+// `memory_place`: a backend's memory (a GPU's) that tensors allocate in while
+// a `place_scope` is open. It does not hold tensors or shapes (see tensor.hpp).
 #pragma once
 
 #include <array>
@@ -8,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <ostream>
 #include <stdexcept>
@@ -163,6 +166,69 @@ inline void free_bytes(void* p, std::size_t bytes, mem_kind k) noexcept {
   free_raw(p, bytes, k);
 }
 }  // namespace detail
+
+/// Memory that is not the host's: a backend's (a GPU's device memory, or the
+/// guarded CPU emulation of it, backend/guarded.hpp), as allocate, free and
+/// zero on it. Host code must not read or write it; only the backend's calls
+/// (GEMMs, kernel bodies, copies, fills) touch it. The backend owns the place.
+struct memory_place {
+  void* owner = nullptr;
+  void* (*allocate)(void* owner, std::size_t bytes) = nullptr;
+  void (*deallocate)(void* owner, void* p, std::size_t bytes) = nullptr;
+  void (*zero)(void* owner, void* p, std::size_t bytes) = nullptr;
+  const char* name = "";
+};
+
+namespace detail {
+/// The place tensors of this thread allocate in; null: host memory.
+inline const memory_place*& current_place() noexcept {
+  thread_local const memory_place* p = nullptr;
+  return p;
+}
+/// Allocate in `place` (null: the host, through allocate_bytes), counted by kind
+/// in the same tracker: with a device place the tracker counts device bytes.
+inline void* allocate_in(const memory_place* place, std::size_t bytes, mem_kind k) {
+  if (!place) return allocate_bytes(bytes, k);
+  if (bytes == 0) return nullptr;
+  void* p = place->allocate(place->owner, bytes);
+  auto& s = global_memory_stats();
+  auto i = static_cast<int>(k);
+  s.live[i] += static_cast<std::int64_t>(bytes);
+  if (s.live[i] > s.peak[i]) s.peak[i] = s.live[i];
+  ++s.allocations;
+  return p;
+}
+inline void free_in(const memory_place* place, void* p, std::size_t bytes, mem_kind k) noexcept {
+  if (!place) return free_bytes(p, bytes, k);
+  if (!p) return;
+  place->deallocate(place->owner, p, bytes);
+  global_memory_stats().live[static_cast<int>(k)] -= static_cast<std::int64_t>(bytes);
+}
+inline void zero_in(const memory_place* place, void* p, std::size_t bytes) {
+  if (!p || bytes == 0) return;
+  if (place) place->zero(place->owner, p, bytes);
+  else std::memset(p, 0, bytes);
+}
+}  // namespace detail
+
+/// While alive, tensors this thread allocates (new storage, or storage that
+/// grows) go to `place` (null: the host); the previous place comes back at
+/// the end. A tensor remembers where its storage is, so it is freed there
+/// whatever scope is open then. Recompute's activation pool is host memory
+/// only: under a device place, blocks come from the place (a GPU backend's
+/// caching allocator reuses them the same way).
+class place_scope {
+ public:
+  explicit place_scope(const memory_place* place) noexcept : saved_(detail::current_place()) {
+    detail::current_place() = place;
+  }
+  place_scope(const place_scope&) = delete;
+  place_scope& operator=(const place_scope&) = delete;
+  ~place_scope() { detail::current_place() = saved_; }
+
+ private:
+  const memory_place* saved_;
+};
 
 /// Snapshot of this process's memory statistics.
 inline memory_stats memory_snapshot() noexcept { return detail::global_memory_stats(); }

@@ -177,11 +177,14 @@ template <class T, class Space = host> using cview = view<const T, Space>;
 
 /// An owning, 64-byte aligned (2 MiB for big buffers), move-only tensor.
 /// `resize` reuses storage when it fits, so buffers sized once do not allocate again.
+/// Storage is host memory unless it was allocated inside a `place_scope`
+/// (tensor/memory.hpp): then it is that backend's memory (a GPU's), which only
+/// the backend's calls may touch; `on_host()` says which.
 template <class T, class Space = host>
 class tensor {
   static_assert(std::is_same_v<Space, host>,
-                "whale::tensor: only host storage is implemented; device memory comes from "
-                "cuda_backend::allocate (whale/backend/cuda.hpp), and layers run on the host today");
+                "whale::tensor: a tensor's memory is chosen at run time, not in its type: allocate a tensor<T> "
+                "inside a place_scope on a backend's memory() (whale/tensor/memory.hpp) to put it in device memory");
   static_assert(std::is_trivially_copyable_v<T>,
                 "whale::tensor: elements must be trivially copyable (float, int32, ...)");
 
@@ -208,9 +211,10 @@ class tensor {
     const auto n = static_cast<std::size_t>(s.numel());
     if (n > cap_) {
       release();
-      p_ = static_cast<T*>(detail::allocate_bytes(n * sizeof(T), kind_));
+      place_ = detail::current_place();
+      p_ = static_cast<T*>(detail::allocate_in(place_, n * sizeof(T), kind_));
       cap_ = n;
-      std::memset(static_cast<void*>(p_), 0, n * sizeof(T));
+      detail::zero_in(place_, p_, n * sizeof(T));
     }
     s_ = s;
   }
@@ -218,9 +222,11 @@ class tensor {
     if (p_) throw std::logic_error("whale::tensor::set_kind: storage already allocated");
     kind_ = k;
   }
-  void zero() noexcept {
-    if (p_) std::memset(static_cast<void*>(p_), 0, static_cast<std::size_t>(numel()) * sizeof(T));
-  }
+  void zero() { detail::zero_in(place_, p_, static_cast<std::size_t>(numel()) * sizeof(T)); }
+  /// Whether the storage is host memory (true when there is none yet).
+  bool on_host() const noexcept { return place_ == nullptr; }
+  /// Where the storage is: null for host memory.
+  const memory_place* place() const noexcept { return place_; }
 
   T* data() const noexcept { return p_; }
   const whale::shape& shape() const noexcept { return s_; }
@@ -235,20 +241,23 @@ class tensor {
 
  private:
   void release() noexcept {
-    detail::free_bytes(p_, cap_ * sizeof(T), kind_);
+    detail::free_in(place_, p_, cap_ * sizeof(T), kind_);
     p_ = nullptr;
     cap_ = 0;
+    place_ = nullptr;
   }
   void swap(tensor& o) noexcept {
     std::swap(p_, o.p_);
     std::swap(s_, o.s_);
     std::swap(cap_, o.cap_);
     std::swap(kind_, o.kind_);
+    std::swap(place_, o.place_);
   }
   T* p_ = nullptr;
   whale::shape s_{};
   std::size_t cap_ = 0;
   mem_kind kind_ = mem_kind::workspace;
+  const memory_place* place_ = nullptr;  // null: host memory
 };
 
 /// Copy elements between two views of equal element count.

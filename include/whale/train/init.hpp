@@ -80,7 +80,13 @@ template <Checkpointable Net> void initialize(Net& net, seed s, const gpt2_init&
     units.push_back(std::move(p));
   }
   const auto L = ckpt::layout_for(net);
-  float* local = net.params().data();
+  // A network on a device: written into a host copy, then copied back.
+  std::vector<float> host;
+  bool on_device = false;
+  if constexpr (requires { net.backend(); net.params_on_host(); }) on_device = !net.backend().on_cpu();
+  if constexpr (requires { net.params_on_host(); })
+    if (on_device) host = net.params_on_host();
+  float* local = on_device ? host.data() : net.params().data();
   std::size_t k = 0;  // the unit of the current full index (pieces rise through it)
   for (const auto& pc : ckpt::clip(L.all, L.resident_first, L.resident_end)) {
     for (index_t j = 0; j < pc.count; ++j) {
@@ -96,6 +102,11 @@ template <Checkpointable Net> void initialize(Net& net, seed s, const gpt2_init&
           detail::gpt2_value(u.rng, u.tensors[t], i, t == u.scaled ? res_std : rule.std);
     }
   }
+  if constexpr (requires { net.backend(); })
+    if (on_device) {
+      net.backend().copy(net.params().data(), host.data(), host.size() * sizeof(float));
+      net.backend().synchronize();
+    }
 }
 
 }  // namespace whale

@@ -64,7 +64,9 @@ template <class N> constexpr bool gives_logits_v = [] {
 /// A single-process network's first layer (flat order) with a non-finite gradient, named; empty if none.
 template <class Net> std::string first_nonfinite_grad_of(const Net& net) {
   if constexpr (requires { net.grads(); }) {
-    const auto g = net.grads();
+    std::vector<float> host;  // the gradients on the host, for a network on a device
+    cview<float> g = net.grads();
+    if constexpr (requires { net.backend(); }) g = net.backend().host_readable(g, host);
     const auto d = describe<typename Net::model_type>();
     index_t at = 0;
     for (std::size_t k = 0; k < d.units.size(); ++k) {
@@ -100,6 +102,15 @@ class trainer {
       if (o_.precision == precision::bf16)
         throw std::invalid_argument("whale::trainer: bf16 mixed precision needs the network's params() (the weights it rounds); "
                                     "this network type does not have it");
+    if constexpr (requires { net.backend(); })
+      if (!net.backend().on_cpu()) {  // a network<M> in a device's memory (docs/backend.md)
+        if (o_.precision == precision::bf16)
+          throw std::invalid_argument(std::string("whale::trainer: bf16 mixed precision with a network on a device (") +
+                                      net.backend().name() + ") is not implemented: its weights are rounded on the host; use fp32");
+        if (o_.save_every > 0 || o_.resume || !o_.checkpoint_dir.empty())
+          throw std::invalid_argument(std::string("whale::trainer: checkpoints of a network on a device (") +
+                                      net.backend().name() + ") are not implemented: they are written from host memory");
+      }
     bool zero3 = false;
     if constexpr (requires { Net::zero_level; }) zero3 = Net::zero_level == 3;
     if constexpr (requires { net.zero_level_now(); }) zero3 = net.zero_level_now() == 3;

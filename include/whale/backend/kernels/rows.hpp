@@ -291,4 +291,29 @@ struct scatter_add_rows {
   }
 };
 
+/// The sum of squares of x[0, n) by blocks of 4096: out[b] is block b's sum,
+/// computed exactly as cpu::sum_squares computes one block (16 float lanes,
+/// then the tail, then the lanes, in that order), so adding out[] in order on
+/// the host gives cpu::sum_squares's result to the bit. One index per block:
+/// on a GPU a thread walks 4096 elements (a norm per step, not a hot kernel).
+struct sum_squares_blocks {
+  static constexpr index_t block = 4096, lanes = 16;
+  const float* x;
+  double* out;
+  index_t n;
+  static constexpr index_t blocks(index_t n) noexcept { return (n + block - 1) / block; }
+  WHALE_HD WHALE_INLINE void operator()(index_t b) const noexcept {
+    const index_t i0 = b * block;
+    const index_t e = i0 + block < n ? i0 + block : n;
+    float acc[lanes] = {};
+    index_t i = i0;
+    for (; i + lanes <= e; i += lanes)
+      for (index_t k = 0; k < lanes; ++k) acc[k] += x[i + k] * x[i + k];
+    float s = 0.f;
+    for (; i < e; ++i) s += x[i] * x[i];
+    for (index_t k = 0; k < lanes; ++k) s += acc[k];
+    out[b] = s;
+  }
+};
+
 }  // namespace whale::kernels

@@ -1,0 +1,250 @@
+// `guarded_backend`: the CPU computing in memory that host code may not touch.
+// It keeps a GPU's rule -- device memory is read and written only by the
+// backend's own calls (GEMMs, kernel bodies, copies, fills) -- on a machine
+// without a GPU: its memory is one reserved region that is mapped without
+// access (PROT_NONE) except while one of those calls runs. Host code that
+// reads or writes a tensor placed there (a loss summed on the host, a label
+// check, an initialisation loop) stops with SIGSEGV and a message naming the
+// cause, where on a GPU it would crash or read garbage. The arithmetic is the
+// CPU backend's, so a model trained on it must match the CPU bit for bit.
+// A debugging and testing backend: each call costs two mprotect calls. It
+// also catches the opposite mistake where it can: a GEMM operand or a fill
+// target in host memory (a buffer never placed on the device) is an error.
+// Kernel bodies hold raw pointers, so a body over host memory goes unseen.
+#pragma once
+
+#include <csignal>
+#include <cstdlib>
+#include <cstddef>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "whale/backend/backend.hpp"
+#include "whale/backend/caching_allocator.hpp"
+#include "whale/backend/cpu.hpp"
+
+namespace whale {
+
+/// The guarded backend's memory space.
+struct guarded {
+  static constexpr const char* name = "guarded";
+};
+
+class guarded_backend;
+
+namespace detail {
+/// Pages of the guarded region, handed to the caching allocator: reused by
+/// size (the smallest free run that fits), else taken from the unused end.
+struct guarded_upstream {
+  guarded_backend* owner = nullptr;
+  void* allocate(std::size_t n);
+  void deallocate(void* p, std::size_t n) noexcept;
+};
+}  // namespace detail
+
+/// One per process at a time (it installs the SIGSEGV handler that names the
+/// cause); tensors placed in it must be freed before it is destroyed.
+class guarded_backend {
+ public:
+  using space = guarded;
+  struct event_type {};
+  /// Kernel bodies run by the CPU loop between enter() and leave().
+  static constexpr bool host_executed = true;
+  static constexpr const char* name() noexcept { return "guarded"; }
+
+  /// Reserve `capacity` bytes of address space (no memory is committed until used).
+  explicit guarded_backend(std::size_t capacity = std::size_t{1} << 30) : alloc_(detail::guarded_upstream{this}) {
+    if (active() != nullptr)
+      throw std::logic_error("whale::guarded_backend: another guarded backend is alive in this process; use one at a time");
+    capacity_ = (capacity + page() - 1) / page() * page();
+    void* p = ::mmap(nullptr, capacity_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED)
+      throw std::runtime_error("whale::guarded_backend: cannot reserve " + std::to_string(capacity_) +
+                               " bytes of address space: " + std::strerror(errno));
+    base_ = static_cast<char*>(p);
+    struct sigaction sa {};
+    sa.sa_sigaction = &on_fault;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;  // on the alternate stack where one is set up (doctest's)
+    sigemptyset(&sa.sa_mask);
+    ::sigaction(SIGSEGV, &sa, &previous_);
+    active() = this;
+  }
+  guarded_backend(const guarded_backend&) = delete;
+  guarded_backend& operator=(const guarded_backend&) = delete;
+  ~guarded_backend() {
+    if (alloc_.stats().bytes_in_use != 0) {  // tensors still placed here would dangle
+      static const char msg[] =
+          "whale::guarded_backend: destroyed while tensors placed on it are alive; free them first\n";
+      (void)!::write(2, msg, sizeof msg - 1);
+      std::abort();
+    }
+    alloc_.release();
+    ::sigaction(SIGSEGV, &previous_, nullptr);
+    active() = nullptr;
+    ::munmap(base_, capacity_);
+  }
+
+  void gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
+            const float* B, index_t ldb, float beta, float* C, index_t ldc) {
+    mine(A, "a GEMM's A"), mine(B, "a GEMM's B"), mine(C, "a GEMM's C");
+    const window w(*this);
+    cpu::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
+  void gemm_strided_batched(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A,
+                            index_t lda, index_t strideA, const float* B, index_t ldb, index_t strideB, float beta,
+                            float* C, index_t ldc, index_t strideC, index_t count) {
+    mine(A, "a batched GEMM's A"), mine(B, "a batched GEMM's B"), mine(C, "a batched GEMM's C");
+    const window w(*this);
+    cpu::gemm_strided_batched(ta, tb, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC,
+                              count);
+  }
+  template <kernels::KernelBody K> void launch(index_t n, const K& body) {
+    const window w(*this);
+    cpu::launch(n, body);
+  }
+  void* allocate(std::size_t bytes) { return alloc_.allocate(bytes); }
+  void deallocate(void* p, std::size_t bytes) { alloc_.deallocate(p, bytes); }
+  /// Copy within or into or out of the region (the host side is ordinary memory).
+  void copy(void* dst, const void* src, std::size_t bytes) {
+    if (!bytes) return;
+    if (!contains(dst) && !contains(src))
+      throw std::logic_error("whale::guarded_backend: a copy between two host buffers: neither side is device memory "
+                             "(a tensor meant for the device was allocated outside a place_scope)");
+    const window w(*this);
+    std::memcpy(dst, src, bytes);
+  }
+  void fill_zero(void* p, std::size_t bytes) {
+    if (!bytes) return;
+    mine(p, "a fill's target");
+    const window w(*this);
+    std::memset(p, 0, bytes);
+  }
+  void record(event_type&) const noexcept {}
+  void wait(event_type&) const noexcept {}
+  void synchronize() const noexcept {}
+
+  /// Open the region to this thread's backend call (nested calls count).
+  void enter() {
+    if (depth_ == 0) protect(PROT_READ | PROT_WRITE);
+    ++depth_;
+  }
+  /// Close it again after the outermost call (a failing mprotect here cannot be reported: it aborts).
+  void leave() noexcept {
+    if (--depth_ == 0 && used_ && ::mprotect(base_, used_, PROT_NONE) != 0) {
+      static const char msg[] = "whale::guarded_backend: mprotect failed closing the region\n";
+      (void)!::write(2, msg, sizeof msg - 1);
+      std::abort();
+    }
+  }
+  /// Where tensors placed on this backend live.
+  const memory_place* memory() const noexcept { return &place_; }
+  const allocator_stats& allocator() const noexcept { return alloc_.stats(); }
+  /// Whether `p` points into the region.
+  bool contains(const void* p) const noexcept {
+    const char* c = static_cast<const char*>(p);
+    return c >= base_ && c < base_ + capacity_;
+  }
+
+ private:
+  friend struct detail::guarded_upstream;
+  struct window {
+    guarded_backend& g;
+    explicit window(guarded_backend& b) : g(b) { g.enter(); }
+    ~window() { g.leave(); }
+    window(const window&) = delete;
+    window& operator=(const window&) = delete;
+  };
+  // GEMMs and fills work on device memory only: a host pointer here is a
+  // buffer that was never placed on the device (on a GPU, a crash).
+  void mine(const void* p, const char* what) const {
+    if (p && !contains(p))
+      throw std::logic_error(std::string("whale::guarded_backend: ") + what +
+                             " is host memory, not the device's: a buffer meant for the device was allocated outside "
+                             "a place_scope on it");
+  }
+  static std::size_t page() noexcept { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
+  static guarded_backend*& active() noexcept {
+    static guarded_backend* a = nullptr;
+    return a;
+  }
+  void protect(int prot) {
+    if (used_ && ::mprotect(base_, used_, prot) != 0)
+      throw std::runtime_error(std::string("whale::guarded_backend: mprotect failed: ") + std::strerror(errno));
+  }
+  void* take(std::size_t n) {
+    n = (n + page() - 1) / page() * page();
+    std::size_t best = free_.size();
+    for (std::size_t i = 0; i < free_.size(); ++i)
+      if (free_[i].second >= n && (best == free_.size() || free_[i].second < free_[best].second)) best = i;
+    if (best != free_.size()) {
+      void* p = free_[best].first;
+      free_.erase(free_.begin() + static_cast<std::ptrdiff_t>(best));
+      return p;
+    }
+    if (n > capacity_ - used_)
+      throw std::runtime_error("whale::guarded_backend: its region of " + std::to_string(capacity_) +
+                               " bytes is full (" + std::to_string(used_) + " used, " + std::to_string(n) +
+                               " more asked for); construct it with a larger capacity");
+    void* p = base_ + used_;
+    used_ += n;
+    if (depth_ > 0 && ::mprotect(p, n, PROT_READ | PROT_WRITE) != 0)
+      throw std::runtime_error(std::string("whale::guarded_backend: mprotect failed: ") + std::strerror(errno));
+    return p;
+  }
+  void give(void* p, std::size_t n) noexcept { free_.emplace_back(p, (n + page() - 1) / page() * page()); }
+
+  // SIGSEGV in the region: say why, then die of the signal (the default action,
+  // so a test harness or a debugger sees the crash where it happened).
+  // Faults elsewhere go to the handler that was there before.
+  static void on_fault(int sig, siginfo_t* info, void* uctx) {
+    guarded_backend* g = active();
+    if (g && g->contains(info->si_addr) && g->depth_ > 0) {
+      static const char msg[] =
+          "whale: a guarded backend call read or wrote its region past the end of what was allocated\n";
+      (void)!::write(2, msg, sizeof msg - 1);
+      ::signal(SIGSEGV, SIG_DFL);
+      return;
+    }
+    if (g && g->contains(info->si_addr)) {
+      static const char msg[] =
+          "whale: host code read or wrote device memory (a tensor placed on the guarded backend); only the "
+          "backend's GEMMs, kernel bodies, copies and fills may touch it. Copy it to the host first "
+          "(backend_ref::host_readable), or run under a debugger to see which code did it\n";
+      (void)!::write(2, msg, sizeof msg - 1);
+      ::signal(SIGSEGV, SIG_DFL);
+      return;  // the access faults again, now with the default action
+    }
+    if (!g) {
+      ::signal(SIGSEGV, SIG_DFL);
+      return;
+    }
+    const struct sigaction& prev = g->previous_;
+    if ((prev.sa_flags & SA_SIGINFO) && prev.sa_sigaction) return prev.sa_sigaction(sig, info, uctx);
+    if (prev.sa_handler != SIG_DFL && prev.sa_handler != SIG_IGN && prev.sa_handler) return prev.sa_handler(sig);
+    ::signal(SIGSEGV, SIG_DFL);
+  }
+
+  char* base_ = nullptr;
+  std::size_t capacity_ = 0, used_ = 0;
+  int depth_ = 0;
+  std::vector<std::pair<void*, std::size_t>> free_;
+  struct sigaction previous_ {};
+  caching_allocator<detail::guarded_upstream> alloc_;
+  memory_place place_{this,
+                      [](void* o, std::size_t n) { return static_cast<guarded_backend*>(o)->allocate(n); },
+                      [](void* o, void* p, std::size_t n) { static_cast<guarded_backend*>(o)->deallocate(p, n); },
+                      [](void* o, void* p, std::size_t n) { static_cast<guarded_backend*>(o)->fill_zero(p, n); },
+                      "guarded"};
+};
+static_assert(Backend<guarded_backend>, "whale::guarded_backend must model the Backend concept");
+
+inline void* detail::guarded_upstream::allocate(std::size_t n) { return owner->take(n); }
+inline void detail::guarded_upstream::deallocate(void* p, std::size_t n) noexcept { owner->give(p, n); }
+
+}  // namespace whale
