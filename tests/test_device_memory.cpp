@@ -27,6 +27,8 @@
 #include "whale/nn/softmax_cross_entropy.hpp"
 #include "whale/optim/adamw.hpp"
 #include "whale/optim/sgd.hpp"
+#include "whale/train/data.hpp"
+#include "whale/train/trainer.hpp"
 
 using namespace whale;
 
@@ -243,4 +245,34 @@ TEST_CASE("on a device: logits come back to the host, evaluation and --check-fin
   auto cd5 = ctx();
   CHECK_THROWS_WITH_AS(dev.train_step(cd5, cview<std::int32_t>(bad_tokens.data(), {B, T}), y),
                        doctest::Contains("token -2 is outside the vocabulary of 32"), std::out_of_range);
+}
+
+TEST_CASE("the trainer runs a network on a device: the CPU's losses and parameters; bf16 and checkpoints refused") {
+  auto run = [](backend_ref be) {
+    network<tiny_gpt> net(seed{9}, be);
+    markov_data data(seed{7}, 32, 8, 4);
+    trainer_options o;
+    o.progress = false;
+    o.max_grad_norm = 0.1;
+    trainer t(net, adamw{.lr = 1e-2f}, o);
+    const auto r = t.run(data, steps{6});
+    return std::pair{std::vector<double>{r.loss_first(), r.loss_last()}, net.params_on_host()};
+  };
+  const auto host = run(backend_ref{});
+  guarded_backend g;
+  const auto dev = run(backend_ref(g));
+  CHECK(host.first == dev.first);
+  CHECK(host.second == dev.second);
+
+  network<tiny_gpt> net(seed{9}, backend_ref(g));
+  trainer_options bf;
+  bf.progress = false;
+  bf.precision = precision::bf16;
+  CHECK_THROWS_WITH_AS(trainer(net, sgd{}, bf), doctest::Contains("bf16 mixed precision with a network on a device (guarded)"),
+                       std::invalid_argument);
+  trainer_options ck;
+  ck.progress = false;
+  ck.checkpoint_dir = "/tmp";
+  CHECK_THROWS_WITH_AS(trainer(net, sgd{}, ck), doctest::Contains("checkpoints of a network on a device (guarded)"),
+                       std::invalid_argument);
 }
