@@ -279,7 +279,7 @@ inline std::vector<candidate> rank_plans(const plan_query& base, int n, const de
   if (cs.empty() || !cs.front().valid || !cs.front().fits)
     throw std::invalid_argument("plan search: no plan of " + base.workload + " runs on " + N + " ranks" +
                                 (memory_limit_mib > 0 ? " within " + std::to_string(memory_limit_mib) + " MiB" : std::string()));
-  prefer_simpler(cs, base.plan_tie);
+  prefer_simpler(cs, base.plan_tie, memory_limit_mib);
   return cs;
 }
 

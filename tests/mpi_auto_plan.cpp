@@ -200,6 +200,30 @@ TEST_CASE("prefer_simpler moves the simplest candidate within the band to the fr
   CHECK(labels(none) == "bad ");
 }
 
+// With a memory limit, a near-tie choice must leave tie_headroom (10%) of it
+// free: the simplest plan of the band that does, else the simplest of all.
+TEST_CASE("prefer_simpler with a memory limit: the simplest plan of the band that leaves 10% free") {
+  auto choice = [](const char* label, int order, double step, double mib) {
+    plan_choice c;
+    c.label = label, c.order = order, c.step_s = step, c.memory_mib = mib, c.valid = true, c.fits = true;
+    return c;
+  };
+  auto pick = [](std::vector<plan_choice> cs, double limit) {
+    prefer_simpler(cs, 0.02, limit);
+    return cs.front().label + (cs.front().tie ? "*" : "");
+  };
+  // ranked by time: tp 1.00 (50 MiB), zero1 1.005 (95 MiB), dp 1.01 (96 MiB)
+  const std::vector<plan_choice> a = {choice("tp", 5, 1.00, 50), choice("zero1", 1, 1.005, 95), choice("dp", 0, 1.01, 96)};
+  CHECK(pick(a, 0) == "dp*");      // no limit: the simplest
+  CHECK(pick(a, 200) == "dp*");    // all leave 10% of 200 free
+  CHECK(pick(a, 100) == "tp");     // only tp leaves 10% of 100 free: the fastest stays
+  CHECK(pick(a, 105.6) == "zero1*");  // zero1 (95 <= 95.04) leaves it, dp (96) does not
+  CHECK(pick(a, 50) == "dp*");     // none leaves it (a limit under every plan is the caller's filter): the simplest
+  // a roomy plan outside the band never wins
+  const std::vector<plan_choice> b = {choice("tp", 5, 1.00, 99), choice("dp", 0, 1.05, 10)};
+  CHECK(pick(b, 100) == "tp");
+}
+
 TEST_CASE("auto_plan's ranking applies plan_tie on every rank; a band outside [0, 1) is an error") {
   auto ctx = context::init();
   const auto dev = device_profile::load(auto_options().profile);

@@ -208,7 +208,7 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
           << (c.valid ? "needs " + std::to_string(c.memory_mib) + " MiB per rank" : c.why);
     throw std::invalid_argument(why.str());
   }
-  prefer_simpler(cs, o.plan_tie);
+  prefer_simpler(cs, o.plan_tie, o.memory_limit_mib);
   return cs;
 }
 
