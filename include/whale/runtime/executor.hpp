@@ -173,7 +173,7 @@ template <class P> class executor {
     if (within_replica && level >= 2)
       throw std::logic_error("whale::executor::grad_squares: ZeRO 2-3 spread a replica's gradients over the data axis");
     return level >= 2 ? detail::owned_range_squares(prog_, zero_.shard_grads().data(), zero_.begin(), zero_.end())
-                      : detail::owned_squares(prog_, grads_.data(), within_replica);
+                      : detail::owned_squares(prog_, grads_.data(), within_replica, be_);
   }
   /// Forward only (a forward-only schedule); this rank's share of the loss.
   double evaluate(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) { return pass(c, x, labels, false); }
@@ -222,7 +222,10 @@ template <class P> class executor {
   /// `optimizer_bytes_per_param` per owned parameter (AdamW 8, SGD with momentum 4).
   memory_estimate predicted_memory(index_t global_batch, index_t seq, int optimizer_bytes_per_param = 8) const;
   /// Optimizer state for the range this rank updates.
-  template <class O> typename O::state make_optimizer_state(const O& opt) const { return opt.make_state(local_count()); }
+  template <class O> typename O::state make_optimizer_state(const O& opt) const {
+    const place_scope on(be_.memory());  // in the parameters' memory (a device's, on one)
+    return opt.make_state(local_count());
+  }
   /// Scale the gradients (clipping), update this rank's range; ZeRO 1–2 then all-gather the parameters.
   template <class O> void apply_optimizer(const O& opt, typename O::state& st, float grad_scale) {
     const auto t0 = tr_.now();
@@ -383,13 +386,15 @@ template <class P> class executor {
   const context* ctx_;
   plan_options o_;
   program prog_;
-  backend_ref be_;  // where this rank computes: every layer, weight pass and update (the CPU)
+  backend_ref be_;  // where this rank computes: every layer, weight pass and update (plan_options::backend)
   world_comm *pipe_ = nullptr, *data_ = nullptr, *model_comm_ = nullptr;
   int p_ = 1, d_ = 1, stage_ = 0, replica_ = 0, model_rank_ = 0;
   std::vector<std::pair<index_t, index_t>> no_sync_;  // ranges split over data (filled while binding)
   std::array<stage_type, V> parts_;                 // this rank's chunks (one without interleaving)
   std::array<index_t, V + 1> chunk_at_{};           // where each chunk starts in the local flat buffer
   tensor<float> params_, grads_;
+  tensor<input_type> in_;        // a device: this pass's rows, copied up
+  tensor<std::int32_t> labels_;  // and its labels
   detail::zero_engine zero_;
   detail::grad_sync sync_;
   detail::messenger msg_;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "whale/backend/backend_ref.hpp"
 #include "whale/backend/cpu.hpp"
 #include "whale/plan/program.hpp"
 
@@ -16,7 +17,8 @@ namespace whale::detail {
 /// first rank of its split axis). Sum over the world to get the norm squared.
 /// `within_replica`: once over this rank's data replica instead (every replica
 /// counts its own copy; sum over the replica's pipe and model ranks).
-inline double owned_squares(const program& prog, const float* grads, bool within_replica = false) {
+inline double owned_squares(const program& prog, const float* grads, bool within_replica = false,
+                            const backend_ref& be = {}) {
   double sq = 0;
   auto first = [&](axes a) {
     for (axis x : all_axes)
@@ -26,7 +28,7 @@ inline double owned_squares(const program& prog, const float* grads, bool within
   for (const auto& h : prog.holds) {
     if (h.local_params == 0 || !first(h.replicated_over)) continue;
     const index_t whole = first(h.split_over) ? 0 : h.whole_tail;
-    sq += cpu::sum_squares(h.local_params - whole, grads + h.local_offset);
+    sq += be.sum_squares(h.local_params - whole, grads + h.local_offset);
   }
   return sq;
 }

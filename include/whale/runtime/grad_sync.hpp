@@ -2,7 +2,8 @@
 // over the data axis (all-reduce), launched as backward makes each bucket
 // final — blocking, or non-blocking and waited for at the end; in fp32, or
 // packed to bf16 (half the bytes, each partial sum rounded to bf16) and
-// unpacked when summed. The buckets
+// unpacked when summed. Gradients in a device's memory (a backend_ref that is
+// not the CPU) are copied to a host buffer for the sum and back after it. The buckets
 // are cut by plan/partition.hpp's bucket_ranges, the function the lowering
 // uses, so what runs is what the program says. No model knowledge here.
 #pragma once
@@ -14,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "whale/backend/backend_ref.hpp"
 #include "whale/backend/cpu/launch.hpp"
 #include "whale/backend/kernels/elementwise.hpp"
 #include "whale/comm/collectives.hpp"
@@ -27,9 +29,11 @@ class grad_sync {
   /// `blocking`: each bucket in one blocking all-reduce as soon as it is ready;
   /// `in_bf16`: buckets travel and are summed in bf16 (a staging buffer of 2
   /// bytes per gradient they cover, allocated here, once).
-  void plan(std::vector<std::pair<index_t, index_t>> buckets, bool blocking, bool in_bf16 = false) {
+  void plan(std::vector<std::pair<index_t, index_t>> buckets, bool blocking, bool in_bf16 = false,
+            const backend_ref& be = {}) {
     blocking_ = blocking;
     bf16_ = in_bf16;
+    be_ = be;
     buckets_.clear();
     index_t at = 0;  // bf16: each bucket's place in the staging buffer (buckets back to back)
     for (auto [b, e] : buckets) {
@@ -37,6 +41,10 @@ class grad_sync {
       at += e - b;
     }
     staging_ = in_bf16 ? tensor<whale::bf16>({at}, mem_kind::comm) : tensor<whale::bf16>{};
+    index_t top = 0;
+    for (const auto& b : buckets_) top = std::max(top, b.end);
+    const place_scope host(nullptr);
+    host_ = be_.on_cpu() ? tensor<float>{} : tensor<float>({top}, mem_kind::comm);
   }
   std::size_t size() const noexcept { return buckets_.size(); }
   const auto& ranges() const noexcept { return buckets_; }
@@ -56,10 +64,19 @@ class grad_sync {
         } else {
           b.req.emplace(c.iall_reduce(packed.data(), n, dtype::bf16, reduce_op::sum));
         }
-      } else if (blocking_) {
-        all_reduce(c, view<float>(grads + b.begin, {n}));
       } else {
-        b.req.emplace(c.iall_reduce(grads + b.begin, n, dtype::f32, reduce_op::sum));
+        float* sum = grads + b.begin;  // where the bucket is summed: the gradients, or their host copy
+        if (!be_.on_cpu()) {
+          sum = host_.data() + b.begin;
+          be_.copy(sum, grads + b.begin, static_cast<std::size_t>(n) * sizeof(float));
+          be_.synchronize();
+        }
+        if (blocking_) {
+          all_reduce(c, view<float>(sum, {n}));
+          if (!be_.on_cpu()) be_.copy(grads + b.begin, sum, static_cast<std::size_t>(n) * sizeof(float));
+        } else {
+          b.req.emplace(c.iall_reduce(sum, n, dtype::f32, reduce_op::sum));
+        }
       }
     }
     for (std::size_t i = 0; i < next_; ++i)
@@ -72,6 +89,8 @@ class grad_sync {
       auto& b = buckets_[i];
       if (!b.req) continue;
       b.req->wait(), b.req.reset();
+      if (!bf16_ && !be_.on_cpu())
+        be_.copy(grads + b.begin, host_.data() + b.begin, static_cast<std::size_t>(b.end - b.begin) * sizeof(float));
       if (bf16_)
         cpu::launch(b.end - b.begin, kernels::unpack_bf16{bits(staging_.data() + b.at), grads + b.begin});
     }
@@ -89,6 +108,8 @@ class grad_sync {
   std::size_t next_ = 0;
   bool blocking_ = true, bf16_ = false;
   tensor<whale::bf16> staging_;  // bf16: the packed buckets, back to back
+  backend_ref be_;               // where the gradients are
+  tensor<float> host_;           // on a device: the buckets' host copies, at their own offsets
 };
 
 }  // namespace whale::detail

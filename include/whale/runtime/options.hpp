@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "whale/backend/backend_ref.hpp"
 #include "whale/detail/parse.hpp"
 #include "whale/nn/layer.hpp"
 
@@ -16,6 +17,12 @@ namespace whale {
 
 /// Options of `make<P>(ctx, seed, options)`, as users of DDP, Megatron and DeepSpeed expect them.
 struct plan_options {
+  /// Where this rank computes and keeps its parameters, gradients, optimizer
+  /// state and activations: the CPU (the default), or a device backend
+  /// (`backend_ref(gpu)`, or the guarded backend). On a device, plans without
+  /// pipelines, ZeRO or split regions only so far; gradients are summed
+  /// through host copies of each bucket (docs/backend.md).
+  backend_ref backend;
   // ---- pipelines ----
   /// Micro-batches per step (m). 0: 1 without a pipeline; with one, the largest
   /// divisor of the per-replica batch that is at most 4 × stages.

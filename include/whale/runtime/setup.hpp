@@ -27,6 +27,15 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
   if (o_.micro_batches > 1 && stage_type::splits_data)
     throw std::invalid_argument(who + "a split<..., axis::data> region needs the whole per-replica batch in one pass "
                                       "(it gathers every row of the global batch); use micro_batches 0 or 1");
+  be_ = o_.backend;
+  if (!be_.on_cpu()) {  // what runs in a device's memory so far (docs/backend.md, "Training on a device")
+    const std::string on = std::string(" with the network on a device (") + be_.name() + ") is not implemented yet";
+    if (staged) throw std::invalid_argument(who + "a pipeline" + on + " (its messages take host memory)");
+    if (level > 0) throw std::invalid_argument(who + "ZeRO (shard<..., " + std::to_string(level) + ">)" + on);
+    if (has_split) throw std::invalid_argument(who + "a split region" + on + " (its collectives take host memory)");
+    if (o_.bf16_reduce) throw std::invalid_argument(who + "summing gradients in bf16 (bf16_reduce)" + on);
+    if (o_.worker_cuts) throw std::invalid_argument(who + "worker_cuts" + on);
+  }
   if (!staged && shape.size(axis::pipe) != 1)
     throw std::invalid_argument(who + "the mesh " + shape.spec() + " has a pipe axis, but the plan has no pipeline<...>");
   if (shape.size(axis::model) != 1 && !has_split)
@@ -152,9 +161,23 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
     if (d_ > 1 && level == 0 && !o_.worker_cuts)
       for (auto [b, e] : detail::complement(no_sync_, n)) broadcast(*data_, params_.v().rows(b, e - b), 0);
   }
+  if constexpr (level == 0 && !staged && !has_split)
+    if (!be_.on_cpu()) {  // initialised and made equal on the host: now into the device's memory, layers bound there
+      tensor<float> p, g;
+      {
+        const place_scope on(be_.memory());
+        p = tensor<float>({n}, mem_kind::params);
+        g = tensor<float>({n}, mem_kind::grads);
+      }
+      be_.copy(p.data(), params_.data(), p.v().bytes());
+      be_.synchronize();
+      params_ = std::move(p);
+      grads_ = std::move(g);
+      parts_[0].bind_and_init(params_.data(), grads_.data(), s, false);
+    }
   if (d_ > 1 && level < 2 && !o_.worker_cuts)
     sync_.plan(detail::bucket_ranges(detail::complement(no_sync_, n), detail::bucket_elements(o_.bucket_mib)), o_.blocking,
-               o_.bf16_reduce);
+               o_.bf16_reduce, be_);
   msg_.bind(*pipe_);
   if (o_.trace || !o_.trace_path.empty()) {
     tr_.enable(ctx.rank(), stage_, replica_);

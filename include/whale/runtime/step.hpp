@@ -20,6 +20,18 @@ template <class P>
 double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels, bool train, bool sync,
                          tensor<float>* logits) {
   c.be = be_;
+  // On a device: everything the pass allocates goes there, and the host's rows are copied up once.
+  const place_scope on(be_.memory());
+  if (!be_.on_cpu()) {
+    in_.resize(x.shape());
+    be_.copy(in_.data(), x.data(), x.bytes());
+    x = in_.v();
+    if (labels.data()) {
+      labels_.resize(labels.shape());
+      be_.copy(labels_.data(), labels.data(), labels.bytes());
+      labels = labels_.v();
+    }
+  }
   const index_t B = c.batch, T = c.seq;
   const int m = micro_count(B);
   schedule_for(m);
@@ -213,10 +225,14 @@ template <class P> tensor<float> executor<P>::forward(step_ctx& c, cview<input_t
 
 template <class P> void executor<P>::keep_logits(tensor<float>& out, cview<float> y, int micro, int m) {
   const index_t r = y.shape().rank() ? y.shape()[0] : 0, w = y.shape().rank() == 2 ? y.shape()[1] : y.numel() / (r ? r : 1);
-  if (micro == 0) out = tensor<float>({static_cast<index_t>(m) * r, w}, mem_kind::workspace);
+  if (micro == 0) {
+    const place_scope host(nullptr);  // the logits are returned in host memory
+    out = tensor<float>({static_cast<index_t>(m) * r, w}, mem_kind::workspace);
+  }
   if (out.shape()[0] != static_cast<index_t>(m) * r || out.shape()[1] != w)
     throw std::logic_error("whale::executor::forward: the micro-batches' outputs differ in shape");
-  std::memcpy(out.data() + static_cast<index_t>(micro) * r * w, y.data(), static_cast<std::size_t>(r * w) * sizeof(float));
+  be_.copy(out.data() + static_cast<index_t>(micro) * r * w, y.data(), static_cast<std::size_t>(r * w) * sizeof(float));
+  be_.synchronize();
 }
 
 }  // namespace whale

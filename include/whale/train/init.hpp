@@ -83,9 +83,13 @@ template <Checkpointable Net> void initialize(Net& net, seed s, const gpt2_init&
   // A network on a device: written into a host copy, then copied back.
   std::vector<float> host;
   bool on_device = false;
-  if constexpr (requires { net.backend(); net.params_on_host(); }) on_device = !net.backend().on_cpu();
-  if constexpr (requires { net.params_on_host(); })
-    if (on_device) host = net.params_on_host();
+  if constexpr (requires { net.backend(); }) on_device = !net.backend().on_cpu();
+  if constexpr (requires { net.backend(); })
+    if (on_device) {
+      host.resize(static_cast<std::size_t>(net.params().numel()));
+      net.backend().copy(host.data(), net.params().data(), host.size() * sizeof(float));
+      net.backend().synchronize();
+    }
   float* local = on_device ? host.data() : net.params().data();
   std::size_t k = 0;  // the unit of the current full index (pieces rise through it)
   for (const auto& pc : ckpt::clip(L.all, L.resident_first, L.resident_end)) {
