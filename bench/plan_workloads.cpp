@@ -130,7 +130,9 @@ int search(const args& base) {
             << best.slowest.comm_s << " s, waits " << best.slowest.wait_s << " s)\n";
   if (best.tie && cs.size() > 1)
     std::cout << "  (" << cs[1].label() << " is predicted " << (1.0 - cs[1].step_s / best.step_s) * 100
-              << "% faster: within the tie band of " << base.plan_tie * 100 << "%, so the simpler plan is chosen)\n";
+              << "% faster: within the tie band of " << base.plan_tie * 100 << "%, so "
+              << (best.order < cs[1].order ? "the simpler plan is chosen" : "the plan that leaves 10% of the memory limit free is chosen")
+              << ")\n";
   int shown = 0, over = 0, broken = 0;
   for (const auto& c : cs) {
     if (&c == &best) continue;

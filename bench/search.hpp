@@ -168,7 +168,7 @@ struct candidate {
   double step_s = 0, memory_mib = 0;
   rank_time slowest;
   int order = 0;     ///< simplicity: the order candidates are listed in (dp first)
-  bool tie = false;  ///< the choice: predicted within plan_tie of a faster candidate, and simpler
+  bool tie = false;  ///< the choice: predicted within plan_tie of a faster candidate, and simpler or leaving memory free (prefer_simpler)
   std::string label() const {
     std::string l = a.plan;
     if (a.plan == "pipeline" || a.plan == "3d") l += " " + a.schedule + " m=" + std::to_string(a.o.micro_batches);

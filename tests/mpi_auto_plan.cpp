@@ -219,6 +219,9 @@ TEST_CASE("prefer_simpler with a memory limit: the simplest plan of the band tha
   CHECK(pick(a, 100) == "tp");     // only tp leaves 10% of 100 free: the fastest stays
   CHECK(pick(a, 105.6) == "zero1*");  // zero1 (95 <= 95.04) leaves it, dp (96) does not
   CHECK(pick(a, 50) == "dp*");     // none leaves it (a limit under every plan is the caller's filter): the simplest
+  // a simpler front plan without room loses to a roomy one of the band
+  const std::vector<plan_choice> c = {choice("dp", 0, 1.00, 96), choice("tp", 5, 1.01, 50)};
+  CHECK(pick(c, 100) == "tp*");
   // a roomy plan outside the band never wins
   const std::vector<plan_choice> b = {choice("tp", 5, 1.00, 99), choice("dp", 0, 1.05, 10)};
   CHECK(pick(b, 100) == "tp");

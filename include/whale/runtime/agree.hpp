@@ -96,6 +96,7 @@ inline std::vector<launch_field> launch_fields(const std::string& plan, const me
       f::integer("balance (--balance, WHALE_BALANCE)", o.balance),
       f::integer("worker_cuts (--worker-cuts, WHALE_WORKER_CUTS)", o.worker_cuts),
       f::integer("in_flight (plan_options::in_flight)", o.in_flight),
+      f::of_text("the backend (plan_options::backend)", o.backend.name()),
   };
 }
 

@@ -54,7 +54,7 @@ struct plan_choice {
   double step_s = 0, memory_mib = 0;
   rank_time slowest;      ///< the simulated slowest rank (compute, communication, waits)
   int order = 0;          ///< simplicity: the order candidates are listed in (dp first)
-  bool tie = false;       ///< the choice: predicted within plan_tie of a faster candidate, and simpler
+  bool tie = false;       ///< the choice: predicted within plan_tie of a faster candidate, and simpler or leaving memory free (prefer_simpler)
 };
 
 namespace detail {
@@ -276,6 +276,8 @@ class auto_executor {
   double reduce_loss(double share) { return visit([&](auto& e) { return e.reduce_loss(share); }); }
   std::string first_nonfinite_grad() const { return visit([&](auto& e) { return e.first_nonfinite_grad(); }); }
   double grad_norm() const { return visit([&](auto& e) { return e.grad_norm(); }); }
+  /// The backend the chosen plan computes on (plan_options::backend).
+  const backend_ref& backend() const { return visit([&](auto& e) -> const backend_ref& { return e.backend(); }); }
   int rank() const { return visit([&](auto& e) { return e.rank(); }); }
   int world_size() const { return visit([&](auto& e) { return e.world_size(); }); }
   template <class O> typename O::state make_optimizer_state(const O& opt) const {
@@ -301,8 +303,10 @@ class auto_executor {
                   b.label.c_str(), b.step_s, b.memory_mib);
     os << line;
     if (b.tie && a.ranking_.size() > 1) {
-      std::snprintf(line, sizeof line, "  (%s is predicted %.1f%% faster: within plan_tie, so the simpler plan runs)\n",
-                    a.ranking_[1].label.c_str(), 100.0 * (1.0 - a.ranking_[1].step_s / b.step_s));
+      const bool simpler = b.order < a.ranking_[1].order;  // else chosen for the memory it leaves free
+      std::snprintf(line, sizeof line, "  (%s is predicted %.1f%% faster: within plan_tie, so %s)\n",
+                    a.ranking_[1].label.c_str(), 100.0 * (1.0 - a.ranking_[1].step_s / b.step_s),
+                    simpler ? "the simpler plan runs" : "the plan that leaves 10% of the memory limit free runs");
       os << line;
     }
     for (std::size_t i = 1; i < a.ranking_.size(); ++i) {

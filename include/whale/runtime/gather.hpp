@@ -15,7 +15,10 @@ namespace whale {
 template <class P> tensor<float> executor<P>::stage_params() {
   tensor<float> local({param_count()}, mem_kind::workspace);
   if constexpr (level == 3) zero_.gather_params(local.v());
-  else copy<float>(params_.v(), local.v());
+  else {  // on a device: copied to the host through its backend
+    be_.copy(local.data(), params_.data(), params_.v().bytes());
+    be_.synchronize();
+  }
   index_t n = 0;
   for (const auto& part : parts_) n += part.full_end() - part.full_begin();
   tensor<float> full({n}, mem_kind::workspace);
@@ -32,7 +35,10 @@ template <class P> void executor<P>::gather_params(view<float> out) {
     throw std::invalid_argument("whale::" + layer_name<P>() + "::gather_params: the output holds " +
                                 std::to_string(out.numel()) + " floats, this rank's stage has " + std::to_string(param_count()));
   if constexpr (level == 3) zero_.gather_params(out);
-  else copy<float>(params_.v(), out);
+  else {  // `out` is host memory; on a device the parameters come through its backend
+    be_.copy(out.data(), params_.data(), params_.v().bytes());
+    be_.synchronize();
+  }
 }
 template <class P> tensor<float> executor<P>::full_params() {
   auto mine = stage_params();

@@ -21,7 +21,8 @@ struct plan_options {
   /// state and activations: the CPU (the default), or a device backend
   /// (`backend_ref(gpu)`, or the guarded backend). On a device, plans without
   /// pipelines, ZeRO or split regions only so far; gradients are summed
-  /// through host copies of each bucket (docs/backend.md).
+  /// through host copies of each bucket (docs/backend.md). The backend must
+  /// outlive the plan and its optimizer state (they free into its memory).
   backend_ref backend;
   // ---- pipelines ----
   /// Micro-batches per step (m). 0: 1 without a pipeline; with one, the largest

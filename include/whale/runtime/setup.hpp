@@ -35,6 +35,7 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
     if (has_split) throw std::invalid_argument(who + "a split region" + on + " (its collectives take host memory)");
     if (o_.bf16_reduce) throw std::invalid_argument(who + "summing gradients in bf16 (bf16_reduce)" + on);
     if (o_.worker_cuts) throw std::invalid_argument(who + "worker_cuts" + on);
+    if (o_.in_flight > 0) throw std::invalid_argument(who + "minibatches in flight (in_flight, wsp_trainer)" + on);
   }
   if (!staged && shape.size(axis::pipe) != 1)
     throw std::invalid_argument(who + "the mesh " + shape.spec() + " has a pipe axis, but the plan has no pipeline<...>");

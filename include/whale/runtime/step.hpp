@@ -20,18 +20,6 @@ template <class P>
 double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels, bool train, bool sync,
                          tensor<float>* logits) {
   c.be = be_;
-  // On a device: everything the pass allocates goes there, and the host's rows are copied up once.
-  const place_scope on(be_.memory());
-  if (!be_.on_cpu()) {
-    in_.resize(x.shape());
-    be_.copy(in_.data(), x.data(), x.bytes());
-    x = in_.v();
-    if (labels.data()) {
-      labels_.resize(labels.shape());
-      be_.copy(labels_.data(), labels.data(), labels.bytes());
-      labels = labels_.v();
-    }
-  }
   const index_t B = c.batch, T = c.seq;
   const int m = micro_count(B);
   schedule_for(m);
@@ -49,6 +37,18 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
                                 ": plan_options::worker_cuts gave each data replica its own stage cut, so gradients "
                                 "cannot be summed over the data axis; train it with wsp_trainer (no data-axis sum), or "
                                 "drop worker_cuts");
+  // On a device: everything the pass allocates goes there, and the host's rows are copied up once.
+  const place_scope on(be_.memory());
+  if (!be_.on_cpu()) {
+    in_.resize(x.shape());
+    be_.copy(in_.data(), x.data(), x.bytes());
+    x = in_.v();
+    if (labels.data()) {
+      labels_.resize(labels.shape());
+      be_.copy(labels_.data(), labels.data(), labels.bytes());
+      labels = labels_.v();
+    }
+  }
   if (train && !memory_checked_) {
     memory_checked_ = true;
     check_step_memory(c);

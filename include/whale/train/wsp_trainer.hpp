@@ -87,6 +87,10 @@ template <class Net, class Opt> class wsp_trainer {
     static_assert(Net::zero_level == 0,
                   "whale::wsp_trainer: the plan shards parameters over the data axis (shard<..., L>), but Wave "
                   "Synchronous Parallel keeps a whole copy of the model in every virtual worker; drop shard<>");
+    if constexpr (requires { net.backend(); })
+      if (!net.backend().on_cpu())
+        throw std::invalid_argument(std::string("whale::wsp_trainer: a plan on a device (") + net.backend().name() +
+                                    ") is not implemented yet: the parameter holders exchange host memory");
     if (o_.staleness < 0 || o_.staleness > 1000000)
       throw std::invalid_argument("whale::wsp_trainer: the staleness bound D must be from 0 to 1000000 (got " +
                                   std::to_string(o_.staleness) + ")");
