@@ -11,6 +11,7 @@
 #include <ostream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "whale/backend/backend_ref.hpp"
@@ -143,6 +144,24 @@ class param_binder {
 };
 
 namespace detail {
+/// Flat parameters initialised in host memory, moved into device backend
+/// `be`'s memory: the values copied, the gradients new (zero); the caller
+/// binds its layers to the new buffers. Nothing to do on the CPU.
+inline void place_params(const backend_ref& be, tensor<float>& params, tensor<float>& grads) {
+  if (be.on_cpu()) return;
+  const index_t n = params.numel();
+  tensor<float> p, g;
+  {
+    const place_scope on(be.memory());
+    p = tensor<float>({n}, mem_kind::params);
+    g = tensor<float>({n}, mem_kind::grads);
+  }
+  be.copy(p.data(), params.data(), p.v().bytes());
+  be.synchronize();
+  params = std::move(p);
+  grads = std::move(g);
+}
+
 /// One activation slot a layer touched: `release(owner, slot)` drops its state.
 struct slot_record {
   void* owner;

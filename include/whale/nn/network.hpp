@@ -50,16 +50,7 @@ class network {
     model_.bind(b);
     model_.init(counter_rng(s));  // on the host: initialisers are host loops
     if (!be_.on_cpu()) {          // then into the device's memory, and the layers bound there
-      tensor<float> p, g;
-      {
-        const place_scope on(be_.memory());
-        p = tensor<float>({n}, mem_kind::params);
-        g = tensor<float>({n}, mem_kind::grads);
-      }
-      be_.copy(p.data(), params_.data(), p.v().bytes());
-      be_.synchronize();
-      params_ = std::move(p);
-      grads_ = std::move(g);
+      detail::place_params(be_, params_, grads_);
       param_binder d(params_.data(), grads_.data(), n);
       model_.bind(d);
     }

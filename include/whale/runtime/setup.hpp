@@ -164,16 +164,7 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
   }
   if constexpr (level == 0 && !staged && !has_split)
     if (!be_.on_cpu()) {  // initialised and made equal on the host: now into the device's memory, layers bound there
-      tensor<float> p, g;
-      {
-        const place_scope on(be_.memory());
-        p = tensor<float>({n}, mem_kind::params);
-        g = tensor<float>({n}, mem_kind::grads);
-      }
-      be_.copy(p.data(), params_.data(), p.v().bytes());
-      be_.synchronize();
-      params_ = std::move(p);
-      grads_ = std::move(g);
+      detail::place_params(be_, params_, grads_);
       parts_[0].bind_and_init(params_.data(), grads_.data(), s, false);
     }
   if (d_ > 1 && level < 2 && !o_.worker_cuts)

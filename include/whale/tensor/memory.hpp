@@ -58,6 +58,15 @@ inline memory_stats& global_memory_stats() noexcept {
 inline constexpr std::size_t huge_page = std::size_t{2} << 20;
 inline constexpr std::size_t huge_threshold = std::size_t{1} << 20;
 
+/// Count `bytes` of kind `k` as allocated: live and peak bytes, and the allocation counter.
+inline void count_allocation(std::size_t bytes, mem_kind k) noexcept {
+  auto& s = global_memory_stats();
+  auto i = static_cast<int>(k);
+  s.live[i] += static_cast<std::int64_t>(bytes);
+  if (s.live[i] > s.peak[i]) s.peak[i] = s.live[i];
+  ++s.allocations;
+}
+
 /// Allocate `bytes` (64-byte aligned; 2 MiB aligned and huge-page advised when
 /// at least 1 MiB, since page faults are costly here), always from the heap.
 inline void* allocate_raw(std::size_t bytes, mem_kind k) {
@@ -70,11 +79,7 @@ inline void* allocate_raw(std::size_t bytes, mem_kind k) {
     throw std::runtime_error("whale: out of host memory allocating " + std::to_string(bytes) +
                              " bytes for " + to_string(k));
   if (big) ::madvise(p, rounded, MADV_HUGEPAGE);
-  auto& s = global_memory_stats();
-  auto i = static_cast<int>(k);
-  s.live[i] += static_cast<std::int64_t>(bytes);
-  if (s.live[i] > s.peak[i]) s.peak[i] = s.live[i];
-  ++s.allocations;
+  count_allocation(bytes, k);
   return p;
 }
 inline void free_raw(void* p, std::size_t bytes, mem_kind k) noexcept {
@@ -191,11 +196,7 @@ inline void* allocate_in(const memory_place* place, std::size_t bytes, mem_kind 
   if (!place) return allocate_bytes(bytes, k);
   if (bytes == 0) return nullptr;
   void* p = place->allocate(place->owner, bytes);
-  auto& s = global_memory_stats();
-  auto i = static_cast<int>(k);
-  s.live[i] += static_cast<std::int64_t>(bytes);
-  if (s.live[i] > s.peak[i]) s.peak[i] = s.live[i];
-  ++s.allocations;
+  count_allocation(bytes, k);
   return p;
 }
 inline void free_in(const memory_place* place, void* p, std::size_t bytes, mem_kind k) noexcept {
