@@ -123,7 +123,9 @@ class backend_ref {
 
   /// The sum of squares of x[0, n) (a gradient norm): cpu::sum_squares on the
   /// CPU; on a device, per-block sums there (kernels::sum_squares_blocks, the
-  /// same arithmetic) added on the host in order -- the same value to the bit.
+  /// body cpu::sum_squares runs) added on the host in order: the CPU's value to
+  /// the bit on the guarded backend; on a GPU to rounding (nvcc may fuse a
+  /// multiply and an add).
   double sum_squares(index_t n, const float* x) const {
     if (!gpu_) return cpu::sum_squares(n, x);
     const index_t nb = kernels::sum_squares_blocks::blocks(n);
