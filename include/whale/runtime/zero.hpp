@@ -89,11 +89,29 @@ class zero_engine {
     c.hooks = hooks_.next;
     finish_pass();
   }
+  /// Level 1 with the parameters in a device's memory (`be` not the CPU): the
+  /// gather after the update goes through a host copy of all n parameters.
+  void set_backend(const backend_ref& be) {
+    if (!be.on_cpu() && level_ != 1)
+      throw std::logic_error("whale::shard: only ZeRO-1 keeps its parameters in a device's memory");
+    be_ = be;
+    const place_scope on_host(nullptr);
+    host_full_ = be.on_cpu() || comm_->size() == 1 ? tensor<float>{} : tensor<float>({n_}, mem_kind::comm);
+  }
   /// Levels 1–2 after the update of the owned range: every rank gets all parameters.
   void gather_after_update(float* full) {
-    if (level_ <= 2 && comm_->size() > 1)
-      all_gather_v(*comm_, cview<float>(full + begin_, {local_count()}), view<float>(full, {n_}),
-                   std::span<const index_t>(counts_));
+    if (level_ > 2 || comm_->size() == 1) return;
+    const auto counts = std::span<const index_t>(counts_);
+    if (be_.on_cpu()) {
+      all_gather_v(*comm_, cview<float>(full + begin_, {local_count()}), view<float>(full, {n_}), counts);
+      return;
+    }
+    float* host = host_full_.data();  // the owned range down, every range back up
+    be_.copy(host + begin_, full + begin_, static_cast<std::size_t>(local_count()) * sizeof(float));
+    be_.synchronize();
+    all_gather_v(*comm_, cview<float>(host + begin_, {local_count()}), view<float>(host, {n_}), counts);
+    be_.copy(full, host, static_cast<std::size_t>(n_) * sizeof(float));
+    be_.synchronize();
   }
   /// All n parameters into `out` (collective at level 3).
   void gather_params(view<float> out) const {
@@ -377,6 +395,8 @@ class zero_engine {
   std::vector<index_t> counts_, starts_, scratch_counts_;
   tensor<float> shard_params_, shard_grads_;
   float* full_params_ = nullptr;
+  backend_ref be_;         // level 1: where the parameters are
+  tensor<float> host_full_;  // level 1 on a device: the gather's host copy
   hooks hooks_;
   std::unordered_map<index_t, leaf_info> leaves_;
   pool<float> pool_;
