@@ -55,7 +55,7 @@ TEST_CASE("every kernel body gives the same result on every CPU instruction set 
       for (index_t r = 0; r < kc::R; ++r) CHECK(got.rowd[r] == doctest::Approx(ref.rowd[r]).epsilon(1e-6));
     }
   });
-  CHECK(cases == 27);
+  CHECK(cases == 29);
 }
 
 TEST_CASE("elementwise bodies match their formulas in double precision") {
@@ -155,6 +155,30 @@ TEST_CASE("embedding bodies: a lookup and its gradient, over the whole table or 
     }
     CHECK(grad == want_grad);  // the same rows added in the same order
   }
+}
+
+TEST_CASE("split-region bodies: the target logits of a class slice, and a block of columns moved") {
+  kc::host_buffers h;
+  const index_t n = kc::C / 2, c0 = 100;  // this rank's classes: columns [100, 250) of each row
+  cpu::launch(kc::R, kernels::target_logits{h.a.data(), h.labels.data(), h.f.data(), n, c0, -100});
+  int held = 0;
+  for (index_t r = 0; r < kc::R; ++r) {
+    const index_t y = h.labels[r];
+    const bool mine = y != -100 && y >= c0 && y < c0 + n;
+    held += mine;
+    CHECK(h.f[r] == (mine ? h.a[r * n + (y - c0)] : 0.f));
+  }
+  CHECK(held > 0);  // the labels fall on both sides of the slice
+  CHECK(held < kc::R);
+  // rows 0..R/2 of columns [7, 7 + w) of a (., C) matrix into columns [3, 3 + w) of a (., C/2) one
+  kc::host_buffers g;
+  const index_t w = kc::C / 2 - 3;
+  cpu::launch(kc::R / 2, kernels::copy_cols{g.a.data() + 7, kc::C, g.f.data() + 3, kc::C / 2, w});
+  for (index_t r = 0; r < kc::R / 2; ++r)
+    for (index_t j = 0; j < kc::C / 2; ++j) {
+      INFO("row " << r << ", column " << j);
+      CHECK(g.f[r * (kc::C / 2) + j] == (j >= 3 ? g.a[r * kc::C + 7 + (j - 3)] : 0.f));
+    }
 }
 
 TEST_CASE("bf16 packing: pack then unpack is round_bf16; inf and NaN kept") {

@@ -74,6 +74,8 @@ template <class F> void for_each_case(F&& f) {
     [](buffers p) { return k::cross_entropy_rows{p.a, p.labels, p.f, p.rowd, C, 1.f / R, -100}; });
   f("row_max", R, [](buffers p) { return k::row_max{p.a, p.f, C}; });
   f("exp_rows", R, [](buffers p) { return k::exp_rows{p.a, p.b, p.f, p.e, C}; });
+  f("target_logits", R, [](buffers p) { return k::target_logits{p.a, p.labels, p.f, C / 2, 100, -100}; });
+  f("copy_cols", R / 2, [](buffers p) { return k::copy_cols{p.a + 7, C, p.f + 3, C / 2, C / 2 - 3}; });
   f("softmax_grad_rows", R,
     [](buffers p) { return k::softmax_grad_rows{p.a, p.d, p.labels, C, 100, 1.f / R, -100}; });
   f("add_positions", R, [](buffers p) { return k::add_positions{p.a, p.b, p.f, T, C}; });

@@ -20,8 +20,8 @@ struct plan_options {
   /// Where this rank computes and keeps its parameters, gradients, optimizer
   /// state and activations: the CPU (the default), or a device backend
   /// (`backend_ref(gpu)`, or the guarded backend). On a device, plans without
-  /// ZeRO 2-3 or split regions only so far; gradient buckets, pipeline
-  /// messages and ZeRO-1's gather go through host copies (docs/backend.md). The backend must
+  /// ZeRO 2-3 only so far; gradient buckets, pipeline messages, ZeRO-1's
+  /// gather and split regions' collectives go through host copies (docs/backend.md). The backend must
   /// outlive the plan and its optimizer state (they free into its memory).
   backend_ref backend;
   // ---- pipelines ----

@@ -33,7 +33,6 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
     if (level > 1)
       throw std::invalid_argument(who + "ZeRO-" + std::to_string(level) + " (shard<..., " + std::to_string(level) + ">)" + on +
                                   " (its per-layer collectives take host memory); ZeRO-1 runs on a device");
-    if (has_split) throw std::invalid_argument(who + "a split region" + on + " (its collectives take host memory)");
     if (o_.bf16_reduce) throw std::invalid_argument(who + "summing gradients in bf16 (bf16_reduce)" + on);
     if (o_.worker_cuts) throw std::invalid_argument(who + "worker_cuts" + on);
     if (o_.in_flight > 0) throw std::invalid_argument(who + "minibatches in flight (in_flight, wsp_trainer)" + on);
@@ -163,7 +162,7 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
     if (d_ > 1 && level == 0 && !o_.worker_cuts)
       for (auto [b, e] : detail::complement(no_sync_, n)) broadcast(*data_, params_.v().rows(b, e - b), 0);
   }
-  if constexpr (level <= 1 && !has_split)
+  if constexpr (level <= 1)
     if (!be_.on_cpu()) {  // initialised and made equal on the host: now into the device's memory, layers bound there
       detail::place_params(be_, params_, grads_);
       for (int ch = 0; ch < V; ++ch) {

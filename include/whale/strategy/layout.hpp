@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "whale/backend/kernels/rows.hpp"
 #include "whale/comm/collectives.hpp"
 #include "whale/comm/context.hpp"
 #include "whale/nn/layer.hpp"
@@ -100,6 +101,29 @@ struct split_env {
 };
 
 namespace detail {
+/// A blocking collective over `in` (n_in elements) and `out` (n_out) in the
+/// memory of `be`: `run(in, out)` on them on the CPU; on a device on host
+/// copies in `host` (a buffer reused from call to call), `in` copied down
+/// before and `out` copied up after (in == out: one copy, in place). The
+/// communicators take host memory; a device's own (NCCL) would take `in` and `out` directly.
+template <class T, class F>
+void through_host(const backend_ref& be, tensor<T>& host, const T* in, index_t n_in, T* out, index_t n_out, F&& run) {
+  if (be.on_cpu()) return run(in, out);
+  const bool in_place = static_cast<const void*>(in) == static_cast<const void*>(out);
+  const index_t need = in_place ? n_in : n_in + n_out;
+  if (host.capacity() < static_cast<std::size_t>(need)) {
+    const place_scope on_host(nullptr);
+    host = tensor<T>({need}, mem_kind::comm);
+  }
+  T* h_in = host.data();
+  T* h_out = in_place ? h_in : h_in + n_in;
+  be.copy(h_in, in, static_cast<std::size_t>(n_in) * sizeof(T));
+  be.synchronize();
+  run(static_cast<const T*>(h_in), h_out);
+  be.copy(out, h_out, static_cast<std::size_t>(n_out) * sizeof(T));
+  be.synchronize();
+}
+
 /// Rows of the global batch held by rank `r` of `p` when the batch is split<0>.
 inline index_t rows_of(index_t global_seqs, index_t seq, int p, int r) {
   const index_t q = global_seqs / p, rem = global_seqs % p;
@@ -108,68 +132,76 @@ inline index_t rows_of(index_t global_seqs, index_t seq, int p, int r) {
 
 /// Apply collective `k` to x (rows_in, w_in) along `c`, into `out`; returns
 /// the output view. `rows_local`/`rows_global` describe the data-axis batch.
-inline view<float> apply_collective(conv_op k, world_comm& c, cview<float> x, index_t rows_in, index_t rows_out,
-                                    tensor<float>& out, tensor<float>& tmp, std::vector<index_t>& counts,
-                                    index_t global_seqs, index_t seq) {
+/// x, out and tmp are in `be`'s memory; `host` stages the collectives on a device.
+inline view<float> apply_collective(conv_op k, world_comm& c, const backend_ref& be, cview<float> x, index_t rows_in,
+                                    index_t rows_out, tensor<float>& out, tensor<float>& tmp, tensor<float>& host,
+                                    std::vector<index_t>& counts, index_t global_seqs, index_t seq) {
   const int p = c.size(), r = c.rank();
   const index_t w_in = rows_in ? x.numel() / rows_in : 0;
+  auto row_counts = [&] {
+    counts.resize(static_cast<std::size_t>(p));
+    for (int i = 0; i < p; ++i) counts[static_cast<std::size_t>(i)] = rows_of(global_seqs, seq, p, i) * w_in;
+    return std::span<const index_t>(counts);
+  };
   switch (k) {
     case conv_op::none:
       return view<float>(const_cast<float*>(x.data()), x.shape());
     case conv_op::all_reduce: {
       auto y = detail::ensure(out, {rows_out, w_in});
-      std::memcpy(y.data(), x.data(), x.bytes());
-      all_reduce(c, y);
+      be.copy(y.data(), x.data(), x.bytes());
+      through_host(be, host, y.data(), y.numel(), y.data(), y.numel(),
+                   [&](const float*, float* h) { all_reduce(c, view<float>(h, {y.numel()})); });
       return y;
     }
     case conv_op::gather_rows: {
-      counts.resize(static_cast<std::size_t>(p));
-      for (int i = 0; i < p; ++i) counts[static_cast<std::size_t>(i)] = rows_of(global_seqs, seq, p, i) * w_in;
+      const auto n = row_counts();
       auto y = detail::ensure(out, {rows_out, w_in});
-      all_gather_v(c, x, y, std::span<const index_t>(counts));
+      through_host(be, host, x.data(), x.numel(), y.data(), y.numel(), [&](const float* i, float* o) {
+        all_gather_v(c, cview<float>(i, {x.numel()}), view<float>(o, {y.numel()}), n);
+      });
       return y;
     }
     case conv_op::reduce_scatter_rows: {
-      counts.resize(static_cast<std::size_t>(p));
-      for (int i = 0; i < p; ++i) counts[static_cast<std::size_t>(i)] = rows_of(global_seqs, seq, p, i) * w_in;
+      const auto n = row_counts();
       auto y = detail::ensure(out, {rows_out, w_in});
-      reduce_scatter_v(c, x, y, std::span<const index_t>(counts));
+      through_host(be, host, x.data(), x.numel(), y.data(), y.numel(), [&](const float* i, float* o) {
+        reduce_scatter_v(c, cview<float>(i, {x.numel()}), view<float>(o, {y.numel()}), n);
+      });
       return y;
     }
     case conv_op::slice_rows: {
       index_t begin = 0;
       for (int i = 0; i < r; ++i) begin += rows_of(global_seqs, seq, p, i);
       auto y = detail::ensure(out, {rows_out, w_in});
-      std::memcpy(y.data(), x.data() + begin * w_in, static_cast<std::size_t>(rows_out * w_in) * sizeof(float));
+      be.copy(y.data(), x.data() + begin * w_in, static_cast<std::size_t>(rows_out * w_in) * sizeof(float));
       return y;
     }
     case conv_op::gather_cols: {  // (rows, w) on each rank -> (rows, p*w)
       const index_t w = w_in;
       auto t = detail::ensure(tmp, {p * rows_in * w}, mem_kind::comm);
-      all_gather(c, x, t);
+      through_host(be, host, x.data(), x.numel(), t.data(), t.numel(), [&](const float* i, float* o) {
+        all_gather(c, cview<float>(i, {x.numel()}), view<float>(o, {t.numel()}));
+      });
       auto y = detail::ensure(out, {rows_in, p * w});
-      for (int k2 = 0; k2 < p; ++k2)
-        for (index_t i = 0; i < rows_in; ++i)
-          std::memcpy(y.data() + i * p * w + k2 * w, t.data() + (k2 * rows_in + i) * w,
-                      static_cast<std::size_t>(w) * sizeof(float));
+      for (int k2 = 0; k2 < p; ++k2)  // rank k2's block of rows: columns [k2 w, k2 w + w)
+        be.launch(rows_in, kernels::copy_cols{t.data() + k2 * rows_in * w, w, y.data() + k2 * w, p * w, w});
       return y;
     }
     case conv_op::reduce_scatter_cols: {  // (rows, W) summands -> (rows, W/p) sums
       const index_t w = w_in / p;
       auto t = detail::ensure(tmp, {p * rows_in * w}, mem_kind::comm);
-      for (int k2 = 0; k2 < p; ++k2)
-        for (index_t i = 0; i < rows_in; ++i)
-          std::memcpy(t.data() + (k2 * rows_in + i) * w, x.data() + i * w_in + k2 * w,
-                      static_cast<std::size_t>(w) * sizeof(float));
+      for (int k2 = 0; k2 < p; ++k2)  // columns [k2 w, k2 w + w) as rank k2's block of rows
+        be.launch(rows_in, kernels::copy_cols{x.data() + k2 * w, w_in, t.data() + k2 * rows_in * w, w, w});
       auto y = detail::ensure(out, {rows_in, w});
-      reduce_scatter(c, t, y);
+      through_host(be, host, t.data(), t.numel(), y.data(), y.numel(), [&](const float* i, float* o) {
+        reduce_scatter(c, cview<float>(i, {t.numel()}), view<float>(o, {y.numel()}));
+      });
       return y;
     }
     case conv_op::slice_cols: {
       const index_t w = w_in / p;
       auto y = detail::ensure(out, {rows_in, w});
-      for (index_t i = 0; i < rows_in; ++i)
-        std::memcpy(y.data() + i * w, x.data() + i * w_in + r * w, static_cast<std::size_t>(w) * sizeof(float));
+      be.launch(rows_in, kernels::copy_cols{x.data() + r * w, w_in, y.data(), w, w});
       return y;
     }
     case conv_op::impossible:
@@ -209,7 +241,8 @@ class convert : public stateless_params {
     const index_t rows_in = c.rows();
     if constexpr (!local_rows(A, From) && local_rows(A, To)) c.batch = detail::rows_of(gseq, c.seq, comm_->size(), comm_->rank()) / c.seq;
     if constexpr (local_rows(A, From) && !local_rows(A, To)) c.batch = gseq;
-    return detail::apply_collective(fwd_coll, *comm_, x, rows_in, c.rows(), s.y, s.tmp, s.counts, gseq, c.seq);
+    return detail::apply_collective(fwd_coll, *comm_, c.be, x, rows_in, c.rows(), s.y, s.tmp, s.host, s.counts, gseq,
+                                    c.seq);
   }
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
@@ -218,12 +251,14 @@ class convert : public stateless_params {
     // the gradient goes from the consumer's batch layout back to the producer's
     if constexpr (!local_rows(A, To) && local_rows(A, From)) c.batch = detail::rows_of(gseq, c.seq, comm_->size(), comm_->rank()) / c.seq;
     if constexpr (local_rows(A, To) && !local_rows(A, From)) c.batch = gseq;
-    return detail::apply_collective(bwd_coll, *comm_, dy, rows_in, c.rows(), s.dx, s.tmp, s.counts, gseq, c.seq);
+    return detail::apply_collective(bwd_coll, *comm_, c.be, dy, rows_in, c.rows(), s.dx, s.tmp, s.host, s.counts, gseq,
+                                    c.seq);
   }
 
  private:
   struct state {
     tensor<float> y, dx, tmp;
+    tensor<float> host;  // on a device: the collective's host copies
     std::vector<index_t> counts;
   };
   world_comm* comm_ = nullptr;

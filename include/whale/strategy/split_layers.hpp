@@ -55,31 +55,32 @@ class split_softmax_cross_entropy : public stateless_params {
     const index_t n = logits.numel() / R;  // local classes
     const index_t c0 = r_ * n;
     auto& s = st_(c.slot);
+    const auto ys = c.be.host_readable(labels, s.host_labels);  // the labels on the host, when they are on a device
+    for (index_t r = 0; r < R; ++r) {
+      const index_t y = ys[r];
+      if (y != ignore_index && (y < 0 || y >= n * p_))
+        throw std::out_of_range("whale::split_softmax_cross_entropy: label " + std::to_string(y) +
+                                " out of range for " + std::to_string(n * p_) + " classes");
+    }
     auto g = detail::ensure(s.grad, {R, n});
     auto st = detail::ensure(s.stats, {R});  // row maxima
     float* mx = st.data();
     c.be.launch(R, kernels::row_max{logits.data(), mx, n});
-    all_reduce(*comm_, view<float>(mx, {R}), reduce_op::max);
+    detail::through_host(c.be, s.host, mx, R, mx, R,
+                         [&](const float*, float* h) { all_reduce(*comm_, view<float>(h, {R}), reduce_op::max); });
     auto tg = detail::ensure(s.target, {2 * R});
     c.be.launch(R, kernels::exp_rows{logits.data(), mx, g.data(), tg.data(), n});
-    for (index_t r = 0; r < R; ++r) {
-      const float* z = logits.data() + r * n;
-      const index_t y = labels[r];
-      if (y == ignore_index) {
-        tg[R + r] = 0.f;
-        continue;
-      }
-      if (y < 0 || y >= n * p_)
-        throw std::out_of_range("whale::split_softmax_cross_entropy: label " + std::to_string(y) +
-                                " out of range for " + std::to_string(n * p_) + " classes");
-      tg[R + r] = (y >= c0 && y < c0 + n) ? z[y - c0] : 0.f;
-    }
-    all_reduce(*comm_, tg);  // row sums, and the target logits (one rank each)
+    c.be.launch(R, kernels::target_logits{logits.data(), labels.data(), tg.data() + R, n, c0, ignore_index});
+    // row sums, and the target logits (one rank each)
+    detail::through_host(c.be, s.host, tg.data(), 2 * R, tg.data(), 2 * R,
+                         [&](const float*, float* h) { all_reduce(*comm_, view<float>(h, {2 * R})); });
     const double count = c.loss_count();
     const double inv = count > 0 ? 1.0 / count : 0.0;
+    const auto sums = c.be.host_readable(cview<float>(tg), s.host_sums);
+    const auto maxima = c.be.host_readable(cview<float>(st), s.host_maxima);
     double total = 0;
     for (index_t r = 0; r < R; ++r)
-      if (labels[r] != ignore_index) total += std::log(static_cast<double>(tg[r])) + mx[r] - tg[R + r];
+      if (ys[r] != ignore_index) total += std::log(static_cast<double>(sums[r])) + maxima[r] - sums[R + r];
     c.be.launch(R, kernels::softmax_grad_rows{g.data(), tg.data(), labels.data(), n, c0, static_cast<float>(inv),
                                               ignore_index});
     // every rank of a data-axis split computes the loss of all rows: share 1/p each
@@ -90,6 +91,9 @@ class split_softmax_cross_entropy : public stateless_params {
  private:
   struct state {
     tensor<float> grad, stats, target;
+    tensor<float> host;  // on a device: the all-reduces' host copies
+    std::vector<std::int32_t> host_labels;
+    std::vector<float> host_sums, host_maxima;
   };
   world_comm* comm_ = nullptr;
   int p_ = 1, r_ = 0;
@@ -152,8 +156,9 @@ class vocab_embedding {
     const index_t R = tokens.numel();
     s.tokens = tokens;
     auto y = detail::ensure(s.y, {R, D});
+    const auto ts = c.be.host_readable(tokens, s.host_tokens);  // the tokens on the host, when they are on a device
     for (index_t i = 0; i < R; ++i) {
-      const index_t t = tokens[i];
+      const index_t t = ts[i];
       if (t < 0 || t >= Vocab)
         throw std::out_of_range("whale::vocab_embedding: token " + std::to_string(t) +
                                 " is outside the vocabulary of " + std::to_string(Vocab));
@@ -174,6 +179,7 @@ class vocab_embedding {
   struct state {
     cview<std::int32_t> tokens;
     tensor<float> y;
+    std::vector<std::int32_t> host_tokens;
   };
   world_comm* comm_ = nullptr;
   int p_ = 1, r_ = 0;

@@ -207,6 +207,22 @@ struct cross_entropy_rows {
   }
 };
 
+/// dst[r, 0:w] = src[r, 0:w], rows `src_stride` and `dst_stride` floats apart:
+/// a block of columns moved between matrices of different widths (the column
+/// layouts of a split region: gathering, slicing and packing column blocks).
+struct copy_cols {
+  const float* src;
+  index_t src_stride;
+  float* dst;
+  index_t dst_stride;
+  index_t w;
+  WHALE_HD WHALE_INLINE void operator()(index_t r) const noexcept {
+    const float* s = src + r * src_stride;
+    float* d = dst + r * dst_stride;
+    for (index_t c = 0; c < w; ++c) d[c] = s[c];
+  }
+};
+
 /// m[r] = the maximum of row r (width C): the first pass of a class-split softmax.
 struct row_max {
   const float* z;
@@ -227,6 +243,20 @@ struct exp_rows {
     const float mr = m[r];
     for (index_t j = 0; j < C; ++j) qr[j] = vexp(zr[j] - mr);
     sum[r] = vsum(qr, C);
+  }
+};
+/// t[r] = z[r, y[r] - c0] when this rank holds the label's class (columns
+/// c0..c0+C of a class-split row), else 0 (an ignored row too): the target
+/// logits, summed over the ranks afterwards (labels checked by the caller).
+struct target_logits {
+  const float* z;
+  const std::int32_t* y;
+  float* t;
+  index_t C, c0;
+  std::int32_t ignore;
+  WHALE_HD WHALE_INLINE void operator()(index_t r) const noexcept {
+    const std::int32_t label = y[r];
+    t[r] = label != ignore && label >= c0 && label < c0 + C ? z[r * C + (label - c0)] : 0.f;
   }
 };
 /// The last pass of a class-split cross-entropy: q[r, :] *= inv / sum[r], and
