@@ -144,22 +144,27 @@ class param_binder {
 };
 
 namespace detail {
+/// Tensor `t`, filled in host memory, moved into device backend `be`'s memory
+/// as kind `k` (its values copied); nothing to do on the CPU or when empty.
+inline void move_to(const backend_ref& be, tensor<float>& t, mem_kind k) {
+  if (be.on_cpu() || t.capacity() == 0 || !t.on_host()) return;
+  tensor<float> d;
+  {
+    const place_scope on(be.memory());
+    d = tensor<float>(t.shape(), k);
+  }
+  be.copy(d.data(), t.data(), t.v().bytes());
+  be.synchronize();
+  t = std::move(d);
+}
 /// Flat parameters initialised in host memory, moved into device backend
 /// `be`'s memory: the values copied, the gradients new (zero); the caller
 /// binds its layers to the new buffers. Nothing to do on the CPU.
 inline void place_params(const backend_ref& be, tensor<float>& params, tensor<float>& grads) {
   if (be.on_cpu()) return;
-  const index_t n = params.numel();
-  tensor<float> p, g;
-  {
-    const place_scope on(be.memory());
-    p = tensor<float>({n}, mem_kind::params);
-    g = tensor<float>({n}, mem_kind::grads);
-  }
-  be.copy(p.data(), params.data(), p.v().bytes());
-  be.synchronize();
-  params = std::move(p);
-  grads = std::move(g);
+  move_to(be, params, mem_kind::params);
+  const place_scope on(be.memory());
+  grads = tensor<float>({params.numel()}, mem_kind::grads);
 }
 
 /// One activation slot a layer touched: `release(owner, slot)` drops its state.

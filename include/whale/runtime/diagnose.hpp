@@ -34,12 +34,12 @@ inline std::int64_t first_nonfinite_unit(const program& prog, const float* g, in
 }  // namespace detail
 
 template <class P> std::string executor<P>::first_nonfinite_grad() const {
-  std::int64_t u = level >= 2 ? detail::first_nonfinite_unit(prog_, zero_.shard_grads().data(), zero_.begin(), zero_.end())
-                              : [&] {  // on a device: on a host copy
-                                  std::vector<float> keep;
-                                  const auto g = be_.host_readable(cview<float>(grads_.data(), {param_count()}), keep);
-                                  return detail::first_nonfinite_unit(prog_, g.data(), 0, param_count());
-                                }();
+  std::vector<float> keep;  // on a device: the gradients' host copy
+  std::int64_t u = level >= 2 ? detail::first_nonfinite_unit(prog_, be_.host_readable(cview<float>(zero_.shard_grads()), keep).data(),
+                                                             zero_.begin(), zero_.end())
+                              : detail::first_nonfinite_unit(
+                                    prog_, be_.host_readable(cview<float>(grads_.data(), {param_count()}), keep).data(), 0,
+                                    param_count());
   all_reduce(ctx_->world(), view<std::int64_t>(&u, {1}), reduce_op::min);
   if (u == std::numeric_limits<std::int64_t>::max()) return {};
   const auto d = describe<P>();

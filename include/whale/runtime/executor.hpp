@@ -172,7 +172,7 @@ template <class P> class executor {
   double grad_squares(bool within_replica = false) const {
     if (within_replica && level >= 2)
       throw std::logic_error("whale::executor::grad_squares: ZeRO 2-3 spread a replica's gradients over the data axis");
-    return level >= 2 ? detail::owned_range_squares(prog_, zero_.shard_grads().data(), zero_.begin(), zero_.end())
+    return level >= 2 ? detail::owned_range_squares(prog_, zero_.shard_grads().data(), zero_.begin(), zero_.end(), be_)
                       : detail::owned_squares(prog_, grads_.data(), within_replica, be_);
   }
   /// Forward only (a forward-only schedule); this rank's share of the loss.

@@ -35,12 +35,13 @@ inline double owned_squares(const program& prog, const float* grads, bool within
 /// ZeRO 2–3: the squares of the owned range [begin, end) of the stage's flat
 /// gradients (`owned` holds them), each parameter once over the model axis; the
 /// owned ranges partition the stage over the data axis, so every data rank counts its own.
-inline double owned_range_squares(const program& prog, const float* owned, index_t begin, index_t end) {
+inline double owned_range_squares(const program& prog, const float* owned, index_t begin, index_t end,
+                                  const backend_ref& be = {}) {
   const int m = prog.coords[static_cast<std::size_t>(axis::model)];
   double sq = 0;
   auto add = [&](index_t b, index_t e) {
     b = std::max(b, begin), e = std::min(e, end);
-    if (e > b) sq += cpu::sum_squares(e - b, owned + (b - begin));
+    if (e > b) sq += be.sum_squares(e - b, owned + (b - begin));
   };
   for (const auto& h : prog.holds) {
     if (h.local_params == 0) continue;

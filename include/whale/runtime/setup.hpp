@@ -30,9 +30,6 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
   be_ = o_.backend;
   if (!be_.on_cpu()) {  // what runs in a device's memory so far (docs/backend.md, "Training on a device")
     const std::string on = std::string(" with the network on a device (") + be_.name() + ") is not implemented yet";
-    if (level > 1)
-      throw std::invalid_argument(who + "ZeRO-" + std::to_string(level) + " (shard<..., " + std::to_string(level) + ">)" + on +
-                                  " (its per-layer collectives take host memory); ZeRO-1 runs on a device");
     if (o_.bf16_reduce) throw std::invalid_argument(who + "summing gradients in bf16 (bf16_reduce)" + on);
     if (o_.worker_cuts) throw std::invalid_argument(who + "worker_cuts" + on);
     if (o_.in_flight > 0) throw std::invalid_argument(who + "minibatches in flight (in_flight, wsp_trainer)" + on);
@@ -162,18 +159,19 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
     if (d_ > 1 && level == 0 && !o_.worker_cuts)
       for (auto [b, e] : detail::complement(no_sync_, n)) broadcast(*data_, params_.v().rows(b, e - b), 0);
   }
-  if constexpr (level <= 1)
-    if (!be_.on_cpu()) {  // initialised and made equal on the host: now into the device's memory, layers bound there
-      detail::place_params(be_, params_, grads_);
+  if (!be_.on_cpu()) {  // initialised and made equal on the host: now into the device's memory, layers bound there
+    if constexpr (level <= 1) detail::place_params(be_, params_, grads_);
+    else if constexpr (level == 2) detail::move_to(be_, params_, mem_kind::params);  // gradients: ZeRO's own buffers
+    if constexpr (level < 3)
       for (int ch = 0; ch < V; ++ch) {
         const index_t at = chunk_at_[static_cast<std::size_t>(ch)];
-        parts_[static_cast<std::size_t>(ch)].bind_and_init(params_.data() + at, grads_.data() + at, s, false);
+        parts_[static_cast<std::size_t>(ch)].bind_and_init(params_.data() + at, level < 2 ? grads_.data() + at : nullptr, s, false);
       }
-      if constexpr (level == 1) {
-        zero_.set_full_params(params_.data());
-        zero_.set_backend(be_);
-      }
+    if constexpr (level > 0) {
+      if constexpr (level < 3) zero_.set_full_params(params_.data());
+      zero_.set_backend(be_);  // the owned shards too (ZeRO 2-3)
     }
+  }
   if (d_ > 1 && level < 2 && !o_.worker_cuts)
     sync_.plan(detail::bucket_ranges(detail::complement(no_sync_, n), detail::bucket_elements(o_.bucket_mib)), o_.blocking,
                o_.bf16_reduce, be_);

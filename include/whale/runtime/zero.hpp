@@ -4,7 +4,12 @@
 // backward ends, level 3 also all-gathers each leaf's parameters just before
 // it runs (prefetching the next one, in the order recorded on the first pass)
 // and frees them after. Levels 1–2 all-gather the parameters after the update.
-// The executor binds the layers and owns the full buffers of levels 1–2.
+// The executor binds the layers and owns the full buffers of levels 1–2. With
+// the stage in a device's memory (set_backend), the owned shards and the
+// buffers layers bind are there, and every collective runs on host twins of
+// those buffers: a gather lands in its buffer's host twin and is copied up
+// when a layer needs it; a leaf's gradients are copied down, reduce-scattered
+// into a host piece, and copied (or added) into the owned gradients on completion.
 #pragma once
 
 #include <algorithm>
@@ -17,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "whale/backend/backend_ref.hpp"
 #include "whale/backend/cpu/launch.hpp"
 #include "whale/backend/kernels/elementwise.hpp"
 #include "whale/comm/collectives.hpp"
@@ -89,14 +95,17 @@ class zero_engine {
     c.hooks = hooks_.next;
     finish_pass();
   }
-  /// Level 1 with the parameters in a device's memory (`be` not the CPU): the
-  /// gather after the update goes through a host copy of all n parameters.
+  /// The stage in a device's memory (`be` not the CPU): the owned shards move
+  /// there, comm buffers are allocated there with host twins, and the gather
+  /// after the update (levels 1-2) goes through a host copy of all n parameters.
   void set_backend(const backend_ref& be) {
-    if (!be.on_cpu() && level_ != 1)
-      throw std::logic_error("whale::shard: only ZeRO-1 keeps its parameters in a device's memory");
+    if (!be.on_cpu() && o_.bf16)
+      throw std::logic_error("whale::shard: gradients packed to bf16 are not summed in a device's memory yet");
     be_ = be;
+    move_to(be, shard_params_, mem_kind::params);
+    move_to(be, shard_grads_, mem_kind::grads);
     const place_scope on_host(nullptr);
-    host_full_ = be.on_cpu() || comm_->size() == 1 ? tensor<float>{} : tensor<float>({n_}, mem_kind::comm);
+    host_full_ = be.on_cpu() || comm_->size() == 1 || level_ == 3 ? tensor<float>{} : tensor<float>({n_}, mem_kind::comm);
   }
   /// Levels 1–2 after the update of the owned range: every rank gets all parameters.
   void gather_after_update(float* full) {
@@ -113,9 +122,10 @@ class zero_engine {
     be_.copy(full, host, static_cast<std::size_t>(n_) * sizeof(float));
     be_.synchronize();
   }
-  /// All n parameters into `out` (collective at level 3).
+  /// All n parameters into `out`, host memory (collective at level 3).
   void gather_params(view<float> out) const {
-    all_gather_v(*comm_, cview<float>(shard_params_.v()), out, std::span<const index_t>(counts_));
+    std::vector<float> keep;  // on a device: the owned shard's host copy
+    all_gather_v(*comm_, be_.host_readable(cview<float>(shard_params_.v()), keep), out, std::span<const index_t>(counts_));
   }
 
  private:
@@ -146,29 +156,48 @@ class zero_engine {
   // Pools of comm buffers (fp32, and bf16 for packed gradients), taken by
   // exact size and released at fixed points, so that every step takes the
   // same buffers: nothing is allocated after the first.
+  // On a device, each buffer is there and has a host twin, where its collectives run.
   template <class T> struct pool {
     struct buffer {
       tensor<T> t;
+      tensor<T> host;  // on a device: the host twin
       bool busy = false;
     };
     std::vector<buffer> bufs;
-    int acquire(index_t count) {
+    int acquire(index_t count, const backend_ref& be) {
       for (std::size_t i = 0; i < bufs.size(); ++i)
         if (!bufs[i].busy && static_cast<index_t>(bufs[i].t.capacity()) == count) {
           bufs[i].busy = true;
           return static_cast<int>(i);
         }
-      bufs.push_back({tensor<T>({count}, mem_kind::comm), true});
+      buffer b;
+      {
+        const place_scope on(be.memory());
+        b.t = tensor<T>({count}, mem_kind::comm);
+      }
+      if (!be.on_cpu()) {
+        const place_scope on_host(nullptr);
+        b.host = tensor<T>({count}, mem_kind::comm);
+      }
+      b.busy = true;
+      bufs.push_back(std::move(b));
       return static_cast<int>(bufs.size() - 1);
     }
     T* data(int b) const noexcept { return bufs[static_cast<std::size_t>(b)].t.data(); }
+    /// Where buffer b's collectives run: itself on the CPU, its host twin on a device.
+    T* host(int b) const noexcept {
+      const auto& x = bufs[static_cast<std::size_t>(b)];
+      return x.host.capacity() ? x.host.data() : x.t.data();
+    }
     void release(int b) noexcept {
       if (b >= 0) bufs[static_cast<std::size_t>(b)].busy = false;
     }
     std::size_t size() const noexcept { return bufs.size(); }
   };
-  int acquire(index_t count) { return pool_.acquire(count); }
+  int acquire(index_t count) { return pool_.acquire(count, be_); }
   float* data(int b) const noexcept { return pool_.data(b); }
+  float* host(int b) const noexcept { return pool_.host(b); }
+  bool on_device() const noexcept { return !be_.on_cpu(); }
   void release(int b) noexcept { pool_.release(b); }
   std::uint16_t* bits(int b) const noexcept { return reinterpret_cast<std::uint16_t*>(pool16_.data(b)); }
 
@@ -176,10 +205,10 @@ class zero_engine {
     world_comm::request req;
     int buf;        // the leaf's gradient buffer
     bool last;      // the leaf's last bucket: its buffer returns to the pool when this completes
-    int sum = -1;   // accumulating: the buffer the owned piece arrived in, added on completion
+    int sum = -1;   // accumulating (always, on a device): the buffer the owned piece arrived in (its host twin), added on completion
     index_t at = 0, count = 0;
     int packed = -1, recv = -1;  // bf16: the bucket packed, and the owned piece summed in bf16
-    bool add = false;            // bf16: added to the owned gradients (micro-batches after the first)
+    bool add = false;            // bf16, and on a device: added to the owned gradients (micro-batches after the first)
   };
   void progress() {
     for (auto& p : pending_) p.req.test();
@@ -193,9 +222,20 @@ class zero_engine {
       else cpu::launch(p.count, kernels::unpack_bf16{bits(p.recv), g});
     }
     if (p.sum >= 0 && !dry_) {
-      const float* s = data(p.sum);
       float* g = shard_grads_.data() + p.at;
-      for (index_t i = 0; i < p.count; ++i) g[i] += s[i];
+      if (on_device()) {  // the piece arrived in the host twin: up into the owned gradients, or added there
+        const auto bytes = static_cast<std::size_t>(p.count) * sizeof(float);
+        if (p.add) {
+          be_.copy(data(p.sum), host(p.sum), bytes);
+          be_.launch(p.count, kernels::add{g, data(p.sum), g});
+        } else {
+          be_.copy(g, host(p.sum), bytes);
+        }
+        be_.synchronize();  // the twin returns to the pool
+      } else {
+        const float* s = data(p.sum);
+        for (index_t i = 0; i < p.count; ++i) g[i] += s[i];
+      }
     }
     release(p.sum);
     pool16_.release(p.packed);
@@ -208,16 +248,24 @@ class zero_engine {
   }
 
   struct gathered {
-    index_t offset = -1;
+    index_t offset = -1, count = 0;
     int buf = -1;
     std::optional<world_comm::request> req;
   };
   void start_gather(gathered& g, const leaf_info& l) {
     g.offset = l.offset;
+    g.count = l.count;
     g.buf = acquire(l.count);
     if (dry_) return;
     const float* mine = l.mine ? shard_params_.data() + (l.offset + l.mine_at - begin_) : shard_params_.data();
-    g.req.emplace(iall_gather_v(*comm_, cview<float>(mine, {l.mine}), view<float>(data(g.buf), {l.count}),
+    if (on_device()) {  // the owned piece down into its place in the host twin; gathered there in place
+      index_t at = 0;
+      for (int r = 0; r < comm_->rank(); ++r) at += l.counts[static_cast<std::size_t>(r)];
+      be_.copy(host(g.buf) + at, mine, static_cast<std::size_t>(l.mine) * sizeof(float));
+      be_.synchronize();
+      mine = host(g.buf) + at;
+    }
+    g.req.emplace(iall_gather_v(*comm_, cview<float>(mine, {l.mine}), view<float>(host(g.buf), {l.count}),
                                 std::span<const index_t>(l.counts)));
   }
   void drop(gathered& g) {
@@ -254,6 +302,7 @@ class zero_engine {
     if (held_.req) {
       held_.req->wait();
       held_.req.reset();
+      if (on_device()) be_.copy(data(held_.buf), host(held_.buf), static_cast<std::size_t>(held_.count) * sizeof(float));
     }
     if (o_.prefetch && !recording() && pos_ < trace().size()) {
       const auto& nx = trace()[pos_];
@@ -301,7 +350,7 @@ class zero_engine {
       }
       const bool last = b == l.count;
       if (o_.bf16) {  // packed, summed in bf16 into a bf16 piece, widened when it completes
-        const int packed = pool16_.acquire(b - a), recv = mine > 0 ? pool16_.acquire(mine) : -1;
+        const int packed = pool16_.acquire(b - a, be_), recv = mine > 0 ? pool16_.acquire(mine, be_) : -1;
         pending pd{world_comm::request{}, -1, last, -1, mine_at, mine, packed, recv, accumulate_};
         if (!dry_) {
           cpu::launch(b - a, kernels::pack_bf16{data(grad_buf_) + a, bits(packed)});
@@ -312,15 +361,20 @@ class zero_engine {
         pending_.push_back(std::move(pd));
         continue;
       }
-      const int sum = accumulate_ && mine > 0 ? acquire(mine) : -1;
-      float* dst = sum >= 0 ? data(sum) : shard_grads_.data() + mine_at;
-      if (dry_) {
-        pending_.push_back({world_comm::request{}, grad_buf_, last, sum, mine_at, mine});
-      } else {
-        pending_.push_back({ireduce_scatter_v(*comm_, cview<float>(data(grad_buf_) + a, {b - a}), view<float>(dst, {mine}),
-                                              std::span<const index_t>(scratch_counts_)),
-                            grad_buf_, last, sum, mine_at, mine});
+      // on a device the owned piece always arrives in a buffer's host twin (then copied or added up)
+      const int sum = (accumulate_ || on_device()) && mine > 0 ? acquire(mine) : -1;
+      float* dst = sum >= 0 ? host(sum) : shard_grads_.data() + mine_at;
+      pending pd{world_comm::request{}, grad_buf_, last, sum, mine_at, mine};
+      pd.add = accumulate_;
+      if (!dry_) {
+        if (on_device()) {  // the bucket down into the gradient buffer's host twin
+          be_.copy(host(grad_buf_) + a, data(grad_buf_) + a, static_cast<std::size_t>(b - a) * sizeof(float));
+          be_.synchronize();
+        }
+        pd.req = ireduce_scatter_v(*comm_, cview<float>(host(grad_buf_) + a, {b - a}), view<float>(dst, {mine}),
+                                   std::span<const index_t>(scratch_counts_));
       }
+      pending_.push_back(std::move(pd));
     }
     ++pending_leaves_;
     if (o_.bf16) release(grad_buf_);  // packed: the fp32 gradients are read no more
@@ -395,8 +449,8 @@ class zero_engine {
   std::vector<index_t> counts_, starts_, scratch_counts_;
   tensor<float> shard_params_, shard_grads_;
   float* full_params_ = nullptr;
-  backend_ref be_;         // level 1: where the parameters are
-  tensor<float> host_full_;  // level 1 on a device: the gather's host copy
+  backend_ref be_;           // where the stage computes (a device: collectives on host twins)
+  tensor<float> host_full_;  // levels 1-2 on a device: the gather after the update's host copy
   hooks hooks_;
   std::unordered_map<index_t, leaf_info> leaves_;
   pool<float> pool_;
