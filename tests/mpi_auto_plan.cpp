@@ -6,7 +6,9 @@
 // clear errors. At 1, 2 and 4 ranks; on a data x pipe mesh where the world is even.
 // Tensor parallelism (split<M> on a data x model reshaping) and the class-split
 // head are chosen where they move the fewest bytes, and train as single-process
-// training with SGD and with AdamW + clipping.
+// training with SGD and with AdamW + clipping; 3-D plans are priced on data x
+// pipe x model meshes, and on pipe:2 x model:2 (4 ranks) one runs and trains as
+// single-process training.
 #include <doctest/doctest.h>
 
 #include <unistd.h>
@@ -370,6 +372,36 @@ TEST_CASE("auto_plan on a data x model mesh prices tensor parallelism on it, and
       if (c.label != "tensor parallel") CHECK(!c.valid);
     check_choice_trains_as_single<wide_mlp>(ctx, auto_options(), wide_classes);
   }
+}
+
+TEST_CASE("auto_plan prices 3-D plans (tensor parallelism inside pipeline stages); on a pipe x model mesh only they run, and train as single-process") {
+  auto probe = context::init();
+  const auto dev = device_profile::load(auto_options().profile);
+  // pure: every rank ranks a data:1 x pipe:2 x model:2 mesh, and a data-only mesh of 4 ranks reshaped
+  const auto cs = rank_auto_plans<small_gpt>(mesh_shape(1, 2, 2), auto_options(), dev);
+  int three_d = 0;
+  for (const auto& c : cs) {
+    INFO(c.label << ": " << c.why);
+    if (c.label.rfind("3-D 1f1b m=", 0) == 0) {
+      ++three_d;
+      CHECK(c.valid);
+    } else {
+      CHECK(!c.valid);  // nothing else uses both the pipe and the model axis
+    }
+  }
+  CHECK(three_d == 3);  // m = 2, 4, 8
+  CHECK(cs.front().label.rfind("3-D 1f1b m=", 0) == 0);
+  int reshaped = 0;
+  for (const auto& c : rank_auto_plans<small_gpt>(mesh_shape(4, 1, 1), auto_options(), dev))
+    reshaped += c.valid && c.label.rfind("3-D 1f1b m=", 0) == 0 && c.mesh == "data=1,pipe=2,model=2";
+  CHECK(reshaped == 3);
+  if (probe.size() != 4) return;
+  auto ctx = test::on_mesh("pipe=2,model=2");
+  {
+    auto net = make<auto_plan<small_gpt>>(ctx, seed{42}, auto_options());
+    CHECK(net.choice().label.rfind("3-D 1f1b m=", 0) == 0);
+  }
+  check_trains_as_single(ctx, auto_options());
 }
 
 TEST_CASE("auto_plan on a backbone and a head prices the class-split head (Whale's 100k-class plan) and it trains as single-process") {

@@ -8,9 +8,12 @@
 // split<M> (tensor parallel) on a mesh with a model axis and on every data x
 // model reshaping of a data-only one, when M is made of plain layers; and for
 // M = sequential<Backbone, Head>, the backbone replicated and the head split by
-// class over the data axis (Whale's 100k-class plan). Not here: 3-D plans
-// (tensor parallelism inside a pipeline's stages). Checkpoints go through the chosen
-// plan (a checkpoint names the concrete plan it was saved by).
+// class over the data axis (Whale's 100k-class plan); and 3-D plans,
+// replicate<pipeline<one_f_one_b, M'>> with M' = M with its embeddings, fully
+// connected layers and repeated block each split over the model axis, on a
+// data x pipe x model mesh (the job's, or every reshaping of a data-only one).
+// Not here: recompute. Checkpoints go through the chosen plan (a checkpoint
+// names the concrete plan it was saved by).
 #pragma once
 
 #include <algorithm>
@@ -81,16 +84,57 @@ template <class M> auto head_split_probe() {
 }
 template <class M> using head_split = decltype(head_split_probe<M>());
 
+/// M with each element that has a tensor-parallel form split over the model
+/// axis on its own: embeddings, fully connected layers, and the block of its
+/// repeat (repeat<N, split<Block>>); every other element as it is. Each split
+/// layer starts from the unsplit one's values, so a plan of it starts where
+/// M's would (tensor parallelism inside pipeline stages).
+template <class E> struct tp_element {
+  using type = E;
+};
+template <index_t V, index_t D> struct tp_element<embedding<V, D>> {
+  using type = split<embedding<V, D>, axis::model>;
+};
+template <index_t I, index_t O> struct tp_element<linear<I, O>> {
+  using type = split<linear<I, O>, axis::model>;
+};
+template <std::size_t N, class B> struct tp_element<repeat<N, B>> {
+  using type = std::conditional_t<splittable<B, axis::model>, repeat<N, split<B, axis::model>>, repeat<N, B>>;
+};
+template <class L> struct tp_stages_of {
+  static constexpr bool ok = false;
+  using type = void;
+};
+template <class... E> struct tp_stages_of<tlist<E...>> {
+  using type = sequential<typename tp_element<E>::type...>;
+  // a 3-D candidate only where something is split and the result is a pipeline's model
+  static constexpr bool ok = !std::is_same_v<type, sequential<E...>> && pipelinable<type>() && Loss<type>;
+};
+template <class M> auto tp_stages_probe() {
+  if constexpr (sequential_like<M> && pipelinable<M>()) return tp_stages_of<elements_of<M>>{};
+  else return tp_stages_of<void>{};
+}
+template <class M> using tp_stages = decltype(tp_stages_probe<M>());
+template <class M, bool = tp_stages<M>::ok> struct three_d_of {
+  using type = void;
+};
+template <class M> struct three_d_of<M, true> {
+  using type = replicate<pipeline<one_f_one_b, typename tp_stages<M>::type>>;
+};
+
 /// The candidate plan types of auto_plan<M>, in this order: dp, ZeRO 1-3; then
 /// the 1F1B pipeline when M has one repeat, tensor parallelism (split<M> over
 /// the model axis) when M is splittable, and the class-split head when M is a
-/// backbone and a head. Only those that are plans for M are listed (and compiled).
+/// backbone and a head, and the 3-D plan when M has a repeated block to split.
+/// Only those that are plans for M are listed (and compiled).
 template <class M>
 using auto_candidates = typename append_if<
-    typename append_if<typename append_if<plan_list<replicate<M>, shard<M, 1>, shard<M, 2>, shard<M, 3>>,
-                                          pipelinable<M>(), replicate<pipeline<one_f_one_b, M>>>::type,
-                       splittable<M, axis::model>, split<M, axis::model>>::type,
-    head_split<M>::ok, typename head_split<M>::type>::type;
+    typename append_if<
+        typename append_if<typename append_if<plan_list<replicate<M>, shard<M, 1>, shard<M, 2>, shard<M, 3>>,
+                                              pipelinable<M>(), replicate<pipeline<one_f_one_b, M>>>::type,
+                           splittable<M, axis::model>, split<M, axis::model>>::type,
+        head_split<M>::ok, typename head_split<M>::type>::type,
+    tp_stages<M>::ok, typename three_d_of<M>::type>::type;
 
 template <class P, class L> struct index_in;
 template <class P, class... Q> struct index_in<P, plan_list<Q...>> {
@@ -193,6 +237,21 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
   }
   if constexpr (detail::head_split<M>::ok)
     price(at(std::type_identity<typename detail::head_split<M>::type>{}), job, "class-split head", 0);
+  if constexpr (detail::tp_stages<M>::ok) {  // 3-D: data x pipe x model, m = p, 2p, 4p
+    using three_d = typename detail::three_d_of<M>::type;
+    auto price_3d = [&](const mesh_shape& mesh, const std::string& on) {
+      const int p = mesh.size(axis::pipe);
+      for (int k : {1, 2, 4}) price(at(std::type_identity<three_d>{}), mesh, "3-D 1f1b m=" + std::to_string(k * p) + on, k * p);
+    };
+    if (job.size(axis::pipe) > 1 && job.size(axis::model) > 1) price_3d(job, "");
+    if (data_only)
+      for (int q = 2; q <= n; ++q)
+        for (int t = 2; q * t <= n; ++t) {
+          if (n % (q * t)) continue;
+          const mesh_shape reshaped(n / (q * t), q, t);
+          price_3d(reshaped, " on " + reshaped.spec());
+        }
+  }
   std::stable_sort(cs.begin(), cs.end(), [](const plan_choice& x, const plan_choice& y) {
     if (x.valid != y.valid) return x.valid;
     if (x.fits != y.fits) return x.fits;
