@@ -2,8 +2,10 @@
 // planner lowers every plan it can build for gpt on the mesh the job was
 // launched with (data parallel, ZeRO 1-3, or a 1F1B pipeline with 1, 2 or 4
 // micro-batches per stage on a data x pipe mesh; on a data-only mesh the
-// pipeline also on every data x pipe reshaping of the world, and tensor
-// parallelism, split<gpt>, on every data x model one), replays each on
+// pipeline also on every data x pipe reshaping of the world, tensor
+// parallelism, split<gpt>, on every data x model one, and the 3-D plan -- the
+// pipeline with each embedding, block and linear split over the model axis --
+// on every data x pipe x model one), replays each on
 // a measured device profile, drops those over the memory limit, and runs the fastest
 // (of candidates predicted within --plan-tie of the fastest, default 0.02, the
 // simplest). It prints its choice, the prediction and why the others lost, then trains.

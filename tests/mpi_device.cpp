@@ -3,8 +3,9 @@
 // a step runs only if the executor keeps parameters, gradients, optimizer
 // state, activations and inputs there and reaches them through the backend,
 // summing gradient buckets, pipeline messages, ZeRO's reduce-scatters and
-// gathers and the collectives of split regions through host copies. The arithmetic is the CPU's, so the parameters must equal the
-// same plan's on the CPU backend bit for bit, on every rank, at whatever
+// gathers and the collectives of split regions through host copies. The
+// arithmetic is the CPU's, so the parameters must equal the same plan's on
+// the CPU backend bit for bit, on every rank, at whatever
 // world size mpirun gives (1, 2, 4), with SGD and with AdamW and clipping:
 // data parallelism (blocking and non-blocking buckets; at one rank there is
 // no data axis, so no bucket is summed), pipelines (1F1B, GPipe, interleaved;

@@ -50,7 +50,7 @@ struct plan_choice {
   std::string label;      ///< e.g. "zero2", "pipeline 1f1b m=8", "pipeline 1f1b m=4 on data=1,pipe=2,model=1"
   std::size_t index = 0;  ///< which candidate type
   int micro_batches = 0;
-  std::string mesh;       ///< the mesh it runs on: the job's, or a data x pipe reshaping of it
+  std::string mesh;       ///< the mesh it runs on: the job's, or a reshaping of it (data x pipe, data x model, data x pipe x model)
   bool valid = false;     ///< lowered on every rank (else `why` says what the plan refused)
   bool fits = true;       ///< predicted peak memory within the limit
   std::string why;
@@ -162,7 +162,9 @@ template <class... P> struct auto_variant<plan_list<P...>> {
 /// fastest comes first (prefer_simpler, plan/tie.hpp) — then those over memory, then
 /// those that cannot run (with the reason).
 /// On a data-only mesh of N ranks the pipeline also competes on every data=N/p x
-/// pipe=p (every p > 1 dividing N). Pure: every rank computes the same ranking. Prices
+/// pipe=p (every p > 1 dividing N), tensor parallelism on every data x model and
+/// the 3-D plan on every data x pipe x model reshaping (pipe, model > 1). Pure:
+/// every rank computes the same ranking. Prices
 /// with the global batch o.plan_batch of o.plan_seq tokens and AdamW's optimizer
 /// state (8 bytes a parameter).
 template <class M>

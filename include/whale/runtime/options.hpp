@@ -20,8 +20,9 @@ struct plan_options {
   /// Where this rank computes and keeps its parameters, gradients, optimizer
   /// state and activations: the CPU (the default), or a device backend
   /// (`backend_ref(gpu)`, or the guarded backend). On a device every strategy
-  /// runs (not yet: bf16_reduce, worker_cuts, minibatches in flight); its
-  /// collectives and messages go through host copies (docs/backend.md). The backend must
+  /// runs (not yet: bf16_reduce, worker_cuts, minibatches in flight; the
+  /// trainer's bf16 and checkpoints); its collectives and messages go through
+  /// host copies (docs/backend.md). The backend must
   /// outlive the plan and its optimizer state (they free into its memory).
   backend_ref backend;
   // ---- pipelines ----
