@@ -26,6 +26,7 @@
 #include "whale/backend/cpu/launch.hpp"
 #include "whale/backend/kernels/elementwise.hpp"
 #include "whale/comm/collectives.hpp"
+#include "whale/comm/staging.hpp"
 #include "whale/comm/context.hpp"
 #include "whale/nn/layer.hpp"
 
@@ -104,23 +105,14 @@ class zero_engine {
     be_ = be;
     move_to(be, shard_params_, mem_kind::params);
     move_to(be, shard_grads_, mem_kind::grads);
-    const place_scope on_host(nullptr);
-    host_full_ = be.on_cpu() || comm_->size() == 1 || level_ == 3 ? tensor<float>{} : tensor<float>({n_}, mem_kind::comm);
   }
   /// Levels 1–2 after the update of the owned range: every rank gets all parameters.
   void gather_after_update(float* full) {
     if (level_ > 2 || comm_->size() == 1) return;
-    const auto counts = std::span<const index_t>(counts_);
-    if (be_.on_cpu()) {
-      all_gather_v(*comm_, cview<float>(full + begin_, {local_count()}), view<float>(full, {n_}), counts);
-      return;
-    }
-    float* host = host_full_.data();  // the owned range down, every range back up
-    be_.copy(host + begin_, full + begin_, static_cast<std::size_t>(local_count()) * sizeof(float));
-    be_.synchronize();
-    all_gather_v(*comm_, cview<float>(host + begin_, {local_count()}), view<float>(host, {n_}), counts);
-    be_.copy(full, host, static_cast<std::size_t>(n_) * sizeof(float));
-    be_.synchronize();
+    // in place on the CPU; on a device the owned range down, every range back up
+    through_host(be_, host_full_, full + begin_, local_count(), full, n_, [&](const float* mine, float* all) {
+      all_gather_v(*comm_, cview<float>(mine, {local_count()}), view<float>(all, {n_}), std::span<const index_t>(counts_));
+    });
   }
   /// All n parameters into `out`, host memory (collective at level 3).
   void gather_params(view<float> out) const {
@@ -450,7 +442,7 @@ class zero_engine {
   tensor<float> shard_params_, shard_grads_;
   float* full_params_ = nullptr;
   backend_ref be_;           // where the stage computes (a device: collectives on host twins)
-  tensor<float> host_full_;  // levels 1-2 on a device: the gather after the update's host copy
+  tensor<float> host_full_;  // levels 1-2 on a device: the gather after the update's host copies (through_host)
   hooks hooks_;
   std::unordered_map<index_t, leaf_info> leaves_;
   pool<float> pool_;

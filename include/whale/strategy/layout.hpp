@@ -12,6 +12,7 @@
 
 #include "whale/backend/kernels/rows.hpp"
 #include "whale/comm/collectives.hpp"
+#include "whale/comm/staging.hpp"
 #include "whale/comm/context.hpp"
 #include "whale/nn/layer.hpp"
 
@@ -101,29 +102,6 @@ struct split_env {
 };
 
 namespace detail {
-/// A blocking collective over `in` (n_in elements) and `out` (n_out) in the
-/// memory of `be`: `run(in, out)` on them on the CPU; on a device on host
-/// copies in `host` (a buffer reused from call to call), `in` copied down
-/// before and `out` copied up after (in == out: one copy, in place). The
-/// communicators take host memory; a device's own (NCCL) would take `in` and `out` directly.
-template <class T, class F>
-void through_host(const backend_ref& be, tensor<T>& host, const T* in, index_t n_in, T* out, index_t n_out, F&& run) {
-  if (be.on_cpu()) return run(in, out);
-  const bool in_place = static_cast<const void*>(in) == static_cast<const void*>(out);
-  const index_t need = in_place ? n_in : n_in + n_out;
-  if (host.capacity() < static_cast<std::size_t>(need)) {
-    const place_scope on_host(nullptr);
-    host = tensor<T>({need}, mem_kind::comm);
-  }
-  T* h_in = host.data();
-  T* h_out = in_place ? h_in : h_in + n_in;
-  be.copy(h_in, in, static_cast<std::size_t>(n_in) * sizeof(T));
-  be.synchronize();
-  run(static_cast<const T*>(h_in), h_out);
-  be.copy(out, h_out, static_cast<std::size_t>(n_out) * sizeof(T));
-  be.synchronize();
-}
-
 /// Rows of the global batch held by rank `r` of `p` when the batch is split<0>.
 inline index_t rows_of(index_t global_seqs, index_t seq, int p, int r) {
   const index_t q = global_seqs / p, rem = global_seqs % p;
