@@ -2,7 +2,9 @@
 // rank's parameters, gradients, optimizer state and activations in a device
 // backend's memory, for every strategy: here tensor parallelism inside the
 // stages of a 1F1B pipeline, replicated over the data axis, with ZeRO-1. The
-// collectives and pipeline messages go through host copies. On GPUs the
+// collectives over the data and model axes run on the device's buffers
+// through the device's own communicator (NCCL on GPUs; here MPI inside the
+// guarded window), and pipeline messages through host copies. On GPUs the
 // backend is each rank's cuda_backend (in a .cu file compiled by nvcc); here
 // it is the guarded backend, the CPU computing in memory that host code may
 // not touch, so this runs anywhere and would crash with a message if any host
@@ -35,6 +37,7 @@ constexpr index_t B = 8, T = 16;
 struct result {
   std::vector<double> losses;
   std::vector<float> params;  // the whole model, gathered on every rank (host memory)
+  long long device_ops = 0;   // collectives on the device's own communicators
 };
 
 result train(const context& ctx, backend_ref be, int steps) {
@@ -51,6 +54,7 @@ result train(const context& ctx, backend_ref be, int steps) {
   for (int s = 0; s < steps; ++s) r.losses.push_back(tr.step(data, s));
   const auto whole = p.full_params();  // copied through the backend, gathered over the mesh
   r.params.assign(whole.begin(), whole.end());
+  r.device_ops = p.device_traffic().operations;  // zero on the CPU: its communicators take host memory
   return r;
 }
 
@@ -75,6 +79,7 @@ int main(int argc, char** argv) {
       for (int s = 0; s < steps; ++s)
         std::printf("%4d   %.6f     %.6f\n", s, cpu.losses[static_cast<std::size_t>(s)],
                     dev.losses[static_cast<std::size_t>(s)]);
+      std::printf("collectives on the device's own communicators (rank 0): %lld\n", dev.device_ops);
       std::printf("%s\n", same ? "the device run equals the CPU run to the bit, on every rank"
                                : "MISMATCH: the device run differs from the CPU run on some rank");
     }

@@ -47,6 +47,7 @@ using deep_tiny_gpt = models::gpt_model<32, 8, 16, 2, 32, 4>;  // 4 blocks: 2 ch
 struct outcome {
   std::vector<float> params, whole;  // this rank's (a host copy), and the whole model gathered
   std::vector<double> losses;
+  std::int64_t device_ops = 0;  // operations on the device's own communicators
 };
 
 // Train plan P 5 steps on backend `be` on data from make_data(); this rank's parameters (a host copy) and the losses.
@@ -70,24 +71,35 @@ outcome train(const context& ctx, backend_ref be, const O& opt, double max_norm,
   const auto whole = plan.full_params();
   CHECK(whole.on_host());
   r.whole.assign(whole.begin(), whole.end());
+  r.device_ops = plan.device_traffic().operations;
   return r;
 }
 
 markov_data tokens() { return markov_data(seed{7}, 32, 8, 8); }
 
+// P on the CPU, then on the guarded backend twice: collectives on the device's buffers through
+// its own communicator (the default), and through host copies (device_collectives = false).
 template <class P, class O, class D = decltype(&tokens)>
 void same_as_cpu(const context& ctx, const O& opt, double max_norm, const plan_options& o = {}, D make_data = &tokens) {
   const auto host = train<P>(ctx, backend_ref{}, opt, max_norm, o, make_data);
-  guarded_backend g;
-  const auto dev = train<P>(ctx, backend_ref(g), opt, max_norm, o, make_data, &g);
-  INFO("rank " << ctx.rank() << " of " << ctx.size() << ", " << layer_name<P>());
-  CHECK(host.losses == dev.losses);
-  REQUIRE(host.params.size() == dev.params.size());
-  std::size_t differ = 0;
-  for (std::size_t i = 0; i < host.params.size(); ++i) differ += host.params[i] != dev.params[i];
-  CHECK_MESSAGE(differ == 0, differ, " of ", host.params.size(), " parameters differ from the CPU backend's");
-  CHECK(host.whole == dev.whole);
-  for (double l : dev.losses) CHECK(std::isfinite(l));
+  for (bool direct : {true, false}) {
+    plan_options od = o;
+    od.device_collectives = direct;
+    guarded_backend g;
+    const auto dev = train<P>(ctx, backend_ref(g), opt, max_norm, od, make_data, &g);
+    const std::string how = direct ? "on the device's buffers" : "through host copies";
+    INFO("rank " << ctx.rank() << " of " << ctx.size() << ", " << layer_name<P>() << ", collectives " << how);
+    CHECK(host.losses == dev.losses);
+    REQUIRE(host.params.size() == dev.params.size());
+    std::size_t differ = 0;
+    for (std::size_t i = 0; i < host.params.size(); ++i) differ += host.params[i] != dev.params[i];
+    CHECK_MESSAGE(differ == 0, differ, " of ", host.params.size(), " parameters differ from the CPU backend's");
+    CHECK(host.whole == dev.whole);
+    for (double l : dev.losses) CHECK(std::isfinite(l));
+    // the device's communicators carried the data and model axes' collectives, or nothing at all
+    if (!direct) CHECK(dev.device_ops == 0);
+    if (direct && ctx.mesh().size(axis::data | axis::model) > 1) CHECK(dev.device_ops > 0);
+  }
 }
 plan_options blocking(bool b) {
   plan_options o;

@@ -15,7 +15,10 @@
 #include <string>
 #include <vector>
 
+#include "whale/backend/backend_ref.hpp"
+#include "whale/backend/cuda.hpp"
 #include "whale/comm/collectives.hpp"
+#include "whale/comm/device_comm.hpp"
 #include "whale/comm/mpi_comm.hpp"
 #include "whale/comm/nccl_comm.hpp"
 
@@ -198,6 +201,29 @@ void run(mpi_comm& world) {
   all_reduce(half, x.v());
   expect(x.get()[0] == (p + 1 - r % 2) / 2, "split", r);
 }
+
+// make_device_comm on a GPU backend: NCCL, its producer stream the backend's
+// compute stream (buffers written there), through the type-erased device_comm
+// the plans use: a blocking all-reduce, a non-blocking reduce-scatter, counted.
+void run_device_comm(mpi_comm& world) {
+  const int r = world.rank(), p = world.size();
+  cuda_backend gpu;
+  const backend_ref be(gpu);
+  auto dc = make_device_comm(world, be);
+  expect(dc && dc->valid() && dc->size() == p && dc->rank() == r, "make_device_comm gives a communicator of the world", r);
+  const auto stream = static_cast<cudaStream_t>(be.compute_stream());
+  device_buffer<float> b(6, stream);
+  b.put(std::vector<float>(6, float(r + 1)));
+  all_reduce(*dc, view<float>(b.p, {6}));
+  expect(b.get()[5] == float(p * (p + 1) / 2), "device_comm all_reduce", r);
+  device_buffer<float> in(2 * p, stream), out(2, stream);
+  std::vector<float> v(static_cast<std::size_t>(2 * p));
+  std::iota(v.begin(), v.end(), 0.f);
+  in.put(v);
+  dc->ireduce_scatter(in.p, out.p, 2, dtype::f32, reduce_op::sum).wait();
+  expect(out.get()[1] == float(p * (2 * r + 1)), "device_comm ireduce_scatter", r);
+  expect(dc->stats().operations == 2, "device_comm counts its operations", r);
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -255,6 +281,7 @@ int main(int argc, char** argv) {
     auto world = mpi_comm::world();
     try {
       run(world);
+      run_device_comm(world);
     } catch (const std::exception& x) {
       std::fprintf(stderr, "nccl_comm test: rank %d: %s\n", rank, x.what());
       MPI_Abort(MPI_COMM_WORLD, 1);

@@ -51,6 +51,22 @@ class backend_ref {
   /// Where tensors allocated for this backend live (open a place_scope on it):
   /// null for the CPU (host memory).
   const memory_place* memory() const noexcept { return gpu_ ? ops_->memory(gpu_) : nullptr; }
+  /// Whether this is a GPU (CUDA): its memory is reached by CUDA calls on its compute stream.
+  bool on_cuda() const noexcept { return gpu_ != nullptr && ops_->enter == nullptr; }
+  /// Whether this is a device whose calls run on the host inside a window (the guarded backend).
+  bool host_executed() const noexcept { return gpu_ != nullptr && ops_->enter != nullptr; }
+  /// A GPU's compute stream (a cudaStream_t); null otherwise.
+  void* compute_stream() const noexcept { return stream_; }
+  /// A host-executed backend: open its memory to this process until the
+  /// matching close_window() (nested calls count), for a library that reads
+  /// and writes it outside the backend's calls (MPI, standing in for a GPU's
+  /// own communicator in tests). Nothing on other backends.
+  void open_window() const {
+    if (host_executed()) ops_->enter(gpu_);
+  }
+  void close_window() const noexcept {
+    if (host_executed()) ops_->leave(gpu_);
+  }
 
   /// C(M,N) = alpha op(A) op(B) + beta C, row-major, with the rows' strides.
   void gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,

@@ -4,8 +4,8 @@
 // (no cudaMalloc in the steady state), pinned host staging, a compute and a
 // communication stream with events between them. Needs the CUDA toolkit
 // (link whale::cuda); launching bodies needs a .cu file compiled by nvcc.
-// A network<M> given backend_ref(gpu) trains on it in device memory; the
-// executor and the parallel plans do not yet (docs/backend.md says what does).
+// A network<M> or a parallel plan given backend_ref(gpu) trains on it in
+// device memory (plan_options::backend; docs/backend.md says what runs).
 #pragma once
 
 #include <cublas_v2.h>

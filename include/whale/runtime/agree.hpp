@@ -97,6 +97,7 @@ inline std::vector<launch_field> launch_fields(const std::string& plan, const me
       f::integer("worker_cuts (--worker-cuts, WHALE_WORKER_CUTS)", o.worker_cuts),
       f::integer("in_flight (plan_options::in_flight)", o.in_flight),
       f::of_text("the backend (plan_options::backend)", o.backend.name()),
+      f::integer("device_collectives (plan_options::device_collectives)", o.device_collectives),
   };
 }
 

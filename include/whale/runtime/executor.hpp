@@ -14,6 +14,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <memory>
 #include <ostream>
 #include <stdexcept>
 #include <string>
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "whale/backend/cpu.hpp"
+#include "whale/comm/device_comm.hpp"
 #include "whale/comm/trace.hpp"
 #include "whale/plan/lower.hpp"
 #include "whale/plan/memory.hpp"
@@ -214,6 +216,14 @@ template <class P> class executor {
   int rank() const noexcept { return ctx_->rank(); }
   /// The backend this rank's layers and optimizer run on (every pass sets step_ctx::be to it).
   const backend_ref& backend() const noexcept { return be_; }
+  /// On a device: the traffic of its own communicators over the data and model
+  /// axes (plan_options::device_collectives); zero when collectives go through host copies.
+  comm_stats device_traffic() const {
+    comm_stats t;
+    if (dev_data_) t += dev_data_->stats();
+    if (dev_model_) t += dev_model_->stats();
+    return t;
+  }
   /// The job's world communicator (checkpoints agree on errors and gather file records over it).
   world_comm& world() const noexcept { return ctx_->world(); }
   int world_size() const noexcept { return ctx_->size(); }
@@ -388,6 +398,9 @@ template <class P> class executor {
   program prog_;
   backend_ref be_;  // where this rank computes: every layer, weight pass and update (plan_options::backend)
   world_comm *pipe_ = nullptr, *data_ = nullptr, *model_comm_ = nullptr;
+  // on a device: the communicators that take its buffers over the data and model
+  // axes (plan_options::device_collectives); before everything whose requests they serve
+  std::unique_ptr<device_comm> dev_data_, dev_model_;
   int p_ = 1, d_ = 1, stage_ = 0, replica_ = 0, model_rank_ = 0;
   std::vector<std::pair<index_t, index_t>> no_sync_;  // ranges split over data (filled while binding)
   std::array<stage_type, V> parts_;                 // this rank's chunks (one without interleaving)

@@ -3,7 +3,9 @@
 // final — blocking, or non-blocking and waited for at the end; in fp32, or
 // packed to bf16 (half the bytes, each partial sum rounded to bf16) and
 // unpacked when summed. Gradients in a device's memory (a backend_ref that is
-// not the CPU) are copied to a host buffer for the sum and back after it. The buckets
+// not the CPU) are summed there by the device's own communicator when the
+// plan has one (NCCL on a GPU), else copied to a host buffer for the sum and
+// back after it. The buckets
 // are cut by plan/partition.hpp's bucket_ranges, the function the lowering
 // uses, so what runs is what the program says. No model knowledge here.
 #pragma once
@@ -20,6 +22,7 @@
 #include "whale/backend/kernels/elementwise.hpp"
 #include "whale/comm/collectives.hpp"
 #include "whale/comm/context.hpp"
+#include "whale/comm/device_comm.hpp"
 
 namespace whale::detail {
 
@@ -28,12 +31,14 @@ class grad_sync {
   /// `buckets`: local ranges [begin, end) in launch order (last layer first);
   /// `blocking`: each bucket in one blocking all-reduce as soon as it is ready;
   /// `in_bf16`: buckets travel and are summed in bf16 (a staging buffer of 2
-  /// bytes per gradient they cover, allocated here, once).
+  /// bytes per gradient they cover, allocated here, once); `be`: where the
+  /// gradients are; `dev`: on a device, the communicator that takes them (null: host copies).
   void plan(std::vector<std::pair<index_t, index_t>> buckets, bool blocking, bool in_bf16 = false,
-            const backend_ref& be = {}) {
+            const backend_ref& be = {}, device_comm* dev = nullptr) {
     blocking_ = blocking;
     bf16_ = in_bf16;
     be_ = be;
+    dev_ = be.on_cpu() ? nullptr : dev;
     buckets_.clear();
     index_t at = 0;  // bf16: each bucket's place in the staging buffer (buckets back to back)
     for (auto [b, e] : buckets) {
@@ -44,7 +49,7 @@ class grad_sync {
     index_t top = 0;
     for (const auto& b : buckets_) top = std::max(top, b.end);
     const place_scope host(nullptr);
-    host_ = be_.on_cpu() ? tensor<float>{} : tensor<float>({top}, mem_kind::comm);
+    host_ = be_.on_cpu() || dev_ ? tensor<float>{} : tensor<float>({top}, mem_kind::comm);
   }
   std::size_t size() const noexcept { return buckets_.size(); }
   const auto& ranges() const noexcept { return buckets_; }
@@ -64,6 +69,9 @@ class grad_sync {
         } else {
           b.req.emplace(c.iall_reduce(packed.data(), n, dtype::bf16, reduce_op::sum));
         }
+      } else if (dev_) {  // the device's communicator sums the gradients where they are
+        if (blocking_) all_reduce(*dev_, view<float>(grads + b.begin, {n}));
+        else b.dreq = dev_->iall_reduce(grads + b.begin, n, dtype::f32, reduce_op::sum);
       } else {
         float* sum = grads + b.begin;  // where the bucket is summed: the gradients, or their host copy
         if (!be_.on_cpu()) {
@@ -79,14 +87,17 @@ class grad_sync {
         }
       }
     }
-    for (std::size_t i = 0; i < next_; ++i)
-      if (buckets_[i].req) buckets_[i].req->test();  // drive progress
+    for (std::size_t i = 0; i < next_; ++i) {  // drive progress
+      if (buckets_[i].req) buckets_[i].req->test();
+      buckets_[i].dreq.test();
+    }
   }
   /// Launch what is left and wait for all.
   void finish(world_comm& c, float* grads) {
     ready(c, grads, std::numeric_limits<index_t>::min());
     for (std::size_t i = 0; i < next_; ++i) {
       auto& b = buckets_[i];
+      b.dreq.wait();
       if (!b.req) continue;
       b.req->wait(), b.req.reset();
       if (!bf16_ && !be_.on_cpu())
@@ -103,13 +114,15 @@ class grad_sync {
     index_t begin = 0, end = 0;
     index_t at = 0;  // bf16: offset of its packed copy in staging_
     std::optional<world_comm::request> req;
+    device_comm::request dreq{};  // summed by the device's communicator
   };
   std::vector<bucket> buckets_;
   std::size_t next_ = 0;
   bool blocking_ = true, bf16_ = false;
   tensor<whale::bf16> staging_;  // bf16: the packed buckets, back to back
   backend_ref be_;               // where the gradients are
-  tensor<float> host_;           // on a device: the buckets' host copies, at their own offsets
+  device_comm* dev_ = nullptr;   // on a device: the communicator that takes them (null: host_)
+  tensor<float> host_;           // on a device without one: the buckets' host copies, at their own offsets
 };
 
 }  // namespace whale::detail

@@ -21,10 +21,15 @@ struct plan_options {
   /// state and activations: the CPU (the default), or a device backend
   /// (`backend_ref(gpu)`, or the guarded backend). On a device every strategy
   /// runs (not yet: bf16_reduce, worker_cuts, minibatches in flight; the
-  /// trainer's bf16 and checkpoints); its collectives and messages go through
-  /// host copies (docs/backend.md). The backend must
+  /// trainer's bf16 and checkpoints); its collectives over the data and model
+  /// axes take the device's buffers (device_collectives), and pipeline
+  /// messages go through host copies (docs/backend.md). The backend must
   /// outlive the plan and its optimizer state (they free into its memory).
   backend_ref backend;
+  /// On a device: collectives over the data and model axes run on the device's
+  /// buffers through its own communicator (make_device_comm: NCCL on a GPU);
+  /// false: through host copies around MPI, as pipeline messages always do.
+  bool device_collectives = true;
   // ---- pipelines ----
   /// Micro-batches per step (m). 0: 1 without a pipeline; with one, the largest
   /// divisor of the per-replica batch that is at most 4 × stages.

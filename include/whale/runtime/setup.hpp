@@ -74,9 +74,14 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
     for (double f : slowest) replica_weights_.push_back(1.0 / f);
   }
   pipe_ = &ctx.mesh().comm(axis::pipe), data_ = &ctx.mesh().comm(axis::data), model_comm_ = &ctx.mesh().comm(axis::model);
+  if (!be_.on_cpu() && o_.device_collectives) {  // collective over each axis group, on every rank alike (agreed above)
+    dev_data_ = make_device_comm(*data_, be_);
+    if constexpr (has_split) dev_model_ = make_device_comm(*model_comm_, be_);
+  }
   if constexpr (has_split) {  // split regions learn their communicators before parameters are counted
     split_env env;
     env.data = data_, env.model = model_comm_, env.no_data_sync = &no_sync_;
+    env.data_device = dev_data_.get(), env.model_device = dev_model_.get();
     for (auto& part : parts_) part.configure(env);
   }
   if (o_.in_flight < 0 || o_.in_flight > max_micro || (o_.in_flight > 0 && o_.micro_batches > 0))
@@ -169,12 +174,12 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
       }
     if constexpr (level > 0) {
       if constexpr (level < 3) zero_.set_full_params(params_.data());
-      zero_.set_backend(be_);  // the owned shards too (ZeRO 2-3)
+      zero_.set_backend(be_, dev_data_.get());  // the owned shards too (ZeRO 2-3)
     }
   }
   if (d_ > 1 && level < 2 && !o_.worker_cuts)
     sync_.plan(detail::bucket_ranges(detail::complement(no_sync_, n), detail::bucket_elements(o_.bucket_mib)), o_.blocking,
-               o_.bf16_reduce, be_);
+               o_.bf16_reduce, be_, dev_data_.get());
   msg_.bind(*pipe_, be_);
   if (o_.trace || !o_.trace_path.empty()) {
     tr_.enable(ctx.rank(), stage_, replica_);

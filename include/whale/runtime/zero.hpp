@@ -6,10 +6,12 @@
 // and frees them after. Levels 1–2 all-gather the parameters after the update.
 // The executor binds the layers and owns the full buffers of levels 1–2. With
 // the stage in a device's memory (set_backend), the owned shards and the
-// buffers layers bind are there, and every collective runs on host twins of
-// those buffers: a gather lands in its buffer's host twin and is copied up
-// when a layer needs it; a leaf's gradients are copied down, reduce-scattered
-// into a host piece, and copied (or added) into the owned gradients on completion.
+// buffers layers bind are there. With the device's own communicator (NCCL on
+// a GPU) every collective takes those buffers themselves. Without one, each
+// runs on host twins of them: a gather lands in its buffer's host twin and is
+// copied up when a layer needs it; a leaf's gradients are copied down,
+// reduce-scattered into a host piece, and copied (or added) into the owned
+// gradients on completion.
 #pragma once
 
 #include <algorithm>
@@ -26,6 +28,7 @@
 #include "whale/backend/cpu/launch.hpp"
 #include "whale/backend/kernels/elementwise.hpp"
 #include "whale/comm/collectives.hpp"
+#include "whale/comm/device_comm.hpp"
 #include "whale/comm/staging.hpp"
 #include "whale/comm/context.hpp"
 #include "whale/nn/layer.hpp"
@@ -97,12 +100,15 @@ class zero_engine {
     finish_pass();
   }
   /// The stage in a device's memory (`be` not the CPU): the owned shards move
-  /// there, comm buffers are allocated there with host twins, and the gather
-  /// after the update (levels 1-2) goes through a host copy of all n parameters.
-  void set_backend(const backend_ref& be) {
+  /// there and comm buffers are allocated there. `dev`: the communicator that
+  /// takes them (the data axis's on the device); null: each comm buffer has a
+  /// host twin where its collectives run, and the gather after the update
+  /// (levels 1-2) goes through a host copy of all n parameters.
+  void set_backend(const backend_ref& be, device_comm* dev = nullptr) {
     if (!be.on_cpu() && o_.bf16)
       throw std::logic_error("whale::shard: gradients packed to bf16 are not summed in a device's memory yet");
     be_ = be;
+    dev_ = be.on_cpu() ? nullptr : dev;
     move_to(be, shard_params_, mem_kind::params);
     move_to(be, shard_grads_, mem_kind::grads);
   }
@@ -110,9 +116,11 @@ class zero_engine {
   void gather_after_update(float* full) {
     if (level_ > 2 || comm_->size() == 1) return;
     // in place on the CPU; on a device the owned range down, every range back up
-    through_host(be_, host_full_, full + begin_, local_count(), full, n_, [&](const float* mine, float* all) {
-      all_gather_v(*comm_, cview<float>(mine, {local_count()}), view<float>(all, {n_}), std::span<const index_t>(counts_));
-    });
+    collective_in(be_, *comm_, dev_, host_full_, full + begin_, local_count(), full, n_,
+                  [&](auto& cm, const float* mine, float* all) {
+                    all_gather_v(cm, cview<float>(mine, {local_count()}), view<float>(all, {n_}),
+                                 std::span<const index_t>(counts_));
+                  });
   }
   /// All n parameters into `out`, host memory (collective at level 3).
   void gather_params(view<float> out) const {
@@ -148,7 +156,7 @@ class zero_engine {
   // Pools of comm buffers (fp32, and bf16 for packed gradients), taken by
   // exact size and released at fixed points, so that every step takes the
   // same buffers: nothing is allocated after the first.
-  // On a device, each buffer is there and has a host twin, where its collectives run.
+  // On a device, each buffer is there; staged through the host, it also has a host twin, where its collectives run.
   template <class T> struct pool {
     struct buffer {
       tensor<T> t;
@@ -156,7 +164,7 @@ class zero_engine {
       bool busy = false;
     };
     std::vector<buffer> bufs;
-    int acquire(index_t count, const backend_ref& be) {
+    int acquire(index_t count, const backend_ref& be, bool twin) {
       for (std::size_t i = 0; i < bufs.size(); ++i)
         if (!bufs[i].busy && static_cast<index_t>(bufs[i].t.capacity()) == count) {
           bufs[i].busy = true;
@@ -167,7 +175,7 @@ class zero_engine {
         const place_scope on(be.memory());
         b.t = tensor<T>({count}, mem_kind::comm);
       }
-      if (!be.on_cpu()) {
+      if (twin) {
         const place_scope on_host(nullptr);
         b.host = tensor<T>({count}, mem_kind::comm);
       }
@@ -176,7 +184,7 @@ class zero_engine {
       return static_cast<int>(bufs.size() - 1);
     }
     T* data(int b) const noexcept { return bufs[static_cast<std::size_t>(b)].t.data(); }
-    /// Where buffer b's collectives run: itself on the CPU, its host twin on a device.
+    /// Where buffer b's collectives run: itself, or its host twin where it has one.
     T* host(int b) const noexcept {
       const auto& x = bufs[static_cast<std::size_t>(b)];
       return x.host.capacity() ? x.host.data() : x.t.data();
@@ -186,10 +194,12 @@ class zero_engine {
     }
     std::size_t size() const noexcept { return bufs.size(); }
   };
-  int acquire(index_t count) { return pool_.acquire(count, be_); }
+  int acquire(index_t count) { return pool_.acquire(count, be_, staged()); }
   float* data(int b) const noexcept { return pool_.data(b); }
   float* host(int b) const noexcept { return pool_.host(b); }
   bool on_device() const noexcept { return !be_.on_cpu(); }
+  /// On a device without its own communicator: collectives on host twins.
+  bool staged() const noexcept { return on_device() && !dev_; }
   void release(int b) noexcept { pool_.release(b); }
   std::uint16_t* bits(int b) const noexcept { return reinterpret_cast<std::uint16_t*>(pool16_.data(b)); }
 
@@ -201,13 +211,15 @@ class zero_engine {
     index_t at = 0, count = 0;
     int packed = -1, recv = -1;  // bf16: the bucket packed, and the owned piece summed in bf16
     bool add = false;            // bf16, and on a device: added to the owned gradients (micro-batches after the first)
+    device_comm::request dreq{};  // on a device with its own communicator: the operation
   };
   void progress() {
-    for (auto& p : pending_) p.req.test();
+    for (auto& p : pending_) p.req.test(), p.dreq.test();
   }
   void wait_oldest() {
     auto& p = pending_.front();
     p.req.wait();
+    p.dreq.wait();
     if (p.recv >= 0 && !dry_) {  // bf16: widen the owned piece into (or onto) the owned gradients
       float* g = shard_grads_.data() + p.at;
       if (p.add) cpu::launch(p.count, kernels::unpack_add_bf16{bits(p.recv), g});
@@ -215,7 +227,9 @@ class zero_engine {
     }
     if (p.sum >= 0 && !dry_) {
       float* g = shard_grads_.data() + p.at;
-      if (on_device()) {  // the piece arrived in the host twin: up into the owned gradients, or added there
+      if (on_device() && !staged()) {  // the piece arrived in a device buffer: added there
+        be_.launch(p.count, kernels::add{g, data(p.sum), g});
+      } else if (on_device()) {  // the piece arrived in the host twin: up into the owned gradients, or added there
         const auto bytes = static_cast<std::size_t>(p.count) * sizeof(float);
         if (p.add) {
           be_.copy(data(p.sum), host(p.sum), bytes);
@@ -243,6 +257,7 @@ class zero_engine {
     index_t offset = -1, count = 0;
     int buf = -1;
     std::optional<world_comm::request> req;
+    device_comm::request dreq{};  // on a device with its own communicator
   };
   void start_gather(gathered& g, const leaf_info& l) {
     g.offset = l.offset;
@@ -250,7 +265,12 @@ class zero_engine {
     g.buf = acquire(l.count);
     if (dry_) return;
     const float* mine = l.mine ? shard_params_.data() + (l.offset + l.mine_at - begin_) : shard_params_.data();
-    if (on_device()) {  // the owned piece down into its place in the host twin; gathered there in place
+    if (dev_) {  // the device's communicator gathers into the buffer itself
+      g.dreq = iall_gather_v(*dev_, cview<float>(mine, {l.mine}), view<float>(data(g.buf), {l.count}),
+                             std::span<const index_t>(l.counts));
+      return;
+    }
+    if (staged()) {  // the owned piece down into its place in the host twin; gathered there in place
       index_t at = 0;
       for (int r = 0; r < comm_->rank(); ++r) at += l.counts[static_cast<std::size_t>(r)];
       be_.copy(host(g.buf) + at, mine, static_cast<std::size_t>(l.mine) * sizeof(float));
@@ -261,6 +281,7 @@ class zero_engine {
                                 std::span<const index_t>(l.counts)));
   }
   void drop(gathered& g) {
+    g.dreq.wait();
     if (g.req) g.req->wait();
     g.req.reset();
     release(g.buf);
@@ -291,10 +312,11 @@ class zero_engine {
       if (next_.offset == l.offset) std::swap(held_, next_);
       else start_gather(held_, l);
     }
+    held_.dreq.wait();
     if (held_.req) {
       held_.req->wait();
       held_.req.reset();
-      if (on_device()) be_.copy(data(held_.buf), host(held_.buf), static_cast<std::size_t>(held_.count) * sizeof(float));
+      if (staged()) be_.copy(data(held_.buf), host(held_.buf), static_cast<std::size_t>(held_.count) * sizeof(float));
     }
     if (o_.prefetch && !recording() && pos_ < trace().size()) {
       const auto& nx = trace()[pos_];
@@ -342,7 +364,7 @@ class zero_engine {
       }
       const bool last = b == l.count;
       if (o_.bf16) {  // packed, summed in bf16 into a bf16 piece, widened when it completes
-        const int packed = pool16_.acquire(b - a, be_), recv = mine > 0 ? pool16_.acquire(mine, be_) : -1;
+        const int packed = pool16_.acquire(b - a, be_, staged()), recv = mine > 0 ? pool16_.acquire(mine, be_, staged()) : -1;
         pending pd{world_comm::request{}, -1, last, -1, mine_at, mine, packed, recv, accumulate_};
         if (!dry_) {
           cpu::launch(b - a, kernels::pack_bf16{data(grad_buf_) + a, bits(packed)});
@@ -353,13 +375,16 @@ class zero_engine {
         pending_.push_back(std::move(pd));
         continue;
       }
-      // on a device the owned piece always arrives in a buffer's host twin (then copied or added up)
-      const int sum = (accumulate_ || on_device()) && mine > 0 ? acquire(mine) : -1;
+      // staged through the host, the owned piece always arrives in a buffer's host twin (then copied or added up)
+      const int sum = (accumulate_ || staged()) && mine > 0 ? acquire(mine) : -1;
       float* dst = sum >= 0 ? host(sum) : shard_grads_.data() + mine_at;
       pending pd{world_comm::request{}, grad_buf_, last, sum, mine_at, mine};
       pd.add = accumulate_;
-      if (!dry_) {
-        if (on_device()) {  // the bucket down into the gradient buffer's host twin
+      if (!dry_ && dev_) {  // the device's communicator takes the gradient buffer itself
+        pd.dreq = ireduce_scatter_v(*dev_, cview<float>(data(grad_buf_) + a, {b - a}), view<float>(dst, {mine}),
+                                    std::span<const index_t>(scratch_counts_));
+      } else if (!dry_) {
+        if (staged()) {  // the bucket down into the gradient buffer's host twin
           be_.copy(host(grad_buf_) + a, data(grad_buf_) + a, static_cast<std::size_t>(b - a) * sizeof(float));
           be_.synchronize();
         }
@@ -441,8 +466,9 @@ class zero_engine {
   std::vector<index_t> counts_, starts_, scratch_counts_;
   tensor<float> shard_params_, shard_grads_;
   float* full_params_ = nullptr;
-  backend_ref be_;           // where the stage computes (a device: collectives on host twins)
-  tensor<float> host_full_;  // levels 1-2 on a device: the gather after the update's host copies (through_host)
+  backend_ref be_;              // where the stage computes
+  device_comm* dev_ = nullptr;  // on a device: the communicator that takes its buffers (null: host twins)
+  tensor<float> host_full_;     // levels 1-2 staged: the gather after the update's host copies (through_host)
   hooks hooks_;
   std::unordered_map<index_t, leaf_info> leaves_;
   pool<float> pool_;

@@ -94,11 +94,15 @@ struct split_env {
   world_comm* data = nullptr;
   world_comm* model = nullptr;
   std::vector<std::pair<index_t, index_t>>* no_data_sync = nullptr;
+  /// On a device: the communicators that take its buffers (null: host copies around data / model).
+  device_comm* data_device = nullptr;
+  device_comm* model_device = nullptr;
   world_comm& comm(axis a) const {
     world_comm* c = a == axis::data ? data : model;
     if (!c) throw std::logic_error("whale::split: the plan was not configured with a mesh");
     return *c;
   }
+  device_comm* device(axis a) const noexcept { return a == axis::data ? data_device : model_device; }
 };
 
 namespace detail {
@@ -110,8 +114,10 @@ inline index_t rows_of(index_t global_seqs, index_t seq, int p, int r) {
 
 /// Apply collective `k` to x (rows_in, w_in) along `c`, into `out`; returns
 /// the output view. `rows_local`/`rows_global` describe the data-axis batch.
-/// x, out and tmp are in `be`'s memory; `host` stages the collectives on a device.
-inline view<float> apply_collective(conv_op k, world_comm& c, const backend_ref& be, cview<float> x, index_t rows_in,
+/// x, out and tmp are in `be`'s memory; on a device `dc` takes them (null:
+/// `host` stages the collectives over `c`).
+inline view<float> apply_collective(conv_op k, world_comm& c, device_comm* dc, const backend_ref& be, cview<float> x,
+                                    index_t rows_in,
                                     index_t rows_out, tensor<float>& out, tensor<float>& tmp, tensor<float>& host,
                                     std::vector<index_t>& counts, index_t global_seqs, index_t seq) {
   const int p = c.size(), r = c.rank();
@@ -127,23 +133,23 @@ inline view<float> apply_collective(conv_op k, world_comm& c, const backend_ref&
     case conv_op::all_reduce: {
       auto y = detail::ensure(out, {rows_out, w_in});
       be.copy(y.data(), x.data(), x.bytes());
-      through_host(be, host, y.data(), y.numel(), y.data(), y.numel(),
-                   [&](const float*, float* h) { all_reduce(c, view<float>(h, {y.numel()})); });
+      collective_in(be, c, dc, host, y.data(), y.numel(), y.data(), y.numel(),
+                    [&](auto& cm, const float*, float* h) { all_reduce(cm, view<float>(h, {y.numel()})); });
       return y;
     }
     case conv_op::gather_rows: {
       const auto n = row_counts();
       auto y = detail::ensure(out, {rows_out, w_in});
-      through_host(be, host, x.data(), x.numel(), y.data(), y.numel(), [&](const float* i, float* o) {
-        all_gather_v(c, cview<float>(i, {x.numel()}), view<float>(o, {y.numel()}), n);
+      collective_in(be, c, dc, host, x.data(), x.numel(), y.data(), y.numel(), [&](auto& cm, const float* i, float* o) {
+        all_gather_v(cm, cview<float>(i, {x.numel()}), view<float>(o, {y.numel()}), n);
       });
       return y;
     }
     case conv_op::reduce_scatter_rows: {
       const auto n = row_counts();
       auto y = detail::ensure(out, {rows_out, w_in});
-      through_host(be, host, x.data(), x.numel(), y.data(), y.numel(), [&](const float* i, float* o) {
-        reduce_scatter_v(c, cview<float>(i, {x.numel()}), view<float>(o, {y.numel()}), n);
+      collective_in(be, c, dc, host, x.data(), x.numel(), y.data(), y.numel(), [&](auto& cm, const float* i, float* o) {
+        reduce_scatter_v(cm, cview<float>(i, {x.numel()}), view<float>(o, {y.numel()}), n);
       });
       return y;
     }
@@ -157,8 +163,8 @@ inline view<float> apply_collective(conv_op k, world_comm& c, const backend_ref&
     case conv_op::gather_cols: {  // (rows, w) on each rank -> (rows, p*w)
       const index_t w = w_in;
       auto t = detail::ensure(tmp, {p * rows_in * w}, mem_kind::comm);
-      through_host(be, host, x.data(), x.numel(), t.data(), t.numel(), [&](const float* i, float* o) {
-        all_gather(c, cview<float>(i, {x.numel()}), view<float>(o, {t.numel()}));
+      collective_in(be, c, dc, host, x.data(), x.numel(), t.data(), t.numel(), [&](auto& cm, const float* i, float* o) {
+        all_gather(cm, cview<float>(i, {x.numel()}), view<float>(o, {t.numel()}));
       });
       auto y = detail::ensure(out, {rows_in, p * w});
       for (int k2 = 0; k2 < p; ++k2)  // rank k2's block of rows: columns [k2 w, k2 w + w)
@@ -171,8 +177,8 @@ inline view<float> apply_collective(conv_op k, world_comm& c, const backend_ref&
       for (int k2 = 0; k2 < p; ++k2)  // columns [k2 w, k2 w + w) as rank k2's block of rows
         be.launch(rows_in, kernels::copy_cols{x.data() + k2 * w, w_in, t.data() + k2 * rows_in * w, w, w});
       auto y = detail::ensure(out, {rows_in, w});
-      through_host(be, host, t.data(), t.numel(), y.data(), y.numel(), [&](const float* i, float* o) {
-        reduce_scatter(c, cview<float>(i, {t.numel()}), view<float>(o, {y.numel()}));
+      collective_in(be, c, dc, host, t.data(), t.numel(), y.data(), y.numel(), [&](auto& cm, const float* i, float* o) {
+        reduce_scatter(cm, cview<float>(i, {t.numel()}), view<float>(o, {y.numel()}));
       });
       return y;
     }
@@ -211,7 +217,10 @@ class convert : public stateless_params {
   }
   static constexpr cost_info cost() { return {}; }
 
-  void configure(const split_env& e) { comm_ = &e.comm(A); }
+  void configure(const split_env& e) {
+    comm_ = &e.comm(A);
+    dev_ = e.device(A);
+  }
 
   view<float> forward(step_ctx& c, cview<float> x) {
     auto& s = st_(c.slot);
@@ -219,7 +228,7 @@ class convert : public stateless_params {
     const index_t rows_in = c.rows();
     if constexpr (!local_rows(A, From) && local_rows(A, To)) c.batch = detail::rows_of(gseq, c.seq, comm_->size(), comm_->rank()) / c.seq;
     if constexpr (local_rows(A, From) && !local_rows(A, To)) c.batch = gseq;
-    return detail::apply_collective(fwd_coll, *comm_, c.be, x, rows_in, c.rows(), s.y, s.tmp, s.host, s.counts, gseq,
+    return detail::apply_collective(fwd_coll, *comm_, dev_, c.be, x, rows_in, c.rows(), s.y, s.tmp, s.host, s.counts, gseq,
                                     c.seq);
   }
   view<float> backward(step_ctx& c, cview<float> dy) {
@@ -229,7 +238,7 @@ class convert : public stateless_params {
     // the gradient goes from the consumer's batch layout back to the producer's
     if constexpr (!local_rows(A, To) && local_rows(A, From)) c.batch = detail::rows_of(gseq, c.seq, comm_->size(), comm_->rank()) / c.seq;
     if constexpr (local_rows(A, To) && !local_rows(A, From)) c.batch = gseq;
-    return detail::apply_collective(bwd_coll, *comm_, c.be, dy, rows_in, c.rows(), s.dx, s.tmp, s.host, s.counts, gseq,
+    return detail::apply_collective(bwd_coll, *comm_, dev_, c.be, dy, rows_in, c.rows(), s.dx, s.tmp, s.host, s.counts, gseq,
                                     c.seq);
   }
 
@@ -240,6 +249,7 @@ class convert : public stateless_params {
     std::vector<index_t> counts;
   };
   world_comm* comm_ = nullptr;
+  device_comm* dev_ = nullptr;  // on a device: the communicator that takes its buffers (null: host copies)
   slots<state> st_;
 };
 

@@ -164,11 +164,11 @@ class split_chain {
       for (int i = 0; i < p; ++i) counts_[static_cast<std::size_t>(i)] = detail::rows_of(gseq, c.seq, p, i);
       if (all_labels_.capacity() == 0) all_labels_.set_kind(mem_kind::comm);
       all_labels_.resize({c.global_rows});
-      detail::through_host(c.be, host_labels_, labels.data(), labels.numel(), all_labels_.data(), c.global_rows,
-                           [&](const std::int32_t* in, std::int32_t* out) {
-                             all_gather_v(comm, cview<std::int32_t>(in, {labels.numel()}),
-                                          view<std::int32_t>(out, {c.global_rows}), std::span<const index_t>(counts_));
-                           });
+      detail::collective_in(c.be, comm, env_.device(axis::data), host_labels_, labels.data(), labels.numel(),
+                            all_labels_.data(), c.global_rows, [&](auto& cm, const std::int32_t* in, std::int32_t* out) {
+                              all_gather_v(cm, cview<std::int32_t>(in, {labels.numel()}),
+                                           view<std::int32_t>(out, {c.global_rows}), std::span<const index_t>(counts_));
+                            });
       return all_labels_.v();
     } else {
       (void)c;

@@ -44,6 +44,7 @@ class split_softmax_cross_entropy : public stateless_params {
 
   void configure(const split_env& e) {
     comm_ = &e.comm(A);
+    dev_ = e.device(A);
     p_ = comm_->size();
     r_ = comm_->rank();
   }
@@ -66,14 +67,15 @@ class split_softmax_cross_entropy : public stateless_params {
     auto st = detail::ensure(s.stats, {R});  // row maxima
     float* mx = st.data();
     c.be.launch(R, kernels::row_max{logits.data(), mx, n});
-    detail::through_host(c.be, s.host, mx, R, mx, R,
-                         [&](const float*, float* h) { all_reduce(*comm_, view<float>(h, {R}), reduce_op::max); });
+    detail::collective_in(c.be, *comm_, dev_, s.host, mx, R, mx, R, [&](auto& cm, const float*, float* h) {
+      all_reduce(cm, view<float>(h, {R}), reduce_op::max);
+    });
     auto tg = detail::ensure(s.target, {2 * R});
     c.be.launch(R, kernels::exp_rows{logits.data(), mx, g.data(), tg.data(), n});
     c.be.launch(R, kernels::target_logits{logits.data(), labels.data(), tg.data() + R, n, c0, ignore_index});
     // row sums, and the target logits (one rank each)
-    detail::through_host(c.be, s.host, tg.data(), 2 * R, tg.data(), 2 * R,
-                         [&](const float*, float* h) { all_reduce(*comm_, view<float>(h, {2 * R})); });
+    detail::collective_in(c.be, *comm_, dev_, s.host, tg.data(), 2 * R, tg.data(), 2 * R,
+                          [&](auto& cm, const float*, float* h) { all_reduce(cm, view<float>(h, {2 * R})); });
     const double count = c.loss_count();
     const double inv = count > 0 ? 1.0 / count : 0.0;
     const auto sums = c.be.host_readable(cview<float>(tg), s.host_sums);
@@ -91,11 +93,12 @@ class split_softmax_cross_entropy : public stateless_params {
  private:
   struct state {
     tensor<float> grad, stats, target;
-    tensor<float> host;  // on a device: the all-reduces' host copies
+    tensor<float> host;  // on a device without its own communicator: the all-reduces' host copies
     std::vector<std::int32_t> host_labels;
     std::vector<float> host_sums, host_maxima;
   };
   world_comm* comm_ = nullptr;
+  device_comm* dev_ = nullptr;  // on a device: the communicator that takes its buffers (null: host copies)
   int p_ = 1, r_ = 0;
   slots<state> st_;
 };
