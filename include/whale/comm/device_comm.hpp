@@ -7,6 +7,7 @@
 // one runtime source serves both. make_device_comm() picks one for a backend.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <span>
 #include <stdexcept>
@@ -29,7 +30,8 @@ class device_comm {
   using space = whale::host;
 
   /// A pending operation; a default one is complete. Completing it (test() true,
-  /// wait(), or destruction, which waits) closes what the operation held open.
+  /// wait(), or destruction, which waits unless an exception is unwinding) closes
+  /// what the operation held open.
   class request {
    public:
     request() = default;
@@ -63,6 +65,11 @@ class device_comm {
   device_comm(C c, const backend_ref& be) : m_(std::make_unique<model<C>>(std::move(c), be)) {}
 
   bool valid() const noexcept { return m_ != nullptr; }
+  /// Called while this communicator's operations are waited for, where the
+  /// communicator can (NCCL): the progress of another one whose messages move
+  /// only inside its calls (MPI's pipeline sends), so that a rank blocked here
+  /// does not hold up a peer waiting for those. Must outlive the waits.
+  void set_progress(std::function<void()> poll) { self().poll = std::move(poll); }
   int rank() const { return self().rank(); }
   int size() const { return self().size(); }
   std::string name() const { return self().name(); }
@@ -86,7 +93,8 @@ class device_comm {
   request ibarrier() { return self().ibarrier(); }
   // Blocking forms: the communicator's own blocking call where it has one (an
   // MPI library may sum in another order in its non-blocking algorithms, so a
-  // blocking collective must stay blocking to give the host path's bits).
+  // blocking collective must stay blocking to give the host path's bits); else
+  // (NCCL) the non-blocking one, waited for.
   void all_reduce(void* buf, index_t n, dtype t, reduce_op op) { self().all_reduce(buf, n, t, op); }
   void all_gather(const void* in, void* out, index_t n, dtype t) { self().all_gather(in, out, n, t); }
   void all_gather_v(const void* in, void* out, std::span<const index_t> counts, dtype t) {
@@ -108,6 +116,7 @@ class device_comm {
 
  private:
   struct concept_t {
+    std::function<void()> poll;  // set_progress
     virtual ~concept_t() = default;
     virtual int rank() const = 0;
     virtual int size() const = 0;
@@ -147,12 +156,21 @@ class device_comm {
       if (open) be.close_window();
     }
   };
+  // Waits for `r`, calling `poll` meanwhile where the request can (NCCL's).
+  template <class R> static void finish(R& r, const std::function<void()>& poll) {
+    if constexpr (requires { r.wait(poll); }) {
+      if (poll) return r.wait(poll);
+    }
+    r.wait();
+  }
   template <class R> struct held final : request::base {
     window w;  // declared first: closed after the operation's own request is done with
     R r;
-    template <class Issue> held(const backend_ref& be, Issue&& issue) : w(be), r(issue()) {}
+    const std::function<void()>* poll;
+    template <class Issue>
+    held(const backend_ref& be, Issue&& issue, const std::function<void()>* p) : w(be), r(issue()), poll(p) {}
     bool test() override { return r.test(); }
-    void wait() override { r.wait(); }
+    void wait() override { finish(r, *poll); }
   };
 
   template <class C> struct model final : concept_t {
@@ -161,7 +179,7 @@ class device_comm {
     model(C comm, const backend_ref& b) : c(std::move(comm)), be(b) {}
     template <class Issue> request run(Issue&& issue) {
       request q;
-      q.p_ = std::make_unique<held<typename C::request>>(be, std::forward<Issue>(issue));
+      q.p_ = std::make_unique<held<typename C::request>>(be, std::forward<Issue>(issue), &this->poll);
       return q;
     }
     int rank() const override { return c.rank(); }
@@ -199,35 +217,55 @@ class device_comm {
     void all_reduce(void* b, index_t n, dtype t, reduce_op op) override {
       const window w(be);
       if constexpr (requires { c.all_reduce(b, n, t, op); }) c.all_reduce(b, n, t, op);
-      else c.iall_reduce(b, n, t, op).wait();
+      else {
+        auto q = c.iall_reduce(b, n, t, op);
+        finish(q, this->poll);
+      }
     }
     void all_gather(const void* i, void* o, index_t n, dtype t) override {
       const window w(be);
       if constexpr (requires { c.all_gather(i, o, n, t); }) c.all_gather(i, o, n, t);
-      else c.iall_gather(i, o, n, t).wait();
+      else {
+        auto q = c.iall_gather(i, o, n, t);
+        finish(q, this->poll);
+      }
     }
     void all_gather_v(const void* i, void* o, std::span<const index_t> k, dtype t) override {
       const window w(be);
       if constexpr (requires { c.all_gather_v(i, o, k, t); }) c.all_gather_v(i, o, k, t);
-      else c.iall_gather_v(i, o, k, t).wait();
+      else {
+        auto q = c.iall_gather_v(i, o, k, t);
+        finish(q, this->poll);
+      }
     }
     void reduce_scatter(const void* i, void* o, index_t n, dtype t, reduce_op op) override {
       const window w(be);
       if constexpr (requires { c.reduce_scatter(i, o, n, t, op); }) c.reduce_scatter(i, o, n, t, op);
-      else c.ireduce_scatter(i, o, n, t, op).wait();
+      else {
+        auto q = c.ireduce_scatter(i, o, n, t, op);
+        finish(q, this->poll);
+      }
     }
     void reduce_scatter_v(const void* i, void* o, std::span<const index_t> k, dtype t, reduce_op op) override {
       const window w(be);
       if constexpr (requires { c.reduce_scatter_v(i, o, k, t, op); }) c.reduce_scatter_v(i, o, k, t, op);
-      else c.ireduce_scatter_v(i, o, k, t, op).wait();
+      else {
+        auto q = c.ireduce_scatter_v(i, o, k, t, op);
+        finish(q, this->poll);
+      }
     }
     void broadcast(void* b, index_t n, dtype t, int root) override {
       const window w(be);
       if constexpr (requires { c.broadcast(b, n, t, root); }) c.broadcast(b, n, t, root);
-      else c.ibroadcast(b, n, t, root).wait();
+      else {
+        auto q = c.ibroadcast(b, n, t, root);
+        finish(q, this->poll);
+      }
     }
     std::unique_ptr<concept_t> split(int color, int key) override {
-      return std::make_unique<model>(c.split(color, key), be);
+      auto m = std::make_unique<model>(c.split(color, key), be);
+      m->poll = poll;
+      return m;
     }
   };
 
@@ -245,7 +283,8 @@ static_assert(Communicator<device_comm>);
 /// on a GPU, NCCL (its producer stream the backend's compute stream, so each
 /// operation follows the kernels that wrote its buffers); on a host-executed
 /// backend (the guarded one), a split of `over` run inside the backend's
-/// window. Null for the CPU, whose buffers `over` takes as they are.
+/// window. Null for the CPU, whose buffers `over` takes as they are, and for
+/// a GPU in a build without MPI (no NCCL communicator then): host copies.
 template <class HostComm> std::unique_ptr<device_comm> make_device_comm(HostComm& over, const backend_ref& be) {
   if (be.on_cpu()) return nullptr;
   if (be.host_executed())
@@ -257,8 +296,7 @@ template <class HostComm> std::unique_ptr<device_comm> make_device_comm(HostComm
     return std::make_unique<device_comm>(std::move(n), be);
   }
 #endif
-  throw std::logic_error(std::string("whale::make_device_comm: no communicator takes buffers in ") + be.name() +
-                         " memory in this build (NCCL needs whale::cuda and MPI)");
+  return nullptr;  // a GPU without NCCL in this build (no MPI): the collectives go through host copies
 }
 
 }  // namespace whale

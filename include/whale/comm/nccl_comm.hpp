@@ -87,10 +87,16 @@ class nccl_comm {
       return true;
     }
     void wait() {
+      wait([] {});
+    }
+    /// wait(), calling `poll()` between the checks: another library's progress
+    /// (MPI moves its pending messages only inside its calls).
+    template <class Poll> void wait(Poll&& poll) {
       if (!ev_) return;
       if (!test()) {
         detail::watchdog::scope w({this, &describe}, watchdog_timeout());
         for (unsigned spins = 0; !test(); ++spins) {
+          poll();
           if ((spins & 1023) == 1023) {
             ncclResult_t async = ncclSuccess;
             c_->check(ncclCommGetAsyncError(c_->comm, &async), "ncclCommGetAsyncError");

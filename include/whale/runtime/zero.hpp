@@ -207,10 +207,10 @@ class zero_engine {
     world_comm::request req;
     int buf;        // the leaf's gradient buffer
     bool last;      // the leaf's last bucket: its buffer returns to the pool when this completes
-    int sum = -1;   // accumulating (always, on a device): the buffer the owned piece arrived in (its host twin), added on completion
+    int sum = -1;   // accumulating (always, staged through the host): the buffer the owned piece arrived in (staged: its host twin), copied or added on completion
     index_t at = 0, count = 0;
     int packed = -1, recv = -1;  // bf16: the bucket packed, and the owned piece summed in bf16
-    bool add = false;            // bf16, and on a device: added to the owned gradients (micro-batches after the first)
+    bool add = false;            // bf16, and on a device: added to the owned gradients (micro-batches after the first), not copied
     device_comm::request dreq{};  // on a device with its own communicator: the operation
   };
   void progress() {
