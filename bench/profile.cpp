@@ -3,7 +3,7 @@
 // Every rank measures at once, as they run in training (ranks share cores and
 // memory bandwidth): GEMM rates at shapes from 64 to 2048 with the transposes
 // backward uses (with --thin, also thin shapes: 16 to 512 rows through a
-// 1024 x 4096 layer), elementwise bandwidth, and — when launched on 2 or more
+// 1024 x 4096 layer, 16 to 256 through a 1024 x 32768 one), elementwise bandwidth, and — when launched on 2 or more
 // ranks — latency and bandwidth of all-reduce, all-gather, reduce-scatter and
 // messages, fitted by least squares over sizes from 4 KiB to 32 MiB (the
 // measured points kept beside the fit), and the cores the ranks shared. The
@@ -118,42 +118,54 @@ int main(int argc, char** argv) {
         {2048, 1024, 256}, {1024, 4096, 1024}, {2048, 2048, 2048}};
     for (auto [m, n, k] : shapes)
       for (int t = 0; t < 3; ++t) measure(m, n, k, t == 2, t == 1);  // NN (forward), NT (d input), TN (d weights)
-    // --thin: a batch of t rows through a 1024 x 4096 layer, as a linear layer runs it:
-    // forward y = x W^T (t, 4096, 1024), d input dy W (t, 1024, 4096), d weights dy^T x
-    // (4096, 1024, t), each timed in turns with a cube of the same FLOPs, 5 pairs: the
-    // factor is the median of the pairs' rate ratios (the median of the three forms),
-    // so a slow spell of the machine falls on both sides of a pair. Rates timed
-    // minutes apart were not steady enough here (docs/planning.md section 6).
+    // --thin: a batch of t rows through a layer, as a linear layer runs it: forward
+    // y = x W^T (t, out, in), d input dy W (t, in, out), d weights dy^T x (out, in, t),
+    // each timed in turns with a cube of the same FLOPs, 5 pairs: the factor is the
+    // median of the pairs' rate ratios (the median of the three forms), so a slow
+    // spell of the machine falls on both sides of a pair. Rates timed minutes apart
+    // were not steady enough here (docs/planning.md section 6). Two layers: 1024 x
+    // 4096 (16 to 512 rows), and a wide one, 1024 x 32768, as a classifier's or a
+    // language model's head (16 to 256 rows): wide thin products run slower here.
+    struct thin_layer {
+      index_t in, out;
+      std::vector<index_t> rows;
+    };
     if (thin)
-      for (index_t t : {16, 32, 64, 128, 256, 512}) {
-        const double flops = 2.0 * static_cast<double>(t) * 4096 * 1024;
-        const auto side = static_cast<index_t>(std::lround(std::cbrt(flops / 2.0)));
-        const int times = std::max(1, static_cast<int>(0.05 * 30e9 / flops));
-        tensor<float> a({4096 * 1024}), b({4096 * 1024}), c({4096 * 1024}), q({side * side}), r({side * side}), o({side * side});
-        for (auto* x : {&a, &b, &q, &r})
+      for (const auto& layer : {thin_layer{1024, 4096, {16, 32, 64, 128, 256, 512}}, thin_layer{1024, 32768, {16, 64, 256}}}) {
+        const index_t in = layer.in, out = layer.out;
+        tensor<float> a({std::max<index_t>(512, layer.rows.back()) * out}), b({out * in}), c({out * in});
+        for (auto* x : {&a, &b})
           for (auto& v : *x) v = 0.5f;
-        auto product = [&](index_t m, index_t n, index_t k, bool ta, bool tb, const float* x, const float* y, float* z) {
-          return [=] {
-            for (int i = 0; i < times; ++i)
-              cpu::gemm(ta ? cpu::trans::yes : cpu::trans::no, tb ? cpu::trans::yes : cpu::trans::no, m, n, k, 1.f, x, y, 0.f, z);
+        for (index_t t : layer.rows) {
+          const double flops = 2.0 * static_cast<double>(t) * static_cast<double>(out) * static_cast<double>(in);
+          const auto side = static_cast<index_t>(std::lround(std::cbrt(flops / 2.0)));
+          const int times = std::max(1, static_cast<int>(0.05 * 30e9 / flops));
+          tensor<float> q({side * side}), r({side * side}), o({side * side});
+          for (auto* x : {&q, &r})
+            for (auto& v : *x) v = 0.5f;
+          auto product = [&](index_t m, index_t n, index_t k, bool ta, bool tb, const float* x, const float* y, float* z) {
+            return [=] {
+              for (int i = 0; i < times; ++i)
+                cpu::gemm(ta ? cpu::trans::yes : cpu::trans::no, tb ? cpu::trans::yes : cpu::trans::no, m, n, k, 1.f, x, y, 0.f, z);
+            };
           };
-        };
-        const auto cube = product(side, side, side, false, false, q.data(), r.data(), o.data());
-        std::vector<double> forms;
-        for (const auto& f : {product(t, 4096, 1024, false, true, a.data(), b.data(), c.data()),
-                              product(t, 1024, 4096, false, false, a.data(), b.data(), c.data()),
-                              product(4096, 1024, t, true, false, a.data(), b.data(), c.data())}) {
-          std::vector<double> ratio;
-          for (int pair = 0; pair < 5; ++pair) {
-            const double thin_s = timed(w, 1, f), cube_s = timed(w, 1, cube);
-            const double cube_flops = 2.0 * static_cast<double>(side) * static_cast<double>(side) * static_cast<double>(side);
-            ratio.push_back((flops / thin_s) / (cube_flops / cube_s));  // thin rate over cube rate
+          const auto cube = product(side, side, side, false, false, q.data(), r.data(), o.data());
+          std::vector<double> forms;
+          for (const auto& f : {product(t, out, in, false, true, a.data(), b.data(), c.data()),
+                                product(t, in, out, false, false, a.data(), b.data(), c.data()),
+                                product(out, in, t, true, false, a.data(), b.data(), c.data())}) {
+            std::vector<double> ratio;
+            for (int pair = 0; pair < 5; ++pair) {
+              const double thin_s = timed(w, 1, f), cube_s = timed(w, 1, cube);
+              const double cube_flops = 2.0 * static_cast<double>(side) * static_cast<double>(side) * static_cast<double>(side);
+              ratio.push_back((flops / thin_s) / (cube_flops / cube_s));  // thin rate over cube rate
+            }
+            std::sort(ratio.begin(), ratio.end());
+            forms.push_back(ratio[2]);
           }
-          std::sort(ratio.begin(), ratio.end());
-          forms.push_back(ratio[2]);
+          std::sort(forms.begin(), forms.end());
+          prof.thin.push_back({static_cast<double>(t), forms[1], static_cast<double>(in) * static_cast<double>(out)});
         }
-        std::sort(forms.begin(), forms.end());
-        prof.thin.push_back({static_cast<double>(t), forms[1]});
       }
     // more ranks than cores: how much of a core a rank waiting in a receive still takes (MPI
     // polls while it waits). Rank 0 multiplies while the others wait for its message; against

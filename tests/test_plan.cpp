@@ -363,6 +363,26 @@ TEST_CASE("device profile: a shape's transposes by their median; thin products p
   written << l;
   std::istringstream read_back(written.str());
   CHECK(device_profile::parse(read_back, "again").gemm_rate(2e9, 64) == doctest::Approx(15e9));
+  // thin lines of two layer widths (in x out; none given: 1024 x 4096): each width's factor at the
+  // rows, interpolated in log(width) between them, the nearest's beyond; the width is flops / (2 rows)
+  std::istringstream wide("device w\ngemm 1000 1000 1000 0 0 40\nthin 64 0.8\nthin 256 1.0\nthin 64 0.4 400000000\nbandwidth 8\n");
+  const auto wd = device_profile::parse(wide, "w.txt");
+  const double narrow = thin_point::default_width, broad = 4e8;
+  CHECK(wd.gemm_rate(2 * 64 * narrow, 64) == doctest::Approx(32e9));
+  CHECK(wd.gemm_rate(2 * 64 * broad, 64) == doctest::Approx(16e9));
+  CHECK(wd.gemm_rate(2 * 64 * std::sqrt(narrow * broad), 64) == doctest::Approx(24e9));  // halfway in log(width)
+  CHECK(wd.gemm_rate(2 * 64 * 1e10, 64) == doctest::Approx(16e9));  // wider than measured: the widest's factor
+  CHECK(wd.gemm_rate(2 * 64 * 1e5, 64) == doctest::Approx(32e9));   // narrower: the narrowest's
+  CHECK(wd.gemm_rate(2 * 128 * narrow, 128) == doctest::Approx(36e9));  // each width by its own rows
+  CHECK(wd.gemm_rate(2 * 128 * broad, 128) == doctest::Approx(24e9));   // a third of the way to 1 at 8 x 64 rows
+  CHECK(wd.gemm_rate(2 * 32 * broad, 32) == doctest::Approx(16e9));     // below its one line: its factor
+  CHECK(wd.gemm_rate(2 * 64 * narrow) == doctest::Approx(40e9));        // rows not known: not thin
+  std::ostringstream wide_out;
+  wide_out << wd;
+  CHECK(wide_out.str().find("thin 64 0.4 400000000\n") != std::string::npos);
+  CHECK(wide_out.str().find("thin 64 0.8\n") != std::string::npos);  // the default width is not written
+  std::istringstream wide_again(wide_out.str());
+  CHECK(device_profile::parse(wide_again, "again").gemm_rate(2 * 64 * broad, 64) == doctest::Approx(16e9));
   auto bad = [](const char* text) {
     std::istringstream s(text);
     return device_profile::parse(s, "bad.txt");
@@ -372,6 +392,11 @@ TEST_CASE("device profile: a shape's transposes by their median; thin products p
   CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 1\nthin 64 nan\nbandwidth 1\n"), doctest::Contains("bad.txt:2: FACTOR 'nan'"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 1\nthin -5 0.5\nbandwidth 1\n"), doctest::Contains("bad.txt:2: ROWS '-5'"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 1\nthin 64 0.5\nthin 64 0.6\nbandwidth 1\n"), doctest::Contains("bad.txt:3: a second 'thin' line for 64 rows"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 1\nthin 64 0.5 9\nthin 64 0.6 9\nbandwidth 1\n"), doctest::Contains("bad.txt:3: a second 'thin' line for 64 rows through a layer of width 9"), std::invalid_argument);
+  CHECK_NOTHROW(bad("gemm 8 8 8 0 0 1\nthin 64 0.5\nthin 64 0.6 9\nbandwidth 1\n"));  // another width
+  CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 1\nthin 64 0.5 2x\nbandwidth 1\n"), doctest::Contains("bad.txt:2: WIDTH '2x'"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 1\nthin 64 0.5 0\nbandwidth 1\n"), doctest::Contains("bad.txt:2: WIDTH '0'"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 1\nthin 64 0.5 9 9\nbandwidth 1\n"), doctest::Contains("bad.txt:2: 'thin' takes ROWS FACTOR [WIDTH]"), std::invalid_argument);
 }
 
 TEST_CASE("device profile: the text format, interpolated GEMM rates, α–β links, errors with file and line") {

@@ -47,6 +47,15 @@ struct gemm_point {
   bool thin() const noexcept { return std::max({m, n, k}) > 8 * thinnest(); }
 };
 
+/// A thin product's rate over a square one's of the same FLOPs (timed in
+/// turns): `rows` through a layer of `width` = in × out features.
+struct thin_point {
+  /// The layer the first thin figures were measured on (1024 × 4096), and what
+  /// a `thin` line without a width means.
+  static constexpr double default_width = 1024.0 * 4096.0;
+  double rows = 0, factor = 1, width = default_width;
+};
+
 /// t(bytes) = alpha + bytes / beta, `bytes` being what one rank sends (the
 /// ring model of comm_stats), for groups of `ranks`. Where the measured times
 /// are kept (`points`, sorted by bytes), t follows them instead: a CPU node's
@@ -83,10 +92,11 @@ struct link_fit {
 struct device_profile {
   std::string name = "unnamed";
   std::vector<gemm_point> gemm;  ///< as measured, sorted by size when read
-  /// Thin factors measured as such (`thin ROWS FACTOR` lines: a thin product's
-  /// rate over a square one's of the same FLOPs, timed in turns), by rows. When
-  /// present they are the factors; else they come from the thin `gemm` shapes.
-  std::vector<std::pair<double, double>> thin;
+  /// Thin factors measured as such (`thin ROWS FACTOR [WIDTH]` lines: a thin
+  /// product's rate over a square one's of the same FLOPs, timed in turns), by
+  /// rows and layer width. When present they are the factors; else they come
+  /// from the thin `gemm` shapes.
+  std::vector<thin_point> thin;
   double bandwidth_bps = 0;      ///< elementwise: bytes read plus written per second
   int ranks_per_node = 0;        ///< devices (ranks) per node of the cluster it describes; 0: one node
   /// 1: a collective blocks its rank until it ends (the CPU runtime); 2: collectives
@@ -114,19 +124,22 @@ struct device_profile {
 
   /// GEMM rate (FLOP/s) of a product of `flops` FLOPs whose rows (the batch
   /// side: M of the forward and input-gradient products, K of the weight
-  /// gradient's) are `rows`; 0: not known, taken as not thin.
+  /// gradient's) are `rows`; 0: not known, taken as not thin. The layer's
+  /// width (in × out) is flops / (2 rows).
   /// - The size curve: the shapes that are not thin, each at the median of its
   ///   measured transposes, interpolated in log(FLOPs); beyond the ends, the end rates.
   /// - The thin factor: the `thin` lines where there are any, else a thin shape's
   ///   rate over the curve's at its size, the median per thinnest side; for
   ///   `rows`, interpolated in log(rows) between the sides measured, the
   ///   smallest's below them, and above the largest rising to 1 at 8 times it
-  ///   (where a shape is no longer thin). 1 without either.
+  ///   (where a shape is no longer thin). 1 without either. Thin lines of
+  ///   several widths: the factor at `rows` of each width, interpolated in
+  ///   log(width) between the widths measured, the nearest end's beyond them.
   /// (An OpenBLAS core here ran 64-row products at 55-70% of its square-shape rate.)
   double gemm_rate(double flops, double rows = 0) const {
     if (gemm.empty()) throw std::logic_error("whale::device_profile '" + name + "': no GEMM rates");
     if (size_curve_.empty()) settle_gemm();
-    return size_rate(flops) * thin_factor(rows);
+    return size_rate(flops) * thin_factor(rows, rows > 0 ? flops / (2 * rows) : 0.0);
   }
   /// Derives the size curve and the thin factors from `gemm` (parse does; call it
   /// after changing `gemm` by hand).
@@ -172,9 +185,15 @@ struct device_profile {
     for (const auto& [rate, count] : pools)
       for (std::size_t k = 0; k < count; ++k) size_curve_[at++].second = rate;
     if (!thin.empty()) {
-      thin_factors_ = thin;
+      for (const auto& t : thin) {
+        auto c = std::find_if(thin_factors_.begin(), thin_factors_.end(), [&](const auto& w) { return w.first == t.width; });
+        if (c == thin_factors_.end()) c = thin_factors_.insert(thin_factors_.end(), {t.width, {}});
+        c->second.push_back({t.rows, t.factor});
+      }
       std::sort(thin_factors_.begin(), thin_factors_.end());
+      for (auto& c : thin_factors_) std::sort(c.second.begin(), c.second.end());
     } else if (any_square) {
+      thin_factors_.push_back({thin_point::default_width, {}});
       std::vector<double> sides;
       for (const auto& g : gemm)
         if (g.thin() && std::find(sides.begin(), sides.end(), static_cast<double>(g.thinnest())) == sides.end())
@@ -184,8 +203,9 @@ struct device_profile {
         std::vector<double> f;
         for (const auto& g : gemm)
           if (g.thin() && static_cast<double>(g.thinnest()) == t) f.push_back(g.gflops * 1e9 / size_rate(g.flops()));
-        thin_factors_.push_back({t, median(f)});
+        thin_factors_.back().second.push_back({t, median(f)});
       }
+      if (thin_factors_.back().second.empty()) thin_factors_.clear();  // no thin shapes: rows change nothing
     }
   }
   /// The size curve's rate at `flops` (FLOP/s), ignoring thinness.
@@ -200,19 +220,17 @@ struct device_profile {
       }
     return c.back().second;
   }
-  /// The thin factor at `rows` (see gemm_rate); 1 for rows 0 or without thin shapes.
-  double thin_factor(double rows) const {
-    const auto& f = thin_factors_;
-    if (f.empty() || !(rows > 0)) return 1.0;
-    auto lerp = [](std::pair<double, double> a, std::pair<double, double> b, double x) {
-      const double t = (std::log(x) - std::log(a.first)) / (std::log(b.first) - std::log(a.first));
-      return a.second + t * (b.second - a.second);
-    };
-    if (rows <= f.front().first) return f.front().second;
-    for (std::size_t i = 1; i < f.size(); ++i)
-      if (rows <= f[i].first) return lerp(f[i - 1], f[i], rows);
-    const std::pair<double, double> square{8 * f.back().first, 1.0};
-    return rows >= square.first ? 1.0 : lerp(f.back(), square, rows);
+  /// The thin factor at `rows` through a layer of `width` = in × out (see
+  /// gemm_rate; width 0: the default width); 1 for rows 0 or without thin shapes.
+  double thin_factor(double rows, double width = 0) const {
+    if (size_curve_.empty() && !gemm.empty()) settle_gemm();
+    const auto& c = thin_factors_;
+    if (c.empty() || !(rows > 0)) return 1.0;
+    const double w = width > 0 ? width : thin_point::default_width;
+    if (w <= c.front().first) return at_rows(c.front().second, rows);
+    for (std::size_t i = 1; i < c.size(); ++i)
+      if (w <= c[i].first) return lerp({c[i - 1].first, at_rows(c[i - 1].second, rows)}, {c[i].first, at_rows(c[i].second, rows)}, w);
+    return at_rows(c.back().second, rows);
   }
   /// Seconds of a communication that sends `bytes` per rank in a group of `ranks` at `level`.
   /// A collective over nodes whose group has `local` ranks on each node runs `local`
@@ -252,7 +270,8 @@ struct device_profile {
   /// The text format (see docs/planning.md): one entry per line, '#' comments.
   ///   device NAME
   ///   gemm M N K TA TB GFLOPS          (TA, TB: 0 or 1)
-  ///   thin ROWS FACTOR                  (products of ROWS rows run at FACTOR of the size curve's rate)
+  ///   thin ROWS FACTOR [WIDTH]          (products of ROWS rows through a layer of WIDTH = in × out
+  ///                                      features run at FACTOR of the size curve's rate; WIDTH 4194304 if absent)
   ///   bandwidth GBPS                    (elementwise, read + write)
   ///   node RANKS                        (ranks per node; absent: every rank on one node)
   ///   streams 1|2                       (2: collectives overlap compute; absent: 1)
@@ -264,7 +283,11 @@ struct device_profile {
     os << "# whale device profile\ndevice " << p.name << "\n";
     for (const auto& g : p.gemm)
       os << "gemm " << g.m << ' ' << g.n << ' ' << g.k << ' ' << g.ta << ' ' << g.tb << ' ' << g.gflops << "\n";
-    for (const auto& [rows, f] : p.thin) os << "thin " << static_cast<long long>(rows) << ' ' << f << "\n";
+    for (const auto& t : p.thin) {
+      os << "thin " << static_cast<long long>(t.rows) << ' ' << t.factor;
+      if (t.width != thin_point::default_width) os << ' ' << static_cast<long long>(t.width);
+      os << "\n";
+    }
     os << "bandwidth " << p.bandwidth_bps / 1e9 << "\n";
     if (p.ranks_per_node) os << "node " << p.ranks_per_node << "\n";
     if (p.streams != 1) os << "streams " << p.streams << "\n";
@@ -315,11 +338,17 @@ struct device_profile {
         g.gflops = num(6, "GFLOPS", 0, 1e9, true);
         p.gemm.push_back(g);
       } else if (w[0] == "thin") {
-        need(3, "ROWS FACTOR (products of ROWS rows run at FACTOR of the size curve's rate)");
-        const double rows = static_cast<double>(detail::parse_int(w[1], at + ": ROWS", 1, 1 << 30));
-        if (std::any_of(p.thin.begin(), p.thin.end(), [&](const auto& t) { return t.first == rows; }))
-          throw std::invalid_argument(at + ": a second 'thin' line for " + w[1] + " rows");
-        p.thin.push_back({rows, num(2, "FACTOR", 0, 2, true)});
+        if (w.size() != 3 && w.size() != 4)
+          throw std::invalid_argument(at + ": 'thin' takes ROWS FACTOR [WIDTH] (products of ROWS rows through a layer of "
+                                           "WIDTH = in x out features run at FACTOR of the size curve's rate)");
+        thin_point t;
+        t.rows = static_cast<double>(detail::parse_int(w[1], at + ": ROWS", 1, 1 << 30));
+        t.factor = num(2, "FACTOR", 0, 2, true);
+        if (w.size() == 4) t.width = static_cast<double>(detail::parse_int(w[3], at + ": WIDTH", 1, std::int64_t{1} << 50));
+        if (std::any_of(p.thin.begin(), p.thin.end(), [&](const auto& o) { return o.rows == t.rows && o.width == t.width; }))
+          throw std::invalid_argument(at + ": a second 'thin' line for " + w[1] + " rows through a layer of width " +
+                                      std::to_string(static_cast<long long>(t.width)));
+        p.thin.push_back(t);
       } else if (w[0] == "bandwidth") {
         need(2, "GBPS");
         p.bandwidth_bps = num(1, "bandwidth", 0, 1e6, true) * 1e9;
@@ -374,8 +403,21 @@ struct device_profile {
   }
 
  private:
-  // derived from `gemm` by settle_gemm: (FLOPs, FLOP/s) by size; (thinnest side, factor) by side
-  mutable std::vector<std::pair<double, double>> size_curve_, thin_factors_;
+  static double lerp(std::pair<double, double> a, std::pair<double, double> b, double x) {
+    const double t = (std::log(x) - std::log(a.first)) / (std::log(b.first) - std::log(a.first));
+    return a.second + t * (b.second - a.second);
+  }
+  // One width's factor at `rows`: interpolated in log(rows), the smallest's below, rising to 1 at 8 times the largest.
+  static double at_rows(const std::vector<std::pair<double, double>>& f, double rows) {
+    if (rows <= f.front().first) return f.front().second;
+    for (std::size_t i = 1; i < f.size(); ++i)
+      if (rows <= f[i].first) return lerp(f[i - 1], f[i], rows);
+    const std::pair<double, double> square{8 * f.back().first, 1.0};
+    return rows >= square.first ? 1.0 : lerp(f.back(), square, rows);
+  }
+  // derived from `gemm` by settle_gemm: (FLOPs, FLOP/s) by size; per layer width, (thinnest side, factor) by side
+  mutable std::vector<std::pair<double, double>> size_curve_;
+  mutable std::vector<std::pair<double, std::vector<std::pair<double, double>>>> thin_factors_;
 };
 
 /// The link kind of a program operation (collectives and messages).
