@@ -2,8 +2,10 @@
 // guarded backend (memory host code may not touch; backend/guarded.hpp), so
 // a step runs only if the executor keeps parameters, gradients, optimizer
 // state, activations and inputs there and reaches them through the backend,
-// summing gradient buckets, pipeline messages, ZeRO's reduce-scatters and
-// gathers and the collectives of split regions through host copies. The
+// summing gradient buckets, ZeRO's reduce-scatters and gathers and the
+// collectives of split regions on the device's buffers through its own
+// communicator (and, a second time, through host copies), and pipeline
+// messages through host copies. The
 // arithmetic is the CPU's, so the parameters must equal the same plan's on
 // the CPU backend bit for bit, on every rank, at whatever
 // world size mpirun gives (1, 2, 4), with SGD and with AdamW and clipping:
@@ -13,7 +15,8 @@
 // over a pipeline and over tensor parallelism), split regions over the model
 // and the data axis (every layout conversion, the class-split loss on each
 // axis), and tensor parallelism inside pipeline stages. Plans that do not
-// run on a device yet are refused with a message.
+// run on a device yet are refused with a message, and so is a plan whose
+// state does not fit its device's memory.
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -265,4 +268,26 @@ TEST_CASE("on a device: logits come back to the host; bf16 sums are refused with
     auto net = make<tiny_gpt>(ctx, seed{42}, o);
     CHECK(g.contains(net.params().data()));
   }
+}
+
+TEST_CASE("a plan whose state does not fit its device's memory is refused on every rank, naming the device") {
+  auto ctx = context::init();
+  plan_options o;
+  {
+    guarded_backend small(std::size_t{16} << 10);  // 16 KiB: less than the parameters and gradients (44.2 KiB)
+    o.backend = backend_ref(small);
+    std::string said;
+    try {
+      (void)make<replicate<tiny_gpt>>(ctx, seed{42}, o);
+    } catch (const std::runtime_error& e) {
+      said = e.what();
+    }
+    INFO("rank " << ctx.rank() << ": " << said);
+    CHECK(said.find("not enough memory: the guarded device of rank 0 needs ") != std::string::npos);
+    if (ctx.rank() == 0) CHECK(said.find("are free by its guarded device") != std::string::npos);
+    CHECK(small.allocator().bytes_in_use == 0);  // refused before anything was placed there
+  }
+  guarded_backend roomy;  // the same plan on a device with room: not refused
+  o.backend = backend_ref(roomy);
+  CHECK_NOTHROW((void)make<replicate<tiny_gpt>>(ctx, seed{42}, o));
 }

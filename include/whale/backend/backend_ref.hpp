@@ -51,6 +51,10 @@ class backend_ref {
   /// Where tensors allocated for this backend live (open a place_scope on it):
   /// null for the CPU (host memory).
   const memory_place* memory() const noexcept { return gpu_ ? ops_->memory(gpu_) : nullptr; }
+  /// Bytes the backend's memory could still hand out, where it can say
+  /// (memory_free() of the backend); -1 for the CPU (host memory: the node's
+  /// figure, runtime/memory_check.hpp) and for a backend that cannot.
+  std::int64_t memory_free() const { return gpu_ ? ops_->memory_free(gpu_) : -1; }
   /// Whether this is a GPU (CUDA): its memory is reached by CUDA calls on its compute stream.
   bool on_cuda() const noexcept { return gpu_ != nullptr && ops_->enter == nullptr; }
   /// Whether this is a device whose calls run on the host inside a window (the guarded backend).
@@ -193,6 +197,7 @@ class backend_ref {
     void (*fill_zero)(void*, void*, std::size_t);
     void (*synchronize)(void*);
     const memory_place* (*memory)(void*);
+    std::int64_t (*memory_free)(void*);
     const char* name;
     void (*enter)(void*);  // host-executed backends only; null otherwise
     void (*leave)(void*);
@@ -220,6 +225,12 @@ class backend_ref {
       [](void* g, void* p, std::size_t bytes) { static_cast<G*>(g)->fill_zero(p, bytes); },
       [](void* g) { static_cast<G*>(g)->synchronize(); },
       [](void* g) -> const memory_place* { return static_cast<G*>(g)->memory(); },
+      [](void* g) -> std::int64_t {
+        if constexpr (requires(G& b) { b.memory_free(); })
+          return static_cast<std::int64_t>(static_cast<G*>(g)->memory_free());
+        else
+          return (void)g, std::int64_t{-1};
+      },
       G::name(),
       host_executed_v<G> ? &enter_of<G> : nullptr,
       host_executed_v<G> ? &leave_of<G> : nullptr,

@@ -176,6 +176,14 @@ class cuda_backend {
   void* allocate(std::size_t bytes) { return alloc_.allocate(bytes); }
   void deallocate(void* p, std::size_t bytes) { alloc_.deallocate(p, bytes); }
   const allocator_stats& allocator() const noexcept { return alloc_.stats(); }
+  /// Bytes it could still hand out: the device's free memory (cudaMemGetInfo)
+  /// and the blocks its allocator holds for reuse.
+  std::size_t memory_free() const {
+    detail::cuda_check(cudaSetDevice(device_), "cudaSetDevice");
+    std::size_t free = 0, total = 0;
+    detail::cuda_check(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+    return free + static_cast<std::size_t>(alloc_.stats().bytes_cached);
+  }
   /// Page-locked host memory for staging copies (cudaMallocHost), and its release.
   void* allocate_pinned(std::size_t bytes) {
     void* p = nullptr;

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "whale/backend/backend_ref.hpp"
 #include "whale/comm/collectives.hpp"
 #include "whale/comm/communicator.hpp"
 #include "whale/detail/parse.hpp"
@@ -131,15 +132,26 @@ inline bool memory_check_enabled() {
 /// every rank throws std::runtime_error when any node lacks the memory, naming
 /// the node's first rank, the figures, and (on the ranks that know them) what
 /// the neediest rank allocates and where the free figure comes from. `who`
-/// prefixes the message; `advice` ends it.
+/// prefixes the message; `advice` ends it. On a device backend (`be` not the
+/// CPU) each rank's device is its own: `need` against what it has free.
 template <Communicator C>
-void check_memory_fits(C& w, std::int64_t need, const std::string& what, const std::string& who, const std::string& advice) {
+void check_memory_fits(C& w, std::int64_t need, const std::string& what, const std::string& who, const std::string& advice,
+                       const backend_ref& be = {}) {
   if (!memory_check_enabled()) return;
   char host[256] = {};
   ::gethostname(host, sizeof host - 1);
   std::uint64_t h = 1469598103934665603ULL;  // FNV-1a of the host name
   for (const char* c = host; *c; ++c) h = (h ^ static_cast<unsigned char>(*c)) * 1099511628211ULL;
-  const node_memory free = free_node_memory();
+  const bool device = !be.on_cpu();
+  node_memory free;
+  if (device) {  // a group of its own: the rank's number mixed in
+    h = (h ^ static_cast<std::uint64_t>(w.rank() + 1)) * 1099511628211ULL;
+    const std::int64_t f = be.memory_free();
+    if (f >= 0) free.available = f;
+    free.source = std::string("its ") + be.name() + " device";
+  } else {
+    free = free_node_memory();
+  }
   const int n = w.size();
   std::int64_t mine[3] = {static_cast<std::int64_t>(h), need, free.available};
   std::vector<std::int64_t> all(static_cast<std::size_t>(3 * n));
@@ -161,9 +173,12 @@ void check_memory_fits(C& w, std::int64_t need, const std::string& what, const s
       }
     const auto avail = all[static_cast<std::size_t>(3 * r + 2)];
     if (sum <= avail) continue;
-    std::string m = who + "not enough memory: the " + std::to_string(ranks) + " rank(s) on the node of rank " +
-                    std::to_string(r) + " need " + mib_text(sum) + " more (rank " + std::to_string(worst) + ": " +
-                    mib_text(biggest) + ")";
+    std::string m = who + "not enough memory: ";
+    if (device)
+      m += "the " + std::string(be.name()) + " device of rank " + std::to_string(r) + " needs " + mib_text(sum) + " more";
+    else
+      m += "the " + std::to_string(ranks) + " rank(s) on the node of rank " + std::to_string(r) + " need " +
+           mib_text(sum) + " more (rank " + std::to_string(worst) + ": " + mib_text(biggest) + ")";
     if (w.rank() == worst || (host_r == static_cast<std::int64_t>(h) && ranks == 1)) m += " for " + what;
     m += ", but " + mib_text(avail) + " are free";
     if (host_r == static_cast<std::int64_t>(h)) m += " by " + free.source;

@@ -134,11 +134,13 @@ template <class P> void executor<P>::check_state_memory(const program_totals& he
                                     "; give it fewer layers (a pipeline cuts by the caps), ZeRO, or a larger cap");
     }
   }
-  const std::int64_t start = level == 3 ? 4 * static_cast<std::int64_t>(n) : 0;  // ZeRO-3 initialises the whole stage once
+  // ZeRO-3 initialises the whole stage once, in host memory (on a device, only the device's part is checked)
+  const std::int64_t start = level == 3 && be_.on_cpu() ? 4 * static_cast<std::int64_t>(n) : 0;
   detail::check_memory_fits(ctx_->world(), held.param_bytes + held.grad_bytes + start,
                             "its parameters (" + detail::mib_text(held.param_bytes) + ") and gradients (" +
                                 detail::mib_text(held.grad_bytes) + ")",
-                            "whale::" + layer_name<P>() + ": ", "spread the model over more ranks (split, pipeline, ZeRO-3) or more nodes");
+                            "whale::" + layer_name<P>() + ": ", "spread the model over more ranks (split, pipeline, ZeRO-3) or more nodes",
+                            be_);
 }
 
 template <class P> void executor<P>::check_step_memory(const step_ctx& c) const {
@@ -152,7 +154,8 @@ template <class P> void executor<P>::check_step_memory(const step_ctx& c) const 
        << " micro-batch(es) of " << e.rows << " rows kept) and its communication buffers (" << detail::mib_text(e.comm) << ")";
   detail::check_memory_fits(ctx_->world(), e.activations + e.comm, what.str(), "whale::" + layer_name<P>() + ": ",
                             "use a smaller batch, more micro-batches" + std::string(staged ? " (fewer kept under 1f1b)" : "") +
-                                ", recompute<Block>, or more ranks");
+                                ", recompute<Block>, or more ranks",
+                            be_);
 }
 
 }  // namespace whale
