@@ -17,6 +17,7 @@
 #include <fstream>
 #include <cmath>
 #include <functional>
+#include <map>
 #include <sstream>
 #include <string>
 
@@ -402,6 +403,52 @@ TEST_CASE("auto_plan prices 3-D plans (tensor parallelism inside pipeline stages
     CHECK(net.choice().label.rfind("3-D 1f1b m=", 0) == 0);
   }
   check_trains_as_single(ctx, auto_options());
+}
+
+TEST_CASE("auto_plan prices 3-D plans with ZeRO-1 where the data axis has ranks: less memory, chosen when only they fit") {
+  auto probe = context::init();
+  const auto dev = device_profile::load(auto_options().profile);
+  // pure: every rank ranks a data:2 x pipe:2 x model:2 mesh (8 ranks), where only 3-D plans run,
+  // with a global batch of 16 sequences (8 a replica: 2, 4 and 8 micro-batches divide it)
+  auto o = auto_options();
+  o.plan_batch = 16;
+  auto cs = rank_auto_plans<small_gpt>(mesh_shape(2, 2, 2), o, dev);
+  std::map<std::string, double> plain, zero1;  // "m=K" -> predicted memory
+  for (const auto& c : cs) {
+    INFO(c.label << ": " << c.why);
+    if (c.label.rfind("3-D 1f1b m=", 0) != 0) {
+      CHECK(!c.valid);
+      continue;
+    }
+    CHECK(c.valid);
+    const auto m = c.label.substr(9, c.label.find(' ', 9) - 9);
+    (c.label.find(" zero1") != std::string::npos ? zero1 : plain)[m] = c.memory_mib;
+  }
+  REQUIRE(plain.size() == 3);
+  REQUIRE(zero1.size() == 3);  // m = 2, 4, 8 each
+  double smallest = 1e300;
+  for (const auto& [m, mib] : plain) {
+    INFO("m=" << m << ": " << mib << " MiB, with ZeRO-1 " << zero1[m] << " MiB");
+    CHECK(zero1[m] < mib);  // the optimizer state halved over data:2
+    smallest = std::min(smallest, mib);
+  }
+  CHECK(cs.front().label.find(" zero1") == std::string::npos);  // simpler first among near-ties, or faster
+  // a limit under every plain 3-D plan: a ZeRO-1 one is chosen
+  o.memory_limit_mib = smallest - 0.001;
+  cs = rank_auto_plans<small_gpt>(mesh_shape(2, 2, 2), o, dev);
+  REQUIRE(cs.front().valid);
+  CHECK(cs.front().fits);
+  CHECK(cs.front().label.find(" zero1") != std::string::npos);
+  for (const auto& c : cs)
+    if (c.valid && c.label.find(" zero1") == std::string::npos) CHECK(!c.fits);
+  // a data-only world of 8 is reshaped into it too; one of 4 has no data axis left for it
+  o.memory_limit_mib = 0;
+  int reshaped = 0;
+  for (const auto& c : rank_auto_plans<small_gpt>(mesh_shape(8, 1, 1), o, dev))
+    reshaped += c.valid && c.label.find(" zero1 on data=2,pipe=2,model=2") != std::string::npos;
+  CHECK(reshaped == 3);
+  for (const auto& c : rank_auto_plans<small_gpt>(mesh_shape(4, 1, 1), auto_options(), dev))
+    CHECK(c.label.find(" zero1") == std::string::npos);
 }
 
 TEST_CASE("auto_plan on a backbone and a head prices the class-split head (Whale's 100k-class plan) and it trains as single-process") {

@@ -1,12 +1,16 @@
 // local_comm (a world of one rank) and the MPI-free context: every collective
 // is a copy or a no-op, sends to self are buffered, and the mesh is 1×1×1.
+// device_comm over it: the progress hook its waits call, and the guarded
+// backend's window that its operations open.
 #include <doctest/doctest.h>
 
 #include <numeric>
 #include <vector>
 
+#include "whale/backend/guarded.hpp"
 #include "whale/comm/collectives.hpp"
 #include "whale/comm/context.hpp"
+#include "whale/comm/device_comm.hpp"
 #include "whale/comm/local_comm.hpp"
 
 using namespace whale;
@@ -125,3 +129,86 @@ TEST_CASE("context without MPI: a mesh of 2 ranks is a clear error") {
                        doctest::Contains("needs 2 ranks, but the job has 1"), mesh_error);
 }
 #endif
+
+namespace {
+// local_comm whose operations complete only after `delay` tests, with a request
+// that can poll while it waits (as nccl_comm's does): what device_comm's progress hook needs.
+struct slow_comm {
+  using space = whale::host;
+  struct request {
+    int left = 0;
+    bool test() { return left <= 0 || --left <= 0; }
+    void wait() { left = 0; }
+    template <class Poll> void wait(Poll&& poll) {
+      while (!test()) poll();
+    }
+  };
+  local_comm c = local_comm();
+  int delay = 3;
+  int rank() const { return c.rank(); }
+  int size() const { return c.size(); }
+  std::string name() const { return c.name(); }
+  comm_stats stats() const { return c.stats(); }
+  void reset_stats() { c.reset_stats(); }
+  request done() const { return request{delay}; }
+  request iall_reduce(void* b, index_t n, dtype t, reduce_op op) { return c.iall_reduce(b, n, t, op).wait(), done(); }
+  request iall_gather(const void* i, void* o, index_t n, dtype t) { return c.iall_gather(i, o, n, t).wait(), done(); }
+  request iall_gather_v(const void* i, void* o, std::span<const index_t> k, dtype t) {
+    return c.iall_gather_v(i, o, k, t).wait(), done();
+  }
+  request ireduce_scatter(const void* i, void* o, index_t n, dtype t, reduce_op op) {
+    return c.ireduce_scatter(i, o, n, t, op).wait(), done();
+  }
+  request ireduce_scatter_v(const void* i, void* o, std::span<const index_t> k, dtype t, reduce_op op) {
+    return c.ireduce_scatter_v(i, o, k, t, op).wait(), done();
+  }
+  request ibroadcast(void* b, index_t n, dtype t, int root) { return c.ibroadcast(b, n, t, root).wait(), done(); }
+  request isend(const void* b, index_t n, dtype t, int dst, int tag) { return c.isend(b, n, t, dst, tag).wait(), done(); }
+  request irecv(void* b, index_t n, dtype t, int src, int tag) { return c.irecv(b, n, t, src, tag), done(); }
+  request ibarrier() { return done(); }
+  slow_comm split(int color, int key) { return slow_comm{c.split(color, key), delay}; }
+};
+static_assert(Communicator<slow_comm>);
+}  // namespace
+
+TEST_CASE("device_comm: waits poll the progress hook where the request can; blocking forms too; split keeps it") {
+  device_comm d(slow_comm{}, backend_ref{});
+  CHECK(d.valid());
+  tensor<float> a(shape{4});
+  d.iall_reduce(a.data(), 4, dtype::f32, reduce_op::sum).wait();  // no hook: waits without polling
+  int polls = 0;
+  d.set_progress([&] { ++polls; });
+  d.iall_reduce(a.data(), 4, dtype::f32, reduce_op::sum).wait();
+  CHECK(polls == 2);  // three tests to complete: two polls between them
+  all_reduce(d, a.v());  // slow_comm has no blocking form: the non-blocking one, waited for with polls
+  CHECK(polls == 4);
+  auto half = d.split(0, 0);
+  half.iall_reduce(a.data(), 4, dtype::f32, reduce_op::sum).wait();
+  CHECK(polls == 6);
+  auto r = d.iall_reduce(a.data(), 4, dtype::f32, reduce_op::sum);
+  CHECK_FALSE(r.test());
+  CHECK_FALSE(r.test());
+  CHECK(r.test());  // completed by tests alone: no poll
+  CHECK(polls == 6);
+}
+
+TEST_CASE("device_comm on the guarded backend: its operations reach device memory, which stays closed to host code") {
+  guarded_backend g;
+  tensor<float> in, out;
+  {
+    const place_scope on(g.memory());
+    in = tensor<float>(shape{3});
+    out = tensor<float>(shape{3});
+  }
+  const std::vector<float> v{1.f, 2.f, 3.f};
+  g.copy(in.data(), v.data(), 3 * sizeof(float));
+  local_comm world;
+  auto d = make_device_comm(world, backend_ref(g));
+  REQUIRE(d);
+  all_gather(*d, in.v(), out.v());  // local_comm copies with memcpy: inside the window
+  d->iall_gather(in.data(), out.data(), 3, dtype::f32).wait();
+  std::vector<float> back(3);
+  g.copy(back.data(), out.data(), 3 * sizeof(float));
+  CHECK(back == v);
+  CHECK(make_device_comm(world, backend_ref{}) == nullptr);  // the CPU: none
+}

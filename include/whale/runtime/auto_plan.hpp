@@ -11,7 +11,8 @@
 // class over the data axis (Whale's 100k-class plan); and 3-D plans,
 // replicate<pipeline<one_f_one_b, M'>> with M' = M with its embeddings, fully
 // connected layers and repeated block each split over the model axis, on a
-// data x pipe x model mesh (the job's, or every reshaping of a data-only one).
+// data x pipe x model mesh (the job's, or every reshaping of a data-only one),
+// and shard<that, 1> (ZeRO-1) where the data axis has 2 ranks or more.
 // Not here: recompute. Checkpoints go through the chosen plan (a checkpoint
 // names the concrete plan it was saved by).
 #pragma once
@@ -117,24 +118,28 @@ template <class M> auto tp_stages_probe() {
 template <class M> using tp_stages = decltype(tp_stages_probe<M>());
 template <class M, bool = tp_stages<M>::ok> struct three_d_of {
   using type = void;
+  using zero1 = void;
 };
 template <class M> struct three_d_of<M, true> {
   using type = replicate<pipeline<one_f_one_b, typename tp_stages<M>::type>>;
+  using zero1 = shard<type, 1>;  // its optimizer state sharded over the data axis
 };
 
 /// The candidate plan types of auto_plan<M>, in this order: dp, ZeRO 1-3; then
 /// the 1F1B pipeline when M has one repeat, tensor parallelism (split<M> over
 /// the model axis) when M is splittable, and the class-split head when M is a
-/// backbone and a head, and the 3-D plan when M has a repeated block to split.
-/// Only those that are plans for M are listed (and compiled).
+/// backbone and a head, and the 3-D plan, plain and with ZeRO-1, when M has a
+/// repeated block to split. Only those that are plans for M are listed (and compiled).
 template <class M>
 using auto_candidates = typename append_if<
     typename append_if<
-        typename append_if<typename append_if<plan_list<replicate<M>, shard<M, 1>, shard<M, 2>, shard<M, 3>>,
-                                              pipelinable<M>(), replicate<pipeline<one_f_one_b, M>>>::type,
-                           splittable<M, axis::model>, split<M, axis::model>>::type,
-        head_split<M>::ok, typename head_split<M>::type>::type,
-    tp_stages<M>::ok, typename three_d_of<M>::type>::type;
+        typename append_if<
+            typename append_if<typename append_if<plan_list<replicate<M>, shard<M, 1>, shard<M, 2>, shard<M, 3>>,
+                                                  pipelinable<M>(), replicate<pipeline<one_f_one_b, M>>>::type,
+                               splittable<M, axis::model>, split<M, axis::model>>::type,
+            head_split<M>::ok, typename head_split<M>::type>::type,
+        tp_stages<M>::ok, typename three_d_of<M>::type>::type,
+    tp_stages<M>::ok, typename three_d_of<M>::zero1>::type;
 
 template <class P, class L> struct index_in;
 template <class P, class... Q> struct index_in<P, plan_list<Q...>> {
@@ -239,11 +244,15 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
   }
   if constexpr (detail::head_split<M>::ok)
     price(at(std::type_identity<typename detail::head_split<M>::type>{}), job, "class-split head", 0);
-  if constexpr (detail::tp_stages<M>::ok) {  // 3-D: data x pipe x model, m = p, 2p, 4p
+  if constexpr (detail::tp_stages<M>::ok) {  // 3-D: data x pipe x model, m = p, 2p, 4p; with ZeRO-1 where data > 1
     using three_d = typename detail::three_d_of<M>::type;
+    using three_d_zero1 = typename detail::three_d_of<M>::zero1;
     auto price_3d = [&](const mesh_shape& mesh, const std::string& on) {
       const int p = mesh.size(axis::pipe);
       for (int k : {1, 2, 4}) price(at(std::type_identity<three_d>{}), mesh, "3-D 1f1b m=" + std::to_string(k * p) + on, k * p);
+      if (mesh.size(axis::data) > 1)  // over one data rank ZeRO-1 shards nothing: the plain plan, more complex
+        for (int k : {1, 2, 4})
+          price(at(std::type_identity<three_d_zero1>{}), mesh, "3-D 1f1b m=" + std::to_string(k * p) + " zero1" + on, k * p);
     };
     if (job.size(axis::pipe) > 1 && job.size(axis::model) > 1) price_3d(job, "");
     if (data_only)
