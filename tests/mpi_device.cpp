@@ -285,7 +285,7 @@ TEST_CASE("a plan whose state does not fit its device's memory is refused on eve
     INFO("rank " << ctx.rank() << ": " << said);
     CHECK(said.find("not enough memory: the guarded device of rank 0 needs ") != std::string::npos);
     if (ctx.rank() == 0) CHECK(said.find("are free by its guarded device") != std::string::npos);
-    CHECK(small.allocator().bytes_in_use == 0);  // refused before anything was placed there
+    CHECK(small.allocator().peak_bytes_in_use == 0);  // refused before anything was placed there
   }
   guarded_backend roomy;  // the same plan on a device with room: not refused
   o.backend = backend_ref(roomy);

@@ -192,7 +192,7 @@ TEST_CASE("device_comm: waits poll the progress hook where the request can; bloc
   CHECK(polls == 6);
 }
 
-TEST_CASE("device_comm on the guarded backend: its operations reach device memory, which stays closed to host code") {
+TEST_CASE("device_comm on the guarded backend: its operations reach device memory inside the backend's window") {
   guarded_backend g;
   tensor<float> in, out;
   {

@@ -145,10 +145,12 @@ class guarded_backend {
   /// Where tensors placed on this backend live.
   const memory_place* memory() const noexcept { return &place_; }
   const allocator_stats& allocator() const noexcept { return alloc_.stats(); }
-  /// Bytes it could still hand out: the region's capacity less the bytes in
-  /// use (blocks cached for reuse count as free).
+  /// Bytes it could still hand out: the region's unused end, its freed page
+  /// runs and the blocks its allocator caches for reuse.
   std::size_t memory_free() const noexcept {
-    return capacity_ - static_cast<std::size_t>(alloc_.stats().bytes_in_use);
+    std::size_t f = capacity_ - used_ + static_cast<std::size_t>(alloc_.stats().bytes_cached);
+    for (const auto& run : free_) f += run.second;
+    return f;
   }
   /// Whether `p` points into the region.
   bool contains(const void* p) const noexcept {

@@ -4,6 +4,7 @@
 // template code of plan/; lowering (plan/lower.hpp) works on this data.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <string>
 #include <type_traits>
@@ -30,6 +31,9 @@ struct unit_desc {
   int element = 0;               ///< top-level element of the model (a stage, for explicit pipelines)
   int block = -1;                ///< block of the top-level repeat it belongs to (-1: none)
   index_t full_params = 0;       ///< parameters of the unsplit layer
+  /// Its largest weight matrix (in × out of the unsplit layer, from param_tensors;
+  /// 0: none listed): the width a thin product's rate is read at.
+  index_t widest_weight = 0;
   int split_axis = -1;           ///< axis of the split region it is in (-1: none)
   bool sharded = false;          ///< a sharded form: split_params divided over split_axis
   index_t split_params = 0, replicated_params = 0;
@@ -156,6 +160,9 @@ struct describer {
       }
       using unsplit = typename unsplit_of<L>::type;
       if constexpr (requires { unsplit::param_tensors(); }) u.tensors = &tensors_of<unsplit>;
+      if constexpr (requires { unsplit::param_tensors(); })
+        for (const auto& t : unsplit::param_tensors())
+          if (t.role == param_role::weight) u.widest_weight = std::max(u.widest_weight, t.count);
       u.split_loss = is_split_loss<L>::value;
       u.defers = recompute_group < 0 && requires(L& l, const backend_ref& be) { l.weight_grads(be, 0, false); };
     }

@@ -124,8 +124,8 @@ struct device_profile {
 
   /// GEMM rate (FLOP/s) of a product of `flops` FLOPs whose rows (the batch
   /// side: M of the forward and input-gradient products, K of the weight
-  /// gradient's) are `rows`; 0: not known, taken as not thin. The layer's
-  /// width (in × out) is flops / (2 rows).
+  /// gradient's) are `rows`; 0: not known, taken as not thin. `width`: the
+  /// layer's weight matrix (in × out); 0: flops / (2 rows).
   /// - The size curve: the shapes that are not thin, each at the median of its
   ///   measured transposes, interpolated in log(FLOPs); beyond the ends, the end rates.
   /// - The thin factor: the `thin` lines where there are any, else a thin shape's
@@ -136,10 +136,10 @@ struct device_profile {
   ///   several widths: the factor at `rows` of each width, interpolated in
   ///   log(width) between the widths measured, the nearest end's beyond them.
   /// (An OpenBLAS core here ran 64-row products at 55-70% of its square-shape rate.)
-  double gemm_rate(double flops, double rows = 0) const {
+  double gemm_rate(double flops, double rows = 0, double width = 0) const {
     if (gemm.empty()) throw std::logic_error("whale::device_profile '" + name + "': no GEMM rates");
     if (size_curve_.empty()) settle_gemm();
-    return size_rate(flops) * thin_factor(rows, rows > 0 ? flops / (2 * rows) : 0.0);
+    return size_rate(flops) * thin_factor(rows, width > 0 ? width : rows > 0 ? flops / (2 * rows) : 0.0);
   }
   /// Derives the size curve and the thin factors from `gemm` (parse does; call it
   /// after changing `gemm` by hand).

@@ -74,8 +74,10 @@ inline double compute_seconds(const model_desc& d, const program& p, const op& o
   // attention's Q K^T and P V are GEMMs too, and so is all of a convolution's work
   gemm += std::max(0.0, o.flops - gemm) * (c.seq_flops > 0 || c.all_gemm ? 1.0 : 0.0);
   const int gemms = o.kind == op_kind::backward ? 2 : 1;
-  // the rows are the products' batch side (a convolution's are images: its side is not known)
-  double t = gemm > 0 ? gemm / dev.gemm_rate(gemm / gemms, c.all_gemm ? 0.0 : rows) : 0.0;
+  // the rows are the products' batch side (a convolution's are images: its side is not known);
+  // the width, its largest weight matrix (this rank's share of a split one; 0: FLOPs per row)
+  const double width = u.widest_weight > 0 ? static_cast<double>(u.widest_weight) / (u.sharded ? deg : 1) : 0.0;
+  double t = gemm > 0 ? gemm / dev.gemm_rate(gemm / gemms, c.all_gemm ? 0.0 : rows, width) : 0.0;
   // elementwise: the bytes it keeps, written once and read once
   const double bytes = 2.0 * (c.act_bytes + c.seq_act_bytes * static_cast<double>(p.seq)) * rows;
   t += bytes / dev.bandwidth_bps;

@@ -247,21 +247,27 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
   if constexpr (detail::tp_stages<M>::ok) {  // 3-D: data x pipe x model, m = p, 2p, 4p; with ZeRO-1 where data > 1
     using three_d = typename detail::three_d_of<M>::type;
     using three_d_zero1 = typename detail::three_d_of<M>::zero1;
-    auto price_3d = [&](const mesh_shape& mesh, const std::string& on) {
-      const int p = mesh.size(axis::pipe);
-      for (int k : {1, 2, 4}) price(at(std::type_identity<three_d>{}), mesh, "3-D 1f1b m=" + std::to_string(k * p) + on, k * p);
-      if (mesh.size(axis::data) > 1)  // over one data rank ZeRO-1 shards nothing: the plain plan, more complex
-        for (int k : {1, 2, 4})
-          price(at(std::type_identity<three_d_zero1>{}), mesh, "3-D 1f1b m=" + std::to_string(k * p) + " zero1" + on, k * p);
-    };
-    if (job.size(axis::pipe) > 1 && job.size(axis::model) > 1) price_3d(job, "");
-    if (data_only)
-      for (int q = 2; q <= n; ++q)
-        for (int t = 2; q * t <= n; ++t) {
-          if (n % (q * t)) continue;
-          const mesh_shape reshaped(n / (q * t), q, t);
-          price_3d(reshaped, " on " + reshaped.spec());
+    // every plain 3-D plan first, then (where data > 1: over one data rank ZeRO-1 shards
+    // nothing) with ZeRO-1, so that a near-tie goes to the plain one (the order is the simplicity)
+    for (const bool zero1 : {false, true}) {
+      auto price_3d = [&](const mesh_shape& mesh, const std::string& on) {
+        const int p = mesh.size(axis::pipe);
+        if (zero1 && mesh.size(axis::data) < 2) return;
+        for (int k : {1, 2, 4}) {
+          const std::string label = "3-D 1f1b m=" + std::to_string(k * p) + (zero1 ? " zero1" : "") + on;
+          if (zero1) price(at(std::type_identity<three_d_zero1>{}), mesh, label, k * p);
+          else price(at(std::type_identity<three_d>{}), mesh, label, k * p);
         }
+      };
+      if (job.size(axis::pipe) > 1 && job.size(axis::model) > 1) price_3d(job, "");
+      if (data_only)
+        for (int q = 2; q <= n; ++q)
+          for (int t = 2; q * t <= n; ++t) {
+            if (n % (q * t)) continue;
+            const mesh_shape reshaped(n / (q * t), q, t);
+            price_3d(reshaped, " on " + reshaped.spec());
+          }
+    }
   }
   std::stable_sort(cs.begin(), cs.end(), [](const plan_choice& x, const plan_choice& y) {
     if (x.valid != y.valid) return x.valid;

@@ -146,9 +146,14 @@ void check_memory_fits(C& w, std::int64_t need, const std::string& what, const s
   node_memory free;
   if (device) {  // a group of its own: the rank's number mixed in
     h = (h ^ static_cast<std::uint64_t>(w.rank() + 1)) * 1099511628211ULL;
-    const std::int64_t f = be.memory_free();
-    if (f >= 0) free.available = f;
     free.source = std::string("its ") + be.name() + " device";
+    try {
+      const std::int64_t f = be.memory_free();
+      if (f >= 0) free.available = f;
+    } catch (const std::exception& e) {  // taken as nothing free: every rank then fails alike, naming why here
+      free.available = 0;
+      free.source += " (its free memory could not be read: " + std::string(e.what()) + ")";
+    }
   } else {
     free = free_node_memory();
   }
