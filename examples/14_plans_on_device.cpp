@@ -9,9 +9,13 @@
 // it is the guarded backend, the CPU computing in memory that host code may
 // not touch, so this runs anywhere and would crash with a message if any host
 // code touched device memory. The result equals the same plan on the CPU
-// backend to the bit, on every rank: the example checks that.
+// backend to the bit, on every rank: the example checks that. The trainer
+// works on a device as on the CPU: `--precision bf16` trains in bf16 mixed
+// precision (rounded on the device), and `--save DIR` saves a checkpoint of
+// the device run, which a fresh plan on the CPU then loads (checked: the
+// same parameters).
 //
-//   ./build/examples/example_14_plans_on_device [--steps S]
+//   ./build/examples/example_14_plans_on_device [--steps S] [--precision fp32|bf16] [--save DIR]
 //   mpirun -np 4 ./build/examples/example_14_plans_on_device --mesh pipe=2,model=2
 //   mpirun -np 8 ./build/examples/example_14_plans_on_device --mesh data=2,pipe=2,model=2
 //
@@ -34,56 +38,101 @@ using tp_gpt = sequential<split<embedding<64, 32>>, position_embedding<16, 32>, 
 using plan = shard<replicate<pipeline<one_f_one_b, tp_gpt>>, 1>;
 constexpr index_t B = 8, T = 16;
 
+struct settings {
+  int steps = 10;
+  precision prec = precision::fp32;
+  std::string save;  // a checkpoint directory for the device run (empty: none)
+};
 struct result {
   std::vector<double> losses;
   std::vector<float> params;  // the whole model, gathered on every rank (host memory)
   long long device_ops = 0;   // collectives on the device's own communicators
+  std::string saved;          // the checkpoint's step directory, if one was saved
 };
 
-result train(const context& ctx, backend_ref be, int steps) {
-  plan_options o;
-  o.backend = be;       // on a device: everything of this rank's plan lives there
-  o.micro_batches = 4;  // per data replica
-  auto p = make<plan>(ctx, seed{42}, o);
+trainer_options options(const settings& f) {
   trainer_options t;
   t.progress = false;
   t.max_grad_norm = 1.0;
+  t.precision = f.prec;
+  return t;
+}
+plan_options on(backend_ref be) {
+  plan_options o;
+  o.backend = be;       // on a device: everything of this rank's plan lives there
+  o.micro_batches = 4;  // per data replica
+  return o;
+}
+
+result train(const context& ctx, backend_ref be, const settings& f, bool save) {
+  auto p = make<plan>(ctx, seed{42}, on(be));
+  trainer_options t = options(f);
+  if (save) t.checkpoint_dir = f.save;  // checked (made, writable) here, before any step
   markov_data data(seed{7}, 64, T, B);
   trainer tr(p, adamw{.lr = 3e-3f}, t);
   result r;
-  for (int s = 0; s < steps; ++s) r.losses.push_back(tr.step(data, s));
+  for (int s = 0; s < f.steps; ++s) r.losses.push_back(tr.step(data, s));
+  if (save) r.saved = tr.save();  // from host copies of each rank's parameters and AdamW state
   const auto whole = p.full_params();  // copied through the backend, gathered over the mesh
   r.params.assign(whole.begin(), whole.end());
   r.device_ops = p.device_traffic().operations;  // zero on the CPU: its communicators take host memory
   return r;
 }
 
+// A fresh plan on the CPU loads the device run's checkpoint: its whole model, gathered.
+std::vector<float> loaded_on_cpu(const context& ctx, const settings& f, const std::string& dir) {
+  auto p = make<plan>(ctx, seed{1}, on(backend_ref{}));
+  trainer tr(p, adamw{.lr = 3e-3f}, options(f));
+  tr.load(dir);
+  const auto whole = p.full_params();
+  return {whole.begin(), whole.end()};
+}
+
 int main(int argc, char** argv) {
   try {
     auto ctx = context::init(argc, argv);  // takes --mesh
-    int steps = 10;
+    settings f;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
-      if (a == "--steps" && i + 1 < argc) steps = static_cast<int>(detail::parse_int(argv[++i], "--steps", 1, 100000));
-      else throw std::invalid_argument("unknown argument '" + a + "' (have --steps S, --mesh SPEC)");
+      if (a == "--steps" && i + 1 < argc) {
+        f.steps = static_cast<int>(detail::parse_int(argv[++i], "--steps", 1, 100000));
+      } else if (a == "--precision" && i + 1 < argc) {
+        const std::string v = argv[++i];
+        if (v != "fp32" && v != "bf16") throw std::invalid_argument("--precision must be fp32 or bf16 (got '" + v + "')");
+        f.prec = v == "bf16" ? precision::bf16 : precision::fp32;
+      } else if (a == "--save" && i + 1 < argc) {
+        f.save = argv[++i];
+        if (f.save.empty()) throw std::invalid_argument("--save needs a directory (got an empty one)");
+      } else {
+        throw std::invalid_argument("unknown argument '" + a + "' (have --steps S, --precision fp32|bf16, --save DIR, --mesh SPEC)");
+      }
     }
-    const auto cpu = train(ctx, backend_ref{}, steps);
-    guarded_backend device;  // the stand-in for this rank's GPU
-    const auto dev = train(ctx, backend_ref(device), steps);
+    result dev;  // first, so that --save is checked before any work
+    {
+      guarded_backend device;  // the stand-in for this rank's GPU
+      dev = train(ctx, backend_ref(device), f, !f.save.empty());
+    }
+    const auto cpu = train(ctx, backend_ref{}, f, false);
     int same = cpu.losses == dev.losses && cpu.params == dev.params ? 1 : 0;
+    int loads = 1;
+    if (!dev.saved.empty()) loads = loaded_on_cpu(ctx, f, dev.saved) == dev.params ? 1 : 0;
     all_reduce(ctx.world(), view<int>(&same, {1}), reduce_op::min);  // on every rank
+    all_reduce(ctx.world(), view<int>(&loads, {1}), reduce_op::min);
     if (ctx.rank() == 0) {
-      std::printf("%s over %d rank(s), %s\n", layer_name<plan>().c_str(), ctx.size(),
-                  ctx.mesh().shape().spec().c_str());
+      std::printf("%s over %d rank(s), %s, %s\n", layer_name<plan>().c_str(), ctx.size(),
+                  ctx.mesh().shape().spec().c_str(), f.prec == precision::bf16 ? "bf16 mixed precision" : "fp32");
       std::printf("step   loss (cpu)   loss (device memory)\n");
-      for (int s = 0; s < steps; ++s)
+      for (int s = 0; s < f.steps; ++s)
         std::printf("%4d   %.6f     %.6f\n", s, cpu.losses[static_cast<std::size_t>(s)],
                     dev.losses[static_cast<std::size_t>(s)]);
       std::printf("collectives on the device's own communicators (rank 0): %lld\n", dev.device_ops);
       std::printf("%s\n", same ? "the device run equals the CPU run to the bit, on every rank"
                                : "MISMATCH: the device run differs from the CPU run on some rank");
+      if (!dev.saved.empty())
+        std::printf("%s\n", loads ? ("the device run's checkpoint " + dev.saved + " loads on the CPU: the same parameters").c_str()
+                                   : ("MISMATCH: the device run's checkpoint " + dev.saved + " loads on the CPU with other parameters").c_str());
     }
-    return same ? 0 : 1;
+    return same && loads ? 0 : 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "example_14_plans_on_device: %s\n", e.what());
     return 1;

@@ -14,12 +14,20 @@
 // two stages, replicated when the world has four ranks), ZeRO 1-3 (also
 // over a pipeline and over tensor parallelism), split regions over the model
 // and the data axis (every layout conversion, the class-split loss on each
-// axis), and tensor parallelism inside pipeline stages. Plans that do not
-// run on a device yet are refused with a message, and so is a plan whose
-// state does not fit its device's memory.
+// axis), and tensor parallelism inside pipeline stages. The trainer's bf16
+// mixed precision on a device equals the CPU's too, and checkpoints saved on
+// a device load on the CPU and back (training goes on bit for bit). Plans
+// that do not run on a device yet are refused with a message, and so is a
+// plan whose state does not fit its device's memory.
 #include <doctest/doctest.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -38,6 +46,8 @@
 #include "whale/optim/sgd.hpp"
 #include "whale/runtime/make.hpp"
 #include "whale/train/data.hpp"
+#include "whale/train/run_flags.hpp"
+#include "whale/train/safetensors.hpp"
 #include "whale/train/trainer.hpp"
 #include "support/plan_check.hpp"
 
@@ -290,4 +300,200 @@ TEST_CASE("a plan whose state does not fit its device's memory is refused on eve
   guarded_backend roomy;  // the same plan on a device with room: not refused
   o.backend = backend_ref(roomy);
   CHECK_NOTHROW((void)make<replicate<tiny_gpt>>(ctx, seed{42}, o));
+}
+
+namespace {
+namespace fs = std::filesystem;
+/// A fresh directory every rank agrees on (rank 0 names it and makes it).
+std::string shared_dir(world_comm& w, const std::string& tag) {
+  std::int64_t id = ::getpid();
+  broadcast(w, view<std::int64_t>(&id, {1}), 0);
+  const auto d = fs::temp_directory_path() / ("whale-device-" + tag + "-" + std::to_string(id));
+  if (w.rank() == 0) fs::remove_all(d), fs::create_directories(d);
+  barrier(w);
+  return d.string();
+}
+void remove_dir(world_comm& w, const std::string& d) {
+  barrier(w);
+  if (w.rank() == 0) fs::remove_all(d);
+}
+struct leg {
+  std::vector<float> params;  // this rank's, a host copy
+  std::vector<double> losses;
+};
+// P on backend `be`, trained by a trainer with options `t` on data steps [from, to): loaded from
+// `load` first, saved to `save` after (empty: neither).
+template <class P, class O, class D>
+leg trained(const context& ctx, backend_ref be, const O& opt, trainer_options t, plan_options o, D make_data, int from, int to,
+            const std::string& load = {}, const std::string& save = {}) {
+  o.backend = be;
+  auto plan = make<P>(ctx, seed{42}, o);
+  t.progress = false;
+  auto data = make_data();
+  trainer tr(plan, opt, t);
+  leg r;
+  if (!load.empty()) {
+    const auto info = tr.load(load);
+    CHECK(info.step == from);
+  }
+  for (int s = from; s < to; ++s) r.losses.push_back(tr.step(data, s));
+  if (!save.empty()) tr.save(save);
+  r.params.resize(static_cast<std::size_t>(plan.params().numel()));
+  plan.backend().copy(r.params.data(), plan.params().data(), r.params.size() * sizeof(float));
+  plan.backend().synchronize();
+  return r;
+}
+std::size_t differing(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  std::size_t n = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) n += a[i] != b[i];
+  return n;
+}
+// bf16 mixed precision: P trained 5 steps on the guarded backend equals the CPU's, bit for bit.
+template <class P, class O, class D = decltype(&tokens)>
+void bf16_same_as_cpu(const context& ctx, const O& opt, double max_norm, const plan_options& o = {}, D make_data = &tokens) {
+  trainer_options t;
+  t.precision = precision::bf16;
+  t.max_grad_norm = max_norm;
+  trainer_options f;
+  f.max_grad_norm = max_norm;
+  const auto fp32 = trained<P>(ctx, backend_ref{}, opt, f, o, make_data, 0, 5);
+  const auto host = trained<P>(ctx, backend_ref{}, opt, t, o, make_data, 0, 5);
+  guarded_backend g;
+  const auto dev = trained<P>(ctx, backend_ref(g), opt, t, o, make_data, 0, 5);
+  INFO("rank " << ctx.rank() << " of " << ctx.size() << ", " << layer_name<P>() << ", bf16");
+  CHECK(host.losses == dev.losses);
+  const auto n = differing(host.params, dev.params);
+  CHECK_MESSAGE(n == 0, n, " of ", host.params.size(), " parameters differ from the CPU backend's");
+  CHECK(differing(fp32.params, host.params) > 0);  // bf16 was in force: it computes with other weights than fp32
+}
+// Checkpoints: 3 steps on one backend, saved; a fresh plan on the other loads them and trains 2
+// more. Both ways (device -> CPU, CPU -> device) must equal 5 steps straight on the CPU, bit for bit.
+template <class P, class O, class D = decltype(&tokens)>
+void resumes_across_backends(const context& ctx, const std::string& tag, const O& opt, double max_norm, const plan_options& o = {},
+                             D make_data = &tokens) {
+  trainer_options t;
+  t.max_grad_norm = max_norm;
+  const auto straight = trained<P>(ctx, backend_ref{}, opt, t, o, make_data, 0, 5);
+  const auto dir = shared_dir(ctx.world(), tag);
+  for (bool from_device : {true, false}) {
+    guarded_backend g;
+    const backend_ref first = from_device ? backend_ref(g) : backend_ref{}, second = from_device ? backend_ref{} : backend_ref(g);
+    const std::string at = dir + (from_device ? "/from-device" : "/from-cpu");
+    const auto a = trained<P>(ctx, first, opt, t, o, make_data, 0, 3, {}, at);
+    const auto b = trained<P>(ctx, second, opt, t, o, make_data, 3, 5, at);
+    INFO("rank " << ctx.rank() << " of " << ctx.size() << ", " << layer_name<P>() << ", saved on " << std::string(first.name()) << ", loaded on "
+                 << std::string(second.name()));
+    std::vector<double> losses = a.losses;
+    losses.insert(losses.end(), b.losses.begin(), b.losses.end());
+    CHECK(losses == straight.losses);
+    const auto n = differing(straight.params, b.params);
+    CHECK_MESSAGE(n == 0, n, " of ", b.params.size(), " parameters differ from 5 steps straight on the CPU");
+  }
+  remove_dir(ctx.world(), dir);
+}
+}  // namespace
+
+TEST_CASE("the trainer on a device: bf16 mixed precision equals the CPU backend's, on every rank") {
+  auto ctx = context::init();
+  SUBCASE("data parallel, adamw clipped to 0.05") { bf16_same_as_cpu<replicate<tiny_gpt>>(ctx, adamw{.lr = 1e-2f}, 0.05); }
+  SUBCASE("ZeRO-2, sgd with momentum") {
+    plan_options two;
+    two.micro_batches = 2;
+    bf16_same_as_cpu<shard<tiny_gpt, 2>>(ctx, sgd{.lr = 0.2f, .momentum = 0.9f}, 0, two);
+  }
+  SUBCASE("a 1f1b pipeline, adamw clipped to 0.05") {
+    plan_options four;
+    four.micro_batches = 4;
+    bf16_same_as_cpu<replicate<pipeline<one_f_one_b, deep_tiny_gpt>>>(pipe_mesh(ctx.size()), adamw{.lr = 1e-2f}, 0.05, four);
+  }
+  SUBCASE("tensor parallelism, adamw clipped to 0.05") {
+    bf16_same_as_cpu<tp_gpt>(test::on_mesh(all_on("model", ctx.size())), adamw{.lr = 1e-2f}, 0.05, {}, &tp_tokens);
+  }
+}
+
+TEST_CASE("checkpoints of a plan on a device load on the CPU, and back, and training continues bit for bit, on every rank") {
+  auto ctx = context::init();
+  SUBCASE("data parallel, adamw clipped to 0.05") {
+    resumes_across_backends<replicate<tiny_gpt>>(ctx, "dp", adamw{.lr = 1e-2f}, 0.05);
+  }
+  SUBCASE("ZeRO-3, adamw clipped to 0.05 (the owned shard of the state on each rank)") {
+    plan_options two;
+    two.micro_batches = 2;
+    resumes_across_backends<shard<tiny_gpt, 3>>(ctx, "zero3", adamw{.lr = 1e-2f}, 0.05, two);
+  }
+  SUBCASE("a 1f1b pipeline, sgd with momentum") {
+    plan_options four;
+    four.micro_batches = 4;
+    resumes_across_backends<replicate<pipeline<one_f_one_b, deep_tiny_gpt>>>(pipe_mesh(ctx.size()), "pipe",
+                                                                              sgd{.lr = 0.2f, .momentum = 0.9f}, 0, four);
+  }
+  SUBCASE("tensor parallelism, adamw clipped to 0.05") {
+    resumes_across_backends<tp_gpt>(test::on_mesh(all_on("model", ctx.size())), "tp", adamw{.lr = 1e-2f}, 0.05, {}, &tp_tokens);
+  }
+  SUBCASE("save_every and resume through trainer_options, on the device") {
+    trainer_options t;
+    t.max_grad_norm = 0.05;
+    const auto straight = trained<replicate<tiny_gpt>>(ctx, backend_ref{}, adamw{.lr = 1e-2f}, t, {}, &tokens, 0, 5);
+    const auto dir = shared_dir(ctx.world(), "every");
+    trainer_options s = t;
+    s.checkpoint_dir = dir, s.save_every = 3;
+    {
+      guarded_backend g1;  // (one guarded backend at a time)
+      (void)trained<replicate<tiny_gpt>>(ctx, backend_ref(g1), adamw{.lr = 1e-2f}, s, {}, &tokens, 0, 4);  // saves step 3
+    }
+    CHECK(fs::exists(dir + "/step-00000003/meta.txt"));
+    guarded_backend g2;
+    s.resume = true, s.save_every = 0;
+    plan_options o;
+    o.backend = backend_ref(g2);
+    auto plan = make<replicate<tiny_gpt>>(ctx, seed{42}, o);
+    s.progress = false;
+    trainer tr(plan, adamw{.lr = 1e-2f}, s);
+    auto data = tokens();
+    (void)tr.run(data, steps{2});  // resumes at data step 3
+    CHECK(tr.next_step() == 5);
+    std::vector<float> p(static_cast<std::size_t>(plan.params().numel()));
+    g2.copy(p.data(), plan.params().data(), p.size() * sizeof(float));
+    INFO("rank " << ctx.rank() << " of " << ctx.size());
+    CHECK(differing(straight.params, p) == 0);
+    remove_dir(ctx.world(), dir);
+  }
+}
+
+TEST_CASE("a network on a device: safetensors, the parameter checksum and checkpoints read and write it through the backend") {
+  auto ctx = context::init();
+  if (ctx.size() != 1) return;  // a network<M> is one process
+  const auto dir = shared_dir(ctx.world(), "network");
+  guarded_backend g;
+  plan_options o;
+  o.backend = backend_ref(g);
+  auto cpu = make<tiny_gpt>(ctx, seed{42});
+  auto dev = make<tiny_gpt>(ctx, seed{42}, o);
+  REQUIRE(g.contains(dev.params().data()));
+  CHECK(params_checksum(cpu) == params_checksum(dev));
+  trainer_options t;
+  t.progress = false;
+  trainer tc(cpu, adamw{.lr = 1e-2f}, t);
+  auto data = tokens();
+  for (int s = 0; s < 2; ++s) (void)tc.step(data, s);
+  export_safetensors(dir + "/cpu.safetensors", cpu);
+  import_safetensors(dir + "/cpu.safetensors", dev);  // into the device's memory
+  CHECK(params_checksum(cpu) == params_checksum(dev));
+  CHECK(dev.params_on_host() == std::vector<float>(cpu.params().begin(), cpu.params().end()));
+  export_safetensors(dir + "/dev.safetensors", dev);  // from the device's memory
+  std::ifstream a(dir + "/cpu.safetensors", std::ios::binary), b(dir + "/dev.safetensors", std::ios::binary);
+  CHECK(std::string(std::istreambuf_iterator<char>(a), {}) == std::string(std::istreambuf_iterator<char>(b), {}));
+  // a checkpoint of the network on the device, loaded on the CPU: both continue alike
+  trainer td(dev, adamw{.lr = 1e-2f}, t);
+  td.load(tc.save(dir + "/ckpt"));  // parameters and AdamW's state, into the device
+  const auto saved = td.save(dir + "/ckpt-dev");
+  auto cpu2 = make<tiny_gpt>(ctx, seed{1});
+  trainer tc2(cpu2, adamw{.lr = 1e-2f}, t);
+  tc2.load(saved);
+  for (int s = 2; s < 4; ++s) CHECK(tc.step(data, s) == td.step(data, s));
+  for (int s = 2; s < 4; ++s) (void)tc2.step(data, s);
+  CHECK(dev.params_on_host() == std::vector<float>(cpu.params().begin(), cpu.params().end()));
+  CHECK(std::vector<float>(cpu2.params().begin(), cpu2.params().end()) == std::vector<float>(cpu.params().begin(), cpu.params().end()));
+  fs::remove_all(dir);
 }

@@ -20,10 +20,10 @@ struct plan_options {
   /// Where this rank computes and keeps its parameters, gradients, optimizer
   /// state and activations: the CPU (the default), or a device backend
   /// (`backend_ref(gpu)`, or the guarded backend). On a device every strategy
-  /// runs (not yet: bf16_reduce, worker_cuts, minibatches in flight; the
-  /// trainer's bf16 and checkpoints); its collectives over the data and model
-  /// axes take the device's buffers (device_collectives), and pipeline
-  /// messages go through host copies (docs/backend.md). The backend must
+  /// runs (not yet: bf16_reduce, worker_cuts, minibatches in flight); its
+  /// collectives over the data and model axes take the device's buffers
+  /// (device_collectives), and pipeline messages go through host copies
+  /// (docs/backend.md). The trainer's bf16 and checkpoints work on it too. The backend must
   /// outlive the plan and its optimizer state (they free into its memory).
   backend_ref backend;
   /// On a device: collectives over the data and model axes run on the device's

@@ -7,7 +7,9 @@
 // replicated tail (a row-parallel bias) once. Loading reads, on every rank,
 // exactly the slices its lowered program places there, from whichever files
 // hold them: no gather, and any plan, mesh or world size on either side. The
-// files and their format: train/checkpoint_format.hpp, docs/training.md.
+// files and their format: train/checkpoint_format.hpp, docs/training.md. A
+// network on a device (a GPU, the guarded backend) is saved from, and loaded
+// into, host copies of its parameters and optimizer state.
 #pragma once
 
 #include <algorithm>
@@ -20,6 +22,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "whale/backend/backend_ref.hpp"
 #include "whale/comm/collectives.hpp"
 #include "whale/comm/context.hpp"
 #include "whale/nn/layer.hpp"
@@ -169,24 +172,64 @@ template <class Opt> std::vector<std::string> vector_names(const Opt& opt) {
   return v;
 }
 
+/// The backend a network keeps its parameters in: the CPU for one without backend().
+template <class Net> backend_ref backend_of(const Net& net) {
+  if constexpr (requires { net.backend(); }) return net.backend();
+  else return {};
+}
+
+/// A vector of a network on a device, and its host copy, which save and load
+/// read and write (the files are written from host memory).
+struct mirror {
+  float* device = nullptr;
+  std::vector<float> host;
+};
+
 /// What save and load need of a network and its optimizer, without their types.
 struct target {
   world_comm* comm = nullptr;
   int rank = 0, world = 1;
   layout L;
-  float* params = nullptr;              ///< its resident parameters (local index L.resident_first)
-  std::vector<float*> state;            ///< its optimizer vectors (local index L.state_first)
+  float* params = nullptr;              ///< its resident parameters (local index L.resident_first), in host memory
+  std::vector<float*> state;            ///< its optimizer vectors (local index L.state_first), in host memory
   std::int64_t* optimizer_steps = nullptr;
   meta expected;                        ///< model, plan, mesh, params, optimizer, vectors, units (no files, no step)
+  backend_ref be;                       ///< where the network keeps them
+  std::vector<mirror> mirrors;          ///< on a device: the host copies params and state point into
+  /// On a device: the host copies, loaded, copied back into the device's
+  /// vectors (collective: every rank learns of a failure). Nothing on the CPU.
+  void upload() {
+    const std::string err = catching([&] {
+      for (auto& m : mirrors) be.copy(m.device, m.host.data(), m.host.size() * sizeof(float));
+      if (!mirrors.empty()) be.synchronize();
+    });
+    agree(comm, err);
+  }
 };
-template <class Net, class Opt> target target_of(Net& net, const Opt& opt, typename Opt::state& st) {
+/// `saving`: for a save, where a rank that writes nothing needs no host copies.
+template <class Net, class Opt> target target_of(Net& net, const Opt& opt, typename Opt::state& st, bool saving) {
   target t;
   t.comm = world_of(net);
   t.rank = net.rank(), t.world = net.world_size();
+  t.be = backend_of(net);
   std::string err = catching([&] { t.L = layout_for(net); });
   agree(t.comm, err);
-  t.params = net.params().data();
-  for (auto& v : st.vectors()) t.state.push_back(v.values.data());
+  auto vectors = st.vectors();
+  err = catching([&] {  // on a device, host copies of the parameters and the optimizer state
+    auto host_of = [&](view<float> v) -> float* {
+      if (t.be.on_cpu() || v.numel() == 0) return v.data();
+      if (saving && t.L.mine.empty()) return nullptr;  // writes nothing: not read
+      auto& m = t.mirrors.emplace_back();
+      m.device = v.data();
+      m.host.resize(static_cast<std::size_t>(v.numel()));
+      t.be.copy(m.host.data(), v.data(), v.bytes());
+      return m.host.data();  // (the heap block stays put when mirrors grows)
+    };
+    t.params = host_of(net.params());
+    for (auto& v : vectors) t.state.push_back(host_of(v.values));
+    if (!t.mirrors.empty()) t.be.synchronize();
+  });
+  agree(t.comm, err);
   t.optimizer_steps = &st.steps;
   auto& m = t.expected;
   m.model = layer_name<typename Net::model_type>();
@@ -308,6 +351,7 @@ inline checkpoint_info load(const std::string& path, target& t) {
     }
   });
   agree(t.comm, err);
+  t.upload();
   *t.optimizer_steps = m.optimizer_steps;
   info.step = m.step;
   info.plan = m.plan;
@@ -327,7 +371,7 @@ template <Checkpointable Net, class Opt>
   requires CheckpointableState<typename Opt::state>
 std::string save_checkpoint(const std::string& dir, Net& net, const Opt& opt, typename Opt::state& st, std::int64_t step,
                             int keep_last = 0) {
-  auto t = ckpt::target_of(net, opt, st);
+  auto t = ckpt::target_of(net, opt, st, true);
   return ckpt::save(dir, t, step, keep_last);
 }
 
@@ -340,7 +384,7 @@ std::string save_checkpoint(const std::string& dir, Net& net, const Opt& opt, ty
 template <Checkpointable Net, class Opt>
   requires CheckpointableState<typename Opt::state>
 checkpoint_info load_checkpoint(const std::string& path, Net& net, const Opt& opt, typename Opt::state& st) {
-  auto t = ckpt::target_of(net, opt, st);
+  auto t = ckpt::target_of(net, opt, st, false);
   return ckpt::load(path, t);
 }
 

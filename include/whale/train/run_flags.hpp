@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "whale/detail/parse.hpp"
 #include "whale/train/checkpoint_format.hpp"
@@ -83,7 +84,9 @@ template <class Net> std::uint64_t params_checksum(Net& net) {
     const auto full = net.full_params();
     h.add(full.data(), static_cast<std::size_t>(full.numel()) * sizeof(float));
   } else {
-    h.add(net.params().data(), static_cast<std::size_t>(net.param_count()) * sizeof(float));
+    std::vector<float> host;  // a network on a device: its parameters copied to the host
+    const auto p = ckpt::backend_of(net).host_readable(cview<float>(net.params()), host);
+    h.add(p.data(), static_cast<std::size_t>(p.numel()) * sizeof(float));
   }
   return h.value();
 }

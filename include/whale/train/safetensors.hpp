@@ -135,7 +135,9 @@ template <Checkpointable Net> void export_safetensors(const std::string& path, N
   tensor<float> full;
   if constexpr (requires { net.full_params(); }) full = net.full_params();
   if (net.rank() == 0) err = ckpt::catching([&] {
-    const float* p = full.numel() ? full.data() : net.params().data();
+    std::vector<float> host;  // a network on a device: its parameters copied to the host
+    // (a plan's gathered parameters; else the network's own: a default tensor has no storage, though numel() is 1)
+    const float* p = full.data() ? full.data() : ckpt::backend_of(net).host_readable(cview<float>(net.params()), host).data();
     const auto units = ckpt::units_of<M>();
     std::ostringstream hs;  // (a stream, not operator+: GCC 12's -Wrestrict false positive)
     hs << "{\"__metadata__\":{\"format\":\"whale\",\"model\":" << ckpt::json_string(layer_name<M>()) << ",\"step\":\"" << step << "\"}";
@@ -195,13 +197,23 @@ template <Checkpointable Net> void import_safetensors(const std::string& path, N
       at[k] = data0 + e.offsets[0];
     }
     const auto L = ckpt::layout_for(net);
-    float* dst = net.params().data();
+    const auto be = ckpt::backend_of(net);
+    ckpt::mirror m;  // a network on a device: read into a host copy, copied up at the end
+    if (!be.on_cpu()) {
+      m.device = net.params().data();
+      be.host_readable(cview<float>(net.params()), m.host);
+    }
+    float* dst = be.on_cpu() ? net.params().data() : m.host.data();
     for (const auto& p : ckpt::clip(L.all, L.resident_first, L.resident_end)) {
       std::size_t k = 0;
       while (k + 1 < units.size() && units[k + 1].offset <= p.full) ++k;
       if (std::fseek(f, static_cast<long>(at[k] + 4 * (p.full - units[k].offset)), SEEK_SET) != 0 ||
           std::fread(dst + (p.local - L.resident_first), 4, static_cast<std::size_t>(p.count), f) != static_cast<std::size_t>(p.count))
         throw std::runtime_error("whale::import_safetensors: '" + path + "': cannot read tensor " + ckpt::tensor_name(k, units[k].name));
+    }
+    if (!be.on_cpu()) {
+      be.copy(m.device, m.host.data(), m.host.size() * sizeof(float));
+      be.synchronize();
     }
   });
   ckpt::agree(net, err);

@@ -102,21 +102,22 @@ class trainer {
       if (o_.precision == precision::bf16)
         throw std::invalid_argument("whale::trainer: bf16 mixed precision needs the network's params() (the weights it rounds); "
                                     "this network type does not have it");
-    if constexpr (requires { net.backend(); })
-      if (!net.backend().on_cpu()) {  // a network<M> in a device's memory (docs/backend.md)
-        if (o_.precision == precision::bf16)
-          throw std::invalid_argument(std::string("whale::trainer: bf16 mixed precision with a network on a device (") +
-                                      net.backend().name() + ") is not implemented: its weights are rounded on the host; use fp32");
-        if (o_.save_every > 0 || o_.resume || !o_.checkpoint_dir.empty())
-          throw std::invalid_argument(std::string("whale::trainer: checkpoints of a network on a device (") +
-                                      net.backend().name() + ") are not implemented: they are written from host memory");
-      }
     bool zero3 = false;
     if constexpr (requires { Net::zero_level; }) zero3 = Net::zero_level == 3;
     if constexpr (requires { net.zero_level_now(); }) zero3 = net.zero_level_now() == 3;
     if (zero3 && o_.precision == precision::bf16)
         throw std::invalid_argument("whale::trainer: bf16 mixed precision with ZeRO-3 (shard<..., 3>) is not implemented: "
                                     "its gathered weights are not rounded; use ZeRO 0-2 or fp32");
+    if (bf16()) {  // the fp32 master weights, beside the parameters (on a device, in its memory) for the whole run
+      std::string err = ckpt::catching([&] {
+        const place_scope where(backend().memory());
+        master_.resize(local_params().shape());
+      });
+      if (!err.empty()) err = "whale::trainer: bf16 mixed precision keeps fp32 master weights beside the parameters (" +
+                              std::to_string(local_params().bytes()) + " bytes): " + err;
+      if constexpr (Checkpointable<Net>) ckpt::agree(net_, err);  // every rank fails alike
+      else if (!err.empty()) throw std::runtime_error(err);
+    }
     if (o_.keep_last < 0) throw std::invalid_argument("whale::trainer: keep_last must be >= 0 (got " + std::to_string(o_.keep_last) + ")");
     if ((o_.save_every > 0 || o_.resume) && o_.checkpoint_dir.empty())
       throw std::invalid_argument("whale::trainer: save_every and resume need trainer_options::checkpoint_dir");
@@ -224,8 +225,9 @@ class trainer {
     step_ctx c = context_of(b, global_batch, loss_terms);
     double share = 0;
     {
-      const weights_scope w(bf16(), local_params(), master_);  // bf16: compute with rounded weights, update the master
+      weights_scope w(bf16(), local_params(), master_, backend());  // bf16: compute with rounded weights, update the master
       share = net_.train_step(c, b.inputs, b.labels);
+      w.restore();
     }
     const double loss = net_.reduce_loss(share);
     // steps are named from 1, as the progress line counts them (strings only when failing: no allocation per step)
@@ -293,8 +295,10 @@ class trainer {
       for (std::int64_t s = 0; s < n.value; ++s) {
         const auto b = fetch(data, first + s);
         step_ctx c = context_of(b, data.global_batch(), labelled(data, first + s));
-        const weights_scope w(bf16(), local_params(), master_);
-        sum += net_.reduce_loss(net_.evaluate(c, b.inputs, b.labels));
+        weights_scope w(bf16(), local_params(), master_, backend());
+        const double share = net_.evaluate(c, b.inputs, b.labels);
+        w.restore();
+        sum += net_.reduce_loss(share);
       }
       return sum / static_cast<double>(n.value);
     } else {
@@ -315,27 +319,47 @@ class trainer {
     c.bf16 = o_.precision == precision::bf16;
     return c;
   }
-  /// Under bf16, while alive: this rank's parameters rounded to bf16 (the
-  /// weights a step computes with), the fp32 master values kept aside and put
-  /// back when it ends (also when the step throws). Under fp32: nothing.
+  /// Under bf16, from construction to restore(): this rank's parameters
+  /// rounded to bf16 (the weights a step computes with), the fp32 master
+  /// values kept aside beside them (in the device's memory, for a network on
+  /// one) and put back by restore(), or by the destructor when the step
+  /// throws. Under fp32: nothing.
   class weights_scope {
    public:
-    weights_scope(bool on, view<float> p, tensor<float>& master) : p_(p), master_(on ? &master : nullptr) {
+    weights_scope(bool on, view<float> p, tensor<float>& master, backend_ref be) : p_(p), be_(be) {
       if (!on) return;
-      master.resize(p.shape());
-      std::memcpy(master.data(), p.data(), p.bytes());
-      cpu::launch(p.numel(), kernels::to_bf16{p.data()});
+      {
+        const place_scope where(be.memory());  // where the weights are: a device's memory, on one
+        master.resize(p.shape());
+      }
+      be.copy(master.data(), p.data(), p.bytes());
+      master_ = &master;
+      be.launch(p.numel(), kernels::to_bf16{p.data()});
     }
     weights_scope(const weights_scope&) = delete;
     weights_scope& operator=(const weights_scope&) = delete;
+    /// Put the master weights back (throws if a device's copy fails).
+    void restore() {
+      if (!master_) return;
+      auto* m = std::exchange(master_, nullptr);
+      be_.copy(p_.data(), m->data(), p_.bytes());
+    }
     ~weights_scope() {
-      if (master_) std::memcpy(p_.data(), master_->data(), p_.bytes());
+      try {
+        restore();  // a step that threw: its error is the one reported
+      } catch (...) {
+      }
     }
 
    private:
     view<float> p_;
+    backend_ref be_;
     tensor<float>* master_ = nullptr;
   };
+  backend_ref backend() const {
+    if constexpr (requires { net_.backend(); }) return net_.backend();
+    else return {};
+  }
   bool bf16() const noexcept { return o_.precision == precision::bf16; }
   /// The parameters this rank computes with (what bf16 rounds); empty for a network that does not expose them.
   view<float> local_params() {
@@ -406,8 +430,9 @@ class trainer {
       for (std::int64_t s = 0; s < o_.eval_steps; ++s) {
         const auto b = fetch(eval, s);
         step_ctx c = context_of(b, eval.global_batch(), -1);
-        const weights_scope w(bf16(), local_params(), master_);
+        weights_scope w(bf16(), local_params(), master_, backend());
         const auto logits = net_.forward(c, b.inputs);
+        w.restore();
         const auto share = o_.eval_metric(logits.v(), b.labels);
         m.sum += share.sum, m.count += share.count;
       }
