@@ -2,9 +2,9 @@
 // rank's parameters, gradients, optimizer state and activations in a device
 // backend's memory, for every strategy: here tensor parallelism inside the
 // stages of a 1F1B pipeline, replicated over the data axis, with ZeRO-1. The
-// collectives over the data and model axes run on the device's buffers
-// through the device's own communicator (NCCL on GPUs; here MPI inside the
-// guarded window), and pipeline messages through host copies. On GPUs the
+// collectives over the data and model axes and the pipeline's messages run
+// on the device's buffers through the device's own communicators (NCCL on
+// GPUs; here MPI inside the guarded window). On GPUs the
 // backend is each rank's cuda_backend (in a .cu file compiled by nvcc); here
 // it is the guarded backend, the CPU computing in memory that host code may
 // not touch, so this runs anywhere and would crash with a message if any host

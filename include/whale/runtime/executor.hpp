@@ -217,11 +217,13 @@ template <class P> class executor {
   /// The backend this rank's layers and optimizer run on (every pass sets step_ctx::be to it).
   const backend_ref& backend() const noexcept { return be_; }
   /// On a device: the traffic of its own communicators over the data and model
-  /// axes (plan_options::device_collectives); zero when collectives go through host copies.
+  /// axes and of its pipeline channels (plan_options::device_collectives); zero
+  /// when collectives and messages go through host copies.
   comm_stats device_traffic() const {
     comm_stats t;
     if (dev_data_) t += dev_data_->stats();
     if (dev_model_) t += dev_model_->stats();
+    t += msg_.channel_traffic();
     return t;
   }
   /// The job's world communicator (checkpoints agree on errors and gather file records over it).

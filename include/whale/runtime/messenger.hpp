@@ -1,18 +1,34 @@
 // Point-to-point messages between pipeline stages: sends that never block
 // (copied into a pool of outgoing buffers), receives posted into per-slot
-// buffers as soon as their activation slot is free, progress polling. With
-// the stage in a device's memory, messages travel through host copies: a send
-// is copied down into its outgoing buffer, a receive lands in a host buffer of
-// its slot and is copied up into the slot's device buffer when it is read. No
+// buffers as soon as their activation slot is free, progress polling. No
 // model knowledge; compiled once.
+//
+// With the stage in a device's memory, messages take one of two ways:
+// - the device's own channels (open_channels; NCCL on a GPU): one
+//   communicator per pipe rank, direction and kind (activations go to the
+//   next pipe rank, gradients to the previous one), each with its own stream,
+//   on which a pair's messages match in the order they are issued, as NCCL
+//   matches them. A send is copied into a pooled device buffer and sent from
+//   there; each channel's receives are issued in the order the stage reads
+//   them (order()), each as soon as its slot is free and every earlier one is
+//   issued, straight into the slot's device buffer. The schedules give the
+//   sender the same order of passes, so both ends agree; a blocked receive
+//   holds up only its own channel.
+// - otherwise through host copies, by MPI: a send is copied down into its
+//   outgoing buffer, a receive lands in a host buffer of its slot and is
+//   copied up into the slot's device buffer when it is read.
 #pragma once
 
+#include <memory>
 #include <optional>
+#include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "whale/backend/backend_ref.hpp"
 #include "whale/comm/collectives.hpp"
 #include "whale/comm/context.hpp"
+#include "whale/comm/device_comm.hpp"
 #include "whale/nn/layer.hpp"
 
 namespace whale::detail {
@@ -26,11 +42,50 @@ struct peer_msg {
 
 class messenger {
  public:
-  /// `be`: where the stage computes; on a device, the slots are there and messages are staged through the host.
+  /// `be`: where the stage computes; on a device, the slots are there and
+  /// messages are staged through the host unless open_channels() is called.
   void bind(world_comm& pipe, const backend_ref& be = {}) noexcept {
     pipe_ = &pipe;
     be_ = be;
   }
+  /// The device's own channels between pipe ranks, split from `dev`, the
+  /// device's communicator over the pipe group (collective over it; every
+  /// rank of the group calls it). Needs 2 pipe ranks or more.
+  void open_channels(std::unique_ptr<device_comm> dev) {
+    if (!dev) return;
+    close_channels();
+    const int P = dev->size(), me = dev->rank();
+    if (P < 2) throw std::logic_error("whale::messenger: device channels need two pipe ranks or more");
+    for (int k = 0; k < 2; ++k) {
+      out_ch_[k].assign(static_cast<std::size_t>(P), -1), in_ch_[k].assign(static_cast<std::size_t>(P), -1);
+      for (int src = 0; src < P; ++src) {  // activations to src + 1, gradients to src - 1 (around the ring)
+        const int dst = k == 0 ? (src + 1) % P : (src + P - 1) % P;
+        const bool member = me == src || me == dst;
+        auto c = dev->split(member ? 0 : -1, me == src ? 0 : 1);  // the sender is rank 0 of the pair
+        if (!member) continue;
+        (me == src ? out_ch_[k][static_cast<std::size_t>(dst)] : in_ch_[k][static_cast<std::size_t>(src)]) =
+            static_cast<int>(chans_.size());
+        chans_.push_back(std::move(c));
+      }
+    }
+    pipe_dev_ = std::move(dev);
+  }
+  messenger() = default;
+  messenger(messenger&&) = default;
+  messenger& operator=(messenger&&) = default;
+  ~messenger() { close_channels(); }
+  /// Whether messages take the device's own channels.
+  bool channels() const noexcept { return pipe_dev_ != nullptr; }
+  /// The channels' traffic (their operations and bytes).
+  comm_stats channel_traffic() const {
+    comm_stats t;
+    for (const auto& c : chans_) t += c.stats();
+    return t;
+  }
+  /// With channels, set each step after start_step(): the keys of the passes
+  /// that receive an activation (kind 0) or a gradient (kind 1), in the order
+  /// the stage reads them.
+  std::vector<int>& order(int kind) { return order_[kind]; }
   /// Per step: `keys` micro-batch passes (micro-batches × chunks), `slots`
   /// activation slots of up to (rows, in_w) inputs and (rows, out_w) gradients;
   /// `acts` / `grads`: whether any pass receives an activation / a gradient.
@@ -44,7 +99,7 @@ class messenger {
         const place_scope on(be_.memory());
         for (std::size_t i = 0; i < n; ++i) ensure(dev[i], {rows, w}, k);
       }
-      if (be_.on_cpu()) return;
+      if (be_.on_cpu() || channels()) return;
       if (host.size() < n) host.resize(n);
       const place_scope on_host(nullptr);
       for (std::size_t i = 0; i < n; ++i) ensure(host[i], {rows, w}, mem_kind::comm);
@@ -53,25 +108,63 @@ class messenger {
     if (grads) slots_of(gin_, gin_host_, out_w, mem_kind::comm);
     act_.clear(), grad_.clear();
     act_.resize(static_cast<std::size_t>(keys)), grad_.resize(static_cast<std::size_t>(keys));
+    if (channels())
+      for (int k = 0; k < 2; ++k) {
+        order_[k].clear();
+        issued_[k] = 0;
+        waiting_[k].assign(static_cast<std::size_t>(keys), pending{});
+        dreq_[k].clear();
+        dreq_[k].resize(static_cast<std::size_t>(keys));
+      }
   }
   /// Post pass `key`'s receives into slot `slot`: its activation and (a training step) its gradient.
   void post(int key, int slot, const peer_msg& act, const peer_msg& grad) {
     const auto k = static_cast<std::size_t>(key), sl = static_cast<std::size_t>(slot);
+    if (channels()) {  // issued in the order the stage reads them, once every earlier one is
+      if (act.on) waiting_[0][k] = {true, slot, act};
+      if (grad.on) waiting_[1][k] = {true, slot, grad};
+      issue(0), issue(1);
+      return;
+    }
     auto& xin = be_.on_cpu() ? xin_ : xin_host_;
     auto& gin = be_.on_cpu() ? gin_ : gin_host_;
     if (act.on) act_[k].emplace(pipe_->irecv(xin[sl].data(), rows_ * act.width, dtype::f32, act.rank, act.tag));
     if (grad.on) grad_[k].emplace(pipe_->irecv(gin[sl].data(), rows_ * grad.width, dtype::f32, grad.rank, grad.tag));
   }
   cview<float> activation(int key, int slot, index_t width) {
+    if (channels()) return received(0, key, xin_, slot, width);
     act_[static_cast<std::size_t>(key)]->wait();
     return arrived(xin_, xin_host_, slot, width);
   }
   cview<float> gradient(int key, int slot, index_t width) {
+    if (channels()) return received(1, key, gin_, slot, width);
     grad_[static_cast<std::size_t>(key)]->wait();
     return arrived(gin_, gin_host_, slot, width);
   }
-  /// Send `v` to pipe rank `dst` without blocking (copied into a pooled buffer).
-  void send(cview<float> v, int dst, int tag) {
+  /// Send `v` to pipe rank `dst` without blocking (copied into a pooled
+  /// buffer): an activation, or (`gradient`) an input gradient, of `width`
+  /// columns (the receiver reads rows x width).
+  void send(cview<float> v, int dst, int tag, bool gradient, index_t width) {
+    if (channels()) {
+      if (v.numel() != rows_ * width)  // NCCL needs a message's two ends to agree on its size
+        throw std::logic_error("whale::messenger: a pipeline message of " + std::to_string(v.numel()) + " elements, where the receiver reads " +
+                               std::to_string(rows_) + " x " + std::to_string(width));
+      auto& ch = channel(out_ch_[gradient ? 1 : 0], dst, "to");
+      dev_outbox* ob = nullptr;
+      for (auto& o : dev_out_)
+        if (o.req.test()) {
+          ob = &o;
+          break;
+        }
+      if (!ob) ob = &dev_out_.emplace_back();
+      {
+        const place_scope on(be_.memory());
+        ensure(ob->buf, v.shape(), mem_kind::comm);
+      }
+      be_.copy(ob->buf.data(), v.data(), v.bytes());  // on the compute stream; the send follows it
+      ob->req = ch.isend(ob->buf.data(), v.numel(), dtype::f32, 1, 0);
+      return;
+    }
     outbox* ob = nullptr;
     for (auto& o : out_)
       if (!o.req || o.req->test()) {
@@ -92,6 +185,9 @@ class messenger {
   }
   /// Poll outstanding messages so that MPI moves them while this rank computes.
   void progress() {
+    for (auto& o : dev_out_) o.req.test();
+    for (auto& kind : dreq_)
+      for (auto& r : kind) r.test();
     for (auto& o : out_)
       if (o.req && o.req->test()) o.req.reset();
     for (auto& r : act_)
@@ -101,11 +197,54 @@ class messenger {
   }
   /// Every send complete.
   void flush() {
+    for (auto& o : dev_out_) o.req.wait();
     for (auto& o : out_)
       if (o.req) o.req->wait(), o.req.reset();
   }
 
  private:
+  /// The channels closed in the order they were opened, the same on every rank
+  /// (closing an MPI communicator is collective over it).
+  void close_channels() noexcept {
+    for (auto& c : chans_) c = device_comm{};
+    chans_.clear();
+    pipe_dev_.reset();
+  }
+  device_comm& channel(const std::vector<int>& of, int peer, const char* dir) {
+    const int i = peer >= 0 && static_cast<std::size_t>(peer) < of.size() ? of[static_cast<std::size_t>(peer)] : -1;
+    if (i < 0) throw std::logic_error(std::string("whale::messenger: no device channel ") + dir + " pipe rank " + std::to_string(peer));
+    return chans_[static_cast<std::size_t>(i)];
+  }
+  struct pending {
+    bool on = false;  // posted: its slot is free
+    int slot = 0;
+    peer_msg msg;
+  };
+  /// Issue kind `k`'s receives in reading order while the next one's slot is free.
+  void issue(int k) {
+    auto& ord = order_[k];
+    while (issued_[k] < ord.size()) {
+      const auto key = static_cast<std::size_t>(ord[issued_[k]]);
+      const auto& w = waiting_[k][key];
+      if (!w.on) return;
+      auto& ch = channel(in_ch_[k], w.msg.rank, "from");
+      auto& slots = k == 0 ? xin_ : gin_;
+      dreq_[k][key] = ch.irecv(slots[static_cast<std::size_t>(w.slot)].data(), rows_ * w.msg.width, dtype::f32, 0, 0);
+      ++issued_[k];
+    }
+  }
+  /// Kind `k`'s message of pass `key`, in its slot: issued by now (the stage reads in order()), waited for.
+  cview<float> received(int k, int key, std::vector<tensor<float>>& slots, int slot, index_t width) {
+    issue(k);
+    const auto& ord = order_[k];
+    std::size_t at = 0;
+    while (at < issued_[k] && ord[at] != key) ++at;
+    if (at == issued_[k])
+      throw std::logic_error("whale::messenger: pass " + std::to_string(key) + " reads a message not issued on its device channel "
+                                                                               "(read out of order, or before its slot was posted)");
+    dreq_[k][static_cast<std::size_t>(key)].wait();
+    return cview<float>(slots[static_cast<std::size_t>(slot)].data(), {rows_, width});
+  }
   /// A received message in slot `slot`: on a device, its host copy copied up first.
   cview<float> arrived(std::vector<tensor<float>>& dev, std::vector<tensor<float>>& host, int slot, index_t width) {
     const auto sl = static_cast<std::size_t>(slot);
@@ -126,6 +265,19 @@ class messenger {
   std::vector<tensor<float>> xin_host_, gin_host_;  // on a device: where their messages land
   std::vector<std::optional<world_comm::request>> act_, grad_;
   std::vector<outbox> out_;
+  // the device's own channels (open_channels): [kind][pipe rank], valid where a pair exchanges that kind
+  struct dev_outbox {
+    tensor<float> buf;          // in the device's memory
+    device_comm::request req;   // its send; complete when the buffer is free
+  };
+  std::unique_ptr<device_comm> pipe_dev_;
+  std::vector<device_comm> chans_;          // in the order they were split, the same on every rank
+  std::vector<int> out_ch_[2], in_ch_[2];   // [kind][pipe rank]: the index in chans_ of the channel to / from it, or -1
+  std::vector<int> order_[2];               // per kind: the keys in reading order
+  std::size_t issued_[2] = {0, 0};          // per kind: how many of order_ are issued
+  std::vector<pending> waiting_[2];         // per kind and key: posted receives
+  std::vector<device_comm::request> dreq_[2];
+  std::vector<dev_outbox> dev_out_;
 };
 
 }  // namespace whale::detail

@@ -21,14 +21,15 @@ struct plan_options {
   /// state and activations: the CPU (the default), or a device backend
   /// (`backend_ref(gpu)`, or the guarded backend). On a device every strategy
   /// runs (not yet: bf16_reduce, worker_cuts, minibatches in flight); its
-  /// collectives over the data and model axes take the device's buffers
-  /// (device_collectives), and pipeline messages go through host copies
-  /// (docs/backend.md). The trainer's bf16 and checkpoints work on it too. The backend must
+  /// collectives over the data and model axes and its pipeline messages take
+  /// the device's buffers (device_collectives; docs/backend.md). The
+  /// trainer's bf16 and checkpoints work on it too. The backend must
   /// outlive the plan and its optimizer state (they free into its memory).
   backend_ref backend;
   /// On a device: collectives over the data and model axes run on the device's
-  /// buffers through its own communicator (make_device_comm: NCCL on a GPU);
-  /// false: through host copies around MPI, as pipeline messages always do.
+  /// buffers through its own communicator (make_device_comm: NCCL on a GPU),
+  /// and pipeline messages over its own channels (one communicator per pipe
+  /// rank, direction and kind); false: both through host copies around MPI.
   bool device_collectives = true;
   // ---- pipelines ----
   /// Micro-batches per step (m). 0: 1 without a pipeline; with one, the largest

@@ -79,6 +79,15 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
       grads_in = grads_in || (train && vstage(ch) < pv - 1);
     }
     msg_.start_step(keys, train ? rep_.peak_live[static_cast<std::size_t>(stage_)] : keys, rows, in_w, out_w, acts_in, grads_in);
+    if (msg_.channels()) {  // the order this stage reads its messages in: each device channel's receives are issued so
+      auto& ao = msg_.order(0);
+      auto& go = msg_.order(1);
+      for (const auto& a : acts) {
+        const int v = vstage(a.chunk);
+        if (a.kind == pipe_action::forward && v > 0) ao.push_back(key_of(a));
+        if (a.kind == pipe_action::backward && v < pv - 1) go.push_back(key_of(a));
+      }
+    }
   }
   posted_.assign(static_cast<std::size_t>(keys), 0);
   auto& posted = posted_;
@@ -146,7 +155,7 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
       tr_.add(span_kind::forward, step_, a.micro, t0, tr_.now());
       if (!last) {
         const auto t1 = tr_.now();
-        msg_.send(y, (v + 1) % p_, 2 * (a.micro * V + (v + 1) / p_));
+        msg_.send(y, (v + 1) % p_, 2 * (a.micro * V + (v + 1) / p_), false, part.out_width());
         tr_.add(span_kind::send_act, step_, a.micro, t1, tr_.now());
       }
       if (train) {
@@ -180,7 +189,7 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
       tr_.add(span_kind::backward, step_, a.micro, t0, tr_.now());
       if (!first) {
         const auto t1 = tr_.now();
-        msg_.send(dx, (v - 1) % p_, 2 * (a.micro * V + (v - 1) / p_) + 1);
+        msg_.send(dx, (v - 1) % p_, 2 * (a.micro * V + (v - 1) / p_) + 1, true, part.in_width());
         tr_.add(span_kind::send_grad, step_, a.micro, t1, tr_.now());
       }
       if (!split_backward) --live_;
