@@ -39,13 +39,19 @@ class grad_sync {
     bf16_ = in_bf16;
     be_ = be;
     dev_ = be.on_cpu() ? nullptr : dev;
+    if (in_bf16 && !be.on_cpu() && !dev_)
+      throw std::invalid_argument(std::string("whale: summing gradients in bf16 (bf16_reduce) on a device (") + be.name() +
+                                  ") needs the device's own communicator (device_collectives; NCCL needs a build with MPI)");
     buckets_.clear();
     index_t at = 0;  // bf16: each bucket's place in the staging buffer (buckets back to back)
     for (auto [b, e] : buckets) {
       buckets_.push_back({b, e, at, {}});
       at += e - b;
     }
-    staging_ = in_bf16 ? tensor<whale::bf16>({at}, mem_kind::comm) : tensor<whale::bf16>{};
+    {
+      const place_scope on(be.memory());  // beside the gradients (on a device, packed and summed there)
+      staging_ = in_bf16 ? tensor<whale::bf16>({at}, mem_kind::comm) : tensor<whale::bf16>{};
+    }
     index_t top = 0;
     for (const auto& b : buckets_) top = std::max(top, b.end);
     const place_scope host(nullptr);
@@ -60,12 +66,15 @@ class grad_sync {
     while (next_ < buckets_.size() && buckets_[next_].begin >= offset) {
       auto& b = buckets_[next_++];
       const index_t n = b.end - b.begin;
-      if (bf16_) {
+      if (bf16_) {  // packed where the gradients are; on a device, summed there by its communicator
         const view<whale::bf16> packed(staging_.data() + b.at, {n});
-        cpu::launch(n, kernels::pack_bf16{grads + b.begin, bits(packed.data())});
+        be_.launch(n, kernels::pack_bf16{grads + b.begin, bits(packed.data())});
         if (blocking_) {
-          all_reduce(c, packed);
-          cpu::launch(n, kernels::unpack_bf16{bits(packed.data()), grads + b.begin});
+          if (dev_) all_reduce(*dev_, packed);
+          else all_reduce(c, packed);
+          be_.launch(n, kernels::unpack_bf16{bits(packed.data()), grads + b.begin});
+        } else if (dev_) {
+          b.dreq = dev_->iall_reduce(packed.data(), n, dtype::bf16, reduce_op::sum);
         } else {
           b.req.emplace(c.iall_reduce(packed.data(), n, dtype::bf16, reduce_op::sum));
         }
@@ -98,12 +107,13 @@ class grad_sync {
     for (std::size_t i = 0; i < next_; ++i) {
       auto& b = buckets_[i];
       b.dreq.wait();
-      if (!b.req) continue;
-      b.req->wait(), b.req.reset();
-      if (!bf16_ && !be_.on_cpu())
-        be_.copy(grads + b.begin, host_.data() + b.begin, static_cast<std::size_t>(b.end - b.begin) * sizeof(float));
-      if (bf16_)
-        cpu::launch(b.end - b.begin, kernels::unpack_bf16{bits(staging_.data() + b.at), grads + b.begin});
+      if (b.req) {
+        b.req->wait(), b.req.reset();
+        if (!bf16_ && !be_.on_cpu())
+          be_.copy(grads + b.begin, host_.data() + b.begin, static_cast<std::size_t>(b.end - b.begin) * sizeof(float));
+      }
+      if (bf16_ && !blocking_)  // widened where the gradients are (a blocking bucket was, when it was summed)
+        be_.launch(b.end - b.begin, kernels::unpack_bf16{bits(staging_.data() + b.at), grads + b.begin});
     }
   }
   bool in_bf16() const noexcept { return bf16_; }

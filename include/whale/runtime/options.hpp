@@ -20,7 +20,8 @@ struct plan_options {
   /// Where this rank computes and keeps its parameters, gradients, optimizer
   /// state and activations: the CPU (the default), or a device backend
   /// (`backend_ref(gpu)`, or the guarded backend). On a device every strategy
-  /// runs (not yet: bf16_reduce, worker_cuts, minibatches in flight); its
+  /// runs (not yet: worker_cuts, minibatches in flight; bf16_reduce only with
+  /// device_collectives); its
   /// collectives over the data and model axes and its pipeline messages take
   /// the device's buffers (device_collectives; docs/backend.md). The
   /// trainer's bf16 and checkpoints work on it too. The backend must

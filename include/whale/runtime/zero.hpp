@@ -105,10 +105,11 @@ class zero_engine {
   /// host twin where its collectives run, and the gather after the update
   /// (levels 1-2) goes through a host copy of all n parameters.
   void set_backend(const backend_ref& be, device_comm* dev = nullptr) {
-    if (!be.on_cpu() && o_.bf16)
-      throw std::logic_error("whale::shard: gradients packed to bf16 are not summed in a device's memory yet");
     be_ = be;
     dev_ = be.on_cpu() ? nullptr : dev;
+    if (staged() && o_.bf16)
+      throw std::invalid_argument(std::string("whale::shard: summing gradients in bf16 (bf16_reduce) on a device (") + be.name() +
+                                  ") needs the device's own communicator (device_collectives; NCCL needs a build with MPI)");
     move_to(be, shard_params_, mem_kind::params);
     move_to(be, shard_grads_, mem_kind::grads);
   }
@@ -222,8 +223,8 @@ class zero_engine {
     p.dreq.wait();
     if (p.recv >= 0 && !dry_) {  // bf16: widen the owned piece into (or onto) the owned gradients
       float* g = shard_grads_.data() + p.at;
-      if (p.add) cpu::launch(p.count, kernels::unpack_add_bf16{bits(p.recv), g});
-      else cpu::launch(p.count, kernels::unpack_bf16{bits(p.recv), g});
+      if (p.add) be_.launch(p.count, kernels::unpack_add_bf16{bits(p.recv), g});
+      else be_.launch(p.count, kernels::unpack_bf16{bits(p.recv), g});
     }
     if (p.sum >= 0 && !dry_) {
       float* g = shard_grads_.data() + p.at;
@@ -366,11 +367,12 @@ class zero_engine {
       if (o_.bf16) {  // packed, summed in bf16 into a bf16 piece, widened when it completes
         const int packed = pool16_.acquire(b - a, be_, staged()), recv = mine > 0 ? pool16_.acquire(mine, be_, staged()) : -1;
         pending pd{world_comm::request{}, -1, last, -1, mine_at, mine, packed, recv, accumulate_};
-        if (!dry_) {
-          cpu::launch(b - a, kernels::pack_bf16{data(grad_buf_) + a, bits(packed)});
-          pd.req = ireduce_scatter_v(*comm_, cview<whale::bf16>(pool16_.data(packed), {b - a}),
-                                     view<whale::bf16>(recv >= 0 ? pool16_.data(recv) : nullptr, {mine}),
-                                     std::span<const index_t>(scratch_counts_));
+        if (!dry_) {  // packed where the gradients are; on a device, summed there by its communicator
+          be_.launch(b - a, kernels::pack_bf16{data(grad_buf_) + a, bits(packed)});
+          const cview<whale::bf16> in(pool16_.data(packed), {b - a});
+          const view<whale::bf16> out(recv >= 0 ? pool16_.data(recv) : nullptr, {mine});
+          if (dev_) pd.dreq = ireduce_scatter_v(*dev_, in, out, std::span<const index_t>(scratch_counts_));
+          else pd.req = ireduce_scatter_v(*comm_, in, out, std::span<const index_t>(scratch_counts_));
         }
         pending_.push_back(std::move(pd));
         continue;
