@@ -226,6 +226,8 @@ template <class P> class executor {
     t += msg_.channel_traffic();
     return t;
   }
+  /// On a device: the traffic of its pipeline channels alone (in device_traffic() too).
+  comm_stats pipe_device_traffic() const { return msg_.channel_traffic(); }
   /// The job's world communicator (checkpoints agree on errors and gather file records over it).
   world_comm& world() const noexcept { return ctx_->world(); }
   int world_size() const noexcept { return ctx_->size(); }

@@ -50,19 +50,32 @@ class messenger {
   }
   /// The device's own channels between pipe ranks, split from `dev`, the
   /// device's communicator over the pipe group (collective over it; every
-  /// rank of the group calls it). Needs 2 pipe ranks or more.
-  void open_channels(std::unique_ptr<device_comm> dev) {
+  /// rank of the group calls it). Needs 2 pipe ranks or more. `wrap`: also
+  /// the links around the ring, from the last pipe rank to the first and back
+  /// (interleaved schedules).
+  void open_channels(std::unique_ptr<device_comm> dev, bool wrap) {
     if (!dev) return;
     close_channels();
     const int P = dev->size(), me = dev->rank();
     if (P < 2) throw std::logic_error("whale::messenger: device channels need two pipe ranks or more");
+    tensor<float> one;  // each channel's first message (NCCL connects a pair on its first exchange, both ends waiting)
+    {
+      const place_scope on(be_.memory());
+      one = tensor<float>({1}, mem_kind::comm);
+    }
+    be_.fill_zero(one.data(), sizeof(float));
     for (int k = 0; k < 2; ++k) {
       out_ch_[k].assign(static_cast<std::size_t>(P), -1), in_ch_[k].assign(static_cast<std::size_t>(P), -1);
-      for (int src = 0; src < P; ++src) {  // activations to src + 1, gradients to src - 1 (around the ring)
+      for (int src = 0; src < P; ++src) {  // activations to src + 1, gradients to src - 1
         const int dst = k == 0 ? (src + 1) % P : (src + P - 1) % P;
+        if (!wrap && (k == 0 ? dst < src : dst > src)) continue;  // (the same on every rank)
         const bool member = me == src || me == dst;
         auto c = dev->split(member ? 0 : -1, me == src ? 0 : 1);  // the sender is rank 0 of the pair
         if (!member) continue;
+        // connected now, by both ends at once: a first receive issued later, before the peer's first
+        // send on it, would otherwise hold this rank's thread in NCCL's connection setup
+        auto r = me == src ? c.isend(one.data(), 1, dtype::f32, 1, 0) : c.irecv(one.data(), 1, dtype::f32, 0, 0);
+        r.wait();
         (me == src ? out_ch_[k][static_cast<std::size_t>(dst)] : in_ch_[k][static_cast<std::size_t>(src)]) =
             static_cast<int>(chans_.size());
         chans_.push_back(std::move(c));
@@ -71,12 +84,13 @@ class messenger {
     pipe_dev_ = std::move(dev);
   }
   messenger() = default;
-  messenger(messenger&&) = default;
-  messenger& operator=(messenger&&) = default;
+  messenger(messenger&&) = default;  // (the moved-from one holds nothing to close)
+  messenger& operator=(messenger&&) = delete;
   ~messenger() { close_channels(); }
-  /// Whether messages take the device's own channels.
-  bool channels() const noexcept { return pipe_dev_ != nullptr; }
-  /// The channels' traffic (their operations and bytes).
+  /// Whether this step's messages take the device's own channels: they are
+  /// open, and the schedule sends each link's messages in the order they are read.
+  bool channels() const noexcept { return use_; }
+  /// The channels' traffic (their operations and bytes; the first message of each, sent when it opens, included).
   comm_stats channel_traffic() const {
     comm_stats t;
     for (const auto& c : chans_) t += c.stats();
@@ -90,8 +104,12 @@ class messenger {
   /// activation slots of up to (rows, in_w) inputs and (rows, out_w) gradients;
   /// `acts` / `grads`: whether any pass receives an activation / a gradient.
   /// Slot buffers are only ever added, so switching passes allocates nothing.
-  void start_step(int keys, int slots, index_t rows, index_t in_w, index_t out_w, bool acts, bool grads) {
+  /// `in_order`: the schedule sends each link's messages in the order the
+  /// receiver reads them (schedule_report::in_order); if not, this step's
+  /// messages go through host copies even where channels are open.
+  void start_step(int keys, int slots, index_t rows, index_t in_w, index_t out_w, bool acts, bool grads, bool in_order = true) {
     rows_ = rows;
+    use_ = pipe_dev_ != nullptr && in_order;
     const auto n = static_cast<std::size_t>(slots);
     auto slots_of = [&](std::vector<tensor<float>>& dev, std::vector<tensor<float>>& host, index_t w, mem_kind k) {
       if (dev.size() < n) dev.resize(n);
@@ -123,7 +141,8 @@ class messenger {
     if (channels()) {  // issued in the order the stage reads them, once every earlier one is
       if (act.on) waiting_[0][k] = {true, slot, act};
       if (grad.on) waiting_[1][k] = {true, slot, grad};
-      issue(0), issue(1);
+      // (on a host-executed backend, when read: an operation in flight keeps its memory open to host code)
+      if (!be_.host_executed()) issue(0), issue(1);
       return;
     }
     auto& xin = be_.on_cpu() ? xin_ : xin_host_;
@@ -206,9 +225,12 @@ class messenger {
   /// The channels closed in the order they were opened, the same on every rank
   /// (closing an MPI communicator is collective over it).
   void close_channels() noexcept {
+    for (auto& kind : dreq_) kind.clear();  // the operations before their communicators
+    dev_out_.clear();
     for (auto& c : chans_) c = device_comm{};
     chans_.clear();
     pipe_dev_.reset();
+    use_ = false;
   }
   device_comm& channel(const std::vector<int>& of, int peer, const char* dir) {
     const int i = peer >= 0 && static_cast<std::size_t>(peer) < of.size() ? of[static_cast<std::size_t>(peer)] : -1;
@@ -220,10 +242,12 @@ class messenger {
     int slot = 0;
     peer_msg msg;
   };
-  /// Issue kind `k`'s receives in reading order while the next one's slot is free.
-  void issue(int k) {
+  /// Issue kind `k`'s receives in reading order while the next one's slot is
+  /// free, up to pass `upto` (-1: as far as the slots allow).
+  void issue(int k, int upto = -1) {
     auto& ord = order_[k];
     while (issued_[k] < ord.size()) {
+      if (upto >= 0 && issued_[k] > 0 && ord[issued_[k] - 1] == upto) return;
       const auto key = static_cast<std::size_t>(ord[issued_[k]]);
       const auto& w = waiting_[k][key];
       if (!w.on) return;
@@ -235,7 +259,7 @@ class messenger {
   }
   /// Kind `k`'s message of pass `key`, in its slot: issued by now (the stage reads in order()), waited for.
   cview<float> received(int k, int key, std::vector<tensor<float>>& slots, int slot, index_t width) {
-    issue(k);
+    issue(k, be_.host_executed() ? key : -1);
     const auto& ord = order_[k];
     std::size_t at = 0;
     while (at < issued_[k] && ord[at] != key) ++at;
@@ -271,6 +295,7 @@ class messenger {
     device_comm::request req;   // its send; complete when the buffer is free
   };
   std::unique_ptr<device_comm> pipe_dev_;
+  bool use_ = false;                        // this step's messages take the channels
   std::vector<device_comm> chans_;          // in the order they were split, the same on every rank
   std::vector<int> out_ch_[2], in_ch_[2];   // [kind][pipe rank]: the index in chans_ of the channel to / from it, or -1
   std::vector<int> order_[2];               // per kind: the keys in reading order

@@ -187,7 +187,7 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
                o_.bf16_reduce, be_, dev_data_.get());
   msg_.bind(*pipe_, be_);
   // on a device, pipeline messages take the device's own channels (collective over the pipe group, on every rank alike)
-  if (!be_.on_cpu() && o_.device_collectives && p_ > 1) msg_.open_channels(make_device_comm(*pipe_, be_));
+  if (!be_.on_cpu() && o_.device_collectives && p_ > 1) msg_.open_channels(make_device_comm(*pipe_, be_), V > 1);
   if (o_.trace || !o_.trace_path.empty()) {
     tr_.enable(ctx.rank(), stage_, replica_);
     barrier(ctx.world());

@@ -78,7 +78,8 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
       acts_in = acts_in || vstage(ch) > 0;
       grads_in = grads_in || (train && vstage(ch) < pv - 1);
     }
-    msg_.start_step(keys, train ? rep_.peak_live[static_cast<std::size_t>(stage_)] : keys, rows, in_w, out_w, acts_in, grads_in);
+    msg_.start_step(keys, train ? rep_.peak_live[static_cast<std::size_t>(stage_)] : keys, rows, in_w, out_w, acts_in, grads_in,
+                    rep_.in_order);
     if (msg_.channels()) {  // the order this stage reads its messages in: each device channel's receives are issued so
       auto& ao = msg_.order(0);
       auto& go = msg_.order(1);

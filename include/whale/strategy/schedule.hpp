@@ -177,6 +177,12 @@ struct schedule_report {
   bool split = false;
   /// Model chunks per pipe rank (interleaved schedules; 1 otherwise).
   int chunks = 1;
+  /// Whether every link between neighbouring pipe ranks carries its messages
+  /// in the order the receiver reads them: the activations a rank sends to the
+  /// next in the order that rank runs the forwards that read them, and the
+  /// gradients likewise backwards. A transport that matches messages by issue
+  /// order, not by tag (NCCL), needs it.
+  bool in_order = true;
 };
 
 namespace detail {
@@ -309,6 +315,23 @@ inline schedule_report check_lists(const std::vector<std::vector<pipe_action>>& 
     ++r.rounds;
   }
   r.bubble = r.rounds > 0 ? 1.0 - static_cast<double>(most) / static_cast<double>(r.rounds) : 0.0;
+  // each link's messages (micro-batch, virtual stage read at), in the order sent and in the order read
+  for (int s = 0; s < p && r.in_order; ++s)
+    for (int dir : {1, -1}) {  // activations to s + 1, gradients to s - 1 (around the ring)
+      const int to = (s + dir + p) % p;
+      std::vector<std::pair<int, int>> sent, read;
+      for (const auto& a : lists[su(s)]) {
+        const int vs = a.chunk * p + s;
+        if (dir == 1 && a.kind == pipe_action::forward && vs < pv - 1) sent.push_back({a.micro, vs + 1});
+        if (dir == -1 && a.kind == pipe_action::backward && vs > 0) sent.push_back({a.micro, vs - 1});
+      }
+      for (const auto& a : lists[su(to)]) {
+        const int vs = a.chunk * p + to;
+        if (dir == 1 && a.kind == pipe_action::forward && vs > 0 && (vs - 1) % p == s) read.push_back({a.micro, vs});
+        if (dir == -1 && a.kind == pipe_action::backward && vs < pv - 1 && (vs + 1) % p == s) read.push_back({a.micro, vs});
+      }
+      if (sent != read) r.in_order = false;
+    }
   return r;
 }
 
