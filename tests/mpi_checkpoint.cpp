@@ -49,19 +49,8 @@ int world_size() {
   MPI_Comm_size(MPI_COMM_WORLD, &n);
   return n;
 }
-/// A fresh directory every rank agrees on (rank 0 names it).
-std::string shared_dir(world_comm& w, const char* tag) {
-  long id = static_cast<long>(::getpid());
-  broadcast(w, view<long>(reinterpret_cast<long*>(&id), {1}), 0);
-  const auto d = fs::temp_directory_path() / ("whale-ckpt-" + std::string(tag) + "-" + std::to_string(id));
-  if (w.rank() == 0) fs::remove_all(d), fs::create_directories(d);
-  barrier(w);
-  return d.string();
-}
-void remove_dir(world_comm& w, const std::string& d) {
-  barrier(w);
-  if (w.rank() == 0) fs::remove_all(d);
-}
+std::string shared_dir(world_comm& w, const std::string& tag) { return test::shared_dir(w, "ckpt-" + tag); }
+using test::remove_dir;
 adamw clipped() { return adamw{.lr = 1e-2f, .eps = 1e-5f, .weight_decay = 0.1f}; }
 trainer_options clip_opts() {
   auto o = test::quiet();

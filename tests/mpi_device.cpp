@@ -93,6 +93,16 @@ outcome train(const context& ctx, backend_ref be, const O& opt, double max_norm,
 
 markov_data tokens() { return markov_data(seed{7}, 32, 8, 8); }
 
+// The device run's losses, this rank's parameters and the whole model equal the CPU run's, bit for bit.
+void same_bits(const outcome& host, const outcome& dev) {
+  CHECK(host.losses == dev.losses);
+  REQUIRE(host.params.size() == dev.params.size());
+  std::size_t differ = 0;
+  for (std::size_t i = 0; i < host.params.size(); ++i) differ += host.params[i] != dev.params[i];
+  CHECK_MESSAGE(differ == 0, differ, " of ", host.params.size(), " parameters differ from the CPU backend's");
+  CHECK(host.whole == dev.whole);
+}
+
 // P on the CPU, then on the guarded backend twice: collectives on the device's buffers through
 // its own communicator (the default), and through host copies (device_collectives = false).
 template <class P, class O, class D = decltype(&tokens)>
@@ -105,12 +115,7 @@ void same_as_cpu(const context& ctx, const O& opt, double max_norm, const plan_o
     const auto dev = train<P>(ctx, backend_ref(g), opt, max_norm, od, make_data, &g);
     const std::string how = direct ? "on the device's buffers" : "through host copies";
     INFO("rank " << ctx.rank() << " of " << ctx.size() << ", " << layer_name<P>() << ", collectives " << how);
-    CHECK(host.losses == dev.losses);
-    REQUIRE(host.params.size() == dev.params.size());
-    std::size_t differ = 0;
-    for (std::size_t i = 0; i < host.params.size(); ++i) differ += host.params[i] != dev.params[i];
-    CHECK_MESSAGE(differ == 0, differ, " of ", host.params.size(), " parameters differ from the CPU backend's");
-    CHECK(host.whole == dev.whole);
+    same_bits(host, dev);
     for (double l : dev.losses) CHECK(std::isfinite(l));
     // the device's communicators carried the data and model axes' collectives, or nothing at all
     if (!direct) CHECK(dev.device_ops == 0);
@@ -183,26 +188,12 @@ using class_split = sequential<linear<24, 48>, relu, split<sequential<linear<48,
 std::string all_on(const char* axis, int n) { return std::string(axis) + "=" + std::to_string(n); }
 }  // namespace
 
-namespace {
-// A valid schedule whose activations reach stage 1 in another order than it reads them (stage 0:
-// micro-batches 0, 1; the others 1, 0): matched by issue order, its messages would be swapped.
-struct swapped {
-  static std::string name() { return "swapped"; }
-  static std::vector<pipe_action> actions(int s, int, int m) {
-    std::vector<pipe_action> a;
-    for (int j = 0; j < m; ++j) a.push_back({pipe_action::forward, s == 0 ? j : m - 1 - j});
-    for (int j = 0; j < m; ++j) a.push_back({pipe_action::backward, s == 0 ? j : m - 1 - j});
-    return a;
-  }
-};
-}  // namespace
-
 TEST_CASE("a schedule whose messages arrive out of reading order takes host copies on a device, and equals the CPU") {
   const int world = context::init().size();
   auto ctx = pipe_mesh(world);
   plan_options two;
   two.micro_batches = 2;
-  using P = replicate<pipeline<swapped, deep_tiny_gpt>>;
+  using P = replicate<pipeline<test::swapped_schedule, deep_tiny_gpt>>;  // matched by issue order, its messages would swap
   const auto host = train<P>(ctx, backend_ref{}, adamw{.lr = 1e-2f}, 0.05, two, &tokens);
   guarded_backend g;
   const auto dev = train<P>(ctx, backend_ref(g), adamw{.lr = 1e-2f}, 0.05, two, &tokens, &g);
@@ -296,12 +287,7 @@ void bf16_sums_same_as_cpu(const context& ctx, const O& opt, double max_norm, pl
   guarded_backend g;
   const auto dev = train<P>(ctx, backend_ref(g), opt, max_norm, o, &tokens, &g);
   INFO("rank " << ctx.rank() << " of " << ctx.size() << ", " << layer_name<P>() << ", gradients summed in bf16");
-  CHECK(host.losses == dev.losses);
-  REQUIRE(host.params.size() == dev.params.size());
-  std::size_t differ = 0;
-  for (std::size_t i = 0; i < host.params.size(); ++i) differ += host.params[i] != dev.params[i];
-  CHECK_MESSAGE(differ == 0, differ, " of ", host.params.size(), " parameters differ from the CPU backend's");
-  CHECK(host.whole == dev.whole);
+  same_bits(host, dev);
   if (ctx.mesh().size(axis::data) > 1) {
     CHECK(fp32.params != host.params);
     CHECK(dev.device_ops > 0);
@@ -384,19 +370,8 @@ TEST_CASE("a plan whose state does not fit its device's memory is refused on eve
 
 namespace {
 namespace fs = std::filesystem;
-/// A fresh directory every rank agrees on (rank 0 names it and makes it).
-std::string shared_dir(world_comm& w, const std::string& tag) {
-  std::int64_t id = ::getpid();
-  broadcast(w, view<std::int64_t>(&id, {1}), 0);
-  const auto d = fs::temp_directory_path() / ("whale-device-" + tag + "-" + std::to_string(id));
-  if (w.rank() == 0) fs::remove_all(d), fs::create_directories(d);
-  barrier(w);
-  return d.string();
-}
-void remove_dir(world_comm& w, const std::string& d) {
-  barrier(w);
-  if (w.rank() == 0) fs::remove_all(d);
-}
+std::string shared_dir(world_comm& w, const std::string& tag) { return test::shared_dir(w, "device-" + tag); }
+using test::remove_dir;
 struct leg {
   std::vector<float> params;  // this rank's, a host copy
   std::vector<double> losses;

@@ -144,20 +144,6 @@ struct missing_w {
 };
 }  // namespace
 
-namespace {
-// Stage 0 runs micro-batches 0, 1 in order; the others run their forwards 1, 0 and backwards 1, 0:
-// a valid schedule whose activations reach stage 1 in another order than it reads them.
-struct swapped {
-  static std::string name() { return "swapped"; }
-  static std::vector<pipe_action> actions(int s, int, int m) {
-    std::vector<pipe_action> a;
-    for (int j = 0; j < m; ++j) a.push_back({pipe_action::forward, s == 0 ? j : m - 1 - j});
-    for (int j = 0; j < m; ++j) a.push_back({pipe_action::backward, s == 0 ? j : m - 1 - j});
-    return a;
-  }
-};
-}  // namespace
-
 TEST_CASE("in_order: every built-in schedule sends each link's messages in the order they are read; a swapped one does not") {
   for (int p : {2, 3, 4})
     for (int m : {p, 2 * p}) {
@@ -168,9 +154,9 @@ TEST_CASE("in_order: every built-in schedule sends each link's messages in the o
       CHECK(check_schedule<zb_h1>(p, m).in_order);
       CHECK(check_schedule<interleaved_1f1b<2>>(p, m).in_order);
       CHECK(check_schedule<interleaved_1f1b<3>>(p, m).in_order);
-      CHECK_FALSE(check_schedule<swapped>(p, m).in_order);
+      CHECK_FALSE(check_schedule<test::swapped_schedule>(p, m).in_order);
     }
-  CHECK(check_schedule<swapped>(1, 2).in_order);  // one stage: no link
+  CHECK(check_schedule<test::swapped_schedule>(1, 2).in_order);  // one stage: no link
 }
 
 TEST_CASE("split schedules are checked: W declared, once per micro-batch, after its B") {

@@ -1,13 +1,18 @@
 // Helpers shared by the tests that check a parallel plan against
 // single-process training: quiet trainer options, a context on a given mesh,
 // an elementwise comparison of parameters with a stated tolerance (reduced
-// over every rank), and a clipped AdamW run that records the gradient norms.
+// over every rank), a clipped AdamW run that records the gradient norms, a
+// scratch directory every rank agrees on, and a schedule whose messages
+// arrive out of reading order.
 #pragma once
+
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,9 +20,38 @@
 #include "whale/comm/context.hpp"
 #include "whale/nn/network.hpp"
 #include "whale/optim/adamw.hpp"
+#include "whale/strategy/schedule.hpp"
 #include "whale/train/trainer.hpp"
 
 namespace whale::test {
+
+/// A fresh directory every rank agrees on (rank 0 names it, from its process id, and makes it).
+inline std::string shared_dir(world_comm& w, const std::string& tag) {
+  std::int64_t id = ::getpid();
+  broadcast(w, view<std::int64_t>(&id, {1}), 0);
+  const auto d = std::filesystem::temp_directory_path() / ("whale-" + tag + "-" + std::to_string(id));
+  if (w.rank() == 0) std::filesystem::remove_all(d), std::filesystem::create_directories(d);
+  barrier(w);
+  return d.string();
+}
+/// Removes a shared_dir once every rank is done with it.
+inline void remove_dir(world_comm& w, const std::string& d) {
+  barrier(w);
+  if (w.rank() == 0) std::filesystem::remove_all(d);
+}
+
+/// A valid schedule whose activations reach stage 1 in another order than it
+/// reads them: stage 0 runs micro-batches 0, 1, ...; the others run their
+/// forwards, then their backwards, from the last micro-batch down.
+struct swapped_schedule {
+  static std::string name() { return "swapped"; }
+  static std::vector<pipe_action> actions(int s, int, int m) {
+    std::vector<pipe_action> a;
+    for (int j = 0; j < m; ++j) a.push_back({pipe_action::forward, s == 0 ? j : m - 1 - j});
+    for (int j = 0; j < m; ++j) a.push_back({pipe_action::backward, s == 0 ? j : m - 1 - j});
+    return a;
+  }
+};
 
 /// Trainer options without the progress line.
 inline trainer_options quiet() {

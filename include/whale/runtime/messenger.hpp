@@ -11,9 +11,11 @@
 //   matches them. A send is copied into a pooled device buffer and sent from
 //   there; each channel's receives are issued in the order the stage reads
 //   them (order()), each as soon as its slot is free and every earlier one is
-//   issued, straight into the slot's device buffer. The schedules give the
-//   sender the same order of passes, so both ends agree; a blocked receive
-//   holds up only its own channel.
+//   issued, straight into the slot's device buffer. Both ends agree when the
+//   schedule sends each link's messages in the order they are read
+//   (schedule_report::in_order, true for the built-in schedules); a step
+//   whose schedule does not takes host copies. A blocked receive holds up
+//   only its own channel.
 // - otherwise through host copies, by MPI: a send is copied down into its
 //   outgoing buffer, a receive lands in a host buffer of its slot and is
 //   copied up into the slot's device buffer when it is read.
