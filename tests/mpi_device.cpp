@@ -108,12 +108,19 @@ void same_bits(const outcome& host, const outcome& dev) {
 template <class P, class O, class D = decltype(&tokens)>
 void same_as_cpu(const context& ctx, const O& opt, double max_norm, const plan_options& o = {}, D make_data = &tokens) {
   const auto host = train<P>(ctx, backend_ref{}, opt, max_norm, o, make_data);
-  for (bool direct : {true, false}) {
+  // with a pipe axis, a third time with each channel receive issued ahead, as on a GPU
+  const int ways = ctx.mesh().size(axis::pipe) > 1 ? 3 : 2;
+  for (int way = 0; way < ways; ++way) {
+    const bool direct = way != 1;
     plan_options od = o;
     od.device_collectives = direct;
     guarded_backend g;
+    struct ahead {
+      explicit ahead(bool on) { detail::issue_ahead_on_host = on; }
+      ~ahead() { detail::issue_ahead_on_host = false; }
+    } hook(way == 2);
     const auto dev = train<P>(ctx, backend_ref(g), opt, max_norm, od, make_data, &g);
-    const std::string how = direct ? "on the device's buffers" : "through host copies";
+    const std::string how = way == 0 ? "on the device's buffers" : way == 1 ? "through host copies" : "on the device's buffers, receives issued ahead";
     INFO("rank " << ctx.rank() << " of " << ctx.size() << ", " << layer_name<P>() << ", collectives " << how);
     same_bits(host, dev);
     for (double l : dev.losses) CHECK(std::isfinite(l));

@@ -35,6 +35,12 @@
 
 namespace whale::detail {
 
+/// Test hook: on a host-executed backend (the guarded one), issue each channel
+/// receive ahead, as on a GPU, instead of when the stage reads it. Off by
+/// default there, since an operation in flight keeps the guarded region open
+/// to host code; tests/mpi_device.cpp runs every pipeline both ways.
+inline bool issue_ahead_on_host = false;
+
 /// One receive of a micro-batch pass: from pipe rank `rank` with `tag`, (rows, width) floats.
 struct peer_msg {
   bool on = false;
@@ -144,7 +150,7 @@ class messenger {
       if (act.on) waiting_[0][k] = {true, slot, act};
       if (grad.on) waiting_[1][k] = {true, slot, grad};
       // (on a host-executed backend, when read: an operation in flight keeps its memory open to host code)
-      if (!be_.host_executed()) issue(0), issue(1);
+      if (!lazy()) issue(0), issue(1);
       return;
     }
     auto& xin = be_.on_cpu() ? xin_ : xin_host_;
@@ -224,6 +230,8 @@ class messenger {
   }
 
  private:
+  /// Whether receives are issued when read (a host-executed backend), not ahead.
+  bool lazy() const noexcept { return be_.host_executed() && !issue_ahead_on_host; }
   /// The channels closed in the order they were opened, the same on every rank
   /// (closing an MPI communicator is collective over it).
   void close_channels() noexcept {
@@ -261,7 +269,7 @@ class messenger {
   }
   /// Kind `k`'s message of pass `key`, in its slot: issued by now (the stage reads in order()), waited for.
   cview<float> received(int k, int key, std::vector<tensor<float>>& slots, int slot, index_t width) {
-    issue(k, be_.host_executed() ? key : -1);
+    issue(k, lazy() ? key : -1);
     const auto& ord = order_[k];
     std::size_t at = 0;
     while (at < issued_[k] && ord[at] != key) ++at;
