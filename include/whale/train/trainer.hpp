@@ -356,10 +356,7 @@ class trainer {
     backend_ref be_;
     tensor<float>* master_ = nullptr;
   };
-  backend_ref backend() const {
-    if constexpr (requires { net_.backend(); }) return net_.backend();
-    else return {};
-  }
+  backend_ref backend() const { return ckpt::backend_of(net_); }
   bool bf16() const noexcept { return o_.precision == precision::bf16; }
   /// The parameters this rank computes with (what bf16 rounds); empty for a network that does not expose them.
   view<float> local_params() {
