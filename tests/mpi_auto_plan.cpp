@@ -15,6 +15,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <array>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -25,6 +26,7 @@
 #include "whale/comm/context.hpp"
 #include "whale/models/gpt.hpp"
 #include "whale/nn/gelu.hpp"
+#include "whale/nn/recompute.hpp"
 #include "whale/nn/relu.hpp"
 #include "whale/optim/adamw.hpp"
 #include "whale/optim/sgd.hpp"
@@ -67,33 +69,45 @@ std::string temp_profile(const context& ctx, const std::string& name, double col
   return path;
 }
 
-// Trains the chosen plan and single-process training on the same batches; every rank compares.
-void check_trains_as_single(const context& ctx, const plan_options& o) {
-  auto net = make<auto_plan<small_gpt>>(ctx, seed{42}, o);
-  if (ctx.rank() == 0) {
-    std::ostringstream os;
-    os << net;
-    MESSAGE("ranks " << ctx.size() << ", mesh " << ctx.mesh().shape() << ":\n" << os.str().substr(0, 900));
+// Trains the chosen plan of auto_plan<M> and single-process M on the same batches, each from
+// `data()` (SGD; with `adamw_too`, then AdamW with every step clipped); every rank compares all parameters.
+template <class M, class Data>
+void trains_as_single(const context& ctx, const plan_options& o, Data data, bool adamw_too) {
+  for (int opt = 0; opt < (adamw_too ? 2 : 1); ++opt) {
+    auto net = make<auto_plan<M>>(ctx, seed{42}, o);
+    if (ctx.rank() == 0 && opt == 0) {
+      std::ostringstream os;
+      os << net;
+      MESSAGE("ranks " << ctx.size() << ", mesh " << ctx.mesh().shape() << ":\n" << os.str().substr(0, 900));
+    }
+    // every rank chose the same plan (its label names the type, micro-batches and mesh)
+    int idx = static_cast<int>(std::hash<std::string>{}(net.choice().label) % 1000000007u), root = idx;
+    broadcast(ctx.world(), view<int>(&root, {1}), 0);
+    CHECK(idx == root);
+    network<M> single(seed{42});
+    auto run = [&](auto& n) {
+      auto d = data();
+      auto to = test::quiet();
+      if (opt == 0) {
+        trainer t(n, sgd{.lr = 0.05f, .momentum = 0.9f}, to);
+        t.run(d, steps{n_steps});
+      } else {
+        to.max_grad_norm = 0.05;  // below the gradients' norm: every step is clipped
+        trainer t(n, adamw{.lr = 1e-3f, .weight_decay = 0.01f}, to);
+        t.run(d, steps{n_steps});
+      }
+    };
+    run(net);
+    run(single);
+    const auto diff = test::compare(net.full_params(), single.params(), atol, rtol);
+    INFO("chosen " << net.choice().label << std::string(opt ? ", AdamW + clipping" : ", SGD") << ": max |auto - single| = "
+                   << diff.max_abs);
+    CHECK(diff.bad == 0);
   }
-  // every rank chose the same plan (its label names the type, micro-batches and mesh)
-  int idx = static_cast<int>(std::hash<std::string>{}(net.choice().label) % 1000000007u), root = idx;
-  broadcast(ctx.world(), view<int>(&root, {1}), 0);
-  CHECK(idx == root);
-  {
-    markov_data d(seed{7}, small_gpt::vocab, seq, batch);
-    trainer t(net, sgd{.lr = 0.05f, .momentum = 0.9f}, test::quiet());
-    t.run(d, steps{n_steps});
-  }
-  network<small_gpt> single(seed{42});
-  {
-    markov_data d(seed{7}, small_gpt::vocab, seq, batch);
-    trainer t(single, sgd{.lr = 0.05f, .momentum = 0.9f}, test::quiet());
-    t.run(d, steps{n_steps});
-  }
-  const auto full = net.full_params();
-  const auto diff = test::compare(full, single.params(), atol, rtol);
-  INFO("chosen " << net.choice().label << ": max |auto - single| = " << diff.max_abs);
-  CHECK(diff.bad == 0);
+}
+// The same on small_gpt's Markov-chain tokens.
+template <class M = small_gpt> void check_trains_as_single(const context& ctx, const plan_options& o, bool adamw_too = false) {
+  trains_as_single<M>(ctx, o, [] { return markov_data(seed{7}, small_gpt::vocab, seq, batch); }, adamw_too);
 }
 }  // namespace
 
@@ -300,32 +314,11 @@ static_assert(!splittable<sequential<replicate<linear<4, 4>>, softmax_cross_entr
               "a strategy inside is refused by split<M>, so it is not splittable");
 static_assert(!detail::head_split<wide_mlp>::ok && detail::head_split<wide_head>::ok && !detail::head_split<small_gpt>::ok);
 
-// Trains auto_plan<M>'s choice and single-process M on the same batches (SGD, then
+// Trains auto_plan<M>'s choice and single-process M on a teacher's samples (SGD, then
 // AdamW with every step clipped); every rank compares all parameters.
 template <class M>
 void check_choice_trains_as_single(const context& ctx, const plan_options& o, index_t classes) {
-  for (int opt = 0; opt < 2; ++opt) {
-    auto net = make<auto_plan<M>>(ctx, seed{42}, o);
-    network<M> single(seed{42});
-    auto run = [&](auto& n) {
-      teacher_data d(seed{7}, 16, classes, batch);
-      auto to = test::quiet();
-      if (opt == 0) {
-        trainer t(n, sgd{.lr = 0.05f, .momentum = 0.9f}, to);
-        t.run(d, steps{n_steps});
-      } else {
-        to.max_grad_norm = 0.05;  // below the gradients' norm: every step is clipped
-        trainer t(n, adamw{.lr = 1e-3f, .weight_decay = 0.01f}, to);
-        t.run(d, steps{n_steps});
-      }
-    };
-    run(net);
-    run(single);
-    const auto diff = test::compare(net.full_params(), single.params(), atol, rtol);
-    INFO("chosen " << net.choice().label << (opt ? ", AdamW + clipping" : ", SGD") << ": max |auto - single| = "
-                   << diff.max_abs);
-    CHECK(diff.bad == 0);
-  }
+  trains_as_single<M>(ctx, o, [=] { return teacher_data(seed{7}, 16, classes, batch); }, true);
 }
 }  // namespace
 
@@ -380,22 +373,24 @@ TEST_CASE("auto_plan prices 3-D plans (tensor parallelism inside pipeline stages
   const auto dev = device_profile::load(auto_options().profile);
   // pure: every rank ranks a data:1 x pipe:2 x model:2 mesh, and a data-only mesh of 4 ranks reshaped
   const auto cs = rank_auto_plans<small_gpt>(mesh_shape(1, 2, 2), auto_options(), dev);
-  int three_d = 0;
+  int three_d = 0, recomputed = 0;
   for (const auto& c : cs) {
     INFO(c.label << ": " << c.why);
     if (c.label.rfind("3-D 1f1b m=", 0) == 0) {
-      ++three_d;
+      ++(c.label.find(" recompute") == std::string::npos ? three_d : recomputed);
       CHECK(c.valid);
+      CHECK(c.label.find(" zero") == std::string::npos);  // one data rank: no ZeRO to price
     } else {
       CHECK(!c.valid);  // nothing else uses both the pipe and the model axis
     }
   }
-  CHECK(three_d == 3);  // m = 2, 4, 8
+  CHECK(three_d == 3);     // m = 2, 4, 8
+  CHECK(recomputed == 3);  // the same with each block recomputed
   CHECK(cs.front().label.rfind("3-D 1f1b m=", 0) == 0);
   int reshaped = 0;
   for (const auto& c : rank_auto_plans<small_gpt>(mesh_shape(4, 1, 1), auto_options(), dev))
     reshaped += c.valid && c.label.rfind("3-D 1f1b m=", 0) == 0 && c.mesh == "data=1,pipe=2,model=2";
-  CHECK(reshaped == 3);
+  CHECK(reshaped == 6);
   if (probe.size() != 4) return;
   auto ctx = test::on_mesh("pipe=2,model=2");
   {
@@ -405,15 +400,20 @@ TEST_CASE("auto_plan prices 3-D plans (tensor parallelism inside pipeline stages
   check_trains_as_single(ctx, auto_options());
 }
 
-TEST_CASE("auto_plan prices 3-D plans with ZeRO-1 where the data axis has ranks: less memory, chosen when only they fit") {
+TEST_CASE("auto_plan prices 3-D plans with ZeRO 1-3 and recompute where the data axis has ranks: less memory, chosen when only they fit") {
   auto probe = context::init();
   const auto dev = device_profile::load(auto_options().profile);
   // pure: every rank ranks a data:2 x pipe:2 x model:2 mesh (8 ranks), where only 3-D plans run,
-  // with a global batch of 16 sequences (8 a replica: 2, 4 and 8 micro-batches divide it)
+  // with a global batch of 16 sequences (8 a replica: 2, 4 and 8 micro-batches divide it); a
+  // gpt of 16 wider blocks (3.2 M parameters), whose state outweighs the whole layers ZeRO 2-3
+  // hold while they reduce-scatter or gather one (with small_gpt, ZeRO-2 is predicted 0.04 MiB
+  // above ZeRO-1 per rank; with 4 blocks of this width and a 4096-token vocabulary, 1.4 MiB)
+  using wide_gpt = models::gpt_model<256, 32, 128, 2, 512, 16>;
   auto o = auto_options();
   o.plan_batch = 16;
-  auto cs = rank_auto_plans<small_gpt>(mesh_shape(2, 2, 2), o, dev);
-  std::map<std::string, double> plain, zero1;  // "m=K" -> predicted memory
+  auto cs = rank_auto_plans<wide_gpt>(mesh_shape(2, 2, 2), o, dev);
+  // "m=K" -> predicted memory by ZeRO level (0-3), without and with recompute
+  std::map<std::string, std::array<double, 4>> plain, rec;
   for (const auto& c : cs) {
     INFO(c.label << ": " << c.why);
     if (c.label.rfind("3-D 1f1b m=", 0) != 0) {
@@ -422,33 +422,114 @@ TEST_CASE("auto_plan prices 3-D plans with ZeRO-1 where the data axis has ranks:
     }
     CHECK(c.valid);
     const auto m = c.label.substr(9, c.label.find(' ', 9) - 9);
-    (c.label.find(" zero1") != std::string::npos ? zero1 : plain)[m] = c.memory_mib;
+    const auto z = c.label.find(" zero");
+    const int level = z == std::string::npos ? 0 : c.label[z + 5] - '0';
+    REQUIRE((level >= 0 && level <= 3));
+    (c.label.find(" recompute") != std::string::npos ? rec : plain)[m][static_cast<std::size_t>(level)] = c.memory_mib;
   }
-  REQUIRE(plain.size() == 3);
-  REQUIRE(zero1.size() == 3);  // m = 2, 4, 8 each
+  REQUIRE(plain.size() == 3);  // m = 2, 4, 8 each
+  REQUIRE(rec.size() == 3);
   double smallest = 1e300;
   for (const auto& [m, mib] : plain) {
-    INFO("m=" << m << ": " << mib << " MiB, with ZeRO-1 " << zero1[m] << " MiB");
-    CHECK(zero1[m] < mib);  // the optimizer state halved over data:2
-    smallest = std::min(smallest, mib);
+    INFO("m=" << m << ": " << mib[0] << " / " << mib[1] << " / " << mib[2] << " / " << mib[3]
+              << " MiB at ZeRO 0-3; recomputed " << rec[m][0] << " / " << rec[m][1] << " / " << rec[m][2] << " / "
+              << rec[m][3]);
+    CHECK(mib[1] < mib[0]);  // the optimizer state halved over data:2
+    CHECK(mib[2] < mib[1]);  // and the gradients
+    CHECK(mib[3] < mib[2]);  // and the parameters
+    for (std::size_t l = 0; l < 4; ++l) CHECK(rec[m][l] < mib[l]);  // a block's inner activations are not kept
+    smallest = std::min(smallest, mib[0]);
   }
-  CHECK(cs.front().label.find(" zero1") == std::string::npos);  // simpler first among near-ties, or faster
-  // a limit under every plain 3-D plan: a ZeRO-1 one is chosen
+  // a limit under every plain 3-D plan: a sharded or recomputed one is chosen
   o.memory_limit_mib = smallest - 0.001;
-  cs = rank_auto_plans<small_gpt>(mesh_shape(2, 2, 2), o, dev);
+  cs = rank_auto_plans<wide_gpt>(mesh_shape(2, 2, 2), o, dev);
   REQUIRE(cs.front().valid);
   CHECK(cs.front().fits);
-  CHECK(cs.front().label.find(" zero1") != std::string::npos);
+  auto plain_3d = [](const std::string& l) {
+    return l.find(" zero") == std::string::npos && l.find(" recompute") == std::string::npos;
+  };
+  CHECK(!plain_3d(cs.front().label));
   for (const auto& c : cs)
-    if (c.valid && c.label.find(" zero1") == std::string::npos) CHECK(!c.fits);
-  // a data-only world of 8 is reshaped into it too; one of 4 has no data axis left for it
+    if (c.valid && plain_3d(c.label)) CHECK(!c.fits);
+  // a data-only world of 8 is reshaped into it too; one of 4 has no data axis left for ZeRO
   o.memory_limit_mib = 0;
   int reshaped = 0;
   for (const auto& c : rank_auto_plans<small_gpt>(mesh_shape(8, 1, 1), o, dev))
-    reshaped += c.valid && c.label.find(" zero1 on data=2,pipe=2,model=2") != std::string::npos;
-  CHECK(reshaped == 3);
+    for (const char* z : {" zero1", " zero2", " zero3"})
+      reshaped += c.valid && c.label.find(z + std::string(" on data=2,pipe=2,model=2")) != std::string::npos;
+  CHECK(reshaped == 9);
   for (const auto& c : rank_auto_plans<small_gpt>(mesh_shape(4, 1, 1), auto_options(), dev))
-    CHECK(c.label.find(" zero1") == std::string::npos);
+    if (c.label.rfind("3-D", 0) == 0) CHECK(c.label.find(" zero") == std::string::npos);
+}
+
+// small_gpt with each block recomputed in backward: the recompute variant auto_plan<small_gpt>
+// prices, and a model a user may write (split<M> refuses a recompute inside).
+using rec_gpt = sequential<embedding<256, 32>, position_embedding<32, 32>, repeat<4, recompute<transformer_block<32, 2, 64>>>,
+                           layer_norm<32>, linear<32, 256>, softmax_cross_entropy>;
+static_assert(std::is_same_v<detail::recomputed_t<small_gpt>, rec_gpt>);
+static_assert(std::is_void_v<detail::recomputed_t<rec_gpt>>, "already recomputed: no second variant");
+static_assert(!splittable<rec_gpt> && std::is_same_v<detail::family<rec_gpt>::tensor, detail::tp_stages<rec_gpt>::type>);
+
+TEST_CASE("auto_plan prices every plan with its blocks recomputed too: less memory, slower, chosen when only they fit, and trains as single-process") {
+  auto ctx = context::init();
+  const auto dev = device_profile::load(auto_options().profile);
+  const auto cs = rank_auto_plans<small_gpt>(ctx.mesh().shape(), auto_options(), dev);
+  std::map<std::string, const plan_choice*> by_label;
+  for (const auto& c : cs) by_label[c.label] = &c;
+  int pairs = 0;
+  double least_plain = 1e300, least_rec = 1e300;
+  for (const auto& c : cs) {
+    if (!c.valid) continue;
+    const auto at = c.label.find(" recompute");
+    if (at == std::string::npos) {
+      least_plain = std::min(least_plain, c.memory_mib);
+      continue;
+    }
+    least_rec = std::min(least_rec, c.memory_mib);
+    const auto plain = c.label.substr(0, at) + c.label.substr(at + 10);
+    INFO(c.label << " against " << plain);
+    REQUIRE(by_label.count(plain) == 1);
+    const auto& p = *by_label[plain];
+    REQUIRE(p.valid);
+    CHECK(c.memory_mib < p.memory_mib);  // a block's inner activations are not kept
+    CHECK(c.step_s > p.step_s);          // each block's forward runs twice
+    ++pairs;
+  }
+  CHECK(pairs >= 4);  // dp, ZeRO 1-3 at least
+  REQUIRE(least_rec < least_plain);
+  // a limit under every plain plan: a recomputed one runs, and trains as single-process training
+  auto o = auto_options(least_plain - 0.001);
+  {
+    auto net = make<auto_plan<small_gpt>>(ctx, seed{42}, o);
+    INFO("chosen: " << net.choice().label);
+    CHECK(net.choice().label.find(" recompute") != std::string::npos);
+    CHECK(net.choice().memory_mib < least_plain);
+  }
+  check_trains_as_single(ctx, o, true);
+}
+
+TEST_CASE("auto_plan of a model with a recompute inside prices its tensor-parallel form (recompute<split<Block>>), which trains as single-process") {
+  auto probe = context::init();
+  const auto dev = device_profile::load(auto_options().profile);
+  int tensor = 0;
+  for (const auto& c : rank_auto_plans<rec_gpt>(mesh_shape(4, 1, 1), auto_options(), dev)) {
+    CHECK(c.label.find(" recompute") == std::string::npos);  // M itself is the recomputed model
+    if (c.label.rfind("tensor parallel on ", 0) == 0) {
+      INFO(c.label << ": " << c.why);
+      CHECK(c.valid);
+      ++tensor;
+    }
+  }
+  CHECK(tensor == 2);  // data=2 x model=2, model=4
+  if (probe.size() == 1) return;
+  auto ctx = test::on_mesh("data=" + std::to_string(probe.size() / 2) + ",model=2");
+  {
+    auto net = make<auto_plan<rec_gpt>>(ctx, seed{42}, auto_options());
+    CHECK(net.choice().label == "tensor parallel");
+    for (const auto& c : net.ranking())
+      if (c.label != "tensor parallel") CHECK(!c.valid);
+  }
+  check_trains_as_single<rec_gpt>(ctx, auto_options(), true);
 }
 
 TEST_CASE("auto_plan on a backbone and a head prices the class-split head (Whale's 100k-class plan) and it trains as single-process") {

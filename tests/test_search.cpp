@@ -4,6 +4,7 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <map>
 #include <string>
 
 #include "../bench/search.hpp"
@@ -66,5 +67,65 @@ TEST_CASE("the plan search refuses a tie band outside [0, 1), naming it") {
     q.plan_tie = bad;
     CHECK_THROWS_WITH_AS(bench::search::rank_plans(q, 2, dev, 0), doctest::Contains("plan search: the tie band (--plan-tie) must be in [0, 1)"),
                          std::invalid_argument);
+  }
+}
+
+TEST_CASE("the plan search prices a 3-D plan with ZeRO level L where level L - 1 is over the memory limit, and only there") {
+  const auto dev = device_profile::load(std::string(WHALE_PROFILES_DIR) + "/vm-4.txt");
+  bench::search::plan_query q;
+  q.workload = "gpt";
+  q.o.global_batch = -1, q.o.seq = -1;
+  // label -> predicted MiB of the valid 3-D plans, with a memory limit (0: none)
+  auto three_d = [&](double limit) {
+    std::map<std::string, double> memory;
+    for (const auto& c : bench::search::rank_plans(q, 8, dev, limit))
+      if (c.a.plan == "3d") {
+        INFO(c.label() << ": " << c.why);
+        CHECK(c.valid);
+        memory[c.label()] = c.memory_mib;
+        if (c.a.zero > 0) CHECK(c.mesh.rfind("data=2,", 0) == 0);  // data=1 meshes: no ZeRO
+      }
+    return memory;
+  };
+  auto label = [](int m, int z, const char* rec) {
+    return "3d 1f1b m=" + std::to_string(m) + (z > 0 ? " zero" + std::to_string(z) : "") + rec + " on data=2,pipe=2,model=2";
+  };
+  // no limit: every plain 3-D plan fits, no ZeRO is priced
+  auto least = [&](const std::map<std::string, double>& memory, int z) {
+    double l = 1e300;
+    for (const char* rec : {"", " recompute"})
+      for (int m : {2, 4, 8}) {
+        INFO(label(m, z, rec));
+        REQUIRE(memory.count(label(m, z, rec)) == 1);
+        l = std::min(l, memory.at(label(m, z, rec)));
+      }
+    return l;
+  };
+  auto levels = [](const std::map<std::string, double>& memory) {
+    int most = 0;
+    for (const auto& [l, mib] : memory)
+      for (int z = 1; z <= 3; ++z)
+        if (l.find(" zero" + std::to_string(z)) != std::string::npos) most = std::max(most, z);
+    return most;
+  };
+  const auto free = three_d(0);
+  CHECK(levels(free) == 0);
+  // level by level: a limit under every plan of level z - 1 prices level z of each, and
+  // level z + 1 exactly where level z is over the limit too
+  double limit = least(free, 0) - 0.001;
+  for (int z = 1; z <= 2; ++z) {
+    const auto tight = three_d(limit);
+    int next = 0;
+    for (const char* rec : {"", " recompute"})
+      for (int m : {2, 4, 8}) {
+        INFO(label(m, z, rec) << " under " << limit << " MiB");
+        REQUIRE(tight.count(label(m, z, rec)) == 1);
+        if (z == 1) CHECK(tight.at(label(m, 1, rec)) < tight.at(label(m, 0, rec)));  // the optimizer state sharded over data:2
+        CHECK(tight.count(label(m, z + 1, rec)) == (tight.at(label(m, z, rec)) > limit ? 1u : 0u));
+        next += static_cast<int>(tight.count(label(m, z + 1, rec)));
+      }
+    // gpt's ZeRO-2 needs more than its ZeRO-1 here (its 8192 x 128 embedding shard reduce-scattered whole per micro-batch)
+    if (z == 2) CHECK(next > 0);
+    limit = least(tight, z) - 0.001;
   }
 }

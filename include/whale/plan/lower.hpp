@@ -106,7 +106,9 @@ class lowering {
         h.layout_in = u.in;
         h.recompute = u.recompute_group >= 0;
         if (u.sharded) h.split_over = axes(static_cast<axis>(u.split_axis)), h.whole_tail = u.replicated_params;
-        if (u.sharded && h.full_params > 0) {
+        if (!o_.placement) {
+          // pricing only: holding::runs left empty
+        } else if (u.sharded && h.full_params > 0) {
           if (!u.runs)
             throw std::logic_error("whale: lowering: the sharded layer " + u.name + " does not say where its parameters lie (param_runs)");
           u.runs(p_.coords[static_cast<std::size_t>(u.split_axis)], degree(u), h.runs);

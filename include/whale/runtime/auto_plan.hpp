@@ -12,9 +12,13 @@
 // replicate<pipeline<one_f_one_b, M'>> with M' = M with its embeddings, fully
 // connected layers and repeated block each split over the model axis, on a
 // data x pipe x model mesh (the job's, or every reshaping of a data-only one),
-// and shard<that, 1> (ZeRO-1) where the data axis has 2 ranks or more.
-// Not here: recompute. Checkpoints go through the chosen plan (a checkpoint
-// names the concrete plan it was saved by).
+// and shard<that, 1|2|3> (ZeRO 1-3) where the data axis has 2 ranks or more.
+// Where M has one repeat<N, Block>, each of these is also priced with the
+// block recomputed in backward (M with repeat<N, recompute<Block>>, whose
+// tensor-parallel form has recompute<split<Block>>); a model with a recompute
+// inside, which split<M> refuses, gets that per-element tensor-parallel form.
+// Checkpoints go through the chosen plan (a checkpoint names the concrete
+// plan it was saved by).
 #pragma once
 
 #include <algorithm>
@@ -87,9 +91,11 @@ template <class M> using head_split = decltype(head_split_probe<M>());
 
 /// M with each element that has a tensor-parallel form split over the model
 /// axis on its own: embeddings, fully connected layers, and the block of its
-/// repeat (repeat<N, split<Block>>); every other element as it is. Each split
-/// layer starts from the unsplit one's values, so a plan of it starts where
-/// M's would (tensor parallelism inside pipeline stages).
+/// repeat (repeat<N, split<Block>>, or repeat<N, recompute<split<Block>>> for a
+/// recomputed block); every other element as it is. Each split layer starts
+/// from the unsplit one's values, so a plan of it starts where M's would
+/// (tensor parallelism inside pipeline stages, and the tensor-parallel form of
+/// a model that split<M> refuses because a recompute is inside).
 template <class E> struct tp_element {
   using type = E;
 };
@@ -101,6 +107,10 @@ template <index_t I, index_t O> struct tp_element<linear<I, O>> {
 };
 template <std::size_t N, class B> struct tp_element<repeat<N, B>> {
   using type = std::conditional_t<splittable<B, axis::model>, repeat<N, split<B, axis::model>>, repeat<N, B>>;
+};
+template <std::size_t N, class B> struct tp_element<repeat<N, recompute<B>>> {
+  using type = std::conditional_t<splittable<B, axis::model>, repeat<N, recompute<split<B, axis::model>>>,
+                                  repeat<N, recompute<B>>>;
 };
 template <class L> struct tp_stages_of {
   static constexpr bool ok = false;
@@ -116,30 +126,86 @@ template <class M> auto tp_stages_probe() {
   else return tp_stages_of<void>{};
 }
 template <class M> using tp_stages = decltype(tp_stages_probe<M>());
-template <class M, bool = tp_stages<M>::ok> struct three_d_of {
-  using type = void;
-  using zero1 = void;
+
+/// M with the block of its one repeat recomputed in backward: repeat<N,
+/// recompute<Block>>, every other element as it is (same parameters, same
+/// initial values: recompute<B> trains as B). `ok` where M is a pipeline's
+/// model (a sequential with one repeat) whose block is not already recomputed.
+template <class E> struct rec_element {
+  using type = E;
 };
-template <class M> struct three_d_of<M, true> {
-  using type = replicate<pipeline<one_f_one_b, typename tp_stages<M>::type>>;
-  using zero1 = shard<type, 1>;  // its optimizer state sharded over the data axis
+template <std::size_t N, class B> struct rec_element<repeat<N, B>> {
+  using type = repeat<N, recompute<B>>;
+};
+template <std::size_t N, class B> struct rec_element<repeat<N, recompute<B>>> {
+  using type = repeat<N, recompute<B>>;
+};
+template <class L> struct recomputed_of {
+  static constexpr bool ok = false;
+  using type = void;
+};
+template <class... E> struct recomputed_of<tlist<E...>> {
+  using type = sequential<typename rec_element<E>::type...>;
+  static constexpr bool ok = !std::is_same_v<type, sequential<E...>> && Loss<type>;
+};
+template <class M> auto recomputed_probe() {
+  if constexpr (sequential_like<M> && pipelinable<M>()) return recomputed_of<elements_of<M>>{};
+  else return recomputed_of<void>{};
+}
+template <class M> using recomputed = decltype(recomputed_probe<M>());
+template <class M> using recomputed_t = std::conditional_t<recomputed<M>::ok, typename recomputed<M>::type, void>;
+
+/// The plan types of one model X (M, or M with its blocks recomputed), each
+/// void where it is not a plan for X: the pipeline (X with one repeat), tensor
+/// parallelism (split<X> where X is plain layers, else X with each element
+/// split on its own where something splits: a recompute inside), the
+/// class-split head, and the 3-D plan (tensor parallelism inside 1F1B stages,
+/// replicated over the data axis) with ZeRO 0-3.
+template <class X> struct family {
+  static constexpr bool three_d = tp_stages<X>::ok;
+  using pipe = std::conditional_t<pipelinable<X>(), replicate<pipeline<one_f_one_b, X>>, void>;
+  using tensor = std::conditional_t<splittable<X, axis::model>, split<X, axis::model>,
+                                    std::conditional_t<three_d, typename tp_stages<X>::type, void>>;
+  using head = std::conditional_t<head_split<X>::ok, typename head_split<X>::type, void>;
+  using three_d_type = std::conditional_t<three_d, replicate<pipeline<one_f_one_b, typename tp_stages<X>::type>>, void>;
+  template <int L> using three_d_zero = std::conditional_t<three_d, shard<three_d_type, L>, void>;
+};
+template <> struct family<void> {
+  using pipe = void;
+  using tensor = void;
+  using head = void;
+  using three_d_type = void;
+  template <int L> using three_d_zero = void;
 };
 
-/// The candidate plan types of auto_plan<M>, in this order: dp, ZeRO 1-3; then
-/// the 1F1B pipeline when M has one repeat, tensor parallelism (split<M> over
-/// the model axis) when M is splittable, and the class-split head when M is a
-/// backbone and a head, and the 3-D plan, plain and with ZeRO-1, when M has a
-/// repeated block to split. Only those that are plans for M are listed (and compiled).
-template <class M>
-using auto_candidates = typename append_if<
-    typename append_if<
-        typename append_if<
-            typename append_if<typename append_if<plan_list<replicate<M>, shard<M, 1>, shard<M, 2>, shard<M, 3>>,
-                                                  pipelinable<M>(), replicate<pipeline<one_f_one_b, M>>>::type,
-                               splittable<M, axis::model>, split<M, axis::model>>::type,
-            head_split<M>::ok, typename head_split<M>::type>::type,
-        tp_stages<M>::ok, typename three_d_of<M>::type>::type,
-    tp_stages<M>::ok, typename three_d_of<M>::zero1>::type;
+template <class L, class... P> struct append_plans { using type = L; };
+template <class L, class P, class... R> struct append_plans<L, P, R...> {
+  using type = typename append_plans<typename append_if<L, !std::is_void_v<P>, P>::type, R...>::type;
+};
+template <class X> struct dense_of {
+  using dp = replicate<X>;
+  template <int L> using zero = shard<X, L>;
+};
+template <> struct dense_of<void> {
+  using dp = void;
+  template <int L> using zero = void;
+};
+
+/// The candidate plan types of auto_plan<M>, in the order they are listed (the
+/// simplicity that breaks near-ties): dp and ZeRO 1-3 of M, then of M with
+/// its blocks recomputed (Mr); the pipeline of M, of Mr; tensor parallelism of
+/// M, of Mr; the class-split head; the 3-D plan of M with ZeRO 0-3, of Mr.
+/// Only those that are plans for M are listed (and compiled).
+template <class M, class R = recomputed_t<M>>
+using auto_candidates = typename append_plans<
+    plan_list<>, typename dense_of<M>::dp, typename dense_of<M>::template zero<1>, typename dense_of<M>::template zero<2>,
+    typename dense_of<M>::template zero<3>, typename dense_of<R>::dp, typename dense_of<R>::template zero<1>,
+    typename dense_of<R>::template zero<2>, typename dense_of<R>::template zero<3>, typename family<M>::pipe,
+    typename family<R>::pipe, typename family<M>::tensor, typename family<R>::tensor, typename family<M>::head,
+    typename family<M>::three_d_type, typename family<M>::template three_d_zero<1>,
+    typename family<M>::template three_d_zero<2>, typename family<M>::template three_d_zero<3>,
+    typename family<R>::three_d_type, typename family<R>::template three_d_zero<1>,
+    typename family<R>::template three_d_zero<2>, typename family<R>::template three_d_zero<3>>::type;
 
 template <class P, class L> struct index_in;
 template <class P, class... Q> struct index_in<P, plan_list<Q...>> {
@@ -192,6 +258,7 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
       lo.bucket_mib = o.bucket_mib;
       lo.balance_seq = o.balance_seq;
       lo.bf16_reduce = o.bf16_reduce;
+      lo.placement = false;  // priced, not run: the chosen plan lowers its own program
       std::vector<program> all;
       std::int64_t mem = 0;
       for (int r = 0; r < mesh.size(); ++r) {
@@ -211,64 +278,80 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
     cs.push_back(std::move(c));
   };
   using L = detail::auto_candidates<M>;
-  auto at = [](auto plan) { return std::integral_constant<std::size_t, detail::index_in<typename decltype(plan)::type, L>::value>{}; };
-  price(at(std::type_identity<replicate<M>>{}), job, "dp", 0);
-  price(at(std::type_identity<shard<M, 1>>{}), job, "zero1", 0);
-  price(at(std::type_identity<shard<M, 2>>{}), job, "zero2", 0);
-  price(at(std::type_identity<shard<M, 3>>{}), job, "zero3", 0);
+  using R = detail::recomputed_t<M>;  // M with its blocks recomputed (void: none)
+  // prices plan P (void: none) on `mesh`, when P is a candidate
+  auto price_if = [&]<class P>(std::type_identity<P>, const mesh_shape& mesh, const std::string& label, int micro) {
+    if constexpr (!std::is_void_v<P> && detail::index_in<P, L>::found)
+      price(std::integral_constant<std::size_t, detail::index_in<P, L>::value>{}, mesh, label, micro);
+  };
+  // every model variant, plain first: X = M, then R (labels " recompute")
+  auto variants = [&](auto&& f) {
+    f(std::type_identity<M>{}, std::string());
+    if constexpr (!std::is_void_v<R>) f(std::type_identity<R>{}, std::string(" recompute"));
+  };
   const int n = job.size();
   const bool data_only = job.size(axis::pipe) == 1 && job.size(axis::model) == 1;
-  using pipe_plan = replicate<pipeline<one_f_one_b, M>>;
-  if constexpr (detail::index_in<pipe_plan, L>::found) {
+  // the reshapings of a data-only world into data x pipe (q = pipe) or data x model (q = model)
+  auto reshapings = [&](auto&& f) {
+    if (data_only)
+      for (int q = 2; q <= n; ++q)
+        if (n % q == 0) f(q);
+  };
+  variants([&]<class X>(std::type_identity<X>, const std::string& rec) {
+    price_if(std::type_identity<typename detail::dense_of<X>::dp>{}, job, "dp" + rec, 0);
+    price_if(std::type_identity<typename detail::dense_of<X>::template zero<1>>{}, job, "zero1" + rec, 0);
+    price_if(std::type_identity<typename detail::dense_of<X>::template zero<2>>{}, job, "zero2" + rec, 0);
+    price_if(std::type_identity<typename detail::dense_of<X>::template zero<3>>{}, job, "zero3" + rec, 0);
+  });
+  variants([&]<class X>(std::type_identity<X>, const std::string& rec) {
+    using P = typename detail::family<X>::pipe;
     const int p = job.size(axis::pipe);
     for (int k : {1, 2, 4})
-      price(at(std::type_identity<pipe_plan>{}), job, "pipeline 1f1b m=" + std::to_string(k * p), k * p);
-    if (data_only)  // the world reshaped into data x pipe
-      for (int q = 2; q <= n; ++q) {
-        if (n % q) continue;
-        const mesh_shape reshaped(n / q, q, 1);
-        for (int k : {1, 2, 4})
-          price(at(std::type_identity<pipe_plan>{}), reshaped,
-                "pipeline 1f1b m=" + std::to_string(k * q) + " on " + reshaped.spec(), k * q);
-      }
-  }
-  using tensor_plan = split<M, axis::model>;
-  if constexpr (detail::index_in<tensor_plan, L>::found) {
-    if (job.size(axis::model) > 1) price(at(std::type_identity<tensor_plan>{}), job, "tensor parallel", 0);
-    if (data_only)  // the world reshaped into data x model (model innermost: neighbouring ranks)
-      for (int q = 2; q <= n; ++q) {
-        if (n % q) continue;
-        const mesh_shape reshaped(n / q, 1, q);
-        price(at(std::type_identity<tensor_plan>{}), reshaped, "tensor parallel on " + reshaped.spec(), 0);
-      }
-  }
-  if constexpr (detail::head_split<M>::ok)
-    price(at(std::type_identity<typename detail::head_split<M>::type>{}), job, "class-split head", 0);
-  if constexpr (detail::tp_stages<M>::ok) {  // 3-D: data x pipe x model, m = p, 2p, 4p; with ZeRO-1 where data > 1
-    using three_d = typename detail::three_d_of<M>::type;
-    using three_d_zero1 = typename detail::three_d_of<M>::zero1;
-    // every plain 3-D plan first, then (where data > 1: over one data rank ZeRO-1 shards
-    // nothing) with ZeRO-1, so that a near-tie goes to the plain one (the order is the simplicity)
-    for (const bool zero1 : {false, true}) {
-      auto price_3d = [&](const mesh_shape& mesh, const std::string& on) {
-        const int p = mesh.size(axis::pipe);
-        if (zero1 && mesh.size(axis::data) < 2) return;
-        for (int k : {1, 2, 4}) {
-          const std::string label = "3-D 1f1b m=" + std::to_string(k * p) + (zero1 ? " zero1" : "") + on;
-          if (zero1) price(at(std::type_identity<three_d_zero1>{}), mesh, label, k * p);
-          else price(at(std::type_identity<three_d>{}), mesh, label, k * p);
-        }
-      };
-      if (job.size(axis::pipe) > 1 && job.size(axis::model) > 1) price_3d(job, "");
-      if (data_only)
-        for (int q = 2; q <= n; ++q)
-          for (int t = 2; q * t <= n; ++t) {
-            if (n % (q * t)) continue;
-            const mesh_shape reshaped(n / (q * t), q, t);
-            price_3d(reshaped, " on " + reshaped.spec());
+      price_if(std::type_identity<P>{}, job, "pipeline 1f1b m=" + std::to_string(k * p) + rec, k * p);
+    reshapings([&](int q) {
+      const mesh_shape reshaped(n / q, q, 1);
+      for (int k : {1, 2, 4})
+        price_if(std::type_identity<P>{}, reshaped, "pipeline 1f1b m=" + std::to_string(k * q) + rec + " on " + reshaped.spec(),
+                 k * q);
+    });
+  });
+  variants([&]<class X>(std::type_identity<X>, const std::string& rec) {
+    using P = typename detail::family<X>::tensor;  // model innermost: neighbouring ranks
+    if (job.size(axis::model) > 1) price_if(std::type_identity<P>{}, job, "tensor parallel" + rec, 0);
+    reshapings([&](int q) {
+      const mesh_shape reshaped(n / q, 1, q);
+      price_if(std::type_identity<P>{}, reshaped, "tensor parallel" + rec + " on " + reshaped.spec(), 0);
+    });
+  });
+  price_if(std::type_identity<typename detail::family<M>::head>{}, job, "class-split head", 0);
+  // 3-D: data x pipe x model, m = p, 2p, 4p; with ZeRO 1-3 where data > 1 (over one data
+  // rank ZeRO shards nothing); plain first, so that a near-tie goes to the simplest
+  variants([&]<class X>(std::type_identity<X>, const std::string& rec) {
+    using F = detail::family<X>;
+    if constexpr (F::three_d)
+      for (const int zero : {0, 1, 2, 3}) {
+        auto price_3d = [&](const mesh_shape& mesh, const std::string& on) {
+          const int p = mesh.size(axis::pipe);
+          if (zero > 0 && mesh.size(axis::data) < 2) return;
+          for (int k : {1, 2, 4}) {
+            const std::string label = "3-D 1f1b m=" + std::to_string(k * p) +
+                                      (zero > 0 ? " zero" + std::to_string(zero) : "") + rec + on;
+            if (zero == 0) price_if(std::type_identity<typename F::three_d_type>{}, mesh, label, k * p);
+            if (zero == 1) price_if(std::type_identity<typename F::template three_d_zero<1>>{}, mesh, label, k * p);
+            if (zero == 2) price_if(std::type_identity<typename F::template three_d_zero<2>>{}, mesh, label, k * p);
+            if (zero == 3) price_if(std::type_identity<typename F::template three_d_zero<3>>{}, mesh, label, k * p);
           }
-    }
-  }
+        };
+        if (job.size(axis::pipe) > 1 && job.size(axis::model) > 1) price_3d(job, "");
+        if (data_only)
+          for (int q = 2; q <= n; ++q)
+            for (int t = 2; q * t <= n; ++t) {
+              if (n % (q * t)) continue;
+              const mesh_shape reshaped(n / (q * t), q, t);
+              price_3d(reshaped, " on " + reshaped.spec());
+            }
+      }
+  });
   std::stable_sort(cs.begin(), cs.end(), [](const plan_choice& x, const plan_choice& y) {
     if (x.valid != y.valid) return x.valid;
     if (x.fits != y.fits) return x.fits;
