@@ -97,6 +97,9 @@ args parse(int argc, char** argv) {
   }
   if (a.tie_given && !a.search) usage("whale_plan: --plan-tie is the search's (give --search N)");
   if (a.search && a.profile.empty()) usage("whale_plan: --search needs --simulate PROFILE (the device to price the plans on)");
+  if (a.search && a.zero >= 0)
+    usage("whale_plan: --zero is not for --search: the search prices the ZeRO levels itself (dp and ZeRO 1-3, "
+          "and 3-D plans with the lowest level that fits)");
   if (a.search) a.plan = "dp";  // each candidate sets its own
   if (a.workload.empty() || a.plan.empty()) usage("whale_plan: --workload and --plan are required");
   if (!a.trace.empty() && a.profile.empty()) usage("whale_plan: --trace needs --simulate PROFILE");

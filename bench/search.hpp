@@ -245,9 +245,10 @@ inline std::vector<candidate> rank_plans(const plan_query& base, int n, const de
         cs.push_back(std::move(c));
       }
   // The lowest ZeRO level that fits: a 3-D plan with ZeRO level L >= 1 is priced only where
-  // the same plan at level L - 1 was priced, runs, and is over the memory limit, and is not
-  // listed otherwise. ZeRO-1 computes and sends what the plain plan does, in less memory;
-  // ZeRO 2-3 inside a pipeline reduce-scatter (and gather) every layer once per micro-batch.
+  // the same plan at level L - 1 was priced, runs, and is over the memory limit or within
+  // tie_headroom of it (plan/tie.hpp), and is not listed otherwise. ZeRO-1 computes and sends
+  // what the plain plan does, in less memory; ZeRO 2-3 inside a pipeline reduce-scatter (and
+  // gather) every layer once per micro-batch, where ZeRO-1 sums each gradient once a step.
   // (At 1,024 GPUs, pricing every level of every 3-D plan took 18 s instead of 4.)
   std::map<std::string, std::size_t> place;  // a 3-D plan -> its place in cs
   auto with_zero = [](candidate c, int level) {
@@ -261,7 +262,10 @@ inline std::vector<candidate> rank_plans(const plan_query& base, int n, const de
     auto& c = cs[i];
     if (c.a.plan == "3d" && c.a.zero >= 1) {
       const auto below = place.at(with_zero(c, c.a.zero - 1));  // listed (and so priced) before c
-      if (unpriced[below] || !cs[below].valid || cs[below].fits) {
+      // "fits" as prefer_simpler weighs it: within the limit with tie_headroom of it free (a
+      // plan that fits with less may lose a near-tie to a higher level that leaves room)
+      const bool roomy = cs[below].fits && (!(memory_limit_mib > 0) || cs[below].memory_mib <= (1.0 - tie_headroom) * memory_limit_mib);
+      if (unpriced[below] || !cs[below].valid || roomy) {
         unpriced[i] = true;
         continue;
       }

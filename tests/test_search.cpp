@@ -110,6 +110,21 @@ TEST_CASE("the plan search prices a 3-D plan with ZeRO level L where level L - 1
   };
   const auto free = three_d(0);
   CHECK(levels(free) == 0);
+  // a limit the smallest plain plan fits with under tie_headroom of it free: its ZeRO-1 form is
+  // priced too (a near-tie goes to a plan that leaves room), and only where a plan is that snug
+  {
+    const double snug = least(free, 0) / 0.95;
+    const auto near = three_d(snug);
+    int priced = 0;
+    for (const char* rec : {"", " recompute"})
+      for (int m : {2, 4, 8}) {
+        const bool tight = free.at(label(m, 0, rec)) > (1.0 - tie_headroom) * snug;
+        INFO(label(m, 1, rec) << ", the plain plan " << free.at(label(m, 0, rec)) << " MiB under " << snug);
+        CHECK(near.count(label(m, 1, rec)) == (tight ? 1u : 0u));
+        priced += static_cast<int>(near.count(label(m, 1, rec)));
+      }
+    CHECK(priced > 0);
+  }
   // level by level: a limit under every plan of level z - 1 prices level z of each, and
   // level z + 1 exactly where level z is over the limit too
   double limit = least(free, 0) - 0.001;

@@ -56,7 +56,13 @@ struct auto_choice {
     if (plan == "pipeline" || plan == "3d") {
       args = {"--schedule", best.a.schedule, "--micro-batches", std::to_string(best.a.o.micro_batches)};
       if (best.a.recompute) args.push_back("--recompute");
-      if (best.a.zero > 0) args.insert(args.end(), {"--zero", std::to_string(best.a.zero)});
+      if (best.a.zero > 0) {
+        if (best.a.recompute)
+          throw usage_error("bench: --plan auto: the search chose '" + best.label() +
+                            "', which bench_workloads does not build (its 3-D plan takes --zero only without "
+                            "--recompute, to keep its build small); scripts/plan --search lists the runners-up");
+        args.insert(args.end(), {"--zero", std::to_string(best.a.zero)});
+      }
       // a pipeline beside data parallelism runs as the 3-D plan with one model rank (the same arithmetic)
       if (plan == "pipeline" && mesh.size(axis::data) > 1) plan = "3d";
     }

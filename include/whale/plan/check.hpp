@@ -91,6 +91,11 @@ inline void check_plan(const model_desc& d, const mesh_shape& m, const lower_opt
       if (u.split_params % deg != 0)
         lower_fail(d, u.name + " cannot be split " + std::to_string(deg) + " ways over the " +
                            axis_name(static_cast<axis>(u.split_axis)) + " axis");
+      // the dimension it shares out (heads, vocabulary, features), as the layer checks when built
+      if (u.split_extent > 0 && u.split_extent % deg != 0)
+        lower_fail(d, u.name + " cannot be split " + std::to_string(deg) + " ways over the " +
+                           axis_name(static_cast<axis>(u.split_axis)) + " axis: the dimension its ranks share (" +
+                           std::to_string(u.split_extent) + ") is not a multiple of " + std::to_string(deg));
     }
   }
 

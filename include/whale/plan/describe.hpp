@@ -47,6 +47,9 @@ struct unit_desc {
   bool split_loss = false;       ///< class-split softmax cross-entropy (two all-reduces of row statistics)
   int recompute_group = -1;      ///< recompute<Block> it lies in (-1: none)
   bool defers = false;           ///< can put its weight gradients off to a W pass (split schedules)
+  /// Sharded forms: the dimension the ranks share out (heads, vocabulary, features; its
+  /// split_extent), which the split degree must divide; 0: none declared.
+  index_t split_extent = 0;
   /// Sharded forms: where rank r of p's parameters lie in the unsplit layer's (its param_runs).
   void (*runs)(int r, int p, std::vector<param_run>& out) = nullptr;
   /// The unsplit layer's parameter tensors in flat order (its param_tensors()); null: none listed.
@@ -157,6 +160,7 @@ struct describer {
         if constexpr (requires { L::shard_cost(index_t{1}); }) u.shard_cost = &L::shard_cost;
         if constexpr (requires { typename L::unsplit_type; }) u.unsplit = layer_name<typename L::unsplit_type>();
         if constexpr (requires(std::vector<param_run>& v) { L::param_runs(0, 1, v); }) u.runs = &L::param_runs;
+        if constexpr (requires { L::split_extent; }) u.split_extent = L::split_extent;
       }
       using unsplit = typename unsplit_of<L>::type;
       if constexpr (requires { unsplit::param_tensors(); }) u.tensors = &tensors_of<unsplit>;

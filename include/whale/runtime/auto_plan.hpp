@@ -130,16 +130,33 @@ template <class M> using tp_stages = decltype(tp_stages_probe<M>());
 /// M with the block of its one repeat recomputed in backward: repeat<N,
 /// recompute<Block>>, every other element as it is (same parameters, same
 /// initial values: recompute<B> trains as B). `ok` where M is a pipeline's
-/// model (a sequential with one repeat) whose block is not already recomputed.
+/// model (a sequential with one repeat) whose block is plain layers (no
+/// strategy, no recompute anywhere inside it).
 template <class E> struct rec_element {
   using type = E;
 };
 template <std::size_t N, class B> struct rec_element<repeat<N, B>> {
-  using type = repeat<N, recompute<B>>;
+  using type = std::conditional_t<plain_layers<B>(), repeat<N, recompute<B>>, repeat<N, B>>;
 };
-template <std::size_t N, class B> struct rec_element<repeat<N, recompute<B>>> {
-  using type = repeat<N, recompute<B>>;
+/// M with the recompute of its repeat's block taken off (the inverse of rec_element).
+template <class E> struct unrec_element {
+  using type = E;
 };
+template <std::size_t N, class B> struct unrec_element<repeat<N, recompute<B>>> {
+  using type = repeat<N, B>;
+};
+template <class L> struct unrecomputed_of {
+  static constexpr bool ok = false;
+};
+template <class... E> struct unrecomputed_of<tlist<E...>> {
+  static constexpr bool ok = splittable<sequential<typename unrec_element<E>::type...>, axis::model>;
+};
+/// Whether split<M> is refused only for the recompute of its repeat's block: then
+/// M with each element split on its own is its tensor-parallel form.
+template <class M> constexpr bool splittable_but_recompute() {
+  if constexpr (sequential_like<M> && !splittable<M, axis::model>) return unrecomputed_of<elements_of<M>>::ok;
+  else return false;
+}
 template <class L> struct recomputed_of {
   static constexpr bool ok = false;
   using type = void;
@@ -157,15 +174,16 @@ template <class M> using recomputed_t = std::conditional_t<recomputed<M>::ok, ty
 
 /// The plan types of one model X (M, or M with its blocks recomputed), each
 /// void where it is not a plan for X: the pipeline (X with one repeat), tensor
-/// parallelism (split<X> where X is plain layers, else X with each element
-/// split on its own where something splits: a recompute inside), the
+/// parallelism (split<X> where X is plain layers; where only the recompute of
+/// its repeat's block stops that, X with each element split on its own), the
 /// class-split head, and the 3-D plan (tensor parallelism inside 1F1B stages,
 /// replicated over the data axis) with ZeRO 0-3.
 template <class X> struct family {
   static constexpr bool three_d = tp_stages<X>::ok;
   using pipe = std::conditional_t<pipelinable<X>(), replicate<pipeline<one_f_one_b, X>>, void>;
   using tensor = std::conditional_t<splittable<X, axis::model>, split<X, axis::model>,
-                                    std::conditional_t<three_d, typename tp_stages<X>::type, void>>;
+                                    std::conditional_t<three_d && splittable_but_recompute<X>(),
+                                                       typename tp_stages<X>::type, void>>;
   using head = std::conditional_t<head_split<X>::ok, typename head_split<X>::type, void>;
   using three_d_type = std::conditional_t<three_d, replicate<pipeline<one_f_one_b, typename tp_stages<X>::type>>, void>;
   template <int L> using three_d_zero = std::conditional_t<three_d, shard<three_d_type, L>, void>;
