@@ -4,11 +4,15 @@
 // micro-batches per stage on a data x pipe mesh; on a data-only mesh the
 // pipeline also on every data x pipe reshaping of the world, tensor
 // parallelism, split<gpt>, on every data x model one, and the 3-D plan -- the
-// pipeline with each embedding, block and linear split over the model axis --
-// on every data x pipe x model one), replays each on
+// pipeline with each embedding, block and linear split over the model axis,
+// with ZeRO 1-3 where the data axis has 2 ranks or more -- on every data x
+// pipe x model one; and each of these again with gpt's blocks recomputed in
+// backward, less memory for more compute), replays each on
 // a measured device profile, drops those over the memory limit, and runs the fastest
 // (of candidates predicted within --plan-tie of the fastest, default 0.02, the
 // simplest). It prints its choice, the prediction and why the others lost, then trains.
+// Under a tight --memory-mib (120 at 2 ranks on bench/profiles/vm-2.txt) a recomputed
+// plan runs: "chose pipeline 1f1b m=8 recompute on data=1,pipe=2,model=1 (... 84 MiB per rank)".
 //
 //   mpirun -np 2 ./build/examples/example_12_auto_plan --profile bench/profiles/vm-2.txt [--steps N] [--memory-mib M] [--plan-tie F]
 //   mpirun -np 4 ./build/examples/example_12_auto_plan --profile bench/profiles/vm-4.txt --mesh data=2,pipe=2

@@ -355,15 +355,22 @@ TEST_CASE("auto_plan prices tensor parallelism on every data x model reshaping, 
   if (ctx.rank() == 0) std::filesystem::remove(o.profile);
 }
 
+namespace {
+// On a data x model mesh only the tensor-parallel candidate of auto_plan<M> can run, and it is chosen.
+template <class M> void only_tensor_parallel_runs(const context& ctx) {
+  auto net = make<auto_plan<M>>(ctx, seed{42}, auto_options());
+  CHECK(net.choice().label == "tensor parallel");
+  for (const auto& c : net.ranking())
+    if (c.label != "tensor parallel") CHECK(!c.valid);
+}
+}  // namespace
+
 TEST_CASE("auto_plan on a data x model mesh prices tensor parallelism on it, and only it can run there") {
   auto probe = context::init();
   if (probe.size() == 1) return;
   {
     auto ctx = test::on_mesh("data=" + std::to_string(probe.size() / 2) + ",model=2");
-    auto net = make<auto_plan<wide_mlp>>(ctx, seed{42}, auto_options());
-    CHECK(net.choice().label == "tensor parallel");
-    for (const auto& c : net.ranking())
-      if (c.label != "tensor parallel") CHECK(!c.valid);
+    only_tensor_parallel_runs<wide_mlp>(ctx);
     check_choice_trains_as_single<wide_mlp>(ctx, auto_options(), wide_classes);
   }
 }
@@ -530,6 +537,24 @@ TEST_CASE("auto_plan prices every plan with its blocks recomputed too: less memo
   check_trains_as_single(ctx, o, true);
 }
 
+TEST_CASE("auto_plan<M, plan_space{.recompute = false}> compiles in and prices no recomputed plan") {
+  constexpr plan_space plain{.recompute = false};
+  static_assert(detail::auto_variant<detail::auto_candidates<small_gpt, plain>>::size * 2 ==
+                    detail::auto_variant<detail::auto_candidates<small_gpt>>::size,
+                "each plan type of small_gpt has one recomputed twin");
+  auto ctx = context::init();
+  const auto dev = device_profile::load(auto_options().profile);
+  double least_plain = 1e300;
+  for (const auto& c : rank_auto_plans<small_gpt, plain>(ctx.mesh().shape(), auto_options(), dev)) {
+    CHECK(c.label.find(" recompute") == std::string::npos);
+    if (c.valid) least_plain = std::min(least_plain, c.memory_mib);
+  }
+  // under every plain plan: auto_plan<M> runs a recomputed one (the test above); without them, nothing fits
+  CHECK_THROWS_WITH_AS((make<auto_plan<small_gpt, plain>>(ctx, seed{42}, auto_options(least_plain - 0.001))),
+                       doctest::Contains("no candidate plan runs on the mesh"), std::invalid_argument);
+  CHECK(auto_plan<small_gpt, plain>::name().find("plan_space{.recompute = false}") != std::string::npos);
+}
+
 TEST_CASE("auto_plan of a model with a recompute inside prices its tensor-parallel form (recompute<split<Block>>), which trains as single-process") {
   auto probe = context::init();
   const auto dev = device_profile::load(auto_options().profile);
@@ -547,12 +572,7 @@ TEST_CASE("auto_plan of a model with a recompute inside prices its tensor-parall
   CHECK(tensor == 2);  // data=2 x model=2, model=4
   if (probe.size() == 1) return;
   auto ctx = test::on_mesh("data=" + std::to_string(probe.size() / 2) + ",model=2");
-  {
-    auto net = make<auto_plan<rec_gpt>>(ctx, seed{42}, auto_options());
-    CHECK(net.choice().label == "tensor parallel");
-    for (const auto& c : net.ranking())
-      if (c.label != "tensor parallel") CHECK(!c.valid);
-  }
+  only_tensor_parallel_runs<rec_gpt>(ctx);
   check_trains_as_single<rec_gpt>(ctx, auto_options(), true);
 }
 

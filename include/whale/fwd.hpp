@@ -43,13 +43,17 @@ struct adamw;
 // strategy/
 template <class M> struct replicate;
 template <class Sched, class... Parts> struct pipeline;
-template <class M> struct auto_plan;
+/// Which candidate families auto_plan<M, S> compiles in (strategy/auto_plan.hpp).
+struct plan_space {
+  bool recompute = true;  ///< every candidate again with M's repeated block recomputed in backward
+};
+template <class M, plan_space S> struct auto_plan;
 
 // plan/ and runtime/
 struct program;
 struct plan_options;
 template <class P> class executor;
-template <class M> class auto_executor;
+template <class M, plan_space S> class auto_executor;
 struct plan_choice;
 
 // train/

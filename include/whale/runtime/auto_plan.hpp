@@ -171,6 +171,8 @@ template <class M> auto recomputed_probe() {
 }
 template <class M> using recomputed = decltype(recomputed_probe<M>());
 template <class M> using recomputed_t = std::conditional_t<recomputed<M>::ok, typename recomputed<M>::type, void>;
+/// The recomputed variant auto_plan<M, S> prices: recomputed_t<M>, or none where S leaves it out.
+template <class M, plan_space S> using variant_r = std::conditional_t<S.recompute, recomputed_t<M>, void>;
 
 /// The plan types of one model X (M, or M with its blocks recomputed), each
 /// void where it is not a plan for X: the pipeline (X with one repeat), tensor
@@ -209,12 +211,12 @@ template <> struct dense_of<void> {
   template <int L> using zero = void;
 };
 
-/// The candidate plan types of auto_plan<M>, in the order they are listed (the
+/// The candidate plan types of auto_plan<M, S>, in the order they are listed (the
 /// simplicity that breaks near-ties): dp and ZeRO 1-3 of M, then of M with
 /// its blocks recomputed (Mr); the pipeline of M, of Mr; tensor parallelism of
 /// M, of Mr; the class-split head; the 3-D plan of M with ZeRO 0-3, of Mr.
 /// Only those that are plans for M are listed (and compiled).
-template <class M, class R = recomputed_t<M>>
+template <class M, plan_space S = plan_space{}, class R = variant_r<M, S>>
 using auto_candidates = typename append_plans<
     plan_list<>, typename dense_of<M>::dp, typename dense_of<M>::template zero<1>, typename dense_of<M>::template zero<2>,
     typename dense_of<M>::template zero<3>, typename dense_of<R>::dp, typename dense_of<R>::template zero<1>,
@@ -256,9 +258,9 @@ template <class... P> struct auto_variant<plan_list<P...>> {
 /// every rank computes the same ranking. Prices
 /// with the global batch o.plan_batch of o.plan_seq tokens and AdamW's optimizer
 /// state (8 bytes a parameter).
-template <class M>
+template <class M, plan_space S = plan_space{}>
 std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_options& o, const device_profile& dev) {
-  using V = detail::auto_variant<detail::auto_candidates<M>>;
+  using V = detail::auto_variant<detail::auto_candidates<M, S>>;
   std::vector<plan_choice> cs;
   check_plan_tie(o.plan_tie, "whale::auto_plan<" + layer_name<M>() + ">: plan_options::plan_tie");
   auto price = [&]<std::size_t I>(std::integral_constant<std::size_t, I>, const mesh_shape& mesh, const std::string& label,
@@ -295,8 +297,8 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
     }
     cs.push_back(std::move(c));
   };
-  using L = detail::auto_candidates<M>;
-  using R = detail::recomputed_t<M>;  // M with its blocks recomputed (void: none)
+  using L = detail::auto_candidates<M, S>;
+  using R = detail::variant_r<M, S>;  // M with its blocks recomputed (void: none, or left out by S)
   // prices plan P (void: none) on `mesh`, when P is a candidate
   auto price_if = [&]<class P>(std::type_identity<P>, const mesh_shape& mesh, const std::string& label, int micro) {
     if constexpr (!std::is_void_v<P> && detail::index_in<P, L>::found)
@@ -389,19 +391,19 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
   return cs;
 }
 
-/// The plan auto_plan<M> chose, running; the API every plan has, forwarded.
-template <class M>
+/// The plan auto_plan<M, S> chose, running; the API every plan has, forwarded.
+template <class M, plan_space S>
 class auto_executor {
-  using V = detail::auto_variant<detail::auto_candidates<M>>;
+  using V = detail::auto_variant<detail::auto_candidates<M, S>>;
 
  public:
-  using model_type = auto_plan<M>;
+  using model_type = auto_plan<M, S>;
   using input_type = typename M::input_type;
 
   /// Needs o.profile (a device profile file, WHALE_PROFILE) and o.plan_batch (the
   /// global batch it prices); o.memory_limit_mib caps each rank's predicted memory.
   auto_executor(const context& ctx, seed s, plan_options o) {
-    const std::string who = "whale::make<" + auto_plan<M>::name() + ">: ";
+    const std::string who = "whale::make<" + auto_plan<M, S>::name() + ">: ";
     if (o.profile.empty())
       throw std::invalid_argument(who + "no device profile to price the plans with: set plan_options::profile (or "
                                   "WHALE_PROFILE, --profile) to a profile file (scripts/profile writes one for this "
@@ -412,7 +414,7 @@ class auto_executor {
     // a profile that one node cannot read, or a ranking that fails there, fails every rank (no collective is entered alone)
     std::string err;
     try {
-      ranking_ = rank_auto_plans<M>(ctx.mesh().shape(), o, device_profile::load(o.profile));
+      ranking_ = rank_auto_plans<M, S>(ctx.mesh().shape(), o, device_profile::load(o.profile));
     } catch (const std::exception& e) {
       err = e.what();
     }

@@ -44,7 +44,7 @@ auto make(const context& ctx, seed s, plan_options o = plan_options::from_env())
                 "e.g. sequential<..., softmax_cross_entropy>, with or without replicate/split/pipeline/shard around "
                 "it; a single layer or a part of a model cannot be trained on its own");
   if constexpr (is_auto_plan_v<M>) {
-    return auto_executor<typename M::model>(ctx, s, std::move(o));
+    return auto_executor<typename M::model, M::space>(ctx, s, std::move(o));
   } else {
   using top = strip_replicate_t<M>;
   // replicate, split and shard check what they wrap; a sequential or a pipeline cannot
