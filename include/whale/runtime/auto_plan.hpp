@@ -262,7 +262,7 @@ template <class M, plan_space S = plan_space{}>
 std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_options& o, const device_profile& dev) {
   using V = detail::auto_variant<detail::auto_candidates<M, S>>;
   std::vector<plan_choice> cs;
-  check_plan_tie(o.plan_tie, "whale::auto_plan<" + layer_name<M>() + ">: plan_options::plan_tie");
+  check_plan_tie(o.plan_tie, "whale::" + auto_plan<M, S>::name() + ": plan_options::plan_tie");
   auto price = [&]<std::size_t I>(std::integral_constant<std::size_t, I>, const mesh_shape& mesh, const std::string& label,
                                   int micro) {
     using P = typename V::template at<I>;
@@ -379,7 +379,7 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
   });
   if (!cs.front().valid || !cs.front().fits) {
     std::ostringstream why;
-    why << "whale::auto_plan<" << layer_name<M>() << ">: no candidate plan runs on the mesh " << job
+    why << "whale::" << auto_plan<M, S>::name() << ": no candidate plan runs on the mesh " << job
         << (o.memory_limit_mib > 0 ? " within " + std::to_string(o.memory_limit_mib) + " MiB per rank" : std::string())
         << ":";
     for (const auto& c : cs)
@@ -392,7 +392,7 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
 }
 
 /// The plan auto_plan<M, S> chose, running; the API every plan has, forwarded.
-template <class M, plan_space S>
+template <class M, plan_space S = plan_space{}>
 class auto_executor {
   using V = detail::auto_variant<detail::auto_candidates<M, S>>;
 
