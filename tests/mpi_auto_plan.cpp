@@ -453,6 +453,13 @@ TEST_CASE("auto_plan prices 3-D plans with ZeRO 1-3 and recompute where the data
     for (std::size_t l = 0; l < 4; ++l) CHECK(rec[m][l] < mib[l]);  // a block's inner activations are not kept
     smallest = std::min(smallest, mib[0]);
   }
+  // without a limit the front is the fastest, or the simplest (first listed) of those within plan_tie of it
+  double fastest = 1e300;
+  for (const auto& c : cs)
+    if (c.valid) fastest = std::min(fastest, c.step_s);
+  CHECK(cs.front().step_s <= fastest * (1 + o.plan_tie));
+  for (const auto& c : cs)
+    if (c.valid && c.step_s <= fastest * (1 + o.plan_tie)) CHECK(cs.front().order <= c.order);
   // a limit under every plain 3-D plan: a sharded or recomputed one is chosen
   o.memory_limit_mib = smallest - 0.001;
   cs = rank_auto_plans<wide_gpt>(mesh_shape(2, 2, 2), o, dev);
