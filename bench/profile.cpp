@@ -3,7 +3,8 @@
 // Every rank measures at once, as they run in training (ranks share cores and
 // memory bandwidth): GEMM rates at shapes from 64 to 2048 with the transposes
 // backward uses (with --thin, also thin shapes: 16 to 512 rows through a
-// 1024 x 4096 layer, 16 to 256 through a 1024 x 32768 one), elementwise bandwidth, and — when launched on 2 or more
+// 1024 x 4096 layer, 16 to 256 through a 1024 x 32768 one), attention's per-head
+// products as the layer runs them, elementwise bandwidth, and — when launched on 2 or more
 // ranks — latency and bandwidth of all-reduce, all-gather, reduce-scatter and
 // messages, fitted by least squares over sizes from 4 KiB to 32 MiB (the
 // measured points kept beside the fit), and the cores the ranks shared. The
@@ -22,6 +23,8 @@
 #include <sstream>
 #include <string>
 #include <thread>
+
+#include <unistd.h>
 #include <tuple>
 #include <vector>
 
@@ -167,6 +170,58 @@ int main(int argc, char** argv) {
           prof.thin.push_back({static_cast<double>(t), forms[1], static_cast<double>(in) * static_cast<double>(out)});
         }
       }
+    // Attention's per-head products, as causal_self_attention runs them: its forward and
+    // backward core on 4 heads (Q, K, V strided in one QKV buffer; the softmax between the
+    // products, untimed), the products' time summed from the GEMM log, 3 runs after a
+    // warm-up: the median rate. Before the forward and again before the backward each rank writes a
+    // buffer of the last-level cache's size, as the rest of a training step does (these
+    // small products ran about 30% slower here so than on operands left in the caches,
+    // which is how gpt's ran inside its step). A rate, not a factor over the size curve:
+    // the curve's smallest shapes (64 cubed) run from the first-level caches, faster than
+    // these. Sequences 64 to 2048, head widths 64 and 128 (gpt's 128 x 64, BERT-Large's
+    // 512 x 64, gpt-13b's 2048 x 128); the writes take most of this part's time (4 ranks
+    // on 2 cores: about 15 s of the profile's minute).
+    {
+      const long llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
+      tensor<float> evict({static_cast<index_t>(std::clamp(llc > 0 ? llc : 0L, 64L << 20, 1L << 30) / 4)});
+      auto flush = [&] {
+        float* e = evict.data();
+        for (index_t i = 0; i < evict.numel(); ++i) e[i] += 1.f;
+        volatile float sink = e[evict.numel() / 2];
+        (void)sink;
+      };
+      for (const auto& [T, hd] : std::vector<std::pair<index_t, index_t>>{{64, 64}, {128, 64}, {512, 64}, {512, 128}, {2048, 128}}) {
+        const index_t H = 4, W = H * hd;
+        const double product = 2.0 * static_cast<double>(T) * static_cast<double>(T) * static_cast<double>(hd);
+        const index_t B = std::max<index_t>(1, static_cast<index_t>(std::ceil(0.3e9 / (6.0 * product * static_cast<double>(H)))));
+        tensor<float> qkv({B * T * 3 * W}), probs({B * H * T * T}), att({B * T * W}), dqkv({B * T * 3 * W}), ds({H * T * T});
+        for (auto* x : {&qkv, &att})
+          for (auto& v : *x) v = 0.01f;
+        const backend_ref be;  // the CPU
+        std::vector<cpu::gemm_call> log;
+        log.reserve(static_cast<std::size_t>(6 * B * H + 8));
+        std::vector<double> rate;
+        for (int run = 0; run < 4; ++run) {  // the first a warm-up
+          log.clear();
+          if (run > 0) flush();
+          barrier(w);  // the ranks compute at once, as in training
+          cpu::set_gemm_log(&log);
+          detail::attention_core_forward(be, qkv.data(), probs.data(), att.data(), B, T, H, hd);
+          cpu::set_gemm_log(nullptr);
+          if (run > 0) flush();
+          cpu::set_gemm_log(&log);
+          detail::attention_core_backward(be, qkv.data(), probs.data(), att.data(), dqkv.data(), ds.data(), B, T, H, hd);
+          cpu::set_gemm_log(nullptr);
+          double secs = 0, flops = 0;
+          for (const auto& g : log) secs += g.seconds, flops += g.flops();
+          if (run > 0) rate.push_back(flops / secs / 1e9);
+        }
+        std::sort(rate.begin(), rate.end());
+        double r = rate[1];
+        all_reduce(w, view<double>(&r, {1}), reduce_op::min);  // the slowest rank's
+        prof.attention.push_back({static_cast<double>(T), static_cast<double>(hd), r});
+      }
+    }
     // more ranks than cores: how much of a core a rank waiting in a receive still takes (MPI
     // polls while it waits). Rank 0 multiplies while the others wait for its message; against
     // every rank multiplying at once, sharing_slowdown (plan/device.hpp) gives the share.

@@ -426,6 +426,56 @@ TEST_CASE("device profile: the text format, interpolated GEMM rates, α–β lin
   CHECK_THROWS_WITH_AS(bad("speed 3\n"), doctest::Contains("unknown entry 'speed'"), std::invalid_argument);
 }
 
+TEST_CASE("device profile: attention's per-head products at their measured rate, by sequence and head width") {
+  std::istringstream in("device a\ngemm 100 100 100 0 0 100\nattention 256 64 40\nattention 64 64 20\nattention 256 128 80\nbandwidth 8\n");
+  const auto p = device_profile::parse(in, "a.txt");
+  CHECK(p.attention_rate(64, 64) == doctest::Approx(20e9));   // on a line: its rate
+  CHECK(p.attention_rate(128, 64) == doctest::Approx(30e9));  // halfway in log(seq)
+  CHECK(p.attention_rate(16, 64) == doctest::Approx(20e9));   // below the shortest sequence: its rate
+  CHECK(p.attention_rate(4096, 64) == doctest::Approx(40e9)); // beyond the longest: its rate
+  CHECK(p.attention_rate(256, std::sqrt(64.0 * 128.0)) == doctest::Approx(60e9));  // halfway in log(head width)
+  CHECK(p.attention_rate(64, 256) == doctest::Approx(80e9));  // beyond the widest head: its (only) line
+  CHECK(p.attention_rate(64, 32) == doctest::Approx(20e9));
+  CHECK(p.attention_rate(64, 0) == 0);  // no context products
+  std::istringstream none("device n\ngemm 100 100 100 0 0 100\nbandwidth 8\n");
+  CHECK(device_profile::parse(none, "n.txt").attention_rate(128, 64) == 0);  // not measured: priced as GEMMs
+  std::ostringstream round;
+  round << p;
+  CHECK(round.str().find("attention 64 64 20\n") != std::string::npos);
+  std::istringstream again(round.str());
+  CHECK(device_profile::parse(again, "again").attention_rate(128, 64) == doctest::Approx(30e9));
+  auto bad = [](const char* text) {
+    std::istringstream s(std::string("gemm 8 8 8 0 0 1\nbandwidth 1\n") + text);
+    return device_profile::parse(s, "bad.txt");
+  };
+  CHECK_THROWS_WITH_AS(bad("attention 64 64\n"), doctest::Contains("bad.txt:3: 'attention' takes SEQ HEAD_DIM GFLOPS"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("attention 64 64 nan\n"), doctest::Contains("bad.txt:3: GFLOPS 'nan'"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("attention 64 64 0\n"), doctest::Contains("bad.txt:3: GFLOPS '0'"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("attention -5 64 1\n"), doctest::Contains("bad.txt:3: SEQ '-5'"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("attention 64 2x 1\n"), doctest::Contains("bad.txt:3: HEAD_DIM '2x'"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("attention 64 64 1\nattention 64 64 2\n"),
+                       doctest::Contains("bad.txt:4: a second 'attention' line for sequence 64 and head width 64"), std::invalid_argument);
+}
+
+TEST_CASE("simulate: attention's context products at the profile's attention rate, the rest of its GEMMs as before") {
+  // attention of 2 heads of width 8 on sequences of 32: Q K^T and P V are 4 D FLOPs per row per
+  // token of context, twice that backward; its head width reaches the cost whole when split
+  using A = causal_self_attention<16, 2>;
+  static_assert(A::cost().seq_inner == 8);
+  static_assert(detail::shard_of(A::cost(), 2, 0, 0).seq_inner == 8);
+  static_assert((A::cost() += linear<16, 16>::cost()).seq_inner == 8);
+  using M = sequential<A, linear<16, 4>, softmax_cross_entropy>;
+  const auto d = describe<M>();
+  const index_t seqs = 4, T = 32;
+  const auto p = lower(d, mesh_shape(1, 1, 1), 0, batch(seqs, T));
+  const auto flat = flat_profile();  // every GEMM at 100 GFLOP/s
+  std::istringstream in("device flat-attention\ngemm 64 64 64 0 0 100\nattention 32 8 25\nbandwidth 10\n");
+  const auto att = device_profile::parse(in, "flat-attention");
+  const double context = 3.0 * static_cast<double>(seqs * T) * 4.0 * 16 * T;  // forward once, backward twice
+  const double before = simulate(d, {p}, flat).step_s, after = simulate(d, {p}, att).step_s;
+  CHECK(after - before == doctest::Approx(context / 25e9 - context / 100e9));
+}
+
 TEST_CASE("device profile: measured link points are followed between and beyond them, α–β without them") {
   std::istringstream in("device d\ngemm 8 8 8 0 0 1\nbandwidth 1\nlink node all_reduce 4 10 1\n"
                         "point node all_reduce 1000000 1000\npoint node all_reduce 2000000 4000\n");

@@ -92,7 +92,8 @@ struct causal_self_attention {
   /// Per token: projections 8 D^2 forward, 16 D^2 backward; Q K^T and P V are
   /// 4 D FLOPs per token of context (seq_flops; backward is twice that; the
   /// full T x T scores are computed, the mask is applied after). The
-  /// probabilities, H * T floats per token, are seq_act_bytes.
+  /// probabilities, H * T floats per token, are seq_act_bytes; seq_inner is
+  /// the head width, those products' inner size.
   static constexpr cost_info cost() {
     cost_info c;
     c.fwd_flops = 8.0 * D * D;
@@ -101,6 +102,7 @@ struct causal_self_attention {
     c.act_bytes = 4.0 * 10 * D;  // qkv, heads' output, y; and in backward d(att), d(qkv), dx
     c.seq_flops = 4.0 * D;
     c.seq_act_bytes = 4.0 * Heads;
+    c.seq_inner = static_cast<double>(D / Heads);
     return c;
   }
   static constexpr index_t param_count() noexcept { return 4 * D * D + 4 * D; }

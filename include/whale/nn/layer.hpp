@@ -32,6 +32,10 @@ struct cost_info {
   double act_bytes = 0;    ///< bytes kept for backward per row
   double seq_flops = 0;    ///< extra forward FLOPs per row per token of context (attention)
   double seq_act_bytes = 0;  ///< extra bytes kept per row per token of context (attention's probabilities)
+  /// The inner size of the context products (attention's head width: its Q Kᵀ and
+  /// P V are per-head products of T × T × head_dim); 0: none. A profile with
+  /// `attention` lines prices those products by it (plan/device.hpp).
+  double seq_inner = 0;
   bool per_feature = false;  ///< flops and bytes are per feature: scale by the width
   /// Every FLOP is a GEMM FLOP (a convolution run as an implicit GEMM reuses each
   /// weight at every position); otherwise a leaf's GEMM work is 2 FLOPs per weight per row.
@@ -43,6 +47,7 @@ struct cost_info {
     act_bytes += o.act_bytes;
     seq_flops += o.seq_flops;
     seq_act_bytes += o.seq_act_bytes;
+    seq_inner = seq_inner > o.seq_inner ? seq_inner : o.seq_inner;  // (one head width per block)
     return *this;
   }
   constexpr cost_info scaled(double width) const {

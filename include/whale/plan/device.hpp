@@ -56,6 +56,14 @@ struct thin_point {
   double rows = 0, factor = 1, width = default_width;
 };
 
+/// Attention's per-head products (Q Kᵀ and P V forward, four more backward: T × T × hd
+/// and T × hd × T, as causal_self_attention runs them, strided in its QKV buffer, on
+/// operands a training step has left out of the caches) at sequence `seq` and head
+/// width `head_dim`, at `gflops`.
+struct attention_point {
+  double seq = 0, head_dim = 0, gflops = 0;
+};
+
 /// t(bytes) = alpha + bytes / beta, `bytes` being what one rank sends (the
 /// ring model of comm_stats), for groups of `ranks`. Where the measured times
 /// are kept (`points`, sorted by bytes), t follows them instead: a CPU node's
@@ -97,6 +105,9 @@ struct device_profile {
   /// rows and layer width. When present they are the factors; else they come
   /// from the thin `gemm` shapes.
   std::vector<thin_point> thin;
+  /// Attention's per-head products measured as such (`attention SEQ HEAD_DIM FACTOR`
+  /// lines); none: they are priced with the layer's other GEMMs.
+  std::vector<attention_point> attention;
   double bandwidth_bps = 0;      ///< elementwise: bytes read plus written per second
   int ranks_per_node = 0;        ///< devices (ranks) per node of the cluster it describes; 0: one node
   /// 1: a collective blocks its rank until it ends (the CPU runtime); 2: collectives
@@ -232,6 +243,32 @@ struct device_profile {
       if (w <= c[i].first) return lerp({c[i - 1].first, at_rows(c[i - 1].second, rows)}, {c[i].first, at_rows(c[i].second, rows)}, w);
     return at_rows(c.back().second, rows);
   }
+  /// The rate (FLOP/s) of attention's per-head products at sequence `seq` and head
+  /// width `head_dim`: the `attention` lines' rates, interpolated in log(seq) between
+  /// the sequences measured (the nearest end's beyond them), and so across head
+  /// widths in log(head_dim). 0 without `attention` lines (then the caller prices the
+  /// products as the layer's other GEMMs). (One core here ran gpt's 128 × 128 × 64
+  /// products, inside its step, at about half its rate on large square ones.)
+  double attention_rate(double seq, double head_dim) const {
+    if (attention.empty() || !(seq > 0) || !(head_dim > 0)) return 0.0;
+    std::vector<std::pair<double, std::vector<std::pair<double, double>>>> by_width;  // head width -> (seq, FLOP/s)
+    for (const auto& a : attention) {
+      auto c = std::find_if(by_width.begin(), by_width.end(), [&](const auto& w) { return w.first == a.head_dim; });
+      if (c == by_width.end()) c = by_width.insert(by_width.end(), {a.head_dim, {}});
+      c->second.push_back({a.seq, a.gflops * 1e9});
+    }
+    std::sort(by_width.begin(), by_width.end());
+    for (auto& c : by_width) std::sort(c.second.begin(), c.second.end());
+    auto along = [](const std::vector<std::pair<double, double>>& f, double x) {
+      if (x <= f.front().first) return f.front().second;
+      for (std::size_t i = 1; i < f.size(); ++i)
+        if (x <= f[i].first) return lerp(f[i - 1], f[i], x);
+      return f.back().second;
+    };
+    std::vector<std::pair<double, double>> at_seq;  // head width -> rate at seq
+    for (const auto& c : by_width) at_seq.push_back({c.first, along(c.second, seq)});
+    return along(at_seq, head_dim);
+  }
   /// Seconds of a communication that sends `bytes` per rank in a group of `ranks` at `level`.
   /// A collective over nodes whose group has `local` ranks on each node runs `local`
   /// times the net figure (which is one rank's share when every rank of a node is in
@@ -272,6 +309,8 @@ struct device_profile {
   ///   gemm M N K TA TB GFLOPS          (TA, TB: 0 or 1)
   ///   thin ROWS FACTOR [WIDTH]          (products of ROWS rows through a layer of WIDTH = in × out
   ///                                      features run at FACTOR of the size curve's rate; WIDTH 4194304 if absent)
+  ///   attention SEQ HEAD_DIM GFLOPS     (attention's per-head products at sequence SEQ and head width HEAD_DIM,
+  ///                                      as the layer runs them on operands out of the caches)
   ///   bandwidth GBPS                    (elementwise, read + write)
   ///   node RANKS                        (ranks per node; absent: every rank on one node)
   ///   streams 1|2                       (2: collectives overlap compute; absent: 1)
@@ -288,6 +327,8 @@ struct device_profile {
       if (t.width != thin_point::default_width) os << ' ' << static_cast<long long>(t.width);
       os << "\n";
     }
+    for (const auto& a : p.attention)
+      os << "attention " << static_cast<long long>(a.seq) << ' ' << static_cast<long long>(a.head_dim) << ' ' << a.gflops << "\n";
     os << "bandwidth " << p.bandwidth_bps / 1e9 << "\n";
     if (p.ranks_per_node) os << "node " << p.ranks_per_node << "\n";
     if (p.streams != 1) os << "streams " << p.streams << "\n";
@@ -349,6 +390,15 @@ struct device_profile {
           throw std::invalid_argument(at + ": a second 'thin' line for " + w[1] + " rows through a layer of width " +
                                       std::to_string(static_cast<long long>(t.width)));
         p.thin.push_back(t);
+      } else if (w[0] == "attention") {
+        need(4, "SEQ HEAD_DIM GFLOPS (the rate of attention's per-head products at sequence SEQ and head width HEAD_DIM)");
+        attention_point a;
+        a.seq = static_cast<double>(detail::parse_int(w[1], at + ": SEQ", 1, 1 << 30));
+        a.head_dim = static_cast<double>(detail::parse_int(w[2], at + ": HEAD_DIM", 1, 1 << 30));
+        a.gflops = num(3, "GFLOPS", 0, 1e9, true);
+        if (std::any_of(p.attention.begin(), p.attention.end(), [&](const auto& o) { return o.seq == a.seq && o.head_dim == a.head_dim; }))
+          throw std::invalid_argument(at + ": a second 'attention' line for sequence " + w[1] + " and head width " + w[2]);
+        p.attention.push_back(a);
       } else if (w[0] == "bandwidth") {
         need(2, "GBPS");
         p.bandwidth_bps = num(1, "bandwidth", 0, 1e6, true) * 1e9;
@@ -387,7 +437,7 @@ struct device_profile {
         f.alpha_s = num(4, "ALPHA_US", 0, 1e9, false) * 1e-6;
         f.beta_bps = num(5, "BETA_GBPS", 0, 1e6, true) * 1e9;
       } else {
-        throw std::invalid_argument(at + ": unknown entry '" + w[0] + "' (have device, gemm, thin, bandwidth, node, streams, cores, link, point)");
+        throw std::invalid_argument(at + ": unknown entry '" + w[0] + "' (have device, gemm, thin, attention, bandwidth, node, streams, cores, link, point)");
       }
     }
     if (p.gemm.empty()) throw std::invalid_argument(origin + ": no 'gemm' line: a profile needs at least one GEMM rate");

@@ -74,10 +74,19 @@ inline double compute_seconds(const model_desc& d, const program& p, const op& o
   // attention's Q K^T and P V are GEMMs too, and so is all of a convolution's work
   gemm += std::max(0.0, o.flops - gemm) * (c.seq_flops > 0 || c.all_gemm ? 1.0 : 0.0);
   const int gemms = o.kind == op_kind::backward ? 2 : 1;
+  // attention's per-head products (seq_flops: 2 of them forward, 4 backward), at their own
+  // rate where the profile measured one
+  double t = 0;
+  if (const double ar = c.seq_flops > 0 && o.kind != op_kind::weight ? dev.attention_rate(static_cast<double>(p.seq), c.seq_inner) : 0.0;
+      ar > 0) {
+    const double context = std::min(gemm, rows * c.seq_flops * static_cast<double>(p.seq) * (o.kind == op_kind::backward ? 2.0 : 1.0));
+    t += context / ar;
+    gemm -= context;
+  }
   // the rows are the products' batch side (a convolution's are images: its side is not known);
   // the width, its largest weight matrix (this rank's share of a split one; 0: FLOPs per row)
   const double width = u.widest_weight > 0 ? static_cast<double>(u.widest_weight) / (u.sharded ? deg : 1) : 0.0;
-  double t = gemm > 0 ? gemm / dev.gemm_rate(gemm / gemms, c.all_gemm ? 0.0 : rows, width) : 0.0;
+  t += gemm > 0 ? gemm / dev.gemm_rate(gemm / gemms, c.all_gemm ? 0.0 : rows, width) : 0.0;
   // elementwise: the bytes it keeps, written once and read once
   const double bytes = 2.0 * (c.act_bytes + c.seq_act_bytes * static_cast<double>(p.seq)) * rows;
   t += bytes / dev.bandwidth_bps;
