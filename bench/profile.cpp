@@ -23,10 +23,10 @@
 #include <sstream>
 #include <string>
 #include <thread>
-
-#include <unistd.h>
 #include <tuple>
 #include <vector>
+
+#include <unistd.h>
 
 using namespace whale;
 
@@ -173,17 +173,18 @@ int main(int argc, char** argv) {
     // Attention's per-head products, as causal_self_attention runs them: its forward and
     // backward core on 4 heads (Q, K, V strided in one QKV buffer; the softmax between the
     // products, untimed), the products' time summed from the GEMM log, 3 runs after a
-    // warm-up: the median rate. Before the forward and again before the backward each rank writes a
-    // buffer of the last-level cache's size, as the rest of a training step does (these
-    // small products ran about 30% slower here so than on operands left in the caches,
-    // which is how gpt's ran inside its step). A rate, not a factor over the size curve:
-    // the curve's smallest shapes (64 cubed) run from the first-level caches, faster than
-    // these. Sequences 64 to 2048, head widths 64 and 128 (gpt's 128 x 64, BERT-Large's
-    // 512 x 64, gpt-13b's 2048 x 128); the writes take most of this part's time (4 ranks
-    // on 2 cores: about 15 s of the profile's minute).
+    // warm-up: the median rate. Before the forward and again before the backward the
+    // ranks, all at once, each write their share of a buffer the last-level cache's size
+    // (at least 16 MiB each), as the rest of a training step does between them: these
+    // small products ran about 30% slower here after such writes than on operands left in
+    // the caches, and at that slower rate inside gpt's step. A rate, not a factor over the
+    // size curve: the curve's smallest shapes (64 cubed) run from the first-level caches,
+    // faster than these. Sequences 64 to 2048, head widths 64 and 128 (the gpt and
+    // BERT-Large workloads' 128 x 64, gpt-13b's 2048 x 128); the writes take most of this
+    // part's time.
     {
       const long llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
-      tensor<float> evict({static_cast<index_t>(std::clamp(llc > 0 ? llc : 0L, 64L << 20, 1L << 30) / 4)});
+      tensor<float> evict({static_cast<index_t>(std::clamp((llc > 0 ? llc : 256L << 20) / p, 16L << 20, 1L << 30) / 4)});
       auto flush = [&] {
         float* e = evict.data();
         for (index_t i = 0; i < evict.numel(); ++i) e[i] += 1.f;

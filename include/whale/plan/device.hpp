@@ -105,7 +105,7 @@ struct device_profile {
   /// rows and layer width. When present they are the factors; else they come
   /// from the thin `gemm` shapes.
   std::vector<thin_point> thin;
-  /// Attention's per-head products measured as such (`attention SEQ HEAD_DIM FACTOR`
+  /// Attention's per-head products measured as such (`attention SEQ HEAD_DIM GFLOPS`
   /// lines); none: they are priced with the layer's other GEMMs.
   std::vector<attention_point> attention;
   double bandwidth_bps = 0;      ///< elementwise: bytes read plus written per second
