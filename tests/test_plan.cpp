@@ -299,6 +299,13 @@ TEST_CASE("predicted memory, by hand: model state by ZeRO level, activations by 
 }
 
 namespace {
+// A profile read from `text` as the file bad.txt (errors name it and the line).
+device_profile profile_text(const std::string& text) {
+  std::istringstream s(text);
+  return device_profile::parse(s, "bad.txt");
+}
+// The same after the least a profile needs (one GEMM rate, a bandwidth): `text` starts at line 3.
+device_profile profile_after_minimum(const std::string& text) { return profile_text("gemm 8 8 8 0 0 1\nbandwidth 1\n" + text); }
 device_profile flat_profile() {  // 100 GFLOP/s at every size, 10 GB/s, 10 us + 1 GB/s links
   std::istringstream in("device flat\ngemm 64 64 64 0 0 100\nbandwidth 10\nlink node all_reduce 2 10 1\n"
                         "link node all_gather 2 10 1\nlink node reduce_scatter 2 10 1\nlink node p2p 2 10 1\n");
@@ -383,10 +390,7 @@ TEST_CASE("device profile: a shape's transposes by their median; thin products p
   CHECK(wide_out.str().find("thin 64 0.8\n") != std::string::npos);  // the default width is not written
   std::istringstream wide_again(wide_out.str());
   CHECK(device_profile::parse(wide_again, "again").gemm_rate(2 * 64 * broad, 64) == doctest::Approx(16e9));
-  auto bad = [](const char* text) {
-    std::istringstream s(text);
-    return device_profile::parse(s, "bad.txt");
-  };
+  const auto bad = profile_text;
   CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 1\nthin 64\nbandwidth 1\n"), doctest::Contains("bad.txt:2: 'thin' takes ROWS FACTOR"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 1\nthin 64 0\nbandwidth 1\n"), doctest::Contains("bad.txt:2: FACTOR '0'"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 1\nthin 64 nan\nbandwidth 1\n"), doctest::Contains("bad.txt:2: FACTOR 'nan'"), std::invalid_argument);
@@ -415,10 +419,7 @@ TEST_CASE("device profile: the text format, interpolated GEMM rates, α–β lin
   round << p;
   std::istringstream again(round.str());
   CHECK(device_profile::parse(again, "again").gemm.size() == 2);
-  auto bad = [](const char* text) {
-    std::istringstream s(text);
-    return device_profile::parse(s, "bad.txt");
-  };
+  const auto bad = profile_text;
   CHECK_THROWS_WITH_AS(bad("gemm 1 2\n"), doctest::Contains("bad.txt:1: 'gemm' takes M N K TA TB GFLOPS"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 fast\nbandwidth 1\n"), doctest::Contains("bad.txt:1: GFLOPS 'fast'"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(bad("gemm 8 8 8 0 0 1\nbandwidth 1\nlink lan p2p 2 1 1\n"), doctest::Contains("bad.txt:3: link level 'lan'"), std::invalid_argument);
@@ -444,10 +445,7 @@ TEST_CASE("device profile: attention's per-head products at their measured rate,
   CHECK(round.str().find("attention 64 64 20\n") != std::string::npos);
   std::istringstream again(round.str());
   CHECK(device_profile::parse(again, "again").attention_rate(128, 64) == doctest::Approx(30e9));
-  auto bad = [](const char* text) {
-    std::istringstream s(std::string("gemm 8 8 8 0 0 1\nbandwidth 1\n") + text);
-    return device_profile::parse(s, "bad.txt");
-  };
+  const auto bad = profile_after_minimum;
   CHECK_THROWS_WITH_AS(bad("attention 64 64\n"), doctest::Contains("bad.txt:3: 'attention' takes SEQ HEAD_DIM GFLOPS"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(bad("attention 64 64 nan\n"), doctest::Contains("bad.txt:3: GFLOPS 'nan'"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(bad("attention 64 64 0\n"), doctest::Contains("bad.txt:3: GFLOPS '0'"), std::invalid_argument);
@@ -500,10 +498,7 @@ TEST_CASE("device profile: measured link points are followed between and beyond 
   round << p;
   std::istringstream again(round.str());
   CHECK(device_profile::parse(again, "again").link_time(link_level::node, link_kind::all_reduce, 4, 1.5e6) == doctest::Approx(2.5e-3));
-  auto bad = [](const char* text) {
-    std::istringstream s(std::string("gemm 8 8 8 0 0 1\nbandwidth 1\n") + text);
-    return device_profile::parse(s, "bad.txt");
-  };
+  const auto bad = profile_after_minimum;
   CHECK_THROWS_WITH_AS(bad("point node p2p 100 1\n"), doctest::Contains("bad.txt:3: a point of node p2p before its 'link' line"),
                        std::invalid_argument);
   CHECK_THROWS_WITH_AS(bad("link node p2p 2 1 1\npoint node p2p 100 5\npoint node p2p 50 6\n"),
@@ -620,10 +615,7 @@ TEST_CASE("simulate with ranks sharing cores: alone a rank runs faster than figu
   const auto again = device_profile::parse(back, "again");
   CHECK(again.cores == 1);
   CHECK(again.cores_measured_ranks == 2);
-  auto bad = [](const char* line) {
-    std::istringstream in(std::string("gemm 8 8 8 0 0 1\nbandwidth 1\n") + line);
-    return device_profile::parse(in, "bad.txt");
-  };
+  const auto bad = profile_after_minimum;
   CHECK_THROWS_WITH_AS(bad("cores 0 2 0\n"), doctest::Contains("bad.txt:3: CORES"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(bad("cores 2 2 1.5\n"), doctest::Contains("bad.txt:3: WAITING"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(bad("cores 2 2\n"), doctest::Contains("'cores' takes CORES RANKS WAITING"), std::invalid_argument);
