@@ -455,6 +455,90 @@ TEST_CASE("device profile: attention's per-head products at their measured rate,
                        doctest::Contains("bad.txt:4: a second 'attention' line for sequence 64 and head width 64"), std::invalid_argument);
 }
 
+TEST_CASE("device profile: a layer's backward products at the factor for its narrower side") {
+  const auto p = profile_after_minimum("backward 4096 0.96\nbackward 256 0.8\n");
+  CHECK(p.backward_factor(256) == doctest::Approx(0.8));
+  CHECK(p.backward_factor(1024) == doctest::Approx(0.88));  // halfway in log(width)
+  CHECK(p.backward_factor(64) == doctest::Approx(0.8));     // narrower than every line: the narrowest's
+  CHECK(p.backward_factor(16384) == doctest::Approx(0.96));
+  CHECK(p.backward_factor(0) == 1.0);                        // not known
+  CHECK(profile_after_minimum("").backward_factor(256) == 1.0);  // no lines
+  std::ostringstream round;
+  round << p;
+  CHECK(round.str().find("backward 256 0.8\n") != std::string::npos);
+  std::istringstream again(round.str());
+  CHECK(device_profile::parse(again, "again").backward_factor(1024) == doctest::Approx(0.88));
+  const auto bad = profile_after_minimum;
+  CHECK_THROWS_WITH_AS(bad("backward 256\n"), doctest::Contains("bad.txt:3: 'backward' takes NARROW FACTOR"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("backward 256 nan\n"), doctest::Contains("bad.txt:3: FACTOR 'nan'"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("backward 256 2.5\n"), doctest::Contains("bad.txt:3: FACTOR '2.5'"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("backward -5 0.9\n"), doctest::Contains("bad.txt:3: NARROW '-5'"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(bad("backward 256 0.9\nbackward 256 0.8\n"),
+                       doctest::Contains("bad.txt:4: a second 'backward' line for layers 256 features wide"), std::invalid_argument);
+}
+
+TEST_CASE("device profile: several runs of one measurement make one profile of their medians") {
+  // three runs of the same entries, one of them a fast spell: each figure is the middle run's
+  auto run = [](double gemm, double thin, double att, double back, double bw, double alpha_us, double point_us) {
+    std::ostringstream t;
+    t << "device vm-2-ranks\ngemm 64 64 64 0 0 " << gemm << "\ngemm 64 64 64 0 1 " << 2 * gemm << "\nthin 16 " << thin
+      << " 4194304\nattention 128 64 " << att << "\nbackward 256 " << back << "\nbandwidth " << bw
+      << "\ncores 2 2 0.5\nlink node all_reduce 2 " << alpha_us << " 1\npoint node all_reduce 4096 " << point_us
+      << "\npoint node all_reduce 8192 " << 2 * point_us << "\n";
+    return profile_text(t.str());
+  };
+  const auto m = median_profile({run(100, 0.5, 70, 0.9, 10, 5, 20), run(130, 0.7, 90, 0.8, 12, 4, 10), run(110, 0.6, 75, 0.95, 11, 6, 30)});
+  CHECK(m.gemm.at(0).gflops == doctest::Approx(110));
+  CHECK(m.gemm.at(1).gflops == doctest::Approx(220));
+  CHECK(m.thin.at(0).factor == doctest::Approx(0.6));
+  CHECK(m.attention_rate(128, 64) == doctest::Approx(75e9));
+  CHECK(m.backward_factor(256) == doctest::Approx(0.9));
+  CHECK(m.bandwidth_bps == doctest::Approx(11e9));
+  const auto& ar = m.links[0][0];
+  CHECK(ar.alpha_s == doctest::Approx(5e-6));
+  CHECK(ar.points.at(0).second == doctest::Approx(20e-6));
+  CHECK(ar.points.at(1).second == doctest::Approx(40e-6));
+  CHECK(m.gemm_rate(2.0 * 64 * 64 * 64) == doctest::Approx(165e9));  // the size curve settled on the medians
+  // runs of different measurements are refused, naming what differs
+  CHECK_THROWS_WITH_AS(median_profile({run(1, 1, 1, 1, 1, 1, 1), profile_after_minimum("")}), doctest::Contains("the runs differ in"),
+                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(median_profile({}), doctest::Contains("no runs"), std::invalid_argument);
+}
+
+TEST_CASE("simulate: a layer's backward GEMMs at the backward factor, its forward as before") {
+  // one linear layer 256 -> 64 (narrower side 64) and the loss: its backward GEMMs are 4 FLOPs per
+  // weight per row; at half the rate they take twice as long, and nothing else moves
+  using M = sequential<linear<256, 64>, softmax_cross_entropy>;
+  const auto d = describe<M>();
+  const index_t rows = 32;
+  const auto p = lower(d, mesh_shape(1, 1, 1), 0, batch(rows));
+  const auto flat = flat_profile();  // every GEMM at 100 GFLOP/s
+  std::istringstream in("device half-backward\ngemm 64 64 64 0 0 100\nbackward 64 0.5\nbackward 1024 0.9\nbandwidth 10\n");
+  const auto half = device_profile::parse(in, "half-backward");
+  const double backward_gemm = 4.0 * 256 * 64 * rows;
+  const double before = simulate(d, {p}, flat).step_s, after = simulate(d, {p}, half).step_s;
+  CHECK((after - before) / (backward_gemm / 100e9) == doctest::Approx(1.0).epsilon(1e-9));
+}
+
+TEST_CASE("simulate: a split layer's backward factor is read at this rank's share of its weight") {
+  // 256 -> 128 -> 256 split over 2 ranks: each holds 256 x 64 of the first (split along its
+  // outputs) and 64 x 256 of the second (along its inputs), both 64 wide where the unsplit
+  // layers are 128; a factor of 0.5 at 64 and 1 from 128 up doubles their backward GEMMs
+  using M = sequential<split<sequential<linear<256, 128>, gelu, linear<128, 256>>>, softmax_cross_entropy>;
+  const auto d = describe<M>();
+  const index_t rows = 32;
+  const auto p0 = lower(d, mesh_shape(1, 1, 2), 0, batch(rows)), p1 = lower(d, mesh_shape(1, 1, 2), 1, batch(rows));
+  const auto flat = flat_profile();
+  auto slow = flat;
+  slow.backward = {{64, 0.5}, {128, 1.0}};
+  const double backward_gemm = 2 * 4.0 * 256 * 64 * rows;  // both layers, this rank's share
+  const double before = simulate(d, {p0, p1}, flat).step_s, after = simulate(d, {p0, p1}, slow).step_s;
+  CHECK((after - before) / (backward_gemm / 100e9) == doctest::Approx(1.0).epsilon(1e-9));
+  // unsplit, the same layers are 128 wide: factor 1, nothing moves
+  const auto one = lower(d, mesh_shape(1, 1, 1), 0, batch(rows));
+  CHECK(simulate(d, {one}, slow).step_s == doctest::Approx(simulate(d, {one}, flat).step_s).epsilon(1e-12));
+}
+
 TEST_CASE("simulate: attention's context products at the profile's attention rate, the rest of its GEMMs as before") {
   // attention of 2 heads of width 8 on sequences of 32: Q K^T and P V are 4 D FLOPs per row per
   // token of context, twice that backward; its head width reaches the cost whole when split

@@ -15,6 +15,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -64,6 +65,13 @@ struct attention_point {
   double seq = 0, head_dim = 0, gflops = 0;
 };
 
+/// A linear layer's backward products (d-input and d-weights, on operands a step has
+/// left out of the caches) over its forward product's rate (timed in turns), for a
+/// layer whose narrower side (min(in, out) features) is `narrow`.
+struct backward_point {
+  double narrow = 0, factor = 1;
+};
+
 /// t(bytes) = alpha + bytes / beta, `bytes` being what one rank sends (the
 /// ring model of comm_stats), for groups of `ranks`. Where the measured times
 /// are kept (`points`, sorted by bytes), t follows them instead: a CPU node's
@@ -108,6 +116,8 @@ struct device_profile {
   /// Attention's per-head products measured as such (`attention SEQ HEAD_DIM GFLOPS`
   /// lines); none: they are priced with the layer's other GEMMs.
   std::vector<attention_point> attention;
+  /// Backward factors measured as such (`backward NARROW FACTOR` lines); none: 1.
+  std::vector<backward_point> backward;
   double bandwidth_bps = 0;      ///< elementwise: bytes read plus written per second
   int ranks_per_node = 0;        ///< devices (ranks) per node of the cluster it describes; 0: one node
   /// 1: a collective blocks its rank until it ends (the CPU runtime); 2: collectives
@@ -269,6 +279,21 @@ struct device_profile {
     for (const auto& c : by_width) at_seq.push_back({c.first, along(c.second, seq)});
     return along(at_seq, head_dim);
   }
+  /// The factor on a layer's backward GEMM rate (d-input and d-weights against its
+  /// forward) for a layer whose narrower side is `narrow` features: the `backward`
+  /// lines' factors interpolated in log(narrow), the nearest end's beyond them; 1
+  /// without lines or for `narrow` 0 (not known). (Profiles of 1, 2 and 4 ranks here,
+  /// each the median of 3 runs: 0.83-0.89 at 256 features, 0.90-0.91 at 1024, 0.96-0.98 at 4096.)
+  double backward_factor(double narrow) const {
+    if (backward.empty() || !(narrow > 0)) return 1.0;
+    std::vector<std::pair<double, double>> f;
+    for (const auto& b : backward) f.push_back({b.narrow, b.factor});
+    std::sort(f.begin(), f.end());
+    if (narrow <= f.front().first) return f.front().second;
+    for (std::size_t i = 1; i < f.size(); ++i)
+      if (narrow <= f[i].first) return lerp(f[i - 1], f[i], narrow);
+    return f.back().second;
+  }
   /// Seconds of a communication that sends `bytes` per rank in a group of `ranks` at `level`.
   /// A collective over nodes whose group has `local` ranks on each node runs `local`
   /// times the net figure (which is one rank's share when every rank of a node is in
@@ -311,6 +336,8 @@ struct device_profile {
   ///                                      features run at FACTOR of the size curve's rate; WIDTH 4194304 if absent)
   ///   attention SEQ HEAD_DIM GFLOPS     (attention's per-head products at sequence SEQ and head width HEAD_DIM,
   ///                                      as the layer runs them on operands out of the caches)
+  ///   backward NARROW FACTOR            (a layer NARROW = min(in, out) features wide runs its backward
+  ///                                      products at FACTOR of its forward's rate)
   ///   bandwidth GBPS                    (elementwise, read + write)
   ///   node RANKS                        (ranks per node; absent: every rank on one node)
   ///   streams 1|2                       (2: collectives overlap compute; absent: 1)
@@ -329,6 +356,7 @@ struct device_profile {
     }
     for (const auto& a : p.attention)
       os << "attention " << static_cast<long long>(a.seq) << ' ' << static_cast<long long>(a.head_dim) << ' ' << a.gflops << "\n";
+    for (const auto& b : p.backward) os << "backward " << static_cast<long long>(b.narrow) << ' ' << b.factor << "\n";
     os << "bandwidth " << p.bandwidth_bps / 1e9 << "\n";
     if (p.ranks_per_node) os << "node " << p.ranks_per_node << "\n";
     if (p.streams != 1) os << "streams " << p.streams << "\n";
@@ -399,6 +427,15 @@ struct device_profile {
         if (std::any_of(p.attention.begin(), p.attention.end(), [&](const auto& o) { return o.seq == a.seq && o.head_dim == a.head_dim; }))
           throw std::invalid_argument(at + ": a second 'attention' line for sequence " + w[1] + " and head width " + w[2]);
         p.attention.push_back(a);
+      } else if (w[0] == "backward") {
+        need(3, "NARROW FACTOR (a layer whose narrower side is NARROW features runs its backward products at FACTOR "
+                "of its forward product's rate)");
+        backward_point b;
+        b.narrow = static_cast<double>(detail::parse_int(w[1], at + ": NARROW", 1, 1 << 30));
+        b.factor = num(2, "FACTOR", 0, 2, true);
+        if (std::any_of(p.backward.begin(), p.backward.end(), [&](const auto& o) { return o.narrow == b.narrow; }))
+          throw std::invalid_argument(at + ": a second 'backward' line for layers " + w[1] + " features wide");
+        p.backward.push_back(b);
       } else if (w[0] == "bandwidth") {
         need(2, "GBPS");
         p.bandwidth_bps = num(1, "bandwidth", 0, 1e6, true) * 1e9;
@@ -437,7 +474,7 @@ struct device_profile {
         f.alpha_s = num(4, "ALPHA_US", 0, 1e9, false) * 1e-6;
         f.beta_bps = num(5, "BETA_GBPS", 0, 1e6, true) * 1e9;
       } else {
-        throw std::invalid_argument(at + ": unknown entry '" + w[0] + "' (have device, gemm, thin, attention, bandwidth, node, streams, cores, link, point)");
+        throw std::invalid_argument(at + ": unknown entry '" + w[0] + "' (have device, gemm, thin, attention, backward, bandwidth, node, streams, cores, link, point)");
       }
     }
     if (p.gemm.empty()) throw std::invalid_argument(origin + ": no 'gemm' line: a profile needs at least one GEMM rate");
@@ -469,6 +506,85 @@ struct device_profile {
   mutable std::vector<std::pair<double, double>> size_curve_;
   mutable std::vector<std::pair<double, std::vector<std::pair<double, double>>>> thin_factors_;
 };
+
+/// One profile from several runs of the same measurement on one machine (`scripts/profile
+/// --runs N`): every figure the median of the runs' (each GEMM shape's, thin factor,
+/// attention rate, backward factor, the bandwidth, the cores' waiting share, each link's
+/// alpha, beta and measured points). A run's figures move together with the machine's
+/// slow and fast spells (one run here read GEMM rates 12-15% above the next two's): the
+/// median of runs minutes apart is what a training job minutes later meets. The runs must
+/// list the same entries in the same order (the same program on the same ranks);
+/// otherwise std::invalid_argument, naming the first that differs.
+inline device_profile median_profile(const std::vector<device_profile>& runs) {
+  if (runs.empty()) throw std::invalid_argument("whale::median_profile: no runs");
+  const auto& first = runs.front();
+  auto differ = [&](const std::string& what) {
+    return std::invalid_argument("whale::median_profile: the runs differ in " + what + " (not runs of one measurement)");
+  };
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    const std::size_t h = v.size() / 2;
+    return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
+  };
+  // the median over the runs of field(run, i) for entry i of a list whose entries match by key
+  auto each = [&](auto list, auto key, auto field) {
+    for (const auto& r : runs)
+      if ((r.*list).size() != (first.*list).size()) throw differ("how many entries they list");
+    auto out = first.*list;
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      std::vector<double> v;
+      for (const auto& r : runs) {
+        if (key((r.*list)[i]) != key((first.*list)[i])) throw differ("entry " + std::to_string(i + 1) + " of a list");
+        v.push_back(field((r.*list)[i]));
+      }
+      field(out[i]) = median(std::move(v));
+    }
+    return out;
+  };
+  device_profile m = first;
+  m.gemm = each(&device_profile::gemm, [](const gemm_point& g) { return std::make_tuple(g.m, g.n, g.k, g.ta, g.tb); },
+                [](auto& g) -> auto& { return g.gflops; });
+  m.thin = each(&device_profile::thin, [](const thin_point& t) { return std::make_pair(t.rows, t.width); },
+                [](auto& t) -> auto& { return t.factor; });
+  m.attention = each(&device_profile::attention, [](const attention_point& a) { return std::make_pair(a.seq, a.head_dim); },
+                     [](auto& a) -> auto& { return a.gflops; });
+  m.backward = each(&device_profile::backward, [](const backward_point& b) { return b.narrow; },
+                    [](auto& b) -> auto& { return b.factor; });
+  std::vector<double> bw, share;
+  for (const auto& r : runs) {
+    if (r.ranks_per_node != first.ranks_per_node || r.streams != first.streams || r.cores != first.cores ||
+        r.cores_measured_ranks != first.cores_measured_ranks)
+      throw differ("their node, streams or cores entries");
+    bw.push_back(r.bandwidth_bps);
+    share.push_back(r.waiting_share);
+  }
+  m.bandwidth_bps = median(bw);
+  m.waiting_share = median(share);
+  for (std::size_t l = 0; l < m.links.size(); ++l)
+    for (std::size_t k = 0; k < m.links[l].size(); ++k) {
+      auto& f = m.links[l][k];
+      std::vector<double> alpha, beta;
+      for (const auto& r : runs) {
+        const auto& g = r.links[l][k];
+        if (g.ranks != f.ranks || g.points.size() != f.points.size()) throw differ("their link entries");
+        alpha.push_back(g.alpha_s);
+        beta.push_back(g.beta_bps);
+      }
+      f.alpha_s = median(alpha);
+      f.beta_bps = median(beta);
+      // each run's times rise with the bytes, and so does their median at each size
+      for (std::size_t i = 0; i < f.points.size(); ++i) {
+        std::vector<double> t;
+        for (const auto& r : runs) {
+          if (r.links[l][k].points[i].first != f.points[i].first) throw differ("their link points' sizes");
+          t.push_back(r.links[l][k].points[i].second);
+        }
+        f.points[i].second = median(std::move(t));
+      }
+    }
+  m.settle_gemm();
+  return m;
+}
 
 /// The link kind of a program operation (collectives and messages).
 inline link_kind link_of(const op& o) {

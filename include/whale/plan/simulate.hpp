@@ -6,9 +6,11 @@
 // operations it depends on (a GPU with NCCL). A collective starts when every
 // rank of its group has reached it and lasts α + bytes/β; a message arrives
 // α + bytes/β after its send, and a receive waits for it. Compute takes its
-// GEMM FLOPs at the profile's rate for that size, elementwise work its bytes
-// at the profile's bandwidth. Gives the step time, and per rank its compute,
-// communication and idle time, and the spans for a trace. Pure.
+// GEMM FLOPs at the profile's rate for that size (a backward pass's at its
+// backward factor; attention's per-head products at the attention rate where
+// the profile has one), elementwise work its bytes at the profile's
+// bandwidth. Gives the step time, and per rank its compute, communication and
+// idle time, and the spans for a trace. Pure.
 #pragma once
 
 #include <algorithm>
@@ -86,7 +88,18 @@ inline double compute_seconds(const model_desc& d, const program& p, const op& o
   // the rows are the products' batch side (a convolution's are images: its side is not known);
   // the width, its largest weight matrix (this rank's share of a split one; 0: FLOPs per row)
   const double width = u.widest_weight > 0 ? static_cast<double>(u.widest_weight) / (u.sharded ? deg : 1) : 0.0;
-  t += gemm > 0 ? gemm / dev.gemm_rate(gemm / gemms, c.all_gemm ? 0.0 : rows, width) : 0.0;
+  // a backward pass's products (d-input, d-weights) at the profile's factor for the narrower
+  // side of this rank's widest weight (a split one's share: its inputs where the split runs
+  // along them, else its outputs); 0 where not known (a convolution): factor 1
+  const bool back = o.kind == op_kind::backward || o.kind == op_kind::weight;
+  double narrow = 0;
+  if (back && !c.all_gemm && u.widest_weight > 0 && u.in_width != any_features && u.in_width > 0) {
+    double in = static_cast<double>(u.in_width), out = static_cast<double>(u.widest_weight) / in;
+    if (u.sharded) (u.split_extent == u.in_width ? in : out) /= deg;
+    narrow = std::min(in, out);
+  }
+  if (gemm > 0)
+    t += gemm / (dev.gemm_rate(gemm / gemms, c.all_gemm ? 0.0 : rows, width) * (back ? dev.backward_factor(narrow) : 1.0));
   // elementwise: the bytes it keeps, written once and read once
   const double bytes = 2.0 * (c.act_bytes + c.seq_act_bytes * static_cast<double>(p.seq)) * rows;
   t += bytes / dev.bandwidth_bps;
