@@ -100,7 +100,7 @@ int main(int argc, char** argv) {
     const int p = ctx.size();
     // the whole measurement, once; with --runs N, N times in turns and each figure the
     // median of the runs' (median_profile): one run's figures move with the machine's
-    // spells (here one run's GEMM rates read 12-15% above the next two's)
+    // spells (here one run's GEMM rates read 12-17% above the next two's)
     auto measure_once = [&] {
       device_profile prof;
       prof.name = name + "-" + std::to_string(p) + "-ranks";

@@ -306,6 +306,13 @@ device_profile profile_text(const std::string& text) {
 }
 // The same after the least a profile needs (one GEMM rate, a bandwidth): `text` starts at line 3.
 device_profile profile_after_minimum(const std::string& text) { return profile_text("gemm 8 8 8 0 0 1\nbandwidth 1\n" + text); }
+// Each (text, message): the text after that minimum is refused with an error containing the message.
+void check_refused(std::initializer_list<std::pair<const char*, const char*>> cases) {
+  for (const auto& [text, message] : cases) {
+    INFO("profile text: " << text);
+    CHECK_THROWS_WITH_AS(profile_after_minimum(text), doctest::Contains(message), std::invalid_argument);
+  }
+}
 device_profile flat_profile() {  // 100 GFLOP/s at every size, 10 GB/s, 10 us + 1 GB/s links
   std::istringstream in("device flat\ngemm 64 64 64 0 0 100\nbandwidth 10\nlink node all_reduce 2 10 1\n"
                         "link node all_gather 2 10 1\nlink node reduce_scatter 2 10 1\nlink node p2p 2 10 1\n");
@@ -445,14 +452,12 @@ TEST_CASE("device profile: attention's per-head products at their measured rate,
   CHECK(round.str().find("attention 64 64 20\n") != std::string::npos);
   std::istringstream again(round.str());
   CHECK(device_profile::parse(again, "again").attention_rate(128, 64) == doctest::Approx(30e9));
-  const auto bad = profile_after_minimum;
-  CHECK_THROWS_WITH_AS(bad("attention 64 64\n"), doctest::Contains("bad.txt:3: 'attention' takes SEQ HEAD_DIM GFLOPS"), std::invalid_argument);
-  CHECK_THROWS_WITH_AS(bad("attention 64 64 nan\n"), doctest::Contains("bad.txt:3: GFLOPS 'nan'"), std::invalid_argument);
-  CHECK_THROWS_WITH_AS(bad("attention 64 64 0\n"), doctest::Contains("bad.txt:3: GFLOPS '0'"), std::invalid_argument);
-  CHECK_THROWS_WITH_AS(bad("attention -5 64 1\n"), doctest::Contains("bad.txt:3: SEQ '-5'"), std::invalid_argument);
-  CHECK_THROWS_WITH_AS(bad("attention 64 2x 1\n"), doctest::Contains("bad.txt:3: HEAD_DIM '2x'"), std::invalid_argument);
-  CHECK_THROWS_WITH_AS(bad("attention 64 64 1\nattention 64 64 2\n"),
-                       doctest::Contains("bad.txt:4: a second 'attention' line for sequence 64 and head width 64"), std::invalid_argument);
+  check_refused({{"attention 64 64\n", "bad.txt:3: 'attention' takes SEQ HEAD_DIM GFLOPS"},
+                 {"attention 64 64 nan\n", "bad.txt:3: GFLOPS 'nan'"},
+                 {"attention 64 64 0\n", "bad.txt:3: GFLOPS '0'"},
+                 {"attention -5 64 1\n", "bad.txt:3: SEQ '-5'"},
+                 {"attention 64 2x 1\n", "bad.txt:3: HEAD_DIM '2x'"},
+                 {"attention 64 64 1\nattention 64 64 2\n", "bad.txt:4: a second 'attention' line for sequence 64 and head width 64"}});
 }
 
 TEST_CASE("device profile: a layer's backward products at the factor for its narrower side") {
@@ -468,13 +473,11 @@ TEST_CASE("device profile: a layer's backward products at the factor for its nar
   CHECK(round.str().find("backward 256 0.8\n") != std::string::npos);
   std::istringstream again(round.str());
   CHECK(device_profile::parse(again, "again").backward_factor(1024) == doctest::Approx(0.88));
-  const auto bad = profile_after_minimum;
-  CHECK_THROWS_WITH_AS(bad("backward 256\n"), doctest::Contains("bad.txt:3: 'backward' takes NARROW FACTOR"), std::invalid_argument);
-  CHECK_THROWS_WITH_AS(bad("backward 256 nan\n"), doctest::Contains("bad.txt:3: FACTOR 'nan'"), std::invalid_argument);
-  CHECK_THROWS_WITH_AS(bad("backward 256 2.5\n"), doctest::Contains("bad.txt:3: FACTOR '2.5'"), std::invalid_argument);
-  CHECK_THROWS_WITH_AS(bad("backward -5 0.9\n"), doctest::Contains("bad.txt:3: NARROW '-5'"), std::invalid_argument);
-  CHECK_THROWS_WITH_AS(bad("backward 256 0.9\nbackward 256 0.8\n"),
-                       doctest::Contains("bad.txt:4: a second 'backward' line for layers 256 features wide"), std::invalid_argument);
+  check_refused({{"backward 256\n", "bad.txt:3: 'backward' takes NARROW FACTOR"},
+                 {"backward 256 nan\n", "bad.txt:3: FACTOR 'nan'"},
+                 {"backward 256 2.5\n", "bad.txt:3: FACTOR '2.5'"},
+                 {"backward -5 0.9\n", "bad.txt:3: NARROW '-5'"},
+                 {"backward 256 0.9\nbackward 256 0.8\n", "bad.txt:4: a second 'backward' line for layers 256 features wide"}});
 }
 
 TEST_CASE("device profile: several runs of one measurement make one profile of their medians") {
@@ -500,8 +503,22 @@ TEST_CASE("device profile: several runs of one measurement make one profile of t
   CHECK(ar.points.at(1).second == doctest::Approx(40e-6));
   CHECK(m.gemm_rate(2.0 * 64 * 64 * 64) == doctest::Approx(165e9));  // the size curve settled on the medians
   // runs of different measurements are refused, naming what differs
-  CHECK_THROWS_WITH_AS(median_profile({run(1, 1, 1, 1, 1, 1, 1), profile_after_minimum("")}), doctest::Contains("the runs differ in"),
-                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(median_profile({run(1, 1, 1, 1, 1, 1, 1), profile_after_minimum("")}),
+                       doctest::Contains("the runs differ in how many 'gemm' lines they have"), std::invalid_argument);
+  auto edited = [&](const std::string& from, const std::string& to) {
+    std::ostringstream t;
+    t << run(1, 1, 1, 1, 1, 1, 1);
+    std::string text = t.str();
+    REQUIRE(text.find(from) != std::string::npos);
+    text.replace(text.find(from), from.size(), to);
+    return profile_text(text);
+  };
+  CHECK_THROWS_WITH_AS(median_profile({run(1, 1, 1, 1, 1, 1, 1), edited("gemm 64 64 64 0 1", "gemm 64 64 64 1 0")}),
+                       doctest::Contains("the runs differ in 'gemm' line 2"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(median_profile({run(1, 1, 1, 1, 1, 1, 1), edited("cores 2 2", "cores 4 2")}),
+                       doctest::Contains("'cores' lines"), std::invalid_argument);
+  CHECK_THROWS_WITH_AS(median_profile({run(1, 1, 1, 1, 1, 1, 1), edited("point node all_reduce 8192", "point node all_reduce 16384")}),
+                       doctest::Contains("'point' lines' sizes"), std::invalid_argument);
   CHECK_THROWS_WITH_AS(median_profile({}), doctest::Contains("no runs"), std::invalid_argument);
 }
 

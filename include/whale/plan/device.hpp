@@ -1,9 +1,11 @@
 // A device profile: what one rank's device does per second, measured once
 // per machine (scripts/profile) or written from a datasheet. GEMM rates at a
-// few shapes (by size, and by how thin the product is), elementwise
+// few shapes (by size, and by how thin the product is), attention's per-head
+// products, a layer's backward products against its forward, elementwise
 // bandwidth, and the α–β parameters (latency, bandwidth) of each collective
-// and of point-to-point messages per link level (inside a node, between nodes). Plain data, a text
-// format, and the time of an operation; no measurement here.
+// and of point-to-point messages per link level (inside a node, between
+// nodes). Plain data, a text format, the median of several runs, and the time
+// of an operation; no measurement here.
 #pragma once
 
 #include <algorithm>
@@ -511,7 +513,7 @@ struct device_profile {
 /// --runs N`): every figure the median of the runs' (each GEMM shape's, thin factor,
 /// attention rate, backward factor, the bandwidth, the cores' waiting share, each link's
 /// alpha, beta and measured points). A run's figures move together with the machine's
-/// slow and fast spells (one run here read GEMM rates 12-15% above the next two's): the
+/// slow and fast spells (one run here read GEMM rates 12-17% above the next two's): the
 /// median of runs minutes apart is what a training job minutes later meets. The runs must
 /// list the same entries in the same order (the same program on the same ranks);
 /// otherwise std::invalid_argument, naming the first that differs.
@@ -527,14 +529,14 @@ inline device_profile median_profile(const std::vector<device_profile>& runs) {
     return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
   };
   // the median over the runs of field(run, i) for entry i of a list whose entries match by key
-  auto each = [&](auto list, auto key, auto field) {
+  auto each = [&](auto list, const char* what, auto key, auto field) {
     for (const auto& r : runs)
-      if ((r.*list).size() != (first.*list).size()) throw differ("how many entries they list");
+      if ((r.*list).size() != (first.*list).size()) throw differ(std::string("how many '") + what + "' lines they have");
     auto out = first.*list;
     for (std::size_t i = 0; i < out.size(); ++i) {
       std::vector<double> v;
       for (const auto& r : runs) {
-        if (key((r.*list)[i]) != key((first.*list)[i])) throw differ("entry " + std::to_string(i + 1) + " of a list");
+        if (key((r.*list)[i]) != key((first.*list)[i])) throw differ(std::string("'") + what + "' line " + std::to_string(i + 1));
         v.push_back(field((r.*list)[i]));
       }
       field(out[i]) = median(std::move(v));
@@ -542,19 +544,19 @@ inline device_profile median_profile(const std::vector<device_profile>& runs) {
     return out;
   };
   device_profile m = first;
-  m.gemm = each(&device_profile::gemm, [](const gemm_point& g) { return std::make_tuple(g.m, g.n, g.k, g.ta, g.tb); },
+  m.gemm = each(&device_profile::gemm, "gemm", [](const gemm_point& g) { return std::make_tuple(g.m, g.n, g.k, g.ta, g.tb); },
                 [](auto& g) -> auto& { return g.gflops; });
-  m.thin = each(&device_profile::thin, [](const thin_point& t) { return std::make_pair(t.rows, t.width); },
+  m.thin = each(&device_profile::thin, "thin", [](const thin_point& t) { return std::make_pair(t.rows, t.width); },
                 [](auto& t) -> auto& { return t.factor; });
-  m.attention = each(&device_profile::attention, [](const attention_point& a) { return std::make_pair(a.seq, a.head_dim); },
+  m.attention = each(&device_profile::attention, "attention", [](const attention_point& a) { return std::make_pair(a.seq, a.head_dim); },
                      [](auto& a) -> auto& { return a.gflops; });
-  m.backward = each(&device_profile::backward, [](const backward_point& b) { return b.narrow; },
+  m.backward = each(&device_profile::backward, "backward", [](const backward_point& b) { return b.narrow; },
                     [](auto& b) -> auto& { return b.factor; });
   std::vector<double> bw, share;
   for (const auto& r : runs) {
     if (r.ranks_per_node != first.ranks_per_node || r.streams != first.streams || r.cores != first.cores ||
         r.cores_measured_ranks != first.cores_measured_ranks)
-      throw differ("their node, streams or cores entries");
+      throw differ("their 'node', 'streams' or 'cores' lines");
     bw.push_back(r.bandwidth_bps);
     share.push_back(r.waiting_share);
   }
@@ -566,7 +568,7 @@ inline device_profile median_profile(const std::vector<device_profile>& runs) {
       std::vector<double> alpha, beta;
       for (const auto& r : runs) {
         const auto& g = r.links[l][k];
-        if (g.ranks != f.ranks || g.points.size() != f.points.size()) throw differ("their link entries");
+        if (g.ranks != f.ranks || g.points.size() != f.points.size()) throw differ("their 'link' lines");
         alpha.push_back(g.alpha_s);
         beta.push_back(g.beta_bps);
       }
@@ -576,7 +578,7 @@ inline device_profile median_profile(const std::vector<device_profile>& runs) {
       for (std::size_t i = 0; i < f.points.size(); ++i) {
         std::vector<double> t;
         for (const auto& r : runs) {
-          if (r.links[l][k].points[i].first != f.points[i].first) throw differ("their link points' sizes");
+          if (r.links[l][k].points[i].first != f.points[i].first) throw differ("their 'point' lines' sizes");
           t.push_back(r.links[l][k].points[i].second);
         }
         f.points[i].second = median(std::move(t));
