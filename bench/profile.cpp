@@ -3,7 +3,8 @@
 // Every rank measures at once, as they run in training (ranks share cores and
 // memory bandwidth): GEMM rates at shapes from 64 to 2048 with the transposes
 // backward uses (with --thin, also thin shapes: 16 to 512 rows through a
-// 1024 x 4096 layer, 16 to 256 through a 1024 x 32768 one), attention's per-head
+// 1024 x 4096 layer, 16 to 256 through a 1024 x 32768 one, 16 and 64 through a
+// 2048 x 100,000 one), attention's per-head
 // products as the layer runs them, a linear layer's backward rate against its
 // forward by how wide it is, elementwise bandwidth, and — when launched on 2 or more
 // ranks — latency and bandwidth of all-reduce, all-gather, reduce-scatter and
@@ -133,15 +134,17 @@ int main(int argc, char** argv) {
       // each timed in turns with a cube of the same FLOPs, 5 pairs: the factor is the
       // median of the pairs' rate ratios (the median of the three forms), so a slow
       // spell of the machine falls on both sides of a pair. Rates timed minutes apart
-      // were not steady enough here (docs/planning.md section 6). Two layers: 1024 x
-      // 4096 (16 to 512 rows), and a wide one, 1024 x 32768, as a classifier's or a
-      // language model's head (16 to 256 rows): wide thin products run slower here.
+      // were not steady enough here (docs/planning.md section 6). Three layers: 1024 x
+      // 4096 (16 to 512 rows), a wide one, 1024 x 32768, as a language model's head (16
+      // to 256 rows), and xc's 2048 x 100,000 classifier (16 and 64 rows): the wider the
+      // layer, the slower its thin products run here.
       struct thin_layer {
         index_t in, out;
         std::vector<index_t> rows;
       };
       if (thin)
-        for (const auto& layer : {thin_layer{1024, 4096, {16, 32, 64, 128, 256, 512}}, thin_layer{1024, 32768, {16, 64, 256}}}) {
+        for (const auto& layer : {thin_layer{1024, 4096, {16, 32, 64, 128, 256, 512}}, thin_layer{1024, 32768, {16, 64, 256}},
+                                  thin_layer{2048, 100000, {16, 64}}}) {
           const index_t in = layer.in, out = layer.out;
           tensor<float> a({std::max<index_t>(512, layer.rows.back()) * out}), b({out * in}), c({out * in});
           for (auto* x : {&a, &b})
