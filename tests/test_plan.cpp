@@ -486,7 +486,7 @@ TEST_CASE("device profile: several runs of one measurement make one profile of t
     std::ostringstream t;
     t << "device vm-2-ranks\ngemm 64 64 64 0 0 " << gemm << "\ngemm 64 64 64 0 1 " << 2 * gemm << "\nthin 16 " << thin
       << " 4194304\nattention 128 64 " << att << "\nbackward 256 " << back << "\nbandwidth " << bw
-      << "\ncores 2 2 0.5\nlink node all_reduce 2 " << alpha_us << " 1\npoint node all_reduce 4096 " << point_us
+      << "\ncores 2 2 " << bw / 100 << "\nlink node all_reduce 2 " << alpha_us << " 1\npoint node all_reduce 4096 " << point_us
       << "\npoint node all_reduce 8192 " << 2 * point_us << "\n";
     return profile_text(t.str());
   };
@@ -497,6 +497,7 @@ TEST_CASE("device profile: several runs of one measurement make one profile of t
   CHECK(m.attention_rate(128, 64) == doctest::Approx(75e9));
   CHECK(m.backward_factor(256) == doctest::Approx(0.9));
   CHECK(m.bandwidth_bps == doctest::Approx(11e9));
+  CHECK(m.waiting_share == doctest::Approx(0.11));  // the bandwidth's hundredth in each run
   const auto& ar = m.links[0][0];
   CHECK(ar.alpha_s == doctest::Approx(5e-6));
   CHECK(ar.points.at(0).second == doctest::Approx(20e-6));

@@ -26,6 +26,15 @@
 
 namespace whale {
 
+namespace detail {
+/// The median of `v` (the mean of the middle two for an even count); `v` not empty.
+inline double median_of(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t h = v.size() / 2;
+  return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
+}
+}  // namespace detail
+
 /// Where a group's ranks are: all on one node, or spread over nodes.
 enum class link_level : std::uint8_t { node, net };
 /// The communication a link entry describes (collectives of program.hpp, and messages).
@@ -169,11 +178,6 @@ struct device_profile {
   void settle_gemm() const {
     size_curve_.clear();
     thin_factors_.clear();
-    auto median = [](std::vector<double> v) {
-      std::sort(v.begin(), v.end());
-      const std::size_t h = v.size() / 2;
-      return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
-    };
     // one point per shape not thin (only thin ones measured: all of them): (FLOPs, the
     // median rate of its transposes), by size
     const bool any_square = std::any_of(gemm.begin(), gemm.end(), [](const gemm_point& g) { return !g.thin(); });
@@ -186,7 +190,7 @@ struct device_profile {
       std::vector<double> r;
       for (const auto& g : gemm)
         if (g.m == s.m && g.n == s.n && g.k == s.k) r.push_back(g.gflops * 1e9);
-      size_curve_.push_back({s.flops(), median(r)});
+      size_curve_.push_back({s.flops(), detail::median_of(r)});
     }
     std::sort(size_curve_.begin(), size_curve_.end());
     // A product's rate does not fall as it grows: a measured dip (noise, or one shape's
@@ -226,7 +230,7 @@ struct device_profile {
         std::vector<double> f;
         for (const auto& g : gemm)
           if (g.thin() && static_cast<double>(g.thinnest()) == t) f.push_back(g.gflops * 1e9 / size_rate(g.flops()));
-        thin_factors_.back().second.push_back({t, median(f)});
+        thin_factors_.back().second.push_back({t, detail::median_of(f)});
       }
       if (thin_factors_.back().second.empty()) thin_factors_.clear();  // no thin shapes: rows change nothing
     }
@@ -271,12 +275,6 @@ struct device_profile {
     }
     std::sort(by_width.begin(), by_width.end());
     for (auto& c : by_width) std::sort(c.second.begin(), c.second.end());
-    auto along = [](const std::vector<std::pair<double, double>>& f, double x) {
-      if (x <= f.front().first) return f.front().second;
-      for (std::size_t i = 1; i < f.size(); ++i)
-        if (x <= f[i].first) return lerp(f[i - 1], f[i], x);
-      return f.back().second;
-    };
     std::vector<std::pair<double, double>> at_seq;  // head width -> rate at seq
     for (const auto& c : by_width) at_seq.push_back({c.first, along(c.second, seq)});
     return along(at_seq, head_dim);
@@ -291,10 +289,7 @@ struct device_profile {
     std::vector<std::pair<double, double>> f;
     for (const auto& b : backward) f.push_back({b.narrow, b.factor});
     std::sort(f.begin(), f.end());
-    if (narrow <= f.front().first) return f.front().second;
-    for (std::size_t i = 1; i < f.size(); ++i)
-      if (narrow <= f[i].first) return lerp(f[i - 1], f[i], narrow);
-    return f.back().second;
+    return along(f, narrow);
   }
   /// Seconds of a communication that sends `bytes` per rank in a group of `ranks` at `level`.
   /// A collective over nodes whose group has `local` ranks on each node runs `local`
@@ -496,6 +491,13 @@ struct device_profile {
     const double t = (std::log(x) - std::log(a.first)) / (std::log(b.first) - std::log(a.first));
     return a.second + t * (b.second - a.second);
   }
+  // (x, y) points sorted by x: y at `x` interpolated in log(x), the nearest end's beyond them.
+  static double along(const std::vector<std::pair<double, double>>& f, double x) {
+    if (x <= f.front().first) return f.front().second;
+    for (std::size_t i = 1; i < f.size(); ++i)
+      if (x <= f[i].first) return lerp(f[i - 1], f[i], x);
+    return f.back().second;
+  }
   // One width's factor at `rows`: interpolated in log(rows), the smallest's below, rising to 1 at 8 times the largest.
   static double at_rows(const std::vector<std::pair<double, double>>& f, double rows) {
     if (rows <= f.front().first) return f.front().second;
@@ -523,11 +525,6 @@ inline device_profile median_profile(const std::vector<device_profile>& runs) {
   auto differ = [&](const std::string& what) {
     return std::invalid_argument("whale::median_profile: the runs differ in " + what + " (not runs of one measurement)");
   };
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    const std::size_t h = v.size() / 2;
-    return v.size() % 2 ? v[h] : 0.5 * (v[h - 1] + v[h]);
-  };
   // the median over the runs of field(run, i) for entry i of a list whose entries match by key
   auto each = [&](auto list, const char* what, auto key, auto field) {
     for (const auto& r : runs)
@@ -539,7 +536,7 @@ inline device_profile median_profile(const std::vector<device_profile>& runs) {
         if (key((r.*list)[i]) != key((first.*list)[i])) throw differ(std::string("'") + what + "' line " + std::to_string(i + 1));
         v.push_back(field((r.*list)[i]));
       }
-      field(out[i]) = median(std::move(v));
+      field(out[i]) = detail::median_of(std::move(v));
     }
     return out;
   };
@@ -560,8 +557,8 @@ inline device_profile median_profile(const std::vector<device_profile>& runs) {
     bw.push_back(r.bandwidth_bps);
     share.push_back(r.waiting_share);
   }
-  m.bandwidth_bps = median(bw);
-  m.waiting_share = median(share);
+  m.bandwidth_bps = detail::median_of(bw);
+  m.waiting_share = detail::median_of(share);
   for (std::size_t l = 0; l < m.links.size(); ++l)
     for (std::size_t k = 0; k < m.links[l].size(); ++k) {
       auto& f = m.links[l][k];
@@ -572,8 +569,8 @@ inline device_profile median_profile(const std::vector<device_profile>& runs) {
         alpha.push_back(g.alpha_s);
         beta.push_back(g.beta_bps);
       }
-      f.alpha_s = median(alpha);
-      f.beta_bps = median(beta);
+      f.alpha_s = detail::median_of(alpha);
+      f.beta_bps = detail::median_of(beta);
       // each run's times rise with the bytes, and so does their median at each size
       for (std::size_t i = 0; i < f.points.size(); ++i) {
         std::vector<double> t;
@@ -581,7 +578,7 @@ inline device_profile median_profile(const std::vector<device_profile>& runs) {
           if (r.links[l][k].points[i].first != f.points[i].first) throw differ("their 'point' lines' sizes");
           t.push_back(r.links[l][k].points[i].second);
         }
-        f.points[i].second = median(std::move(t));
+        f.points[i].second = detail::median_of(std::move(t));
       }
     }
   m.settle_gemm();
