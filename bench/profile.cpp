@@ -2,7 +2,7 @@
 // cost model and writes a device profile (plan/device.hpp, docs/planning.md).
 // Every rank measures at once, as they run in training (ranks share cores and
 // memory bandwidth): GEMM rates at shapes from 64 to 2048 with the transposes
-// backward uses (with --thin, also thin shapes: 16 to 512 rows through a
+// backward uses, thin products against square ones (16 to 512 rows through a
 // 1024 x 4096 layer, 16 to 256 through a 1024 x 32768 one, 16 and 64 through a
 // 2048 x 100,000 one), attention's per-head
 // products as the layer runs them, a linear layer's backward rate against its
@@ -12,7 +12,7 @@
 // measured points kept beside the fit), and the cores the ranks shared. The
 // slowest rank's figures are written (by rank 0, atomically).
 //
-//   mpirun -np 4 ./whale_profile --out bench/profiles/this-machine-4.txt [--name NAME] [--thin] [--runs N]
+//   mpirun -np 4 ./whale_profile --out bench/profiles/this-machine-4.txt [--name NAME] [--runs N]
 #include <whale/whale.hpp>
 #include <whale/comm/detail/cost.hpp>
 #include <whale/detail/io.hpp>
@@ -21,6 +21,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -35,28 +36,32 @@ using namespace whale;
 namespace {
 using clock_type = std::chrono::steady_clock;
 
-/// Median seconds of `reps` runs of f on every rank at once: from a barrier to
-/// the end of the last rank's run (a rank that waits for a core is counted
-/// waiting), less the time of an empty such phase.
-template <class F> double timed(world_comm& w, int reps, F&& f) {
-  auto phase = [&](auto&& g) {
+/// Seconds of one phase of f on every rank at once: from a barrier to the end of
+/// the last rank's run (a rank that waits for a core is counted waiting). A
+/// phase ends at the same barrier on every rank, so every rank has the figure.
+template <class F> double phase(world_comm& w, F&& f) {
+  barrier(w);
+  const auto t0 = clock_type::now();
+  f();
+  barrier(w);
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+/// Median seconds of `reps` phases of f (the slowest rank's median), less the
+/// time of an empty phase; `warm` runs first, untimed.
+template <class F, class W> double timed(world_comm& w, int reps, F&& f, W&& warm) {
+  auto median = [&](auto&& g) {
     std::vector<double> t;
-    for (int i = 0; i < reps; ++i) {
-      barrier(w);
-      const auto t0 = clock_type::now();
-      g();
-      barrier(w);
-      t.push_back(std::chrono::duration<double>(clock_type::now() - t0).count());
-    }
-    std::nth_element(t.begin(), t.begin() + static_cast<std::ptrdiff_t>(t.size() / 2), t.end());
-    double m = t[t.size() / 2];
+    for (int i = 0; i < reps; ++i) t.push_back(phase(w, g));
+    double m = detail::median_of(t);
     all_reduce(w, view<double>(&m, {1}), reduce_op::max);
     return m;
   };
-  f();  // warm-up
-  const double empty = phase([] {});
-  return std::max(1e-9, phase(f) - empty);
+  warm();
+  const double empty = median([] {});
+  return std::max(1e-9, median(f) - empty);
 }
+template <class F> double timed(world_comm& w, int reps, F&& f) { return timed(w, reps, f, f); }
 
 /// Least squares t = alpha + bytes / beta over (bytes, seconds) points, each
 /// weighted by 1/t^2 (relative error), so that small messages fix alpha; the
@@ -81,7 +86,6 @@ int main(int argc, char** argv) {
   auto ctx = context::init(argc, argv);
   return ctx.guard([&] {
     std::string out, name = "this-machine";
-    bool thin = false;
     int runs = 1;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -91,9 +95,9 @@ int main(int argc, char** argv) {
       };
       if (a == "--out") out = value();
       else if (a == "--name") name = value();
-      else if (a == "--thin") thin = true;
+      else if (a == "--thin") throw std::invalid_argument("whale_profile: --thin is gone: thin products are always measured (since 2026-12-04)");
       else if (a == "--runs") runs = static_cast<int>(detail::parse_int(value(), "whale_profile: --runs", 1, 9));
-      else throw std::invalid_argument("whale_profile: unknown argument " + a + " (have --out FILE, --name NAME, --thin, --runs N)");
+      else throw std::invalid_argument("whale_profile: unknown argument " + a + " (have --out FILE, --name NAME, --runs N)");
     }
     if (out.empty()) throw std::invalid_argument("whale_profile: --out FILE is required");
     auto& w = ctx.world();
@@ -117,10 +121,12 @@ int main(int argc, char** argv) {
         // repeated to at least 0.1 s per run, so that the ranks' GEMMs overlap as in training
         gemm_point g{m, n, k, ta, tb, 0};
         const int times = std::max(1, static_cast<int>(0.1 * 30e9 / g.flops()));
-        const double s = timed(w, 3, [&] {
-          for (int r = 0; r < times; ++r)
+        auto run = [&](int count) {
+          for (int r = 0; r < count; ++r)
             cpu::gemm(ta ? cpu::trans::yes : cpu::trans::no, tb ? cpu::trans::yes : cpu::trans::no, m, n, k, 1.f, a.data(), b.data(), 0.f, c.data());
-        });
+        };
+        // warmed by one product (the repeats warm the rest)
+        const double s = timed(w, 3, [&] { run(times); }, [&] { run(1); });
         g.gflops = g.flops() * times / s / 1e9;
         prof.gemm.push_back(g);
       };
@@ -129,57 +135,65 @@ int main(int argc, char** argv) {
           {2048, 1024, 256}, {1024, 4096, 1024}, {2048, 2048, 2048}};
       for (auto [m, n, k] : shapes)
         for (int t = 0; t < 3; ++t) measure(m, n, k, t == 2, t == 1);  // NN (forward), NT (d input), TN (d weights)
-      // --thin: a batch of t rows through a layer, as a linear layer runs it: forward
-      // y = x W^T (t, out, in), d input dy W (t, in, out), d weights dy^T x (out, in, t),
-      // each timed in turns with a cube of the same FLOPs, 5 pairs: the factor is the
-      // median of the pairs' rate ratios (the median of the three forms), so a slow
-      // spell of the machine falls on both sides of a pair. Rates timed minutes apart
-      // were not steady enough here (docs/planning.md section 6). Three layers: 1024 x
-      // 4096 (16 to 512 rows), a wide one, 1024 x 32768, as a language model's head (16
-      // to 256 rows), and xc's 2048 x 100,000 classifier (16 and 64 rows): the wider the
-      // layer, the slower its thin products run here.
+      // Thin products: a batch of t rows through a layer, as a linear layer runs it: forward
+      // y = x W^T (t, out, in), d input dy W (t, in, out), d weights dy^T x (out, in, t).
+      // After one untimed product of each, rounds of the three forms and a cube of the same
+      // FLOPs, timed in turns: a form's factor is the median over the rounds of its rate over
+      // the same round's cube's, the row count's the median of the three forms, so a slow
+      // spell of the machine falls on both sides of a ratio (rates timed minutes apart were
+      // not steady enough here, docs/planning.md section 6). Where one product is over 6
+      // GFLOP (about 0.2 s) three rounds and no untimed products: those long products vary
+      // less, and take most of the time. Three layers: 1024 x 4096 (16 to 512 rows), a wide
+      // one, 1024 x 32768, as a language model's head (16 to 256 rows), and xc's 2048 x
+      // 100,000 classifier (16 and 64 rows): the wider the layer, the slower its thin
+      // products run here.
       struct thin_layer {
         index_t in, out;
         std::vector<index_t> rows;
       };
-      if (thin)
-        for (const auto& layer : {thin_layer{1024, 4096, {16, 32, 64, 128, 256, 512}}, thin_layer{1024, 32768, {16, 64, 256}},
-                                  thin_layer{2048, 100000, {16, 64}}}) {
-          const index_t in = layer.in, out = layer.out;
-          tensor<float> a({std::max<index_t>(512, layer.rows.back()) * out}), b({out * in}), c({out * in});
-          for (auto* x : {&a, &b})
+      for (const auto& layer : {thin_layer{1024, 4096, {16, 32, 64, 128, 256, 512}}, thin_layer{1024, 32768, {16, 64, 256}},
+                                thin_layer{2048, 100000, {16, 64}}}) {
+        const index_t in = layer.in, out = layer.out;
+        tensor<float> a({std::max<index_t>(512, layer.rows.back()) * out}), b({out * in}), c({out * in});
+        for (auto* x : {&a, &b})
+          for (auto& v : *x) v = 0.5f;
+        for (index_t t : layer.rows) {
+          const double flops = 2.0 * static_cast<double>(t) * static_cast<double>(out) * static_cast<double>(in);
+          const auto side = static_cast<index_t>(std::lround(std::cbrt(flops / 2.0)));
+          const int times = std::max(1, static_cast<int>(0.05 * 30e9 / flops));
+          tensor<float> q({side * side}), r({side * side}), o({side * side});
+          for (auto* x : {&q, &r})
             for (auto& v : *x) v = 0.5f;
-          for (index_t t : layer.rows) {
-            const double flops = 2.0 * static_cast<double>(t) * static_cast<double>(out) * static_cast<double>(in);
-            const auto side = static_cast<index_t>(std::lround(std::cbrt(flops / 2.0)));
-            const int times = std::max(1, static_cast<int>(0.05 * 30e9 / flops));
-            tensor<float> q({side * side}), r({side * side}), o({side * side});
-            for (auto* x : {&q, &r})
-              for (auto& v : *x) v = 0.5f;
-            auto product = [&](index_t m, index_t n, index_t k, bool ta, bool tb, const float* x, const float* y, float* z) {
-              return [=] {
-                for (int i = 0; i < times; ++i)
-                  cpu::gemm(ta ? cpu::trans::yes : cpu::trans::no, tb ? cpu::trans::yes : cpu::trans::no, m, n, k, 1.f, x, y, 0.f, z);
-              };
+          auto product = [&](index_t m, index_t n, index_t k, bool ta, bool tb, const float* x, const float* y, float* z) {
+            return [=](int count) {
+              for (int i = 0; i < count; ++i)
+                cpu::gemm(ta ? cpu::trans::yes : cpu::trans::no, tb ? cpu::trans::yes : cpu::trans::no, m, n, k, 1.f, x, y, 0.f, z);
             };
-            const auto cube = product(side, side, side, false, false, q.data(), r.data(), o.data());
-            std::vector<double> forms;
-            for (const auto& f : {product(t, out, in, false, true, a.data(), b.data(), c.data()),
-                                  product(t, in, out, false, false, a.data(), b.data(), c.data()),
-                                  product(out, in, t, true, false, a.data(), b.data(), c.data())}) {
-              std::vector<double> ratio;
-              for (int pair = 0; pair < 5; ++pair) {
-                const double thin_s = timed(w, 1, f), cube_s = timed(w, 1, cube);
-                const double cube_flops = 2.0 * static_cast<double>(side) * static_cast<double>(side) * static_cast<double>(side);
-                ratio.push_back((flops / thin_s) / (cube_flops / cube_s));  // thin rate over cube rate
-              }
-              std::sort(ratio.begin(), ratio.end());
-              forms.push_back(ratio[2]);
-            }
-            std::sort(forms.begin(), forms.end());
-            prof.thin.push_back({static_cast<double>(t), forms[1], static_cast<double>(in) * static_cast<double>(out)});
+          };
+          const auto cube = product(side, side, side, false, false, q.data(), r.data(), o.data());
+          const std::vector<std::function<void(int)>> forms = {product(t, out, in, false, true, a.data(), b.data(), c.data()),
+                                                               product(t, in, out, false, false, a.data(), b.data(), c.data()),
+                                                               product(out, in, t, true, false, a.data(), b.data(), c.data())};
+          const bool long_products = flops * times > 6e9;
+          if (!long_products) {  // (the buffers' pages were touched when they were zeroed)
+            for (const auto& f : forms) f(1);
+            cube(1);
           }
+          const double empty = phase(w, [] {});
+          const int rounds = long_products ? 3 : 5;
+          const double cube_flops = 2.0 * static_cast<double>(side) * static_cast<double>(side) * static_cast<double>(side);
+          std::vector<std::vector<double>> ratio(forms.size());
+          for (int round = 0; round < rounds; ++round) {
+            std::vector<double> form_s;
+            for (const auto& f : forms) form_s.push_back(std::max(1e-9, phase(w, [&] { f(times); }) - empty));
+            const double cube_s = std::max(1e-9, phase(w, [&] { cube(times); }) - empty);
+            for (std::size_t i = 0; i < forms.size(); ++i) ratio[i].push_back((flops / form_s[i]) / (cube_flops / cube_s));  // thin rate over cube rate
+          }
+          std::vector<double> factor;
+          for (auto& v : ratio) factor.push_back(detail::median_of(v));
+          prof.thin.push_back({static_cast<double>(t), detail::median_of(factor), static_cast<double>(in) * static_cast<double>(out)});
         }
+      }
       // Attention's per-head products, as causal_self_attention runs them: its forward and
       // backward core on 4 heads (Q, K, V strided in one QKV buffer; the softmax between the
       // products, untimed), the products' time summed from the GEMM log, 3 runs after a
@@ -238,8 +252,9 @@ int main(int argc, char** argv) {
         // forward reads what the layer before wrote), then, after the cache writes above,
         // d input dy W and d weights dy^T x (a step's backward reads what its forward kept
         // long before). Each side timed as a phase of all ranks at once, from a barrier to
-        // the last rank's end (as the GEMM rates above), 5 pairs after a warm-up: the factor
-        // is the median of the pairs' rate ratios.
+        // the last rank's end (as the GEMM rates above), 5 pairs after a warm-up (3 and none
+        // where the forward is over 6 GFLOP, about 0.2 s, as the thin products): the factor is
+        // the median of the pairs' rate ratios.
         struct layer_shape {
           index_t in, out, rows;
         };
@@ -250,30 +265,22 @@ int main(int argc, char** argv) {
             for (auto& v : *t) v = 0.01f;
           using cpu::trans;
           auto forward = [&] { cpu::gemm(trans::no, trans::yes, rows, out, in, 1.f, x.data(), wt.data(), 0.f, y.data()); };
-          // a phase: from a barrier to the end of the last rank's run of f
-          auto phase = [&](auto&& f) {
-            barrier(w);
-            const auto t0 = clock_type::now();
-            f();
-            barrier(w);
-            return std::chrono::duration<double>(clock_type::now() - t0).count();
-          };
-          const double empty = phase([] {});
+          const double empty = phase(w, [] {});
+          const bool long_products = 2.0 * static_cast<double>(rows) * static_cast<double>(in) * static_cast<double>(out) > 6e9;
+          const int warm = long_products ? 0 : 1, pairs = long_products ? 3 : 5;
           std::vector<double> ratio;
-          for (int pair = 0; pair < 6; ++pair) {  // the first a warm-up
+          for (int pair = 0; pair < warm + pairs; ++pair) {
             forward();
-            const double fwd_s = phase(forward) - empty;
+            const double fwd_s = phase(w, forward) - empty;
             flush();
-            const double bwd_s = phase([&] {
+            const double bwd_s = phase(w, [&] {
               cpu::gemm(trans::no, trans::no, rows, in, out, 1.f, dy.data(), wt.data(), 0.f, dx.data());
               cpu::gemm(trans::yes, trans::no, out, in, rows, 1.f, dy.data(), x.data(), 0.f, dw.data());
             }) - empty;
-            if (pair > 0) ratio.push_back(2.0 * fwd_s / bwd_s);  // twice the forward's FLOPs
+            if (pair >= warm) ratio.push_back(2.0 * fwd_s / bwd_s);  // twice the forward's FLOPs
           }
-          std::sort(ratio.begin(), ratio.end());
-          // (a phase ends at the same barrier on every rank: rank 0, which writes, has the figure;
-          // at most 2, what the format takes)
-          prof.backward.push_back({static_cast<double>(std::min(in, out)), std::min(ratio[2], 2.0)});
+          // (at most 2, what the format takes)
+          prof.backward.push_back({static_cast<double>(std::min(in, out)), std::min(detail::median_of(ratio), 2.0)});
         }
       }
       // more ranks than cores: how much of a core a rank waiting in a receive still takes (MPI
