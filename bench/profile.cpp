@@ -36,6 +36,10 @@ using namespace whale;
 namespace {
 using clock_type = std::chrono::steady_clock;
 
+// A product over this many FLOPs (about 0.2 s here) is timed in fewer rounds and not
+// warmed: such long products vary less, and take most of the profile's time.
+constexpr double long_product_flops = 6e9;
+
 /// Seconds of one phase of f on every rank at once: from a barrier to the end of
 /// the last rank's run (a rank that waits for a core is counted waiting). A
 /// phase ends at the same barrier on every rank, so every rank has the figure.
@@ -175,7 +179,7 @@ int main(int argc, char** argv) {
           const std::vector<std::function<void(int)>> forms = {product(t, out, in, false, true, a.data(), b.data(), c.data()),
                                                                product(t, in, out, false, false, a.data(), b.data(), c.data()),
                                                                product(out, in, t, true, false, a.data(), b.data(), c.data())};
-          const bool long_products = flops > 6e9;  // (then times is 1)
+          const bool long_products = flops > long_product_flops;  // (then times is 1)
           if (!long_products) {  // (the buffers' pages were touched when they were zeroed)
             for (const auto& f : forms) f(1);
             cube(1);
@@ -267,7 +271,7 @@ int main(int argc, char** argv) {
           using cpu::trans;
           auto forward = [&] { cpu::gemm(trans::no, trans::yes, rows, out, in, 1.f, x.data(), wt.data(), 0.f, y.data()); };
           const double empty = phase(w, [] {});
-          const bool long_products = 2.0 * static_cast<double>(rows) * static_cast<double>(in) * static_cast<double>(out) > 6e9;
+          const bool long_products = 2.0 * static_cast<double>(rows) * static_cast<double>(in) * static_cast<double>(out) > long_product_flops;
           const int warm = long_products ? 0 : 1, pairs = long_products ? 3 : 5;
           std::vector<double> ratio;
           for (int pair = 0; pair < warm + pairs; ++pair) {
