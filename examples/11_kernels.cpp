@@ -4,11 +4,13 @@
 // on the CPU backend here, by a loop with the widest vectors this processor
 // has. In a .cu file compiled by nvcc the same code takes a cuda_backend and
 // runs the same body on a CUDA grid (backend/cuda.hpp; tests/cuda_backend.cu
-// compares the two). No MPI.
+// compares the two). A row body (here RMS normalisation) is written against a
+// team of lanes instead of an index: the team's sum is the reduction a GPU
+// warp does by shuffles, which the CPU replays in the same order. No MPI.
 //
 //   ./build/examples/example_11_kernels [--n N]
 //
-// Legend: N elements.
+// Legend: N elements; R rows of D features.
 #include <whale/whale.hpp>
 #include <whale/detail/parse.hpp>
 
@@ -38,6 +40,23 @@ struct silu_backward {
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
     const float s = 1.f / (1.f + kernels::vexp(-x[i]));
     dx[i] = dy[i] * s * (1.f + x[i] * (1.f - s));
+  }
+};
+
+// A row body: body(team, r) for each row r. `t.sum` reduces across the team's
+// lanes (a warp, or a block of 8 warps for rows of 4,096 and more, picked from
+// width()); `t.for_each` writes the row, each element by the lane that read it.
+struct rms_norm_forward {
+  const float* x;  // (R, D)
+  float* y;        // (R, D)
+  index_t D;
+  index_t width() const noexcept { return D; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
+    const float* xr = x + r * D;
+    float* yr = y + r * D;
+    const float ms = t.sum(D, [&](index_t j) { return xr[j] * xr[j]; }) / static_cast<float>(D);
+    const float s = 1.f / std::sqrt(ms + 1e-6f);
+    t.for_each(D, [&](index_t j) { yr[j] = xr[j] * s; });
   }
 };
 
@@ -83,6 +102,19 @@ int main(int argc, char** argv) {
     }
     std::printf("%lld elements forward and backward in %.2f ms; max error %.1e (forward), %.1e (backward)\n",
                 static_cast<long long>(n), s * 1e3, worst_y, worst_d);
+
+    // 5. The row body over the same buffer seen as rows of 1,000 (one warp per row), checked in double.
+    const index_t D = 1000, R = n / D;
+    be.launch(R, rms_norm_forward{x, y, D});
+    double worst_r = 0;
+    for (index_t r = 0; r < R; ++r) {
+      double ms = 0;
+      for (index_t j = 0; j < D; ++j) ms += static_cast<double>(x[r * D + j]) * x[r * D + j] / D;
+      for (index_t j = 0; j < D; j += 13) worst_r = std::fmax(worst_r, std::fabs(y[r * D + j] - x[r * D + j] / std::sqrt(ms + 1e-6)));
+    }
+    std::printf("RMS norm of %lld rows of %lld, one team per row: max error %.1e\n", static_cast<long long>(R),
+                static_cast<long long>(D), worst_r);
+    worst_y = std::fmax(worst_y, worst_r);
     for (auto* p : {x, dy, y, dx}) be.deallocate(p, bytes);
     if (worst_y > 1e-5 || worst_d > 1e-4) {
       std::fprintf(stderr, "example_11: the kernel's result is wrong\n");

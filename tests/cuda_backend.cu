@@ -67,16 +67,16 @@ void kernel_bodies(cuda_backend& gpu) {
   kc::for_each_case([&](const char* name, index_t n, auto make) {
     ++n_cases;
     kc::host_buffers cpu_side, gpu_side;
-    cpu::launch(n, make(cpu_side.ptrs()));
+    kc::run(cpu_backend{}, n, make(cpu_side.ptrs()));
     {
       device_buffers d(gpu, gpu_side);
-      gpu.launch(n, make(d.ptrs()));
+      kc::run(backend_ref(gpu), n, make(d.ptrs()));  // by its shape: index space, row teams, column tiles
       d.to_host(gpu_side);
     }
     auto c = cpu_side.floats(), g = gpu_side.floats();
     double worst = 0;
     for (std::size_t i = 0; i < c.size(); ++i) worst = std::max(worst, kc::max_rel_diff(*g[i], *c[i]));
-    // same arithmetic; the GPU contracts to FMA where the CPU's baseline does not
+    // same arithmetic in the same order; the GPU contracts to FMA where the CPU's baseline does not
     check(worst <= 2e-6, std::string(name) + ": GPU vs CPU relative difference " + std::to_string(worst));
   });
   std::printf("kernel bodies: %d cases compared, GPU vs CPU\n", n_cases);

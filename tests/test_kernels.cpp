@@ -17,14 +17,27 @@ using namespace whale;
 namespace kc = kernel_cases;
 
 namespace {
-// Runs a body by the loop compiled for `which` (when this CPU has it).
-template <class K> void run_on(cpu::isa which, index_t n, const K& body) {
+// Runs an index body by the loop compiled for `which` (when this CPU has it).
+template <class K> void run_index(cpu::isa which, index_t n, const K& body) {
 #if WHALE_ISA_DISPATCH
   if (which == cpu::isa::avx512) return cpu::detail::launch_avx512(n, body);
   if (which == cpu::isa::avx2) return cpu::detail::launch_avx2(n, body);
 #endif
   (void)which;
   for (index_t i = 0; i < n; ++i) body(i);
+}
+// Any body, by its shape, through the loop compiled for `which`.
+template <class K> void run_on(cpu::isa which, index_t n, const K& body) {
+  if constexpr (kernels::RowBody<K>) {
+    if (kernels::row_warps(body.width()) == 1) return run_index(which, n, cpu::detail::row_runner<1, K>{body});
+    return run_index(which, n, cpu::detail::row_runner<8, K>{body});
+  } else if constexpr (kernels::ColumnBody<K>) {
+    using run = cpu::detail::column_runner<K>;
+    return run_index(which, (body.cols() + run::cols_per_block - 1) / run::cols_per_block,
+                     run{body, body.rows(), body.cols()});
+  } else {
+    run_index(which, n, body);
+  }
 }
 double ref_gelu(double x) { return 0.5 * x * (1 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))); }
 }  // namespace
@@ -55,7 +68,7 @@ TEST_CASE("every kernel body gives the same result on every CPU instruction set 
       for (index_t r = 0; r < kc::R; ++r) CHECK(got.rowd[r] == doctest::Approx(ref.rowd[r]).epsilon(1e-6));
     }
   });
-  CHECK(cases == 29);
+  CHECK(cases == 33);
 }
 
 TEST_CASE("elementwise bodies match their formulas in double precision") {
@@ -125,8 +138,8 @@ TEST_CASE("row bodies: LayerNorm, causal softmax, cross-entropy and column sums 
   }
   // column sums, accumulate off then on
   std::vector<float> out(C, 5.f);
-  cpu::launch(kernels::col_blocks(C), kernels::column_sums{p.a, out.data(), R, C, false});
-  cpu::launch(kernels::col_blocks(C), kernels::column_sums{p.a, out.data(), R, C, true});
+  cpu::reduce_columns(kernels::column_sums{p.a, out.data(), R, C, false});
+  cpu::reduce_columns(kernels::column_sums{p.a, out.data(), R, C, true});
   for (index_t j = 0; j < C; ++j) {
     double want = 0;
     for (index_t r = 0; r < R; ++r) want += h.a[r * C + j];

@@ -14,6 +14,7 @@
 #include "whale/backend/kernels/elementwise.hpp"
 #include "whale/backend/kernels/optim.hpp"
 #include "whale/backend/kernels/rows.hpp"
+#include "whale/backend/kernels/shapes.hpp"
 
 namespace kernel_cases {
 
@@ -53,7 +54,8 @@ struct host_buffers {
   std::vector<std::vector<float>*> floats() { return {&a, &b, &c, &d, &e, &f}; }
 };
 
-/// Calls f(name, n, make) for each case; make(buffers) returns the body.
+/// Calls f(name, n, make) for each case; make(buffers) returns the body: an
+/// index body over n indices, a row body over n rows, or a column body (n its columns).
 template <class F> void for_each_case(F&& f) {
   f("gelu_forward", N, [](buffers p) { return k::gelu_forward{p.a, p.f}; });
   f("gelu_backward", N, [](buffers p) { return k::gelu_backward{p.a, p.b, p.f}; });
@@ -62,12 +64,18 @@ template <class F> void for_each_case(F&& f) {
   f("add", N, [](buffers p) { return k::add{p.a, p.b, p.f}; });
   f("to_bf16", N, [](buffers p) { return k::to_bf16{p.a}; });
   f("bias_rows", R, [](buffers p) { return k::bias_rows{p.f, p.a, C, true}; });
-  f("column_sums", k::col_blocks(C), [](buffers p) { return k::column_sums{p.a, p.f, R, C, false}; });
+  f("column_sums", C, [](buffers p) { return k::column_sums{p.a, p.f, R, C, false}; });
+  f("column_sums (9 row tiles)", 20, [](buffers p) { return k::column_sums{p.a, p.f, N / 20, 20, true}; });
   f("layer_norm_forward", R,
     [](buffers p) { return k::layer_norm_forward{p.a, p.b, p.c, p.f, p.e, p.d, C, 1e-5f}; });
   f("layer_norm_backward", R, [](buffers p) { return k::layer_norm_backward{p.a, p.b, p.d, p.c, p.f, C}; });
-  f("layer_norm_param_grads", k::col_blocks(C),
-    [](buffers p) { return k::layer_norm_param_grads{p.a, p.b, p.f, p.e, R, C, true}; });
+  f("layer_norm_param_grads", C, [](buffers p) { return k::layer_norm_param_grads{p.a, p.b, p.f, p.e, R, C, true}; });
+  f("layer_norm_param_grads (4 row tiles)", 50,
+    [](buffers p) { return k::layer_norm_param_grads{p.a, p.b, p.f, p.e, 222, 50, false}; });
+  f("layer_norm_forward (one row of 4,200: a block team)", 1,
+    [](buffers p) { return k::layer_norm_forward{p.a, p.b, p.c, p.f, p.e, p.d, 4200, 1e-5f}; });
+  f("cross_entropy_rows (rows of 5,550: a block team)", 2,
+    [](buffers p) { return k::cross_entropy_rows{p.a, p.labels, p.f, p.rowd, N / 2, 1.f / 2, -100}; });
   f("causal_softmax_forward", N / T, [](buffers p) { return k::causal_softmax_forward{p.a, T}; });
   f("causal_softmax_backward", N / T, [](buffers p) { return k::causal_softmax_backward{p.d, p.a, T}; });
   f("cross_entropy_rows", R,
@@ -92,6 +100,12 @@ template <class F> void for_each_case(F&& f) {
   f("sgd_momentum", N, [](buffers p) { return k::sgd_momentum{p.a, p.b, p.c, 0.01f, 0.1f, 0.9f, false}; });
   f("adamw_step", N,
     [](buffers p) { return k::adamw_step{p.a, p.b, p.c, p.d, 0.9f, 0.999f, 0.01f, 1.f / 0.002f, 0.9999f, 1e-8f}; });
+}
+
+/// Runs a case's body on a backend (cpu_backend, backend_ref): by its shape.
+template <class Be, class K> void run(const Be& be, index_t n, const K& body) {
+  if constexpr (whale::kernels::ColumnBody<K>) be.reduce_columns(body);
+  else be.launch(n, body);
 }
 
 /// Largest |x - y| / max(1, |y|) over two arrays.

@@ -7,10 +7,20 @@
 
 #include <concepts>
 #include <cstddef>
+#include <cstdint>
 
 #include "whale/backend/kernel.hpp"
 
 namespace whale {
+
+/// One kernel launch as a device backend's ledger sees it (backend/guarded.hpp).
+struct launch_note {
+  const char* kernel;         ///< the body's type name (kernels::kernel_name)
+  char shape;                 ///< 'i' an index space, 'r' row teams, 'c' a phase of a column reduction
+  index_t n;                  ///< indices, or rows
+  std::int64_t threads;       ///< GPU threads the launch runs
+  std::int64_t bytes;         ///< bytes read and written, as the body declares them; -1: it declares none
+};
 
 /// Transpose flag of a GEMM operand (row-major storage).
 enum class trans : bool { no = false, yes = true };

@@ -15,6 +15,7 @@
 
 #include "whale/backend/backend.hpp"
 #include "whale/backend/cpu.hpp"
+#include "whale/backend/kernels/shapes.hpp"
 #if defined(__CUDACC__)
 #include <cuda_runtime.h>
 
@@ -96,6 +97,7 @@ class backend_ref {
   template <kernels::KernelBody K> void launch(index_t n, const K& body) const {
     if (!gpu_) return cpu::launch(n, body);
     if (ops_->enter) {  // host-executed: the CPU loop inside the backend's window
+      if (!ops_->note(gpu_, note_of(body, 'i', n, n))) return;
       const opened o(*this);
       return cpu::launch(n, body);
     }
@@ -104,10 +106,45 @@ class backend_ref {
 #else
     (void)n;
     (void)body;
-    throw std::logic_error(
-        "whale::backend_ref: a kernel body was launched on a CUDA device from a translation unit not compiled by "
-        "nvcc; compile the training code as a .cu file (every unit of the program with the same compiler)");
+    no_nvcc();
 #endif
+  }
+  /// body(team, r) for each of `rows` rows: a team of one warp per row, or of
+  /// 8 warps for rows of kernels::wide_row and more (emulated on the CPU).
+  template <kernels::RowBody K> void launch(index_t rows, const K& body) const {
+    if (!gpu_) return cpu::launch(rows, body);
+    if (ops_->enter) {
+      const std::int64_t lanes = kernels::row_warps(body.width()) * kernels::warp_lanes;
+      if (!ops_->note(gpu_, note_of(body, 'r', rows, rows * lanes))) return;
+      const opened o(*this);
+      return cpu::launch(rows, body);
+    }
+#if defined(__CUDACC__)
+    cuda_space::launch(rows, body, static_cast<cudaStream_t>(stream_));
+#else
+    (void)rows;
+    (void)body;
+    no_nvcc();
+#endif
+  }
+  /// A column reduction over body.rows() x body.cols(). The CPU sums blocks of
+  /// columns tile by tile; a device runs the two phases, the tiles' partial
+  /// sums (one thread per tile and column, in workspace memory) and then
+  /// their sum in tile order (one thread per column), or one phase when all
+  /// rows fit a tile. The same sums in the same order on every backend.
+  template <kernels::ColumnBody K> void reduce_columns(const K& body) const {
+    if (!gpu_) return cpu::reduce_columns(body);
+    const index_t R = body.rows(), C = body.cols(), tiles = kernels::row_tiles(R);
+    if (tiles <= 1) return launch(C, kernels::column_one_tile<K>{body, R});
+    // the partials, in the device's workspace and not zeroed (phase 1 writes every one)
+    struct scratch {
+      const memory_place* place;
+      std::size_t bytes;
+      float* p = static_cast<float*>(detail::allocate_in(place, bytes, mem_kind::workspace));
+      ~scratch() { detail::free_in(place, p, bytes, mem_kind::workspace); }
+    } partial{memory(), static_cast<std::size_t>(tiles * C * K::accumulators) * sizeof(float)};
+    launch(tiles * C, kernels::column_tile_sums<K>{body, partial.p, R, C});
+    launch(C, kernels::column_tile_finish<K>{body, partial.p, tiles, C});
   }
   /// Copy within the backend's space (and, on the GPU, between spaces), in its queue's order.
   void copy(void* dst, const void* src, std::size_t bytes) const {
@@ -169,7 +206,7 @@ class backend_ref {
   }
   /// db[c] (+)= the sum over rows of dy[r, c].
   void sum_rows(const float* dy, float* db, index_t rows, index_t cols, bool accumulate) const {
-    launch(kernels::col_blocks(cols), kernels::column_sums{dy, db, rows, cols, accumulate});
+    reduce_columns(kernels::column_sums{dy, db, rows, cols, accumulate});
   }
   /// A fully connected layer's parameter gradients from R rows: dW (out, in) =
   /// dy^T x and db (out) = the column sums of dy; `accumulate` adds to them.
@@ -180,6 +217,16 @@ class backend_ref {
   }
 
  private:
+  [[noreturn]] static void no_nvcc() {
+    throw std::logic_error(
+        "whale::backend_ref: a kernel body was launched on a CUDA device from a translation unit not compiled by "
+        "nvcc; compile the training code as a .cu file (every unit of the program with the same compiler)");
+  }
+  template <class K> static launch_note note_of(const K& body, char shape, index_t n, std::int64_t threads) {
+    std::int64_t bytes = -1;
+    if constexpr (requires { body.bytes(n); }) bytes = body.bytes(n);
+    return {kernels::kernel_name<K>().c_str(), shape, n, threads, bytes};
+  }
   /// The window of a host-executed backend, closed on every way out.
   struct opened {
     const backend_ref& b;
@@ -201,6 +248,7 @@ class backend_ref {
     const char* name;
     void (*enter)(void*);  // host-executed backends only; null otherwise
     void (*leave)(void*);
+    bool (*note)(void*, const launch_note&);  // the launch for its ledger; false: do not run it
   };
   template <class G> static constexpr bool host_executed_v = requires { requires G::host_executed; };
   template <class G> static void enter_of(void* g) {
@@ -208,6 +256,10 @@ class backend_ref {
   }
   template <class G> static void leave_of(void* g) {
     if constexpr (host_executed_v<G>) static_cast<G*>(g)->leave();
+  }
+  template <class G> static bool note_to(void* g, const launch_note& n) {
+    if constexpr (host_executed_v<G>) return static_cast<G*>(g)->note(n);
+    else return (void)g, (void)n, true;
   }
   template <class G>
   static constexpr table gpu_table{
@@ -234,6 +286,7 @@ class backend_ref {
       G::name(),
       host_executed_v<G> ? &enter_of<G> : nullptr,
       host_executed_v<G> ? &leave_of<G> : nullptr,
+      host_executed_v<G> ? &note_to<G> : nullptr,
   };
 
   void* gpu_ = nullptr;     // the GPU backend; null: the CPU

@@ -138,6 +138,8 @@ struct cpu_backend {
                               count);
   }
   template <kernels::KernelBody K> void launch(index_t n, const K& body) const { cpu::launch(n, body); }
+  template <kernels::RowBody K> void launch(index_t rows, const K& body) const { cpu::launch(rows, body); }
+  template <kernels::ColumnBody K> void reduce_columns(const K& body) const { cpu::reduce_columns(body); }
   void* allocate(std::size_t bytes) const { return detail::allocate_raw(bytes, mem_kind::workspace); }
   void deallocate(void* p, std::size_t bytes) const noexcept { detail::free_raw(p, bytes, mem_kind::workspace); }
   void copy(void* dst, const void* src, std::size_t bytes) const noexcept {

@@ -11,6 +11,10 @@
 // also catches the opposite mistake where it can: a GEMM operand or a fill
 // target in host memory (a buffer never placed on the device) is an error.
 // Kernel bodies hold raw pointers, so a body over host memory goes unseen.
+// It keeps a ledger of what a GPU would be asked to do (device_ledger: each
+// launch with its kernel, threads and declared bytes, each GEMM's FLOPs, each
+// copy, fill and host wait), and can count without computing (count_only),
+// so a full-size step's ledger costs no memory and no arithmetic.
 #pragma once
 
 #include <csignal>
@@ -18,6 +22,7 @@
 #include <cstddef>
 #include <cstring>
 #include <stdexcept>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -37,6 +42,45 @@ struct guarded {
 };
 
 class guarded_backend;
+
+/// What a device backend was asked to do, call by call, summed: what a GPU
+/// would launch, move and wait for. Launches that run fewer threads than one
+/// block of 256 per SM of an H200 (132 SMs) are `underfilled`: a roofline
+/// prices their bytes at that fraction of the memory bandwidth.
+struct device_ledger {
+  static constexpr std::int64_t full_threads = 132 * 256;
+  struct kernel_line {
+    std::int64_t launches = 0, bytes = 0, undeclared = 0, underfilled = 0;
+    std::int64_t threads_min = -1;  ///< the fewest threads of one launch
+    double effective_bytes = 0;     ///< bytes divided by each launch's filled fraction of the GPU
+  };
+  std::map<std::string, kernel_line> kernels;  ///< by kernel name
+  std::int64_t kernel_launches = 0, gemms = 0, batched_gemms = 0, copies = 0, fills = 0;
+  std::int64_t host_syncs = 0;        ///< waits of the host for the device's queue (synchronize)
+  std::int64_t device_to_host = 0;    ///< copies into host memory (a host wait on a GPU)
+  std::int64_t host_to_device = 0;    ///< copies from host memory
+  std::int64_t kernel_bytes = 0, copy_bytes = 0, fill_bytes = 0, undeclared_launches = 0, underfilled_launches = 0;
+  double kernel_effective_bytes = 0;
+  double gemm_flops = 0, batched_gemm_flops = 0;
+
+  /// Every call a GPU queues: kernels, GEMMs (batched ones count once), copies and fills.
+  std::int64_t launches() const noexcept { return kernel_launches + gemms + batched_gemms + copies + fills; }
+  void clear() { *this = device_ledger{}; }
+  void add(const launch_note& n) {
+    auto& k = kernels[n.kernel];
+    ++k.launches, ++kernel_launches;
+    const double filled = n.threads >= full_threads ? 1.0 : static_cast<double>(n.threads > 0 ? n.threads : 1) / full_threads;
+    if (filled < 1.0) ++k.underfilled, ++underfilled_launches;
+    if (k.threads_min < 0 || n.threads < k.threads_min) k.threads_min = n.threads;
+    if (n.bytes < 0) {
+      ++k.undeclared, ++undeclared_launches;
+      return;
+    }
+    k.bytes += n.bytes, kernel_bytes += n.bytes;
+    k.effective_bytes += static_cast<double>(n.bytes) / filled;
+    kernel_effective_bytes += static_cast<double>(n.bytes) / filled;
+  }
+};
 
 namespace detail {
 /// Pages of the guarded region, handed to the caching allocator: reused by
@@ -90,9 +134,28 @@ class guarded_backend {
     ::munmap(base_, capacity_);
   }
 
+  /// What this backend was asked to do since construction or the last clear().
+  const device_ledger& ledger() const noexcept { return ledger_; }
+  device_ledger& ledger() noexcept { return ledger_; }
+  /// Record every call without computing it or touching memory: GEMMs, kernels,
+  /// copies and fills are counted and skipped (host copies out of the device
+  /// leave their destination as it was). For ledgers of shapes too large to
+  /// compute here; what the step computes is then meaningless.
+  void set_count_only(bool on) noexcept { count_only_ = on; }
+  bool count_only() const noexcept { return count_only_; }
+  /// A kernel launch for the ledger; whether to run it (false under count_only).
+  bool note(const launch_note& n) {
+    ledger_.add(n);
+    return !count_only_;
+  }
+
   void gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
             const float* B, index_t ldb, float beta, float* C, index_t ldc) {
     mine(A, "a GEMM's A"), mine(B, "a GEMM's B"), mine(C, "a GEMM's C");
+    if (M == 0 || N == 0) return;
+    ++ledger_.gemms;
+    ledger_.gemm_flops += 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K);
+    if (count_only_) return;
     const window w(*this);
     cpu::gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
   }
@@ -100,11 +163,19 @@ class guarded_backend {
                             index_t lda, index_t strideA, const float* B, index_t ldb, index_t strideB, float beta,
                             float* C, index_t ldc, index_t strideC, index_t count) {
     mine(A, "a batched GEMM's A"), mine(B, "a batched GEMM's B"), mine(C, "a batched GEMM's C");
+    if (M == 0 || N == 0 || count == 0) return;
+    ++ledger_.batched_gemms;
+    ledger_.batched_gemm_flops +=
+        2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K) * static_cast<double>(count);
+    if (count_only_) return;
     const window w(*this);
     cpu::gemm_strided_batched(ta, tb, M, N, K, alpha, A, lda, strideA, B, ldb, strideB, beta, C, ldc, strideC,
                               count);
   }
   template <kernels::KernelBody K> void launch(index_t n, const K& body) {
+    std::int64_t bytes = -1;
+    if constexpr (requires { body.bytes(n); }) bytes = body.bytes(n);
+    if (!note({kernels::kernel_name<K>().c_str(), 'i', n, n, bytes})) return;
     const window w(*this);
     cpu::launch(n, body);
   }
@@ -116,18 +187,26 @@ class guarded_backend {
     if (!contains(dst) && !contains(src))
       throw std::logic_error("whale::guarded_backend: a copy between two host buffers: neither side is device memory "
                              "(a tensor meant for the device was allocated outside a place_scope)");
+    ++ledger_.copies;
+    ledger_.copy_bytes += static_cast<std::int64_t>(bytes);
+    if (!contains(dst)) ++ledger_.device_to_host;
+    if (!contains(src)) ++ledger_.host_to_device;
+    if (count_only_) return;
     const window w(*this);
     std::memcpy(dst, src, bytes);
   }
   void fill_zero(void* p, std::size_t bytes) {
     if (!bytes) return;
     mine(p, "a fill's target");
+    ++ledger_.fills;
+    ledger_.fill_bytes += static_cast<std::int64_t>(bytes);
+    if (count_only_) return;
     const window w(*this);
     std::memset(p, 0, bytes);
   }
   void record(event_type&) const noexcept {}
   void wait(event_type&) const noexcept {}
-  void synchronize() const noexcept {}
+  void synchronize() noexcept { ++ledger_.host_syncs; }
 
   /// Open the region to this thread's backend call (nested calls count).
   void enter() {
@@ -240,6 +319,8 @@ class guarded_backend {
   char* base_ = nullptr;
   std::size_t capacity_ = 0, used_ = 0;
   int depth_ = 0;
+  bool count_only_ = false;
+  device_ledger ledger_;
   std::vector<std::pair<void*, std::size_t>> free_;
   struct sigaction previous_ {};
   caching_allocator<detail::guarded_upstream> alloc_;

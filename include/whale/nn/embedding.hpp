@@ -140,8 +140,10 @@ struct position_embedding {
     const index_t R = dy.numel() / D;
     const index_t T = check(c, dy.numel());
     auto& s = st_(c.slot);
-    if (!c.accumulate) c.be.fill_zero(dp_.data(), dp_.bytes());
-    c.be.launch(kernels::col_blocks(D), kernels::scatter_add_rows{dy.data(), nullptr, dp_.data(), R, D, T});
+    // d(positions)[t, :] = the sum over the B sequences of dy[b, t, :]: column
+    // sums of dy seen as (B, T*D); rows of the table past T get nothing.
+    if (!c.accumulate && T < MaxSeq) c.be.fill_zero(dp_.data() + T * D, static_cast<std::size_t>((MaxSeq - T) * D) * sizeof(float));
+    c.be.reduce_columns(kernels::column_sums{dy.data(), dp_.data(), R / T, T * D, c.accumulate});
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
     c.be.copy(dx.data(), dy.data(), dy.bytes());

@@ -72,8 +72,7 @@ struct layer_norm {
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
     const index_t R = dy.numel() / D;
-    c.be.launch(kernels::col_blocks(D), kernels::layer_norm_param_grads{dy.data(), s.xhat.data(), dg_.data(),
-                                                                        db_.data(), R, D, c.accumulate});
+    c.be.reduce_columns(kernels::layer_norm_param_grads{dy.data(), s.xhat.data(), dg_.data(), db_.data(), R, D, c.accumulate});
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
     c.be.launch(R, kernels::layer_norm_backward{dy.data(), s.xhat.data(), s.rstd.data(), g_.data(), dx.data(), D});

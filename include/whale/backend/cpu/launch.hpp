@@ -1,5 +1,7 @@
 // The CPU execution space: a kernel body run by a plain loop over its index
-// space, on the calling thread. The body is inlined into the loop, so that it
+// space, on the calling thread; a row body by the same loop over rows, each
+// row taken by an emulated team (the GPU's reduction order); a column body
+// by blocks of columns, summing the GPU's row tiles in the GPU's order. The body is inlined into the loop, so that it
 // vectorizes as a hand-written loop would; on x86-64 built for the baseline
 // ISA, the loop is compiled three times (baseline, AVX2+FMA, AVX-512) and the
 // widest the processor has is chosen once at run time, as PyTorch's CPU
@@ -11,6 +13,7 @@
 #include <string>
 
 #include "whale/backend/kernel.hpp"
+#include "whale/backend/kernels/shapes.hpp"
 
 // Dispatch only where it can help: GCC or Clang, x86-64, and not already
 // compiled for AVX-512 (-march=native on such a machine makes it moot).
@@ -88,6 +91,61 @@ inline void launch(index_t n, const K& body) {
 #endif
   const K k = body;  // a local copy: its pointers are known not to change inside the loop
   for (index_t i = 0; i < n; ++i) k(i);
+}
+
+namespace detail {
+/// A row body as an index body: row i with an emulated team of W warps.
+template <int W, class K> struct row_runner {
+  K body;
+  WHALE_INLINE void operator()(index_t i) const noexcept { body(kernels::emulated_team<W>{}, i); }
+};
+/// A column body as an index body over blocks of 256 columns: for each block,
+/// the row tiles' sums (rows in order within a tile), added tile by tile, as
+/// kernels::column_tile_sums and column_tile_finish add them on a device.
+template <class K> struct column_runner {
+  static constexpr index_t cols_per_block = 256;
+  K body;
+  index_t R, C;
+  WHALE_INLINE void operator()(index_t blk) const noexcept {
+    constexpr int A = K::accumulators;
+    const index_t c0 = blk * cols_per_block;
+    const index_t w = C - c0 < cols_per_block ? C - c0 : cols_per_block;
+    float total[A][cols_per_block] = {}, tile[A][cols_per_block], v[A];
+    for (index_t r0 = 0; r0 < R; r0 += kernels::row_tile) {
+      const index_t r1 = r0 + kernels::row_tile < R ? r0 + kernels::row_tile : R;
+      for (int a = 0; a < A; ++a)
+        for (index_t c = 0; c < w; ++c) tile[a][c] = 0.f;
+      for (index_t r = r0; r < r1; ++r)
+        for (index_t c = 0; c < w; ++c) {
+          body.load(r, c0 + c, v);
+          for (int a = 0; a < A; ++a) tile[a][c] += v[a];
+        }
+      for (int a = 0; a < A; ++a)
+        for (index_t c = 0; c < w; ++c) total[a][c] += tile[a][c];
+    }
+    float acc[A];
+    for (index_t c = 0; c < w; ++c) {
+      for (int a = 0; a < A; ++a) acc[a] = total[a][c];
+      body.store(c0 + c, acc);
+    }
+  }
+};
+}  // namespace detail
+
+/// body(team, r) for each of `rows` rows, in order, each row by an emulated
+/// team of kernels::row_warps(body.width()) warps.
+template <kernels::RowBody K>
+inline void launch(index_t rows, const K& body) {
+  if (kernels::row_warps(body.width()) == 1) return launch(rows, detail::row_runner<1, K>{body});
+  launch(rows, detail::row_runner<8, K>{body});
+}
+
+/// A column reduction over body.rows() x body.cols(): each column's sums stored once.
+template <kernels::ColumnBody K>
+inline void reduce_columns(const K& body) {
+  const index_t C = body.cols();
+  launch((C + detail::column_runner<K>::cols_per_block - 1) / detail::column_runner<K>::cols_per_block,
+         detail::column_runner<K>{body, body.rows(), C});
 }
 
 }  // namespace whale::cpu

@@ -19,6 +19,7 @@ struct gelu_forward {
     const float t = vtanh(gelu_k0 * (v + gelu_k1 * v * v * v));
     y[i] = 0.5f * v * (1.f + t);
   }
+  std::int64_t bytes(index_t n) const noexcept { return n * 8; }
 };
 /// dx = dy * GELU'(x), the tanh recomputed from x.
 struct gelu_backward {
@@ -32,6 +33,7 @@ struct gelu_backward {
     const float du = gelu_k0 * (1.f + 3.f * gelu_k1 * v2);  // d(inner)/dx
     dx[i] = dy[i] * (0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * du);
   }
+  std::int64_t bytes(index_t n) const noexcept { return n * 12; }
 };
 
 /// y = max(x, 0)
@@ -39,6 +41,7 @@ struct relu_forward {
   const float* x;
   float* y;
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { y[i] = x[i] > 0.f ? x[i] : 0.f; }
+  std::int64_t bytes(index_t n) const noexcept { return n * 8; }
 };
 /// dx = dy where the output was positive, else 0 (from the saved output y).
 struct relu_backward {
@@ -46,6 +49,7 @@ struct relu_backward {
   const float* dy;
   float* dx;
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { dx[i] = y[i] > 0.f ? dy[i] : 0.f; }
+  std::int64_t bytes(index_t n) const noexcept { return n * 12; }
 };
 
 /// out = a + b (the residual sum, forward and backward).
@@ -54,6 +58,7 @@ struct add {
   const float* b;
   float* out;
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { out[i] = a[i] + b[i]; }
+  std::int64_t bytes(index_t n) const noexcept { return n * 12; }
 };
 
 /// x *= k (gradient clipping and scaling).
@@ -61,6 +66,7 @@ struct scale {
   float* x;
   float k;
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { x[i] *= k; }
+  std::int64_t bytes(index_t n) const noexcept { return n * 8; }
 };
 
 /// x rounded to the nearest bfloat16 (ties to even), kept in a float: the
@@ -88,12 +94,14 @@ struct pack_bf16 {
   const float* x;
   std::uint16_t* out;
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { out[i] = bf16_bits(x[i]); }
+  std::int64_t bytes(index_t n) const noexcept { return n * 6; }
 };
 /// out[i] = the float of bf16 bits in[i] (the summed bucket unpacked).
 struct unpack_bf16 {
   const std::uint16_t* in;
   float* out;
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { out[i] = from_bf16_bits(in[i]); }
+  std::int64_t bytes(index_t n) const noexcept { return n * 6; }
 };
 
 /// out[i] += the float of bf16 bits in[i] (a summed piece added to accumulated gradients).
@@ -101,12 +109,14 @@ struct unpack_add_bf16 {
   const std::uint16_t* in;
   float* out;
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { out[i] += from_bf16_bits(in[i]); }
+  std::int64_t bytes(index_t n) const noexcept { return n * 10; }
 };
 
 /// x[i] = round_bf16(x[i]) in place.
 struct to_bf16 {
   float* x;
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { x[i] = round_bf16(x[i]); }
+  std::int64_t bytes(index_t n) const noexcept { return n * 8; }
 };
 
 }  // namespace whale::kernels

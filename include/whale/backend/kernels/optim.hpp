@@ -15,6 +15,7 @@ struct sgd_plain {
   const float* g;
   float lr, wd;
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { p[i] -= lr * (g[i] + wd * p[i]); }
+  std::int64_t bytes(index_t n) const noexcept { return n * 12; }
 };
 /// buf = mu buf + (g + wd p) (buf = g + wd p on the first step); p -= lr buf.
 struct sgd_momentum {
@@ -28,6 +29,7 @@ struct sgd_momentum {
     buf[i] = b;
     p[i] -= lr * b;
   }
+  std::int64_t bytes(index_t n) const noexcept { return n * (first ? 16 : 20); }
 };
 /// AdamW: m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
 /// p = p (1 - lr wd) - (lr / c1) m / (sqrt(v / c2) + eps), c1 and c2 the bias corrections.
@@ -45,6 +47,7 @@ struct adamw_step {
     v[i] = vi;
     p[i] = p[i] * decay - step * mi / (std::sqrt(vi * inv_c2) + eps);
   }
+  std::int64_t bytes(index_t n) const noexcept { return n * 28; }
 };
 
 }  // namespace whale::kernels

@@ -1,16 +1,18 @@
-// Row-wise kernel bodies, body(r) over the rows of a (R, C) matrix: bias rows,
-// LayerNorm forward and backward, the causal softmax of attention scores and
-// softmax cross-entropy; and column-block bodies, body(b) over blocks of
-// `col_block` columns, for the sums over rows (bias and gain gradients). Each
-// body runs one row (or block) serially: a CPU loop vectorizes inside the row;
-// on the GPU one thread takes one row, which is correct but leaves the
-// warp-level reductions of a tuned kernel to the CUDA backend (docs/backend.md).
+// Row and column kernel bodies over a (R, C) matrix. Row bodies,
+// body(team, r) (backend/kernels/shapes.hpp): a team of lanes takes row r,
+// reduces across lanes in a fixed tree and writes the row in strided passes
+// -- bias rows, embedding lookups, LayerNorm forward and backward, causal
+// softmax, cross-entropy with its online softmax, the class-split passes.
+// Column bodies, load/store (the column-reduction shape): the sums over rows
+// of bias and LayerNorm gradients and of position gradients. The embedding's
+// scatter-add by token is still one index per block of columns (below).
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 
 #include "whale/backend/kernels/math.hpp"
+#include "whale/backend/kernels/shapes.hpp"
 
 namespace whale::kernels {
 
@@ -20,23 +22,25 @@ inline constexpr index_t col_block = 256;
 /// How many column blocks cover `cols` columns.
 constexpr index_t col_blocks(index_t cols) noexcept { return (cols + col_block - 1) / col_block; }
 
-/// y[r, :] = b (beta 0) or y[r, :] += b, a row of width C per body.
+/// y[r, :] = b (beta 0) or y[r, :] += b, a row of width C per team.
 struct bias_rows {
   float* y;
   const float* b;
   index_t C;
   bool accumulate;
-  WHALE_HD WHALE_INLINE void operator()(index_t r) const noexcept {
+  index_t width() const noexcept { return C; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     float* yr = y + r * C;
     if (accumulate)
-      for (index_t c = 0; c < C; ++c) yr[c] += b[c];
+      t.for_each(C, [&](index_t c) { yr[c] += b[c]; });
     else
-      for (index_t c = 0; c < C; ++c) yr[c] = b[c];
+      t.for_each(C, [&](index_t c) { yr[c] = b[c]; });
   }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * C * 4 * (accumulate ? 2 : 1) + C * 4; }
 };
 
 /// y[r, :] = table[tokens[r] - first, :]: an embedding lookup, a row of width D
-/// per body (token ids checked by the caller). A table that holds only the
+/// per team (token ids checked by the caller). A table that holds only the
 /// `held` rows from `first` (a vocabulary slice) gives zeros for other tokens;
 /// held < 0: the whole table.
 struct gather_rows {
@@ -45,33 +49,32 @@ struct gather_rows {
   float* y;
   index_t D;
   index_t first = 0, held = -1;
-  WHALE_HD WHALE_INLINE void operator()(index_t r) const noexcept {
+  index_t width() const noexcept { return D; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& tm, index_t r) const noexcept {
     const index_t t = static_cast<index_t>(tokens[r]) - first;
     float* yr = y + r * D;
     if (held >= 0 && (t < 0 || t >= held)) {
-      for (index_t c = 0; c < D; ++c) yr[c] = 0.f;
+      tm.for_each(D, [&](index_t c) { yr[c] = 0.f; });
       return;
     }
     const float* src = table + t * D;
-    for (index_t c = 0; c < D; ++c) yr[c] = src[c];
+    tm.for_each(D, [&](index_t c) { yr[c] = src[c]; });
   }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * (2 * D * 4 + 4); }
 };
 
-/// out[c] (+)= sum over R rows of x[r, c], for the columns of block `blk`.
+/// out[c] (+)= the sum over R rows of x[r, c]: a column reduction.
 struct column_sums {
+  static constexpr int accumulators = 1;
   const float* x;
   float* out;
   index_t R, C;
   bool accumulate;
-  WHALE_HD WHALE_INLINE void operator()(index_t blk) const noexcept {
-    const index_t c0 = blk * col_block;
-    const index_t w = C - c0 < col_block ? C - c0 : col_block;
-    float acc[col_block] = {};
-    for (index_t r = 0; r < R; ++r) {
-      const float* xr = x + r * C + c0;
-      for (index_t c = 0; c < w; ++c) acc[c] += xr[c];
-    }
-    for (index_t c = 0; c < w; ++c) out[c0 + c] = accumulate ? out[c0 + c] + acc[c] : acc[c];
+  index_t rows() const noexcept { return R; }
+  index_t cols() const noexcept { return C; }
+  WHALE_HD WHALE_INLINE void load(index_t r, index_t c, float* v) const noexcept { v[0] = x[r * C + c]; }
+  WHALE_HD WHALE_INLINE void store(index_t c, const float* acc) const noexcept {
+    out[c] = accumulate ? out[c] + acc[0] : acc[0];
   }
 };
 
@@ -85,20 +88,25 @@ struct layer_norm_forward {
   float* rstd;
   index_t D;
   float eps;
-  WHALE_HD WHALE_INLINE void operator()(index_t r) const noexcept {
+  index_t width() const noexcept { return D; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     const float* xr = x + r * D;
     float* hr = xhat + r * D;
     float* yr = y + r * D;
-    const float mean = vsum(xr, D) / static_cast<float>(D);
-    for (index_t j = 0; j < D; ++j) hr[j] = xr[j] - mean;
-    const float var = vdot(hr, hr, D) / static_cast<float>(D);
+    const float mean = t.sum(D, [&](index_t j) { return xr[j]; }) / static_cast<float>(D);
+    const float var = t.sum(D, [&](index_t j) {
+      const float d = xr[j] - mean;
+      return d * d;
+    }) / static_cast<float>(D);
     const float s = 1.f / std::sqrt(var + eps);
-    rstd[r] = s;
-    for (index_t j = 0; j < D; ++j) {
-      hr[j] *= s;
-      yr[j] = hr[j] * gain[j] + bias[j];
-    }
+    if (t.leader()) rstd[r] = s;
+    t.for_each(D, [&](index_t j) {
+      const float h = (xr[j] - mean) * s;
+      hr[j] = h;
+      yr[j] = h * gain[j] + bias[j];
+    });
   }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * (3 * D * 4 + 4) + 2 * D * 4; }
 };
 /// d(input) of row r: dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy gain.
 struct layer_norm_backward {
@@ -108,41 +116,37 @@ struct layer_norm_backward {
   const float* gain;
   float* dx;
   index_t D;
-  WHALE_HD WHALE_INLINE void operator()(index_t r) const noexcept {
+  index_t width() const noexcept { return D; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     const float* gr = dy + r * D;
     const float* hr = xhat + r * D;
     float* dr = dx + r * D;
-    for (index_t j = 0; j < D; ++j) dr[j] = gr[j] * gain[j];  // d(x-hat), staged in dx
-    const float m1 = vsum(dr, D) / static_cast<float>(D);
-    const float m2 = vdot(dr, hr, D) / static_cast<float>(D);
+    const float m1 = t.sum(D, [&](index_t j) { return gr[j] * gain[j]; }) / static_cast<float>(D);
+    const float m2 = t.sum(D, [&](index_t j) { return gr[j] * gain[j] * hr[j]; }) / static_cast<float>(D);
     const float s = rstd[r];
-    for (index_t j = 0; j < D; ++j) dr[j] = s * (dr[j] - m1 - hr[j] * m2);
+    t.for_each(D, [&](index_t j) { dr[j] = s * (gr[j] * gain[j] - m1 - hr[j] * m2); });
   }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * (3 * D * 4 + 4) + D * 4; }
 };
-/// d(gain) and d(bias) for the columns of block `blk`: sums over R rows of dy xhat and dy.
+/// d(gain) and d(bias): the sums over R rows of dy xhat and of dy, a column reduction.
 struct layer_norm_param_grads {
+  static constexpr int accumulators = 2;
   const float* dy;
   const float* xhat;
   float* dgain;
   float* dbias;
   index_t R, D;
   bool accumulate;
-  WHALE_HD WHALE_INLINE void operator()(index_t blk) const noexcept {
-    const index_t c0 = blk * col_block;
-    const index_t w = D - c0 < col_block ? D - c0 : col_block;
-    float ag[col_block] = {}, ab[col_block] = {};
-    for (index_t r = 0; r < R; ++r) {
-      const float* gr = dy + r * D + c0;
-      const float* hr = xhat + r * D + c0;
-      for (index_t c = 0; c < w; ++c) {
-        ag[c] += gr[c] * hr[c];
-        ab[c] += gr[c];
-      }
-    }
-    for (index_t c = 0; c < w; ++c) {
-      dgain[c0 + c] = accumulate ? dgain[c0 + c] + ag[c] : ag[c];
-      dbias[c0 + c] = accumulate ? dbias[c0 + c] + ab[c] : ab[c];
-    }
+  index_t rows() const noexcept { return R; }
+  index_t cols() const noexcept { return D; }
+  WHALE_HD WHALE_INLINE void load(index_t r, index_t c, float* v) const noexcept {
+    const float g = dy[r * D + c];
+    v[0] = g * xhat[r * D + c];
+    v[1] = g;
+  }
+  WHALE_HD WHALE_INLINE void store(index_t c, const float* acc) const noexcept {
+    dgain[c] = accumulate ? dgain[c] + acc[0] : acc[0];
+    dbias[c] = accumulate ? dbias[c] + acc[1] : acc[1];
   }
 };
 
@@ -151,35 +155,38 @@ struct layer_norm_param_grads {
 struct causal_softmax_forward {
   float* p;
   index_t T;
-  WHALE_HD WHALE_INLINE void operator()(index_t row) const noexcept {
+  index_t width() const noexcept { return T; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t row) const noexcept {
     float* pr = p + row * T;
     const index_t n = row % T + 1;
-    const float m = vmax(pr, n);
-    for (index_t j = 0; j < n; ++j) pr[j] = vexp(pr[j] - m);
-    const float inv = 1.f / vsum(pr, n);
-    for (index_t j = 0; j < n; ++j) pr[j] *= inv;
-    for (index_t j = n; j < T; ++j) pr[j] = 0.f;
+    const max_sum st = t.softmax_stats(n, [&](index_t j) { return pr[j]; });
+    const float inv = 1.f / st.s;
+    t.for_each(T, [&](index_t j) { pr[j] = j < n ? vexp(pr[j] - st.m) * inv : 0.f; });
   }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * T * 4 * 2; }
 };
 /// dS = P (dP - <dP, P>) on columns 0..i of row `row`, in place in d; masked columns get 0.
 struct causal_softmax_backward {
   const float* p;
   float* d;
   index_t T;
-  WHALE_HD WHALE_INLINE void operator()(index_t row) const noexcept {
+  index_t width() const noexcept { return T; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t row) const noexcept {
     const float* pr = p + row * T;
     float* dr = d + row * T;
     const index_t n = row % T + 1;
-    const float dot = vdot(pr, dr, n);
-    for (index_t j = 0; j < n; ++j) dr[j] = pr[j] * (dr[j] - dot);
-    for (index_t j = n; j < T; ++j) dr[j] = 0.f;
+    const float dot = t.sum(n, [&](index_t j) { return pr[j] * dr[j]; });
+    t.for_each(T, [&](index_t j) { dr[j] = j < n ? pr[j] * (dr[j] - dot) : 0.f; });
   }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * T * 4 * 3; }
 };
 
 /// Softmax cross-entropy of row r (C classes, label y[r]; labels are checked
 /// before launch): loss[r] = log(sum exp(z - m)) + m - z[y], and the gradient
 /// q = (softmax(z) - onehot(y)) * inv where inv is 1 / (the global label count).
-/// A row labelled `ignore` gets loss 0 and gradient 0.
+/// A row labelled `ignore` gets loss 0 and gradient 0. The logits are read
+/// twice: once for the online softmax's maximum and sum, once to write q,
+/// which may be z itself (the gradient in place of the logits).
 struct cross_entropy_rows {
   const float* z;
   const std::int32_t* y;
@@ -188,23 +195,24 @@ struct cross_entropy_rows {
   index_t C;
   float inv;
   std::int32_t ignore;
-  WHALE_HD WHALE_INLINE void operator()(index_t r) const noexcept {
+  index_t width() const noexcept { return C; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     const float* zr = z + r * C;
     float* qr = q + r * C;
     const std::int32_t label = y[r];
     if (label == ignore) {
-      for (index_t j = 0; j < C; ++j) qr[j] = 0.f;
-      loss[r] = 0.0;
+      t.for_each(C, [&](index_t j) { qr[j] = 0.f; });
+      if (t.leader()) loss[r] = 0.0;
       return;
     }
-    const float m = vmax(zr, C);
-    for (index_t j = 0; j < C; ++j) qr[j] = vexp(zr[j] - m);
-    const float sum = vsum(qr, C);
-    loss[r] = std::log(static_cast<double>(sum)) + m - zr[label];
-    const float scale = inv / sum;
-    for (index_t j = 0; j < C; ++j) qr[j] *= scale;
-    qr[label] -= inv;
+    const max_sum st = t.softmax_stats(C, [&](index_t j) { return zr[j]; });
+    const float target = zr[label];
+    t.sync();  // every lane has read z[label] before q (maybe z) is written
+    if (t.leader()) loss[r] = std::log(static_cast<double>(st.s)) + st.m - target;
+    const float scale = inv / st.s;
+    t.for_each(C, [&](index_t j) { qr[j] = vexp(zr[j] - st.m) * scale - (j == label ? inv : 0.f); });
   }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * (3 * C * 4 + 4 + 8); }
 };
 
 /// dst[r, 0:w] = src[r, 0:w], rows `src_stride` and `dst_stride` floats apart:
@@ -216,11 +224,13 @@ struct copy_cols {
   float* dst;
   index_t dst_stride;
   index_t w;
-  WHALE_HD WHALE_INLINE void operator()(index_t r) const noexcept {
+  index_t width() const noexcept { return w; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     const float* s = src + r * src_stride;
     float* d = dst + r * dst_stride;
-    for (index_t c = 0; c < w; ++c) d[c] = s[c];
+    t.for_each(w, [&](index_t c) { d[c] = s[c]; });
   }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * w * 8; }
 };
 
 /// m[r] = the maximum of row r (width C): the first pass of a class-split softmax.
@@ -228,7 +238,13 @@ struct row_max {
   const float* z;
   float* m;
   index_t C;
-  WHALE_HD WHALE_INLINE void operator()(index_t r) const noexcept { m[r] = vmax(z + r * C, C); }
+  index_t width() const noexcept { return C; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
+    const float* zr = z + r * C;
+    const float v = t.max(C, [&](index_t j) { return zr[j]; });
+    if (t.leader()) m[r] = v;
+  }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * (C + 1) * 4; }
 };
 /// q[r, :] = exp(z[r, :] - m[r]) and sum[r] = the row's sum: the second pass.
 struct exp_rows {
@@ -237,13 +253,19 @@ struct exp_rows {
   float* q;
   float* sum;
   index_t C;
-  WHALE_HD WHALE_INLINE void operator()(index_t r) const noexcept {
+  index_t width() const noexcept { return C; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     const float* zr = z + r * C;
     float* qr = q + r * C;
     const float mr = m[r];
-    for (index_t j = 0; j < C; ++j) qr[j] = vexp(zr[j] - mr);
-    sum[r] = vsum(qr, C);
+    const float s = t.sum(C, [&](index_t j) {
+      const float e = vexp(zr[j] - mr);
+      qr[j] = e;
+      return e;
+    });
+    if (t.leader()) sum[r] = s;
   }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * (2 * C + 2) * 4; }
 };
 /// t[r] = z[r, y[r] - c0] when this rank holds the label's class (columns
 /// c0..c0+C of a class-split row), else 0 (an ignored row too): the target
@@ -258,6 +280,7 @@ struct target_logits {
     const std::int32_t label = y[r];
     t[r] = label != ignore && label >= c0 && label < c0 + C ? z[r * C + (label - c0)] : 0.f;
   }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * 12; }
 };
 /// The last pass of a class-split cross-entropy: q[r, :] *= inv / sum[r], and
 /// inv is subtracted at the label when this rank holds its class (columns
@@ -269,17 +292,19 @@ struct softmax_grad_rows {
   index_t C, c0;
   float inv;
   std::int32_t ignore;
-  WHALE_HD WHALE_INLINE void operator()(index_t r) const noexcept {
+  index_t width() const noexcept { return C; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     float* qr = q + r * C;
     const std::int32_t label = y[r];
     if (label == ignore) {  // an exact zero, whatever the logits held
-      for (index_t j = 0; j < C; ++j) qr[j] = 0.f;
+      t.for_each(C, [&](index_t j) { qr[j] = 0.f; });
       return;
     }
     const float scale = inv / sum[r];
-    for (index_t j = 0; j < C; ++j) qr[j] *= scale;
-    if (label >= c0 && label < c0 + C) qr[label - c0] -= inv;
+    const index_t at = label >= c0 && label < c0 + C ? label - c0 : -1;
+    t.for_each(C, [&](index_t j) { qr[j] = qr[j] * scale - (j == at ? inv : 0.f); });
   }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * (2 * C * 4 + 8); }
 };
 
 /// y[r, :] = x[r, :] + pos[r % T, :] (learned positions added to token rows).
@@ -288,15 +313,19 @@ struct add_positions {
   const float* pos;
   float* y;
   index_t T, D;
-  WHALE_HD WHALE_INLINE void operator()(index_t r) const noexcept {
+  index_t width() const noexcept { return D; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     const float* xr = x + r * D;
     const float* pr = pos + (r % T) * D;
     float* yr = y + r * D;
-    for (index_t j = 0; j < D; ++j) yr[j] = xr[j] + pr[j];
+    t.for_each(D, [&](index_t j) { yr[j] = xr[j] + pr[j]; });
   }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * D * 4 * 3; }
 };
 /// Scatter-add of R gradient rows into table rows: table[idx(r), c] += dy[r, c]
-/// for the columns of block `blk`, rows in order. idx(r) is tokens[r] when
+/// for the columns of block `blk`, rows in order (still one index per block of
+/// 256 columns: a GPU runs D / 256 threads here; sorting the tokens first is
+/// the GPU's shape, not built yet). idx(r) is tokens[r] when
 /// tokens is set, else r % T (positions); a table that holds only the `held`
 /// rows from `first` (a vocabulary slice; held < 0: all) takes the rows of its
 /// tokens, at tokens[r] - first, and skips the rest. One block per body, so that no two
@@ -319,6 +348,7 @@ struct scatter_add_rows {
       for (index_t c = 0; c < w; ++c) tr[c] += gr[c];
     }
   }
+  std::int64_t bytes(index_t) const noexcept { return R * (D * 4 * 3 + 4); }
 };
 
 /// The sum of squares of x[0, n) by blocks of 4096: out[b] is block b's sum,
@@ -344,6 +374,7 @@ struct sum_squares_blocks {
     for (index_t k = 0; k < lanes; ++k) s += acc[k];
     out[b] = s;
   }
+  std::int64_t bytes(index_t nb) const noexcept { return (n < nb * block ? n : nb * block) * 4 + nb * 8; }
 };
 
 }  // namespace whale::kernels

@@ -1,0 +1,225 @@
+// The two kernel shapes beside the index space (backend/kernel.hpp), as a GPU
+// needs them and the CPU replays them: a *row* shape, where a team of lanes
+// (one warp, or a block of warps for wide rows) takes one row and reduces
+// across its lanes in a fixed tree; and a *column-reduction* shape, where
+// sums over rows are taken in tiles of rows, then the tiles are added in
+// order. Here: the teams' reduction order, the team the CPU emulates, and the
+// index-space bodies of the column shape. The CUDA team is in
+// backend/cuda/launch.cuh; no launching and no memory here.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "whale/backend/kernels/math.hpp"
+
+namespace whale::kernels {
+
+/// Lanes of a warp: the unit of every team.
+inline constexpr int warp_lanes = 32;
+/// Rows at least this wide get a team of 8 warps (256 lanes); narrower rows one warp.
+inline constexpr index_t wide_row = 4096;
+/// Warps of the team that takes a row of `width` elements (1 or 8), the same on every backend.
+constexpr int row_warps(index_t width) noexcept { return width >= wide_row ? 8 : 1; }
+/// Rows per tile of the column-reduction shape: each tile's sum is one partial per column.
+inline constexpr index_t row_tile = 64;
+/// Tiles of `rows` rows.
+constexpr index_t row_tiles(index_t rows) noexcept { return (rows + row_tile - 1) / row_tile; }
+
+/// The running maximum and the sum of exp(x - max) of a softmax, taken in one
+/// pass (the online softmax): each lane pushes its elements, then lanes combine.
+struct max_sum {
+  float m, s;
+};
+/// Add x to the statistics: one exponential per element.
+WHALE_HD WHALE_INLINE void push(max_sum& st, float x) noexcept;
+/// Join two lanes' statistics (commutative, so every lane of a team gets the same bits).
+WHALE_HD WHALE_INLINE max_sum join(max_sum a, max_sum b) noexcept;
+
+/// What every team offers a row body, written once on top of the team's
+/// reduce(n, init, step, join): step(acc, j) folds element j into one lane's
+/// accumulator (lane l takes j = l, l + lanes, ... in order), and join combines
+/// lanes in the tree order below. for_each(n, f) calls f(j) for every j, each
+/// j on the lane that took it in reduce, so a row read and written in passes
+/// needs no barrier between them.
+template <class Team> struct team_reductions {
+  /// The sum over j < n of f(j).
+  template <class F> WHALE_HD WHALE_INLINE float sum(index_t n, F f) const {
+    return self().reduce(n, 0.f, [&](float& a, index_t j) { a += f(j); }, [](float a, float b) { return a + b; });
+  }
+  /// The maximum over j < n of f(j) (-inf when n is 0).
+  template <class F> WHALE_HD WHALE_INLINE float max(index_t n, F f) const {
+    return self().reduce(
+        n, -__builtin_huge_valf(),
+        [&](float& a, index_t j) {
+          const float v = f(j);
+          a = v > a ? v : a;
+        },
+        [](float a, float b) { return b > a ? b : a; });
+  }
+  /// The maximum and the sum of exp(f(j) - maximum) over j < n, in one pass.
+  template <class F> WHALE_HD WHALE_INLINE max_sum softmax_stats(index_t n, F f) const {
+    return self().reduce(
+        n, max_sum{-__builtin_huge_valf(), 0.f}, [&](max_sum& a, index_t j) { push(a, f(j)); },
+        [](max_sum a, max_sum b) { return join(a, b); });
+  }
+
+ private:
+  WHALE_HD WHALE_INLINE const Team& self() const { return static_cast<const Team&>(*this); }
+};
+
+/// The tree every team reduces in: within each warp, lane i takes lane i + o
+/// for o = 16, 8, 4, 2, 1 (a butterfly; lane 0 holds the warp's result); then
+/// the warps' results the same way for o = W/2, ..., 1. v holds 32 W values.
+template <int W, class S, class Join> WHALE_HD WHALE_INLINE S tree_reduce(S* v, Join join) {
+  for (int w = 0; w < W; ++w)
+    for (int o = warp_lanes / 2; o > 0; o /= 2)
+      for (int i = 0; i < o; ++i) v[w * warp_lanes + i] = join(v[w * warp_lanes + i], v[w * warp_lanes + i + o]);
+  for (int o = W / 2; o > 0; o /= 2)
+    for (int i = 0; i < o; ++i) v[i * warp_lanes] = join(v[i * warp_lanes], v[(i + o) * warp_lanes]);
+  return v[0];
+}
+
+/// A team of W warps emulated by one CPU thread: every lane's accumulator in
+/// an array, then the tree. It sums in the GPU team's order, so the CPU tests
+/// check the order the GPU uses (nvcc may still contract a multiply and an add).
+template <int W> struct emulated_team : team_reductions<emulated_team<W>> {
+  static constexpr int lanes = W * warp_lanes;
+  template <class S, class Step, class Join>
+  WHALE_HD WHALE_INLINE S reduce(index_t n, S init, Step step, Join join) const {
+    S acc[lanes];
+    for (int l = 0; l < lanes; ++l) acc[l] = init;
+    const index_t full = n / lanes * lanes;
+    for (index_t j0 = 0; j0 < full; j0 += lanes)
+      for (int l = 0; l < lanes; ++l) step(acc[l], j0 + l);
+    for (index_t j = full; j < n; ++j) step(acc[j - full], j);
+    return tree_reduce<W>(acc, join);
+  }
+  template <class F> WHALE_HD WHALE_INLINE void for_each(index_t n, F f) const {
+    for (index_t j = 0; j < n; ++j) f(j);
+  }
+  /// Whether this lane writes the row's scalars (one lane of the team).
+  WHALE_HD WHALE_INLINE bool leader() const noexcept { return true; }
+  /// A barrier across the team's lanes (nothing to wait for on one thread).
+  WHALE_HD WHALE_INLINE void sync() const noexcept {}
+};
+
+/// A row body: body(team, r) for each row r, with a team of either size.
+template <class K>
+concept RowBody = std::is_trivially_copyable_v<K> && requires(const K& k, index_t r) {
+  k(emulated_team<1>{}, r);
+  k(emulated_team<8>{}, r);
+};
+
+/// A column-reduction body over an (R, C) index space: `accumulators` sums per
+/// column; load(r, c, v) gives element (r, c)'s `accumulators` values, and
+/// store(c, acc) writes column c's sums (adding to what is there, or not,
+/// as the body was told).
+template <class K>
+concept ColumnBody = std::is_trivially_copyable_v<K> && requires(const K& k, index_t i, float* v, const float* cv) {
+  { K::accumulators } -> std::convertible_to<int>;
+  k.load(i, i, v);
+  k.store(i, cv);
+};
+
+/// Phase 1 of the column shape, one index per (tile, column): partial[(t C + c) A + a]
+/// = the sum over the tile's rows, in row order, of accumulator a of (r, c).
+template <ColumnBody K> struct column_tile_sums {
+  K body;
+  float* partial;
+  index_t R, C;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
+    constexpr int A = K::accumulators;
+    const index_t t = i / C, c = i - t * C;
+    const index_t r1 = (t + 1) * row_tile < R ? (t + 1) * row_tile : R;
+    float acc[A] = {}, v[A];
+    for (index_t r = t * row_tile; r < r1; ++r) {
+      body.load(r, c, v);
+      for (int a = 0; a < A; ++a) acc[a] += v[a];
+    }
+    for (int a = 0; a < A; ++a) partial[i * A + a] = acc[a];
+  }
+  std::int64_t bytes(index_t n) const noexcept { return n * 4 * K::accumulators * (row_tile + 1); }
+};
+/// Phase 2, one index per column: the tiles' partials added in tile order, then stored.
+template <ColumnBody K> struct column_tile_finish {
+  K body;
+  const float* partial;
+  index_t tiles, C;
+  WHALE_HD WHALE_INLINE void operator()(index_t c) const noexcept {
+    constexpr int A = K::accumulators;
+    float acc[A] = {};
+    for (index_t t = 0; t < tiles; ++t)
+      for (int a = 0; a < A; ++a) acc[a] += partial[(t * C + c) * A + a];
+    body.store(c, acc);
+  }
+  std::int64_t bytes(index_t n) const noexcept { return n * 4 * K::accumulators * (tiles + 2); }
+};
+
+/// The column shape when all rows fit one tile, one index per column: the
+/// tile's sum, added to zero as column_tile_finish adds it (the same bits).
+template <ColumnBody K> struct column_one_tile {
+  K body;
+  index_t R;
+  WHALE_HD WHALE_INLINE void operator()(index_t c) const noexcept {
+    constexpr int A = K::accumulators;
+    float tile[A] = {}, acc[A] = {}, v[A];
+    for (index_t r = 0; r < R; ++r) {
+      body.load(r, c, v);
+      for (int a = 0; a < A; ++a) tile[a] += v[a];
+    }
+    for (int a = 0; a < A; ++a) acc[a] += tile[a];
+    body.store(c, acc);
+  }
+  std::int64_t bytes(index_t n) const noexcept { return n * 4 * K::accumulators * (R + 2); }
+};
+
+namespace detail {
+/// The type after "K = " in a compiler's signature text, without whale's namespaces.
+inline std::string type_after_k(std::string_view f) {
+  const auto at = f.find("K = ");
+  if (at == std::string_view::npos) return "kernel";
+  f.remove_prefix(at + 4);
+  int depth = 0;
+  std::size_t end = 0;
+  for (; end < f.size(); ++end) {
+    if (f[end] == '<') ++depth;
+    if (f[end] == '>') --depth;
+    if (depth == 0 && (f[end] == ';' || f[end] == ']')) break;
+  }
+  std::string s(f.substr(0, end));
+  for (const std::string_view ns : {"whale::kernels::", "whale::"})
+    for (auto p = s.find(ns); p != std::string::npos; p = s.find(ns)) s.erase(p, ns.size());
+  return s;
+}
+}  // namespace detail
+
+/// The name of a kernel body's type without whale's namespaces, for the
+/// ledger and error messages: `layer_norm_forward`, `column_tile_sums<column_sums>`.
+template <class K> const std::string& kernel_name() {
+  static const std::string name = detail::type_after_k(__PRETTY_FUNCTION__);  // "... [with K = whale::kernels::x; ...]"
+  return name;
+}
+
+// ---- definitions ----
+
+WHALE_HD WHALE_INLINE void push(max_sum& st, float x) noexcept {
+  if (x > st.m) {
+    st.s = st.s * vexp(st.m - x) + 1.f;
+    st.m = x;
+  } else {
+    st.s += vexp(x - st.m);
+  }
+}
+WHALE_HD WHALE_INLINE max_sum join(max_sum a, max_sum b) noexcept {
+  if (b.m > a.m) {
+    const max_sum t = a;
+    a = b;
+    b = t;
+  }
+  if (b.s == 0.f) return a;  // an empty lane (its maximum may be -inf)
+  return {a.m, a.s + b.s * vexp(b.m - a.m)};
+}
+
+}  // namespace whale::kernels
