@@ -211,7 +211,46 @@ TEST_CASE("the guarded backend runs every kernel in the device's shape, bit-equa
     }
     CHECK(on_cpu.rowd == on_device.rowd);
   });
-  CHECK(cases == 33);
+  CHECK(cases == 34);
+}
+
+TEST_CASE("an embedding's scatter-add: the device's stripes give the CPU's column blocks' bits") {
+  // 300 gradient rows of width 70 onto a table of 40 rows, tokens repeating; the whole table and a slice
+  const index_t R = 300, D = 70, V = 40;
+  const auto dy = values(R * D, 51);
+  std::vector<std::int32_t> tokens(R);
+  for (index_t r = 0; r < R; ++r) tokens[r] = static_cast<std::int32_t>((r * r + 3 * r) % V);
+  for (const index_t first : {index_t{0}, index_t{12}}) {
+    const index_t held = first ? 17 : -1;
+    std::vector<float> on_cpu(static_cast<std::size_t>(V * D), 0.5f);
+    backend_ref().scatter_add(kernels::scatter_add_rows{dy.data(), tokens.data(), on_cpu.data(), R, D, 0, first, held});
+    std::vector<float> on_device(on_cpu.size(), 0.5f);
+    {
+      guarded_backend g;
+      const backend_ref be(g);
+      const place_scope on(be.memory());
+      tensor<float> d_dy({R * D}), d_table({V * D});
+      tensor<std::int32_t> d_tok({R});
+      be.copy(d_dy.data(), dy.data(), dy.size() * 4);
+      be.copy(d_tok.data(), tokens.data(), tokens.size() * 4);
+      be.copy(d_table.data(), on_device.data(), on_device.size() * 4);
+      be.scatter_add(kernels::scatter_add_rows{d_dy.data(), d_tok.data(), d_table.data(), R, D, 0, first, held});
+      CHECK(g.ledger().kernels.at("scatter_add_stripes").threads_min == kernels::scatter_add_stripes::stripes_for(D) * D);
+      be.copy(on_device.data(), d_table.data(), on_device.size() * 4);
+    }
+    INFO("first " << first);
+    CHECK(on_device == on_cpu);
+    double worst = 0;  // and against the sums in double
+    for (index_t t = 0; t < V; ++t)
+      for (index_t c = 0; c < D; ++c) {
+        const index_t row = t - first;
+        if (held >= 0 && (row < 0 || row >= held)) continue;
+        double want = 0.5;
+        for (index_t r = 0; r < R; ++r) want += tokens[r] == t ? dy[r * D + c] : 0.0;
+        worst = std::fmax(worst, std::fabs(on_cpu[row * D + c] - want));
+      }
+    CHECK(worst < 1e-4);
+  }
 }
 
 TEST_CASE("the device ledger: each launch with its kernel, threads and declared bytes; GEMMs, copies, fills, waits") {

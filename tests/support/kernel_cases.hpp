@@ -91,6 +91,9 @@ template <class F> void for_each_case(F&& f) {
     [](buffers p) { return k::scatter_add_rows{p.a, p.tokens, p.f, R, C, 0}; });
   f("scatter_add_rows (positions)", k::col_blocks(C),
     [](buffers p) { return k::scatter_add_rows{p.a, nullptr, p.f, R, C, T}; });
+  f("scatter_add_stripes (a slice of the table)", k::scatter_add_stripes::stripes_for(C) * C, [](buffers p) {
+    return k::scatter_add_stripes{k::scatter_add_rows{p.a, p.tokens, p.f, R, C, 0, 10, 15}, k::scatter_add_stripes::stripes_for(C)};
+  });
   f("gather_rows", R, [](buffers p) { return k::gather_rows{p.a, p.tokens, p.f, C}; });
   f("gather_rows (a slice of the table)", R, [](buffers p) { return k::gather_rows{p.a, p.tokens, p.f, C, 10, 15}; });
   f("scatter_add_rows (a slice of the table)", k::col_blocks(C),

@@ -200,6 +200,14 @@ class backend_ref {
     return total;
   }
 
+  /// The scatter-add of an embedding's gradient rows into its table: the
+  /// CPU's blocks of 256 columns, or the device's stripes of table rows
+  /// (kernels::scatter_add_stripes); the same sums in the same order.
+  void scatter_add(const kernels::scatter_add_rows& body) const {
+    if (!gpu_) return launch(kernels::col_blocks(body.D), body);
+    const index_t stripes = kernels::scatter_add_stripes::stripes_for(body.D);
+    launch(stripes * body.D, kernels::scatter_add_stripes{body, stripes});
+  }
   /// y[r, :] += b over `rows` rows of width `cols`.
   void add_row_bias(float* y, const float* b, index_t rows, index_t cols) const {
     launch(rows, kernels::bias_rows{y, b, cols, true});

@@ -70,7 +70,7 @@ struct embedding {
       throw std::invalid_argument("whale::embedding: the output gradient has " +
                                   std::to_string(dy.numel()) + " elements, expected " +
                                   std::to_string(R * D));
-    c.be.launch(kernels::col_blocks(D), kernels::scatter_add_rows{dy.data(), s.tokens.data(), dw_.data(), R, D, 0});
+    c.be.scatter_add(kernels::scatter_add_rows{dy.data(), s.tokens.data(), dw_.data(), R, D, 0});
     return {};
   }
 

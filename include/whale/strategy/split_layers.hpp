@@ -173,8 +173,7 @@ class vocab_embedding {
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
     if (!c.accumulate) c.be.fill_zero(dw_.data(), dw_.bytes());
-    c.be.launch(kernels::col_blocks(D), kernels::scatter_add_rows{dy.data(), s.tokens.data(), dw_.data(),
-                                                                  s.tokens.numel(), D, 0, r_ * n_, n_});
+    c.be.scatter_add(kernels::scatter_add_rows{dy.data(), s.tokens.data(), dw_.data(), s.tokens.numel(), D, 0, r_ * n_, n_});
     return {};
   }
 

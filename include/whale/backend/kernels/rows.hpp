@@ -159,9 +159,16 @@ struct causal_softmax_forward {
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t row) const noexcept {
     float* pr = p + row * T;
     const index_t n = row % T + 1;
-    const max_sum st = t.softmax_stats(n, [&](index_t j) { return pr[j]; });
-    const float inv = 1.f / st.s;
-    t.for_each(T, [&](index_t j) { pr[j] = j < n ? vexp(pr[j] - st.m) * inv : 0.f; });
+    // three passes and one exponential per element (each lane rereads what it
+    // wrote): the scores are short rows, where the exponentials cost more than the reads
+    const float m = t.max(n, [&](index_t j) { return pr[j]; });
+    const float sum = t.sum(n, [&](index_t j) {
+      const float e = vexp(pr[j] - m);
+      pr[j] = e;
+      return e;
+    });
+    const float inv = 1.f / sum;
+    t.for_each(T, [&](index_t j) { pr[j] = j < n ? pr[j] * inv : 0.f; });
   }
   std::int64_t bytes(index_t rows) const noexcept { return rows * T * 4 * 2; }
 };
@@ -184,9 +191,11 @@ struct causal_softmax_backward {
 /// Softmax cross-entropy of row r (C classes, label y[r]; labels are checked
 /// before launch): loss[r] = log(sum exp(z - m)) + m - z[y], and the gradient
 /// q = (softmax(z) - onehot(y)) * inv where inv is 1 / (the global label count).
-/// A row labelled `ignore` gets loss 0 and gradient 0. The logits are read
-/// twice: once for the online softmax's maximum and sum, once to write q,
-/// which may be z itself (the gradient in place of the logits).
+/// A row labelled `ignore` gets loss 0 and gradient 0. q may be z itself (the
+/// gradient in place of the logits). Three passes with one exponential per
+/// element: the maximum; exp(z - max) written to q and summed; q scaled. The
+/// online softmax (kernels::max_sum) reads the logits once less but costs
+/// two more exponentials per element, which the CPU pays (1.6% of gpt's step).
 struct cross_entropy_rows {
   const float* z;
   const std::int32_t* y;
@@ -205,14 +214,21 @@ struct cross_entropy_rows {
       if (t.leader()) loss[r] = 0.0;
       return;
     }
-    const max_sum st = t.softmax_stats(C, [&](index_t j) { return zr[j]; });
+    const float m = t.max(C, [&](index_t j) { return zr[j]; });
     const float target = zr[label];
     t.sync();  // every lane has read z[label] before q (maybe z) is written
-    if (t.leader()) loss[r] = std::log(static_cast<double>(st.s)) + st.m - target;
-    const float scale = inv / st.s;
-    t.for_each(C, [&](index_t j) { qr[j] = vexp(zr[j] - st.m) * scale - (j == label ? inv : 0.f); });
+    const float sum = t.sum(C, [&](index_t j) {
+      const float e = vexp(zr[j] - m);
+      qr[j] = e;
+      return e;
+    });
+    if (t.leader()) loss[r] = std::log(static_cast<double>(sum)) + m - target;
+    const float scale = inv / sum;
+    t.for_each(C, [&](index_t j) { qr[j] *= scale; });
+    t.sync();  // the lane that wrote q[label] is done before the leader changes it
+    if (t.leader()) qr[label] -= inv;
   }
-  std::int64_t bytes(index_t rows) const noexcept { return rows * (3 * C * 4 + 4 + 8); }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * (5 * C * 4 + 4 + 8); }
 };
 
 /// dst[r, 0:w] = src[r, 0:w], rows `src_stride` and `dst_stride` floats apart:
@@ -301,8 +317,9 @@ struct softmax_grad_rows {
       return;
     }
     const float scale = inv / sum[r];
-    const index_t at = label >= c0 && label < c0 + C ? label - c0 : -1;
-    t.for_each(C, [&](index_t j) { qr[j] = qr[j] * scale - (j == at ? inv : 0.f); });
+    t.for_each(C, [&](index_t j) { qr[j] *= scale; });
+    t.sync();  // the lane that wrote q[label - c0] is done before the leader changes it
+    if (t.leader() && label >= c0 && label < c0 + C) qr[label - c0] -= inv;
   }
   std::int64_t bytes(index_t rows) const noexcept { return rows * (2 * C * 4 + 8); }
 };
@@ -322,33 +339,62 @@ struct add_positions {
   }
   std::int64_t bytes(index_t rows) const noexcept { return rows * D * 4 * 3; }
 };
-/// Scatter-add of R gradient rows into table rows: table[idx(r), c] += dy[r, c]
-/// for the columns of block `blk`, rows in order (still one index per block of
-/// 256 columns: a GPU runs D / 256 threads here; sorting the tokens first is
-/// the GPU's shape, not built yet). idx(r) is tokens[r] when
-/// tokens is set, else r % T (positions); a table that holds only the `held`
-/// rows from `first` (a vocabulary slice; held < 0: all) takes the rows of its
-/// tokens, at tokens[r] - first, and skips the rest. One block per body, so that no two
-/// bodies write the same element (no atomics on the GPU) and every element
-/// sums its rows in the same order on both sides.
+/// Scatter-add of R gradient rows into table rows: table[idx(r), c] += dy[r, c],
+/// every element adding its rows in row order, without atomics. idx(r) is
+/// tokens[r] when tokens is set, else r % T (positions); a table that holds
+/// only the `held` rows from `first` (a vocabulary slice; held < 0: all)
+/// takes the rows of its tokens, at tokens[r] - first, and skips the rest.
+/// As an index body it takes a block of 256 columns over all rows: the CPU's
+/// shape. A device runs scatter_add_stripes (below) instead.
 struct scatter_add_rows {
   const float* dy;
   const std::int32_t* tokens;
   float* table;
   index_t R, D, T;
   index_t first = 0, held = -1;
+  /// The table row of gradient row r, or -1 when this table does not hold it.
+  WHALE_HD WHALE_INLINE index_t target(index_t r) const noexcept {
+    const index_t row = tokens ? static_cast<index_t>(tokens[r]) - first : r % T;
+    return held >= 0 && (row < 0 || row >= held) ? -1 : row;
+  }
   WHALE_HD WHALE_INLINE void operator()(index_t blk) const noexcept {
     const index_t c0 = blk * col_block;
     const index_t w = D - c0 < col_block ? D - c0 : col_block;
     for (index_t r = 0; r < R; ++r) {
-      const index_t row = tokens ? static_cast<index_t>(tokens[r]) - first : r % T;
-      if (held >= 0 && (row < 0 || row >= held)) continue;
+      const index_t row = target(r);
+      if (row < 0) continue;
       float* tr = table + row * D + c0;
       const float* gr = dy + r * D + c0;
       for (index_t c = 0; c < w; ++c) tr[c] += gr[c];
     }
   }
   std::int64_t bytes(index_t) const noexcept { return R * (D * 4 * 3 + 4); }
+};
+/// The device's shape of scatter_add_rows: one index per (stripe, column),
+/// stripe s taking the table rows t with t % stripes == s. Each index walks
+/// the R rows in order and adds those of its stripe, so every element adds
+/// its rows in the order the CPU's column blocks add them (the same bits),
+/// no two indices write one element, and stripes x D threads share the work
+/// (a warp: 32 neighbouring columns of one stripe, reading each row's token
+/// once and its gradient coalesced). The tokens are read by every stripe.
+struct scatter_add_stripes {
+  scatter_add_rows rows;
+  index_t stripes;
+  /// Stripes for width D: enough for about 64 Ki threads, at most 64.
+  static constexpr index_t stripes_for(index_t D) noexcept {
+    const index_t s = (65536 + D - 1) / (D > 0 ? D : 1);
+    return s < 1 ? 1 : (s > 64 ? 64 : s);
+  }
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
+    const index_t s = i / rows.D, c = i - s * rows.D;
+    for (index_t r = 0; r < rows.R; ++r) {
+      const index_t row = rows.target(r);
+      if (row < 0 || row % stripes != s) continue;
+      rows.table[row * rows.D + c] += rows.dy[r * rows.D + c];
+    }
+  }
+  /// The gradient read once, each table row's update read and written, the tokens once.
+  std::int64_t bytes(index_t) const noexcept { return rows.R * (rows.D * 4 * 3 + 4); }
 };
 
 /// The sum of squares of x[0, n) by blocks of 4096: out[b] is block b's sum,
