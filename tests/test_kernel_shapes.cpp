@@ -282,7 +282,8 @@ TEST_CASE("the device ledger: each launch with its kernel, threads and declared 
     const auto& ln = l.kernels.at("layer_norm_forward");
     CHECK(ln.launches == 1);
     CHECK(ln.threads_min == kc::R * 32);
-    CHECK(ln.bytes == kc::R * (3 * kc::C * 4 + 4) + 2 * kc::C * 4);  // x, x-hat, y per row, 1/std; gain, bias
+    // every pass over a row counted: x twice, then x in and x-hat, y out, and 1/std; gain, bias, and gain again
+    CHECK(ln.bytes == kc::R * (5 * kc::C * 4 + 4) + 3 * kc::C * 4);
     CHECK(ln.underfilled == 1);  // 37 warps cannot fill a GPU
     CHECK(l.kernels.at("column_one_tile<column_sums>").threads_min == kc::C);
     CHECK(l.kernels.at("column_tile_sums<column_sums>").threads_min == 9 * 20);

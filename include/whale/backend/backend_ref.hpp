@@ -96,36 +96,13 @@ class backend_ref {
   /// body(i) for i in [0, n): a CPU loop, or a CUDA grid on the GPU's compute stream.
   template <kernels::KernelBody K> void launch(index_t n, const K& body) const {
     if (!gpu_) return cpu::launch(n, body);
-    if (ops_->enter) {  // host-executed: the CPU loop inside the backend's window
-      if (!ops_->note(gpu_, note_of(body, 'i', n, n))) return;
-      const opened o(*this);
-      return cpu::launch(n, body);
-    }
-#if defined(__CUDACC__)
-    cuda_space::launch(n, body, static_cast<cudaStream_t>(stream_));
-#else
-    (void)n;
-    (void)body;
-    no_nvcc();
-#endif
+    on_device(n, body, 'i', n);
   }
   /// body(team, r) for each of `rows` rows: a team of one warp per row, or of
   /// 8 warps for rows of kernels::wide_row and more (emulated on the CPU).
   template <kernels::RowBody K> void launch(index_t rows, const K& body) const {
     if (!gpu_) return cpu::launch(rows, body);
-    if (ops_->enter) {
-      const std::int64_t lanes = kernels::row_warps(body.width()) * kernels::warp_lanes;
-      if (!ops_->note(gpu_, note_of(body, 'r', rows, rows * lanes))) return;
-      const opened o(*this);
-      return cpu::launch(rows, body);
-    }
-#if defined(__CUDACC__)
-    cuda_space::launch(rows, body, static_cast<cudaStream_t>(stream_));
-#else
-    (void)rows;
-    (void)body;
-    no_nvcc();
-#endif
+    on_device(rows, body, 'r', rows * kernels::row_warps(body.width()) * kernels::warp_lanes);
   }
   /// A column reduction over body.rows() x body.cols(). The CPU sums blocks of
   /// columns tile by tile; a device runs the two phases, the tiles' partial
@@ -225,6 +202,21 @@ class backend_ref {
   }
 
  private:
+  /// A launch on the device: a host-executed backend notes it and runs the CPU
+  /// loop inside its window; a GPU runs it on its compute stream.
+  template <class K> void on_device(index_t n, const K& body, char shape, std::int64_t threads) const {
+    if (ops_->enter) {
+      if (!ops_->note(gpu_, note_of(body, shape, n, threads))) return;
+      const opened o(*this);
+      return cpu::launch(n, body);
+    }
+#if defined(__CUDACC__)
+    cuda_space::launch(n, body, static_cast<cudaStream_t>(stream_));
+#else
+    (void)threads;
+    no_nvcc();
+#endif
+  }
   [[noreturn]] static void no_nvcc() {
     throw std::logic_error(
         "whale::backend_ref: a kernel body was launched on a CUDA device from a translation unit not compiled by "

@@ -106,7 +106,7 @@ struct layer_norm_forward {
       yr[j] = h * gain[j] + bias[j];
     });
   }
-  std::int64_t bytes(index_t rows) const noexcept { return rows * (3 * D * 4 + 4) + 2 * D * 4; }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * (5 * D * 4 + 4) + 3 * D * 4; }  // x twice, then x in, x-hat and y out
 };
 /// d(input) of row r: dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy gain.
 struct layer_norm_backward {
@@ -126,7 +126,7 @@ struct layer_norm_backward {
     const float s = rstd[r];
     t.for_each(D, [&](index_t j) { dr[j] = s * (gr[j] * gain[j] - m1 - hr[j] * m2); });
   }
-  std::int64_t bytes(index_t rows) const noexcept { return rows * (3 * D * 4 + 4) + D * 4; }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * (6 * D * 4 + 4) + 3 * D * 4; }  // dy; dy, x-hat; dy, x-hat in, dx out
 };
 /// d(gain) and d(bias): the sums over R rows of dy xhat and of dy, a column reduction.
 struct layer_norm_param_grads {
@@ -170,7 +170,7 @@ struct causal_softmax_forward {
     const float inv = 1.f / sum;
     t.for_each(T, [&](index_t j) { pr[j] = j < n ? pr[j] * inv : 0.f; });
   }
-  std::int64_t bytes(index_t rows) const noexcept { return rows * T * 4 * 2; }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * T * 4 * 5; }  // max; exp written; scaled
 };
 /// dS = P (dP - <dP, P>) on columns 0..i of row `row`, in place in d; masked columns get 0.
 struct causal_softmax_backward {
@@ -185,7 +185,7 @@ struct causal_softmax_backward {
     const float dot = t.sum(n, [&](index_t j) { return pr[j] * dr[j]; });
     t.for_each(T, [&](index_t j) { dr[j] = j < n ? pr[j] * (dr[j] - dot) : 0.f; });
   }
-  std::int64_t bytes(index_t rows) const noexcept { return rows * T * 4 * 3; }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * T * 4 * 5; }  // p, d; p, d in, d out
 };
 
 /// Softmax cross-entropy of row r (C classes, label y[r]; labels are checked
