@@ -224,7 +224,7 @@ int main(int argc, char** argv) {
           const index_t H = 4, W = H * hd;
           const double product = 2.0 * static_cast<double>(T) * static_cast<double>(T) * static_cast<double>(hd);
           const index_t B = std::max<index_t>(1, static_cast<index_t>(std::ceil(0.3e9 / (6.0 * product * static_cast<double>(H)))));
-          tensor<float> qkv({B * T * 3 * W}), probs({B * H * T * T}), att({B * T * W}), dqkv({B * T * 3 * W}), ds({H * T * T});
+          tensor<float> qkv({B * T * 3 * W}), lse({B * H * T}), att({B * T * W}), dqkv({B * T * 3 * W});
           for (auto* x : {&qkv, &att})
             for (auto& v : *x) v = 0.01f;
           const backend_ref be;  // the CPU
@@ -236,11 +236,11 @@ int main(int argc, char** argv) {
             if (run > 0) flush();
             barrier(w);  // the ranks compute at once, as in training
             cpu::set_gemm_log(&log);
-            detail::attention_core_forward(be, qkv.data(), probs.data(), att.data(), B, T, H, hd);
+            be.attention_forward(B, T, H, hd, qkv.data(), att.data(), lse.data());
             cpu::set_gemm_log(nullptr);
             if (run > 0) flush();
             cpu::set_gemm_log(&log);
-            detail::attention_core_backward(be, qkv.data(), probs.data(), att.data(), dqkv.data(), ds.data(), B, T, H, hd);
+            be.attention_backward(B, T, H, hd, qkv.data(), att.data(), lse.data(), att.data(), dqkv.data());
             cpu::set_gemm_log(nullptr);
             double secs = 0, flops = 0;
             for (const auto& g : log) secs += g.seconds, flops += g.flops();

@@ -8,6 +8,7 @@
 // memory host code may not touch, a GPU's memory rules without a GPU.
 #pragma once
 
+#include <cmath>
 #include <concepts>
 #include <cstring>
 #include <stdexcept>
@@ -15,6 +16,7 @@
 
 #include "whale/backend/backend.hpp"
 #include "whale/backend/cpu.hpp"
+#include "whale/backend/kernels/attention.hpp"
 #include "whale/backend/kernels/shapes.hpp"
 #if defined(__CUDACC__)
 #include <cuda_runtime.h>
@@ -114,12 +116,7 @@ class backend_ref {
     const index_t R = body.rows(), C = body.cols(), tiles = kernels::row_tiles(R);
     if (tiles <= 1) return launch(C, kernels::column_one_tile<K>{body, R});
     // the partials, in the device's workspace and not zeroed (phase 1 writes every one)
-    struct scratch {
-      const memory_place* place;
-      std::size_t bytes;
-      float* p = static_cast<float*>(detail::allocate_in(place, bytes, mem_kind::workspace));
-      ~scratch() { detail::free_in(place, p, bytes, mem_kind::workspace); }
-    } partial{memory(), static_cast<std::size_t>(tiles * C * K::accumulators) * sizeof(float)};
+    const scratch partial(*this, tiles * C * K::accumulators);
     launch(tiles * C, kernels::column_tile_sums<K>{body, partial.p, R, C});
     launch(C, kernels::column_tile_finish<K>{body, partial.p, tiles, C});
   }
@@ -177,6 +174,58 @@ class backend_ref {
     return total;
   }
 
+  /// Causal self-attention as one call, on B sequences of T tokens and H heads
+  /// of width hd (W = H * hd):
+  /// - qkv: (B*T, 3W) = [Q | K | V], the heads side by side in each third;
+  /// - o: (B*T, W) out, the heads' outputs side by side;
+  /// - lse: (B, H, T) out, each query's log-sum-exp of its scaled scores.
+  /// qkv, o and lse are all the backward needs: the T x T scores live only
+  /// inside the call, in workspace memory, and no tensor of B*H*T*T floats
+  /// outlives it. Every backend runs the same five steps: Q, K, V copied
+  /// head-major (kernels::split_heads); S = Q K^T / sqrt(hd) for every
+  /// (sequence, head) in one strided-batched product; the causal softmax of
+  /// each row, keeping its lse; O = P V in one product; O back to token-major.
+  void attention_forward(index_t B, index_t T, index_t H, index_t hd, const float* qkv, float* o, float* lse) const {
+    const kernels::head_layout in{B, T, H, hd, 3}, out{B, T, H, hd, 1};
+    const index_t n = B * H, th = T * hd, tt = T * T;
+    const scratch heads(*this, in.elements()), s(*this, n * tt), oh(*this, out.elements());
+    const float* q = heads.p;
+    launch(in.elements(), kernels::split_heads{qkv, heads.p, in});
+    gemm_strided_batched(trans::no, trans::yes, T, T, hd, attention_scale(hd), q, hd, th, q + n * th, hd, th, 0.f,
+                         s.p, T, tt, n);
+    launch(n * T, kernels::causal_softmax_forward{s.p, T, lse});
+    gemm_strided_batched(trans::no, trans::no, T, hd, T, 1.f, s.p, T, tt, q + 2 * n * th, hd, th, 0.f, oh.p, hd, th,
+                         n);
+    launch(out.elements(), kernels::merge_heads{oh.p, o, out});
+  }
+  /// The backward of attention_forward: d(o) (B*T, W) to d(qkv) (B*T, 3W),
+  /// from the forward's qkv and lse (o is for backends whose fused form reads
+  /// it; these steps do not). S = Q K^T / sqrt(hd) and dP = dO V^T; then one
+  /// row kernel recomputes P = exp(S - lse) and forms dS = P (dP - rowsum(P
+  /// dP)); then dV = P^T dO, dQ = dS K / sqrt(hd), dK = dS^T Q / sqrt(hd):
+  /// five strided-batched products over every (sequence, head), one row
+  /// kernel and three layout copies.
+  void attention_backward(index_t B, index_t T, index_t H, index_t hd, const float* qkv, const float* o,
+                          const float* lse, const float* dout, float* dqkv) const {
+    (void)o;
+    const kernels::head_layout in{B, T, H, hd, 3}, one{B, T, H, hd, 1};
+    const index_t n = B * H, th = T * hd, tt = T * T;
+    const float scale = attention_scale(hd);
+    const scratch heads(*this, in.elements()), dheads(*this, in.elements()), dh(*this, one.elements());
+    const scratch p(*this, n * tt), dp(*this, n * tt);
+    const float *q = heads.p, *k = q + n * th, *v = k + n * th;
+    float *dq = dheads.p, *dk = dq + n * th, *dv = dk + n * th;
+    launch(in.elements(), kernels::split_heads{qkv, heads.p, in});
+    launch(one.elements(), kernels::split_heads{dout, dh.p, one});
+    gemm_strided_batched(trans::no, trans::yes, T, T, hd, scale, q, hd, th, k, hd, th, 0.f, p.p, T, tt, n);
+    gemm_strided_batched(trans::no, trans::yes, T, T, hd, 1.f, dh.p, hd, th, v, hd, th, 0.f, dp.p, T, tt, n);
+    launch(n * T, kernels::causal_softmax_backward{p.p, dp.p, lse, T});
+    gemm_strided_batched(trans::yes, trans::no, T, hd, T, 1.f, p.p, T, tt, dh.p, hd, th, 0.f, dv, hd, th, n);
+    gemm_strided_batched(trans::no, trans::no, T, hd, T, scale, dp.p, T, tt, k, hd, th, 0.f, dq, hd, th, n);
+    gemm_strided_batched(trans::yes, trans::no, T, hd, T, scale, dp.p, T, tt, q, hd, th, 0.f, dk, hd, th, n);
+    launch(in.elements(), kernels::merge_heads{dheads.p, dqkv, in});
+  }
+
   /// The scatter-add of an embedding's gradient rows into its table: the
   /// CPU's blocks of 256 columns, or the device's stripes of table rows
   /// (kernels::scatter_add_stripes); the same sums in the same order.
@@ -227,6 +276,68 @@ class backend_ref {
     if constexpr (requires { body.bytes(n); }) bytes = body.bytes(n);
     return {kernels::kernel_name<K>().c_str(), shape, n, threads, bytes};
   }
+  /// The CPU's scratch memory: one block used as a stack by the scratches of
+  /// a call (freed in reverse order), grown to the most they asked for at once
+  /// when the last is freed; until then what does not fit comes from the
+  /// heap. So steps after the first allocate nothing. One per thread.
+  class scratch_stack {
+   public:
+    static scratch_stack& local() {
+      static thread_local scratch_stack s;
+      return s;
+    }
+    float* take(index_t floats, bool& heap) {
+      const index_t n = rounded(floats);
+      demand_ += n;
+      high_ = demand_ > high_ ? demand_ : high_;
+      heap = top_ + n > cap_;
+      if (heap) return static_cast<float*>(detail::allocate_raw(static_cast<std::size_t>(n) * sizeof(float), mem_kind::workspace));
+      float* p = base_ + top_;
+      top_ += n;
+      return p;
+    }
+    void give(float* p, index_t floats, bool heap) noexcept {
+      const index_t n = rounded(floats);
+      demand_ -= n;
+      if (heap) detail::free_raw(p, static_cast<std::size_t>(n) * sizeof(float), mem_kind::workspace);
+      else top_ -= n;
+      if (demand_ == 0 && high_ > cap_) {  // nothing taken: the block may move
+        release();
+        base_ = static_cast<float*>(detail::allocate_raw(static_cast<std::size_t>(high_) * sizeof(float), mem_kind::workspace));
+        cap_ = high_;
+      }
+    }
+    ~scratch_stack() { release(); }
+
+   private:
+    static index_t rounded(index_t floats) noexcept { return (floats + 15) / 16 * 16; }  // 64-byte aligned pieces
+    void release() noexcept {
+      if (base_) detail::free_raw(base_, static_cast<std::size_t>(cap_) * sizeof(float), mem_kind::workspace);
+      base_ = nullptr, cap_ = 0;
+    }
+    float* base_ = nullptr;
+    index_t cap_ = 0, top_ = 0, demand_ = 0, high_ = 0;
+  };
+  /// Floats in the backend's workspace memory for one call, not zeroed: on a
+  /// device from its allocator (which caches), on the CPU from its scratch stack.
+  struct scratch {
+    const memory_place* place;
+    index_t floats;
+    bool heap = false;
+    float* p;
+    scratch(const backend_ref& be, index_t n)
+        : place(be.memory()), floats(n),
+          p(place ? static_cast<float*>(detail::allocate_in(place, bytes(), mem_kind::workspace))
+                  : scratch_stack::local().take(n, heap)) {}
+    ~scratch() {
+      if (place) detail::free_in(place, p, bytes(), mem_kind::workspace);
+      else scratch_stack::local().give(p, floats, heap);
+    }
+    std::size_t bytes() const noexcept { return static_cast<std::size_t>(floats) * sizeof(float); }
+    scratch(const scratch&) = delete;
+    scratch& operator=(const scratch&) = delete;
+  };
+  static float attention_scale(index_t hd) { return 1.f / std::sqrt(static_cast<float>(hd)); }
   /// The window of a host-executed backend, closed on every way out.
   struct opened {
     const backend_ref& b;

@@ -20,58 +20,9 @@ namespace whale {
 /// Parameters, in order: Wqkv (3D, D), bqkv (3D), Wo (D, D), bo (D); element i
 /// of that flat block is uniform(-1/sqrt(D), 1/sqrt(D)) from the layer's stream
 /// at index i (as linear). Legend: B sequences, T tokens, H heads, hd = D/H.
-namespace detail {
-/// Causal attention of H heads of width hd on B sequences of T tokens.
-/// qkv: (B*T, 3W) = [Q | K | V], heads side by side (W = H*hd); p: (B, H, T, T)
-/// probabilities (out); att: (B*T, W) heads' outputs side by side (out).
-inline void attention_core_forward(const backend_ref& be, const float* qkv, float* p, float* att, index_t B, index_t T, index_t H,
-                                   index_t hd) {
-  const index_t W = H * hd;
-  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-    for (index_t b = 0; b < B; ++b) {
-      const float* q = qkv + b * T * 3 * W;  // (T, hd) per head, row stride 3D
-      const float* k = q + W;
-      const float* v = q + 2 * W;
-      float* pb = p + b * H * T * T;     // (H, T, T)
-      // S = Q K^T / sqrt(hd), all heads of sequence b
-      be.gemm_strided_batched(trans::no, trans::yes, T, T, hd, scale, q, 3 * W, hd, k,
-                                3 * W, hd, 0.f, pb, T, T * T, H);
-      be.launch(H * T, kernels::causal_softmax_forward{pb, T});
-      // att = P V
-      be.gemm_strided_batched(trans::no, trans::no, T, hd, T, 1.f, pb, T, T * T, v,
-                                3 * W, hd, 0.f, att + b * T * W, W, hd, H);
-    }
-}
-
-/// Backward of attention_core_forward: datt (B*T, W) -> dqkv (B*T, 3W); ds is (H, T, T) scratch.
-inline void attention_core_backward(const backend_ref& be, const float* qkv, const float* p, const float* datt, float* dqkv, float* ds,
-                                    index_t B, index_t T, index_t H, index_t hd) {
-  const index_t W = H * hd;
-  const float scale = 1.f / std::sqrt(static_cast<float>(hd));
-    for (index_t b = 0; b < B; ++b) {
-      const float* q = qkv + b * T * 3 * W;
-      const float* k = q + W;
-      const float* v = q + 2 * W;
-      const float* pb = p + b * H * T * T;
-      const float* da = datt + b * T * W;
-      float* dq = dqkv + b * T * 3 * W;
-      float* dk = dq + W;
-      float* dv = dq + 2 * W;
-      // dP = d(att) V^T ; dV = P^T d(att)
-      be.gemm_strided_batched(trans::no, trans::yes, T, T, hd, 1.f, da, W, hd, v,
-                                3 * W, hd, 0.f, ds, T, T * T, H);
-      be.gemm_strided_batched(trans::yes, trans::no, T, hd, T, 1.f, pb, T, T * T, da,
-                                W, hd, 0.f, dv, 3 * W, hd, H);
-      // dS = P * (dP - rowsum(dP * P))
-      be.launch(H * T, kernels::causal_softmax_backward{pb, ds, T});
-      // dQ = dS K / sqrt(hd) ; dK = dS^T Q / sqrt(hd)
-      be.gemm_strided_batched(trans::no, trans::no, T, hd, T, scale, ds, T,
-                                T * T, k, 3 * W, hd, 0.f, dq, 3 * W, hd, H);
-      be.gemm_strided_batched(trans::yes, trans::no, T, hd, T, scale, ds, T,
-                                T * T, q, 3 * W, hd, 0.f, dk, 3 * W, hd, H);
-    }
-}
-}  // namespace detail
+/// The attention itself is one backend call (backend_ref::attention_forward):
+/// it keeps each query's log-sum-exp, and the backward recomputes the
+/// probabilities from it; no (B, H, T, T) tensor is kept.
 
 template <index_t D, index_t Heads>
 struct causal_self_attention {
@@ -90,18 +41,20 @@ struct causal_self_attention {
     return "causal_self_attention<" + std::to_string(D) + ", " + std::to_string(Heads) + ">";
   }
   /// Per token: projections 8 D^2 forward, 16 D^2 backward; Q K^T and P V are
-  /// 4 D FLOPs per token of context (seq_flops; backward is twice that; the
-  /// full T x T scores are computed, the mask is applied after). The
-  /// probabilities, H * T floats per token, are seq_act_bytes; seq_inner is
-  /// the head width, those products' inner size.
+  /// 4 D FLOPs per token of context (seq_flops; backward is twice that, and
+  /// its recompute of Q K^T a quarter more; the full T x T scores are
+  /// computed, the mask is applied after). The scores and probabilities, H *
+  /// T floats per token, exist only inside the attention call: seq_work_bytes,
+  /// not kept; the log-sum-exps, H floats per token, are. seq_inner is the
+  /// head width, those products' inner size.
   static constexpr cost_info cost() {
     cost_info c;
     c.fwd_flops = 8.0 * D * D;
     c.bwd_flops = 16.0 * D * D;
     c.params = 4 * D * D + 4 * D;
-    c.act_bytes = 4.0 * 10 * D;  // qkv, heads' output, y; and in backward d(att), d(qkv), dx
+    c.act_bytes = 4.0 * 10 * D + 4.0 * Heads;  // qkv, heads' output, y, lse; in backward d(att), d(qkv), dx
     c.seq_flops = 4.0 * D;
-    c.seq_act_bytes = 4.0 * Heads;
+    c.seq_work_bytes = 4.0 * Heads;
     c.seq_inner = static_cast<double>(D / Heads);
     return c;
   }
@@ -144,13 +97,13 @@ struct causal_self_attention {
     auto& s = st_(c.slot);
     s.x = x;
     auto qkv = detail::ensure(s.qkv, {R, 3 * D});        // (B*T, 3D): [Q | K | V], heads side by side
-    auto p = detail::ensure(s.p, {B, Heads, T, T});     // (B, H, T, T) probabilities
+    auto lse = detail::ensure(s.lse, {B, Heads, T});     // (B, H, T) each query's log-sum-exp
     auto att = detail::ensure(s.att, {R, D});            // (B*T, D): heads' outputs side by side
     auto y = detail::ensure(s.y, {R, D});                // (B*T, D)
     fill_rows(c.be, qkv.data(), bqkv_.data(), R, 3 * D);
     c.be.gemm(trans::no, trans::yes, R, 3 * D, D, 1.f, x.data(), wqkv_.data(), 1.f,
               qkv.data());
-    detail::attention_core_forward(c.be, qkv.data(), p.data(), att.data(), B, T, Heads, hd);
+    c.be.attention_forward(B, T, Heads, hd, qkv.data(), att.data(), lse.data());
     fill_rows(c.be, y.data(), bo_.data(), R, D);
     c.be.gemm(trans::no, trans::yes, R, D, D, 1.f, att.data(), wo_.data(), 1.f, y.data());
     return y;
@@ -162,11 +115,10 @@ struct causal_self_attention {
     auto& s = st_(c.slot);
     auto datt = detail::ensure(s.datt, {R, D});          // (B*T, D)
     auto dqkv = detail::ensure(s.dqkv, {R, 3 * D});      // (B*T, 3D)
-    auto ds = detail::ensure(s.ds, {Heads, T, T});       // (H, T, T) scratch: dP, then dS
     s.dy = dy;
     // output projection, attention core, then (if asked) d(input) through the QKV projection
     c.be.gemm(trans::no, trans::no, R, D, D, 1.f, dy.data(), wo_.data(), 0.f, datt.data());
-    detail::attention_core_backward(c.be, s.qkv.data(), s.p.data(), datt.data(), dqkv.data(), ds.data(), B, T, Heads, hd);
+    c.be.attention_backward(B, T, Heads, hd, s.qkv.data(), s.att.data(), s.lse.data(), datt.data(), dqkv.data());
     if (!defer_weights(c, this)) weight_grads(c.be, c.slot, c.accumulate);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
@@ -201,7 +153,7 @@ struct causal_self_attention {
   }
   struct state {
     cview<float> x, dy;
-    tensor<float> qkv, p, att, y, datt, dqkv, ds, dx;
+    tensor<float> qkv, lse, att, y, datt, dqkv, dx;
   };
   view<float> wqkv_, dwqkv_, bqkv_, dbqkv_, wo_, dwo_, bo_, dbo_;
   slots<state> st_;

@@ -31,7 +31,10 @@ struct cost_info {
   index_t params = 0;      ///< parameter count
   double act_bytes = 0;    ///< bytes kept for backward per row
   double seq_flops = 0;    ///< extra forward FLOPs per row per token of context (attention)
-  double seq_act_bytes = 0;  ///< extra bytes kept per row per token of context (attention's probabilities)
+  double seq_act_bytes = 0;  ///< extra bytes kept per row per token of context
+  /// Extra bytes written and read per row per token of context that are not
+  /// kept (attention's scores and probabilities, which live only inside its call).
+  double seq_work_bytes = 0;
   /// The inner size of the context products (attention's head width: its Q Kᵀ and
   /// P V are per-head products of T × T × head_dim); 0: none. A profile with
   /// `attention` lines prices those products by it (plan/device.hpp).
@@ -47,6 +50,7 @@ struct cost_info {
     act_bytes += o.act_bytes;
     seq_flops += o.seq_flops;
     seq_act_bytes += o.seq_act_bytes;
+    seq_work_bytes += o.seq_work_bytes;
     seq_inner = seq_inner > o.seq_inner ? seq_inner : o.seq_inner;  // (one head width per block)
     return *this;
   }

@@ -100,8 +100,8 @@ inline double compute_seconds(const model_desc& d, const program& p, const op& o
   }
   if (gemm > 0)
     t += gemm / (dev.gemm_rate(gemm / gemms, c.all_gemm ? 0.0 : rows, width) * (back ? dev.backward_factor(narrow) : 1.0));
-  // elementwise: the bytes it keeps, written once and read once
-  const double bytes = 2.0 * (c.act_bytes + c.seq_act_bytes * static_cast<double>(p.seq)) * rows;
+  // elementwise: the bytes it keeps and its short-lived ones, written once and read once
+  const double bytes = 2.0 * (c.act_bytes + (c.seq_act_bytes + c.seq_work_bytes) * static_cast<double>(p.seq)) * rows;
   t += bytes / dev.bandwidth_bps;
   return t;
 }

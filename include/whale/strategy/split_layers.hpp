@@ -280,12 +280,12 @@ class head_attention {
     auto& s = st_(c.slot);
     s.x = x;
     auto qkv = detail::ensure(s.qkv, {R, 3 * w_});  // (B*T, 3W): this rank's heads of Q, K, V
-    auto p = detail::ensure(s.p, {B, h_, T, T});
+    auto lse = detail::ensure(s.lse, {B, h_, T});
     auto att = detail::ensure(s.att, {R, w_});
     auto y = detail::ensure(s.y, {R, D});
     c.be.launch(R, kernels::bias_rows{qkv.data(), bqkv_.data(), 3 * w_, false});
     c.be.gemm(trans::no, trans::yes, R, 3 * w_, D, 1.f, x.data(), wqkv_.data(), 1.f, qkv.data());
-    detail::attention_core_forward(c.be, qkv.data(), p.data(), att.data(), B, T, h_, hd);
+    c.be.attention_forward(B, T, h_, hd, qkv.data(), att.data(), lse.data());
     if (r_ == 0) c.be.launch(R, kernels::bias_rows{y.data(), bo_.data(), D, false});
     c.be.gemm(trans::no, trans::yes, R, D, w_, 1.f, att.data(), wo_.data(), r_ == 0 ? 1.f : 0.f, y.data());
     return y;
@@ -296,10 +296,9 @@ class head_attention {
     auto& s = st_(c.slot);
     auto datt = detail::ensure(s.datt, {R, w_});
     auto dqkv = detail::ensure(s.dqkv, {R, 3 * w_});
-    auto ds = detail::ensure(s.ds, {h_, T, T});
     s.dy = dy;
     c.be.gemm(trans::no, trans::no, R, w_, D, 1.f, dy.data(), wo_.data(), 0.f, datt.data());
-    detail::attention_core_backward(c.be, s.qkv.data(), s.p.data(), datt.data(), dqkv.data(), ds.data(), B, T, h_, hd);
+    c.be.attention_backward(B, T, h_, hd, s.qkv.data(), s.att.data(), s.lse.data(), datt.data(), dqkv.data());
     if (!defer_weights(c, this)) weight_grads(c.be, c.slot, c.accumulate);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
@@ -317,7 +316,7 @@ class head_attention {
  private:
   struct state {
     cview<float> x, dy;
-    tensor<float> qkv, p, att, y, datt, dqkv, ds, dx;
+    tensor<float> qkv, lse, att, y, datt, dqkv, dx;
   };
   world_comm* comm_ = nullptr;
   int p_ = 1, r_ = 0;

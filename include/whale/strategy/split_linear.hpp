@@ -33,6 +33,7 @@ constexpr cost_info shard_of(cost_info c, index_t degree, index_t split, index_t
   c.seq_flops /= d;
   c.act_bytes /= d;
   c.seq_act_bytes /= d;
+  c.seq_work_bytes /= d;
   c.params = split / (degree < 1 ? 1 : degree) + whole;
   return c;
 }

@@ -1,8 +1,8 @@
 // Row and column kernel bodies over a (R, C) matrix. Row bodies,
 // body(team, r) (backend/kernels/shapes.hpp): a team of lanes takes row r,
 // reduces across lanes in a fixed tree and writes the row in strided passes
-// -- bias rows, embedding lookups, LayerNorm forward and backward, causal
-// softmax, cross-entropy with its online softmax, the class-split passes.
+// -- bias rows, embedding lookups, LayerNorm forward and backward,
+// cross-entropy, the class-split passes (attention's rows: kernels/attention.hpp).
 // Column bodies, load/store (the column-reduction shape): the sums over rows
 // of bias and LayerNorm gradients and of position gradients. The embedding's
 // scatter-add by token is still one index per block of columns (below).
@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "whale/backend/kernels/attention.hpp"
 #include "whale/backend/kernels/math.hpp"
 #include "whale/backend/kernels/shapes.hpp"
 
@@ -148,44 +149,6 @@ struct layer_norm_param_grads {
     dgain[c] = accumulate ? dgain[c] + acc[0] : acc[0];
     dbias[c] = accumulate ? dbias[c] + acc[1] : acc[1];
   }
-};
-
-/// Softmax over columns 0..i of score row `row` (width T, i = row % T, the
-/// causal mask), zeros after; in place.
-struct causal_softmax_forward {
-  float* p;
-  index_t T;
-  index_t width() const noexcept { return T; }
-  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t row) const noexcept {
-    float* pr = p + row * T;
-    const index_t n = row % T + 1;
-    // three passes and one exponential per element (each lane rereads what it
-    // wrote): the scores are short rows, where the exponentials cost more than the reads
-    const float m = t.max(n, [&](index_t j) { return pr[j]; });
-    const float sum = t.sum(n, [&](index_t j) {
-      const float e = vexp(pr[j] - m);
-      pr[j] = e;
-      return e;
-    });
-    const float inv = 1.f / sum;
-    t.for_each(T, [&](index_t j) { pr[j] = j < n ? pr[j] * inv : 0.f; });
-  }
-  std::int64_t bytes(index_t rows) const noexcept { return rows * T * 4 * 5; }  // max; exp written; scaled
-};
-/// dS = P (dP - <dP, P>) on columns 0..i of row `row`, in place in d; masked columns get 0.
-struct causal_softmax_backward {
-  const float* p;
-  float* d;
-  index_t T;
-  index_t width() const noexcept { return T; }
-  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t row) const noexcept {
-    const float* pr = p + row * T;
-    float* dr = d + row * T;
-    const index_t n = row % T + 1;
-    const float dot = t.sum(n, [&](index_t j) { return pr[j] * dr[j]; });
-    t.for_each(T, [&](index_t j) { dr[j] = j < n ? pr[j] * (dr[j] - dot) : 0.f; });
-  }
-  std::int64_t bytes(index_t rows) const noexcept { return rows * T * 4 * 5; }  // p, d; p, d in, d out
 };
 
 /// Softmax cross-entropy of row r (C classes, label y[r]; labels are checked

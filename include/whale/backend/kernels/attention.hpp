@@ -1,0 +1,122 @@
+// Kernel bodies of causal attention as one backend call (backend_ref::
+// attention_forward / attention_backward): the head-major layout the batched
+// products need, and the softmax rows that keep each query's log-sum-exp so
+// that the backward recomputes the probabilities instead of keeping them.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "whale/backend/kernels/math.hpp"
+#include "whale/backend/kernels/shapes.hpp"
+
+namespace whale::kernels {
+
+/// The two layouts of `parts` matrices of H heads of width hd over B sequences
+/// of T tokens: token-major, (B*T, parts*W) with W = H*hd, the heads side by
+/// side in each part (a QKV projection's output is 3 parts: Q, K, V); and
+/// head-major, (parts, B, H, T, hd), every (part, sequence, head) one
+/// contiguous (T, hd) matrix, so one strided-batched product covers them all.
+struct head_layout {
+  index_t B, T, H, hd, parts;
+  WHALE_HD WHALE_INLINE index_t elements() const noexcept { return parts * B * T * H * hd; }
+  /// The token-major index of head-major element i.
+  WHALE_HD WHALE_INLINE index_t token_major(index_t i) const noexcept {
+    const index_t d = i % hd, t = (i / hd) % T, h = (i / (hd * T)) % H, b = (i / (hd * T * H)) % B;
+    const index_t p = i / (hd * T * H * B);
+    return (b * T + t) * parts * H * hd + p * H * hd + h * hd + d;
+  }
+};
+
+/// Token-major to head-major: y[i] = x[token_major(i)], one index per element
+/// (consecutive indices read and write consecutive elements of a head).
+struct split_heads {
+  const float* x;
+  float* y;
+  head_layout l;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { y[i] = x[l.token_major(i)]; }
+  std::int64_t bytes(index_t n) const noexcept { return n * 8; }
+};
+/// Head-major back to token-major: y[token_major(i)] = x[i].
+struct merge_heads {
+  const float* x;
+  float* y;
+  head_layout l;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { y[l.token_major(i)] = x[i]; }
+  std::int64_t bytes(index_t n) const noexcept { return n * 8; }
+};
+
+/// Sum over `rows` score rows of T of the columns the causal mask leaves
+/// visible (row r sees r % T + 1): what the softmax rows read and write.
+WHALE_HD WHALE_INLINE std::int64_t causal_visible(index_t rows, index_t T) noexcept {
+  const std::int64_t full = rows / T, rest = rows % T;
+  return full * T * (T + 1) / 2 + rest * (rest + 1) / 2;
+}
+
+/// Causal softmax of the scaled scores in place: row `row` of T holds query
+/// i = row % T against every key; columns 0..i become probabilities and the
+/// rest 0. Three passes over the visible columns and one exponential per
+/// element (each lane rereads what it wrote): the scores are short rows,
+/// where the exponentials cost more than the reads. With `lse`, each row's
+/// log-sum-exp m + log(sum exp(s - m)) is kept there, from which the backward
+/// recomputes the row (causal_softmax_backward).
+struct causal_softmax_forward {
+  float* p;
+  index_t T;
+  float* lse = nullptr;
+  index_t width() const noexcept { return T; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t row) const noexcept {
+    float* pr = p + row * T;
+    const index_t n = row % T + 1;
+    const float m = t.max(n, [&](index_t j) { return pr[j]; });
+    const float sum = t.sum(n, [&](index_t j) {
+      const float e = vexp(pr[j] - m);
+      pr[j] = e;
+      return e;
+    });
+    if (lse != nullptr && t.leader()) lse[row] = m + std::log(sum);
+    const float inv = 1.f / sum;
+    t.for_each(T, [&](index_t j) { pr[j] = j < n ? pr[j] * inv : 0.f; });
+  }
+  /// the maximum reads, the exponentials read and write, the scaling reads the visible and writes every column
+  std::int64_t bytes(index_t rows) const noexcept {
+    return 4 * (4 * causal_visible(rows, T) + static_cast<std::int64_t>(rows) * T) + (lse != nullptr ? rows * 4 : 0);
+  }
+};
+/// The backward of a causal softmax row from its recomputed scores s and the
+/// forward's log-sum-exp, with dP in d: P = exp(s - lse) is written over s
+/// and dS = P (dP - <dP, P>) over d, on columns 0..i of row `row`; both get 0
+/// past them (the products after it read whole rows).
+struct causal_softmax_backward {
+  float* s;
+  float* d;
+  const float* lse;
+  index_t T;
+  index_t width() const noexcept { return T; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t row) const noexcept {
+    float* sr = s + row * T;
+    float* dr = d + row * T;
+    const index_t n = row % T + 1;
+    const float l = lse[row];
+    const float dot = t.sum(n, [&](index_t j) {
+      const float p = vexp(sr[j] - l);
+      sr[j] = p;
+      return p * dr[j];
+    });
+    t.for_each(T, [&](index_t j) {
+      if (j < n) {
+        dr[j] = sr[j] * (dr[j] - dot);
+      } else {
+        sr[j] = 0.f;
+        dr[j] = 0.f;
+      }
+    });
+  }
+  /// s read and written and d read over the visible columns; then s and d
+  /// read and d written there, and both written past them
+  std::int64_t bytes(index_t rows) const noexcept {
+    return 4 * (4 * causal_visible(rows, T) + 2 * static_cast<std::int64_t>(rows) * T) + rows * 4;
+  }
+};
+
+}  // namespace whale::kernels
