@@ -12,7 +12,11 @@
 // fill less of the GPU than one 256-thread block per SM (device_ledger), and
 // 3 us per launch. A 1-block model of the same width gives launches per block.
 //
-//   gpu_ledger [--steps S] [--precision fp32|bf16] [--matmul-tflops X] [--kernels]
+// Under bf16 the attention is the CUDA backend's fused cuDNN call, as a
+// program linked with whale::cudnn runs it (--attention steps: the batched-GEMM
+// steps instead, as without cuDNN; fp32 always takes those).
+//
+//   gpu_ledger [--steps S] [--precision fp32|bf16] [--attention fused|steps] [--matmul-tflops X] [--kernels]
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -32,7 +36,7 @@ constexpr index_t V = 32768, T = 1024, D = 1024, H = 16, F = 4096, B = 8;
 
 struct options {
   index_t steps = 3;
-  bool bf16 = false, kernels = false;
+  bool bf16 = false, kernels = false, fused_attention = true;
   double matmul_rate = 0.7 * 989e12, bytes_rate = 4.0e12, launch_s = 3e-6;
 };
 
@@ -40,6 +44,7 @@ struct options {
 template <std::size_t L> std::vector<device_ledger> ledgers(const options& o, index_t& params) {
   guarded_backend g(std::size_t{64} << 30);  // address space only: count_only touches no page
   g.set_count_only(true);
+  g.set_fused_attention(o.fused_attention);
   std::vector<device_ledger> out;
   {
     network<models::gpt_model<V, T, D, H, F, L>> net(seed{1}, backend_ref(g));
@@ -68,7 +73,8 @@ template <std::size_t L> std::vector<device_ledger> ledgers(const options& o, in
 void print(const options& o, const device_ledger& l, const device_ledger& one_block, index_t params, index_t step) {
   const double launches = static_cast<double>(l.launches());
   const double per_block = (launches - static_cast<double>(one_block.launches())) / 11.0;
-  const double matmul_s = (l.gemm_flops + l.batched_gemm_flops) / o.matmul_rate;
+  const double attention_flops = l.batched_gemm_flops + l.attention_flops;
+  const double matmul_s = (l.gemm_flops + attention_flops) / o.matmul_rate;
   const double bytes_s = (l.kernel_effective_bytes + static_cast<double>(l.copy_bytes + l.fill_bytes)) / o.bytes_rate;
   const double launch_s = launches * o.launch_s;
   const double step_s = matmul_s + bytes_s + launch_s;
@@ -76,6 +82,7 @@ void print(const options& o, const device_ledger& l, const device_ledger& one_bl
   const double model_params = static_cast<double>(params - V * D - T * D);
   const double model_flops = 6.0 * model_params * B * T + 12.0 * 12 * T * T * D * static_cast<double>(B);
   std::printf("{\"workload\": \"gpt-gpu\", \"backend\": \"guarded\", \"ledger\": \"count_only\", \"precision\": \"%s\", "
+              "\"attention\": \"%s\", \"attention_calls_per_step\": %lld, "
               "\"step\": %lld, \"sequences\": %lld, \"seq\": %lld, \"launches_per_step\": %lld, "
               "\"kernel_launches_per_step\": %lld, \"gemm_calls_per_step\": %lld, \"batched_gemm_calls_per_step\": %lld, "
               "\"copies_per_step\": %lld, \"fills_per_step\": %lld, \"launches_per_block\": %.1f, "
@@ -86,7 +93,8 @@ void print(const options& o, const device_ledger& l, const device_ledger& one_bl
               "\"attention_flops_per_step\": %.6g, \"model_flops_per_step\": %.6g, \"matmul_tflops\": %.1f, "
               "\"predicted_h200_matmul_s\": %.6g, \"predicted_h200_bytes_s\": %.6g, \"predicted_h200_launch_s\": %.6g, "
               "\"predicted_h200_step_s\": %.6g, \"predicted_h200_mfu\": %.4f}\n",
-              o.bf16 ? "bf16" : "fp32", static_cast<long long>(step), static_cast<long long>(B),
+              o.bf16 ? "bf16" : "fp32", l.attention_calls > 0 ? "fused" : "batched GEMM steps",
+              static_cast<long long>(l.attention_calls), static_cast<long long>(step), static_cast<long long>(B),
               static_cast<long long>(T), static_cast<long long>(l.launches()),
               static_cast<long long>(l.kernel_launches), static_cast<long long>(l.gemms),
               static_cast<long long>(l.batched_gemms), static_cast<long long>(l.copies), static_cast<long long>(l.fills),
@@ -94,7 +102,7 @@ void print(const options& o, const device_ledger& l, const device_ledger& one_bl
               static_cast<long long>(l.host_to_device), static_cast<long long>(l.underfilled_launches),
               static_cast<long long>(l.undeclared_launches), static_cast<long long>(l.kernel_bytes + l.copy_bytes + l.fill_bytes),
               l.kernel_effective_bytes + static_cast<double>(l.copy_bytes + l.fill_bytes), l.gemm_flops,
-              l.batched_gemm_flops, model_flops, o.matmul_rate / 1e12, matmul_s, bytes_s, launch_s, step_s,
+              attention_flops, model_flops, o.matmul_rate / 1e12, matmul_s, bytes_s, launch_s, step_s,
               model_flops / step_s / 989e12);
   if (!o.kernels) return;
   // one line per kernel, slowest first by the same roofline
@@ -126,9 +134,14 @@ int main(int argc, char** argv) {
         o.bf16 = p == "bf16";
       } else if (a == "--matmul-tflops" && has) o.matmul_rate = 1e12 * static_cast<double>(detail::parse_int(argv[++i], "--matmul-tflops", 1, 100000));
       else if (a == "--kernels") o.kernels = true;
-      else
+      else if (a == "--attention" && has) {
+        const std::string v = argv[++i];
+        if (v != "fused" && v != "steps") throw std::invalid_argument("--attention '" + v + "': expected fused or steps");
+        o.fused_attention = v == "fused";
+      } else
         throw std::invalid_argument("unknown argument " + a +
-                                    " (have --steps S, --precision fp32|bf16, --matmul-tflops X, --kernels)");
+                                    " (have --steps S, --precision fp32|bf16, --attention fused|steps, "
+                                    "--matmul-tflops X, --kernels)");
     }
     index_t params = 0, params1 = 0;
     const auto one = ledgers<1>(o, params1);

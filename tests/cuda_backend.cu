@@ -7,6 +7,7 @@
 // nvcc in CI; without a GPU it prints "skipped: no CUDA device" and exits 77
 // (ctest's skip code). Tolerances are stated beside each check.
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <vector>
@@ -182,6 +183,69 @@ void backend_ref_on_gpu(cuda_backend& gpu) {
   std::printf("backend_ref: a linear layer's forward and weight gradients on the GPU match the CPU\n");
 }
 
+// Causal attention as one backend call on the GPU against the CPU's steps:
+// fp32 (the batched-GEMM steps on both; tolerance 1e-4 of each tensor's
+// largest value: the same products in cuBLAS's order) and, in a build linked
+// with whale::cudnn, bf16 through cuDNN's fused flash attention (tolerance
+// 2e-2 of each tensor's largest value, 3e-2 for d(qkv): bf16 operands carry 8
+// bits, and cuDNN rounds P to bf16 before P V). Shapes: gpt-gpu's head width
+// 64 at T 256, and T 100 with 3 heads (T not a multiple of cuDNN's tiles).
+void attention_on_gpu(cuda_backend& gpu) {
+  struct shape_case {
+    index_t B, T, H, hd;
+  };
+  for (const auto [B, T, H, hd] : {shape_case{2, 256, 4, 64}, shape_case{1, 100, 3, 64}}) {
+    const index_t W = H * hd, R = B * T;
+    std::vector<float> qkv(R * 3 * W), dout(R * W);
+    std::uint32_t seed = 99;
+    for (auto* v : {&qkv, &dout})
+      for (auto& x : *v) {
+        seed = seed * 1664525u + 1013904223u;
+        x = static_cast<float>(seed >> 8) / 16777216.f * 2.f - 1.f;
+      }
+    std::vector<float> o(R * W), lse(B * H * T), dqkv(R * 3 * W);
+    const backend_ref host, dev(gpu);
+    host.attention_forward(B, T, H, hd, qkv.data(), o.data(), lse.data());
+    host.attention_backward(B, T, H, hd, qkv.data(), o.data(), lse.data(), dout.data(), dqkv.data());
+    auto worst = [](const std::vector<float>& x, const std::vector<float>& ref) {
+      double scale = 1, e = 0;
+      for (const float r : ref) scale = std::max(scale, static_cast<double>(std::fabs(r)));
+      for (std::size_t i = 0; i < x.size(); ++i) e = std::max(e, static_cast<double>(std::fabs(x[i] - ref[i])));
+      return e / scale;
+    };
+    for (const bool bf16 : {false, true}) {
+      auto* d_qkv = static_cast<float*>(gpu.allocate(qkv.size() * 4));
+      auto* d_dout = static_cast<float*>(gpu.allocate(dout.size() * 4));
+      auto* d_o = static_cast<float*>(gpu.allocate(o.size() * 4));
+      auto* d_lse = static_cast<float*>(gpu.allocate(lse.size() * 4));
+      auto* d_dqkv = static_cast<float*>(gpu.allocate(dqkv.size() * 4));
+      dev.copy(d_qkv, qkv.data(), qkv.size() * 4);
+      dev.copy(d_dout, dout.data(), dout.size() * 4);
+      const auto fused_before = gpu.fused_attention_calls();
+      dev.attention_forward(B, T, H, hd, d_qkv, d_o, d_lse, bf16);
+      dev.attention_backward(B, T, H, hd, d_qkv, d_o, d_lse, d_dout, d_dqkv, bf16);
+      std::vector<float> o_g(o.size()), lse_g(lse.size()), dqkv_g(dqkv.size());
+      dev.copy(o_g.data(), d_o, o_g.size() * 4);
+      dev.copy(lse_g.data(), d_lse, lse_g.size() * 4);
+      dev.copy(dqkv_g.data(), d_dqkv, dqkv_g.size() * 4);
+      dev.synchronize();
+      for (auto* p : {d_qkv, d_dout, d_o, d_lse, d_dqkv}) gpu.deallocate(p, 0);
+      const bool fused = gpu.fused_attention_calls() == fused_before + 2;
+      const std::string what = "attention B " + std::to_string(B) + " T " + std::to_string(T) + " H " +
+                               std::to_string(H) + (bf16 ? (fused ? " (bf16, cuDNN)" : " (bf16, steps)") : " (fp32)");
+      const double tol = fused ? 2e-2 : 1e-4, dtol = fused ? 3e-2 : 1e-4;
+      const double eo = worst(o_g, o), el = worst(lse_g, lse), ed = worst(dqkv_g, dqkv);
+      check(eo <= tol, what + ": output differs from the CPU by " + std::to_string(eo));
+      check(el <= tol, what + ": log-sum-exp differs from the CPU by " + std::to_string(el));
+      check(ed <= dtol, what + ": d(qkv) differs from the CPU by " + std::to_string(ed));
+#if defined(WHALE_HAS_CUDNN_FRONTEND)
+      check(!bf16 || fused, what + ": cuDNN's fused attention was not taken");
+#endif
+      std::printf("%s: output %.2e, lse %.2e, d(qkv) %.2e from the CPU\n", what.c_str(), eo, el, ed);
+    }
+  }
+}
+
 void allocator_steady_state(cuda_backend& gpu) {
   const auto before = gpu.allocator().upstream_allocations;
   std::int64_t after_first = 0;
@@ -209,6 +273,7 @@ int main() {
     kernel_bodies(gpu);
     gemms(gpu);
     backend_ref_on_gpu(gpu);
+    attention_on_gpu(gpu);
     allocator_steady_state(gpu);
   } catch (const std::exception& e) {
     std::printf("FAILED: %s\n", e.what());

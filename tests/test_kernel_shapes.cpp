@@ -289,29 +289,65 @@ TEST_CASE("attention as one call: a plain reference's outputs, log-sum-exps and 
 
     // the device's steps, on the guarded backend: the CPU's bits, 5 calls forward and 9 backward, and
     // nothing left allocated by them (the scores lived only inside each call)
-    guarded_backend g;
-    const backend_ref be(g);
-    std::vector<float> o2(o.size()), lse2(lse.size()), dqkv2(dqkv.size());
     {
-      const place_scope on(be.memory());
-      tensor<float> d_qkv({R * 3 * W}), d_dout({R * W}), d_o({R * W}), d_lse({B * H * T}), d_dqkv({R * 3 * W});
-      be.copy(d_qkv.data(), qkv.data(), qkv.size() * 4);
-      be.copy(d_dout.data(), dout.data(), dout.size() * 4);
-      const auto in_use = g.allocator().bytes_in_use;
-      g.ledger().clear();
-      be.attention_forward(B, T, H, hd, d_qkv.data(), d_o.data(), d_lse.data());
-      CHECK(g.ledger().launches() == 5);
-      be.attention_backward(B, T, H, hd, d_qkv.data(), d_o.data(), d_lse.data(), d_dout.data(), d_dqkv.data());
-      CHECK(g.ledger().launches() == 14);
-      CHECK(g.ledger().batched_gemms == 7);
-      CHECK(g.allocator().bytes_in_use == in_use);
-      be.copy(o2.data(), d_o.data(), o2.size() * 4);
-      be.copy(lse2.data(), d_lse.data(), lse2.size() * 4);
-      be.copy(dqkv2.data(), d_dqkv.data(), dqkv2.size() * 4);
+      guarded_backend g;
+      const backend_ref be(g);
+      std::vector<float> o2(o.size()), lse2(lse.size()), dqkv2(dqkv.size());
+      {
+        const place_scope on(be.memory());
+        tensor<float> d_qkv({R * 3 * W}), d_dout({R * W}), d_o({R * W}), d_lse({B * H * T}), d_dqkv({R * 3 * W});
+        be.copy(d_qkv.data(), qkv.data(), qkv.size() * 4);
+        be.copy(d_dout.data(), dout.data(), dout.size() * 4);
+        const auto in_use = g.allocator().bytes_in_use;
+        g.ledger().clear();
+        be.attention_forward(B, T, H, hd, d_qkv.data(), d_o.data(), d_lse.data());
+        CHECK(g.ledger().launches() == 5);
+        be.attention_backward(B, T, H, hd, d_qkv.data(), d_o.data(), d_lse.data(), d_dout.data(), d_dqkv.data());
+        CHECK(g.ledger().launches() == 14);
+        CHECK(g.ledger().batched_gemms == 7);
+        CHECK(g.allocator().bytes_in_use == in_use);
+        be.copy(o2.data(), d_o.data(), o2.size() * 4);
+        be.copy(lse2.data(), d_lse.data(), lse2.size() * 4);
+        be.copy(dqkv2.data(), d_dqkv.data(), dqkv2.size() * 4);
+      }
+      CHECK(o2 == o);
+      CHECK(lse2 == lse);
+      CHECK(dqkv2 == dqkv);
     }
-    CHECK(o2 == o);
-    CHECK(lse2 == lse);
-    CHECK(dqkv2 == dqkv);
+
+    // the fused call a GPU with cuDNN makes under bf16, modelled: a pack, the call and an unpack forward;
+    // three packs, the call and an unpack backward; the results those of bf16 operands, within bf16's
+    // rounding of the fp32 steps' (and the steps again when the step is not bf16)
+    guarded_backend f;
+    f.set_fused_attention(true);
+    const backend_ref fe(f);
+    std::vector<float> o3(o.size()), lse3(lse.size()), dqkv3(dqkv.size());
+    {
+      const place_scope on(fe.memory());
+      tensor<float> d_qkv({R * 3 * W}), d_dout({R * W}), d_o({R * W}), d_lse({B * H * T}), d_dqkv({R * 3 * W});
+      fe.copy(d_qkv.data(), qkv.data(), qkv.size() * 4);
+      fe.copy(d_dout.data(), dout.data(), dout.size() * 4);
+      f.ledger().clear();
+      fe.attention_forward(B, T, H, hd, d_qkv.data(), d_o.data(), d_lse.data(), true);
+      CHECK(f.ledger().attention_calls == 1);
+      CHECK(f.ledger().launches() == 3);
+      fe.attention_backward(B, T, H, hd, d_qkv.data(), d_o.data(), d_lse.data(), d_dout.data(), d_dqkv.data(), true);
+      CHECK(f.ledger().attention_calls == 2);
+      CHECK(f.ledger().launches() == 8);
+      CHECK(f.ledger().attention_flops == doctest::Approx(7.0 * B * H * T * T * hd));
+      fe.copy(o3.data(), d_o.data(), o3.size() * 4);
+      fe.copy(lse3.data(), d_lse.data(), lse3.size() * 4);
+      fe.copy(dqkv3.data(), d_dqkv.data(), dqkv3.size() * 4);
+      f.ledger().clear();
+      fe.attention_forward(B, T, H, hd, d_qkv.data(), d_o.data(), d_lse.data(), false);
+      CHECK(f.ledger().attention_calls == 0);
+      CHECK(f.ledger().launches() == 5);
+    }
+    auto as_double = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
+    CHECK(worst(o3, as_double(o)) < 2e-2);
+    CHECK(worst(lse3, as_double(lse)) < 2e-2);
+    CHECK(worst(dqkv3, as_double(dqkv)) < 3e-2);
+    for (const float x : o3) CHECK(x == kernels::round_bf16(x));  // stored in bf16
   }
 }
 

@@ -22,6 +22,19 @@ struct launch_note {
   std::int64_t bytes;         ///< bytes read and written, as the body declares them; -1: it declares none
 };
 
+/// One causal self-attention call (backend_ref::attention_forward and
+/// attention_backward), for a backend that fuses it: B sequences of T tokens,
+/// H heads of width hd (W = H * hd), token-major rows with the heads side by side.
+struct attention_args {
+  index_t B, T, H, hd;
+  const float* qkv;              ///< (B*T, 3W): [Q | K | V]
+  float* o;                      ///< (B*T, W): written forward, read backward
+  float* lse;                    ///< (B, H, T): each query's log-sum-exp of its scaled scores; likewise
+  const float* dout = nullptr;   ///< backward: d(o)
+  float* dqkv = nullptr;         ///< backward: d(qkv), written
+  bool bf16 = false;             ///< the step computes in bf16 mixed precision
+};
+
 /// Transpose flag of a GEMM operand (row-major storage).
 enum class trans : bool { no = false, yes = true };
 

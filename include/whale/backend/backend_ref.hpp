@@ -185,7 +185,13 @@ class backend_ref {
   /// head-major (kernels::split_heads); S = Q K^T / sqrt(hd) for every
   /// (sequence, head) in one strided-batched product; the causal softmax of
   /// each row, keeping its lse; O = P V in one product; O back to token-major.
-  void attention_forward(index_t B, index_t T, index_t H, index_t hd, const float* qkv, float* o, float* lse) const {
+  /// Under bf16 mixed precision (`bf16`) a backend that fuses attention runs
+  /// it instead: the CUDA backend through cuDNN's flash attention (bf16 Q, K,
+  /// V and O, fp32 lse) where the program was built with the cuDNN frontend.
+  void attention_forward(index_t B, index_t T, index_t H, index_t hd, const float* qkv, float* o, float* lse,
+                         bool bf16 = false) const {
+    if (gpu_ && ops_->attention && ops_->attention(gpu_, attention_args{B, T, H, hd, qkv, o, lse, nullptr, nullptr, bf16}, false))
+      return;
     const kernels::head_layout in{B, T, H, hd, 3}, out{B, T, H, hd, 1};
     const index_t n = B * H, th = T * hd, tt = T * T;
     const scratch heads(*this, in.elements()), s(*this, n * tt), oh(*this, out.elements());
@@ -206,8 +212,10 @@ class backend_ref {
   /// five strided-batched products over every (sequence, head), one row
   /// kernel and three layout copies.
   void attention_backward(index_t B, index_t T, index_t H, index_t hd, const float* qkv, const float* o,
-                          const float* lse, const float* dout, float* dqkv) const {
-    (void)o;
+                          const float* lse, const float* dout, float* dqkv, bool bf16 = false) const {
+    if (gpu_ && ops_->attention &&
+        ops_->attention(gpu_, attention_args{B, T, H, hd, qkv, const_cast<float*>(o), const_cast<float*>(lse), dout, dqkv, bf16}, true))
+      return;
     const kernels::head_layout in{B, T, H, hd, 3}, one{B, T, H, hd, 1};
     const index_t n = B * H, th = T * hd, tt = T * T;
     const float scale = attention_scale(hd);
@@ -360,6 +368,8 @@ class backend_ref {
     void (*enter)(void*);  // host-executed backends only; null otherwise
     void (*leave)(void*);
     bool (*note)(void*, const launch_note&);  // the launch for its ledger; false: do not run it
+    // a fused attention call (forward, or backward when the flag is set); false: not taken, run the steps
+    bool (*attention)(void*, const attention_args&, bool);
   };
   template <class G> static constexpr bool host_executed_v = requires { requires G::host_executed; };
   template <class G> static void enter_of(void* g) {
@@ -371,6 +381,14 @@ class backend_ref {
   template <class G> static bool note_to(void* g, const launch_note& n) {
     if constexpr (host_executed_v<G>) return static_cast<G*>(g)->note(n);
     else return (void)g, (void)n, true;
+  }
+  template <class G>
+  static constexpr bool fuses_attention_v = requires(G& g, const attention_args& a) {
+    { g.fused_attention(a, true) } -> std::same_as<bool>;
+  };
+  template <class G> static bool attention_of(void* g, const attention_args& a, bool backward) {
+    if constexpr (fuses_attention_v<G>) return static_cast<G*>(g)->fused_attention(a, backward);
+    else return (void)g, (void)a, (void)backward, false;
   }
   template <class G>
   static constexpr table gpu_table{
@@ -398,6 +416,7 @@ class backend_ref {
       host_executed_v<G> ? &enter_of<G> : nullptr,
       host_executed_v<G> ? &leave_of<G> : nullptr,
       host_executed_v<G> ? &note_to<G> : nullptr,
+      fuses_attention_v<G> ? &attention_of<G> : nullptr,
   };
 
   void* gpu_ = nullptr;     // the GPU backend; null: the CPU

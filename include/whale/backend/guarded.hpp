@@ -31,8 +31,10 @@
 #include <unistd.h>
 
 #include "whale/backend/backend.hpp"
+#include "whale/backend/backend_ref.hpp"
 #include "whale/backend/caching_allocator.hpp"
 #include "whale/backend/cpu.hpp"
+#include "whale/backend/kernels/elementwise.hpp"
 
 namespace whale {
 
@@ -62,9 +64,16 @@ struct device_ledger {
   std::int64_t kernel_bytes = 0, copy_bytes = 0, fill_bytes = 0, undeclared_launches = 0, underfilled_launches = 0;
   double kernel_effective_bytes = 0;
   double gemm_flops = 0, batched_gemm_flops = 0;
+  /// Fused attention calls (guarded_backend::set_fused_attention), their
+  /// FLOPs (the causal half of the products: a flash attention skips the
+  /// masked blocks) and the bytes of their bf16 operands, statistics included.
+  std::int64_t attention_calls = 0, attention_bytes = 0;
+  double attention_flops = 0;
 
-  /// Every call a GPU queues: kernels, GEMMs (batched ones count once), copies and fills.
-  std::int64_t launches() const noexcept { return kernel_launches + gemms + batched_gemms + copies + fills; }
+  /// Every call a GPU queues: kernels, GEMMs (batched ones count once), fused attention, copies and fills.
+  std::int64_t launches() const noexcept {
+    return kernel_launches + gemms + batched_gemms + attention_calls + copies + fills;
+  }
   void clear() { *this = device_ledger{}; }
   void add(const launch_note& n) {
     auto& k = kernels[n.kernel];
@@ -143,6 +152,53 @@ class guarded_backend {
   /// compute here; what the step computes is then meaningless.
   void set_count_only(bool on) noexcept { count_only_ = on; }
   bool count_only() const noexcept { return count_only_; }
+  /// Model a GPU whose attention is fused under bf16 mixed precision (the CUDA
+  /// backend built with the cuDNN frontend; off by default). backend_ref's
+  /// attention calls with bf16 set are then recorded as that path's calls --
+  /// Q, K, V (and O, d(O)) packed to bf16, one fused call with its FLOPs, the
+  /// results unpacked -- and computed in the same precision on the CPU: the
+  /// batched-GEMM steps on bf16-rounded operands, the results rounded to bf16.
+  void set_fused_attention(bool on) noexcept { fused_attention_ = on; }
+  bool fused_attention(const attention_args& a, bool backward) {
+    if (!fused_attention_ || !a.bf16) return false;
+    mine(a.qkv, "attention's qkv"), mine(a.o, "attention's output"), mine(a.lse, "attention's log-sum-exps");
+    const index_t W = a.H * a.hd, R = a.B * a.T, in = R * 3 * W, out = R * W;
+    const auto pack = kernels::kernel_name<kernels::pack_bf16>(), unpack = kernels::kernel_name<kernels::unpack_bf16>();
+    const double products = static_cast<double>(a.B * a.H) * static_cast<double>(a.T) * static_cast<double>(a.T) *
+                            static_cast<double>(a.hd);  // T x T x hd multiply-adds per (sequence, head), the causal half
+    ++ledger_.attention_calls;
+    ledger_.add({pack.c_str(), 'i', in, in, kernels::pack_bf16{}.bytes(in)});
+    if (!backward) {
+      ledger_.attention_flops += 2.0 * products;  // S = Q K^T and O = P V
+      ledger_.attention_bytes += 2 * (in + out) + 4 * a.B * a.H * a.T;
+      ledger_.add({unpack.c_str(), 'i', out, out, kernels::unpack_bf16{}.bytes(out)});
+    } else {
+      mine(a.dout, "attention's d(output)"), mine(a.dqkv, "attention's d(qkv)");
+      ledger_.attention_flops += 5.0 * products;  // S again, dP, dV, dQ, dK
+      ledger_.attention_bytes += 2 * (2 * in + 2 * out) + 4 * a.B * a.H * a.T;
+      ledger_.add({pack.c_str(), 'i', out, out, kernels::pack_bf16{}.bytes(out)});
+      ledger_.add({pack.c_str(), 'i', out, out, kernels::pack_bf16{}.bytes(out)});
+      ledger_.add({unpack.c_str(), 'i', in, in, kernels::unpack_bf16{}.bytes(in)});
+    }
+    if (count_only_) return true;
+    const window w(*this);
+    auto rounded = [](const float* x, index_t n) {
+      std::vector<float> v(x, x + n);
+      for (auto& e : v) e = kernels::round_bf16(e);
+      return v;
+    };
+    const auto qkv = rounded(a.qkv, in);
+    const backend_ref cpu;
+    if (!backward) {
+      cpu.attention_forward(a.B, a.T, a.H, a.hd, qkv.data(), a.o, a.lse);
+      for (index_t i = 0; i < out; ++i) a.o[i] = kernels::round_bf16(a.o[i]);
+    } else {
+      const auto dout = rounded(a.dout, out);
+      cpu.attention_backward(a.B, a.T, a.H, a.hd, qkv.data(), a.o, a.lse, dout.data(), a.dqkv);
+      for (index_t i = 0; i < in; ++i) a.dqkv[i] = kernels::round_bf16(a.dqkv[i]);
+    }
+    return true;
+  }
   /// A kernel launch for the ledger; whether to run it (false under count_only).
   bool note(const launch_note& n) {
     ledger_.add(n);
@@ -319,7 +375,7 @@ class guarded_backend {
   char* base_ = nullptr;
   std::size_t capacity_ = 0, used_ = 0;
   int depth_ = 0;
-  bool count_only_ = false;
+  bool count_only_ = false, fused_attention_ = false;
   device_ledger ledger_;
   std::vector<std::pair<void*, std::size_t>> free_;
   struct sigaction previous_ {};

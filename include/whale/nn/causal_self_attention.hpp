@@ -103,7 +103,7 @@ struct causal_self_attention {
     fill_rows(c.be, qkv.data(), bqkv_.data(), R, 3 * D);
     c.be.gemm(trans::no, trans::yes, R, 3 * D, D, 1.f, x.data(), wqkv_.data(), 1.f,
               qkv.data());
-    c.be.attention_forward(B, T, Heads, hd, qkv.data(), att.data(), lse.data());
+    c.be.attention_forward(B, T, Heads, hd, qkv.data(), att.data(), lse.data(), c.bf16);
     fill_rows(c.be, y.data(), bo_.data(), R, D);
     c.be.gemm(trans::no, trans::yes, R, D, D, 1.f, att.data(), wo_.data(), 1.f, y.data());
     return y;
@@ -118,7 +118,7 @@ struct causal_self_attention {
     s.dy = dy;
     // output projection, attention core, then (if asked) d(input) through the QKV projection
     c.be.gemm(trans::no, trans::no, R, D, D, 1.f, dy.data(), wo_.data(), 0.f, datt.data());
-    c.be.attention_backward(B, T, Heads, hd, s.qkv.data(), s.att.data(), s.lse.data(), datt.data(), dqkv.data());
+    c.be.attention_backward(B, T, Heads, hd, s.qkv.data(), s.att.data(), s.lse.data(), datt.data(), dqkv.data(), c.bf16);
     if (!defer_weights(c, this)) weight_grads(c.be, c.slot, c.accumulate);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});

@@ -285,7 +285,7 @@ class head_attention {
     auto y = detail::ensure(s.y, {R, D});
     c.be.launch(R, kernels::bias_rows{qkv.data(), bqkv_.data(), 3 * w_, false});
     c.be.gemm(trans::no, trans::yes, R, 3 * w_, D, 1.f, x.data(), wqkv_.data(), 1.f, qkv.data());
-    c.be.attention_forward(B, T, h_, hd, qkv.data(), att.data(), lse.data());
+    c.be.attention_forward(B, T, h_, hd, qkv.data(), att.data(), lse.data(), c.bf16);
     if (r_ == 0) c.be.launch(R, kernels::bias_rows{y.data(), bo_.data(), D, false});
     c.be.gemm(trans::no, trans::yes, R, D, w_, 1.f, att.data(), wo_.data(), r_ == 0 ? 1.f : 0.f, y.data());
     return y;
@@ -298,7 +298,7 @@ class head_attention {
     auto dqkv = detail::ensure(s.dqkv, {R, 3 * w_});
     s.dy = dy;
     c.be.gemm(trans::no, trans::no, R, w_, D, 1.f, dy.data(), wo_.data(), 0.f, datt.data());
-    c.be.attention_backward(B, T, h_, hd, s.qkv.data(), s.att.data(), s.lse.data(), datt.data(), dqkv.data());
+    c.be.attention_backward(B, T, h_, hd, s.qkv.data(), s.att.data(), s.lse.data(), datt.data(), dqkv.data(), c.bf16);
     if (!defer_weights(c, this)) weight_grads(c.be, c.slot, c.accumulate);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
