@@ -80,9 +80,9 @@ template <class F> void for_each_case(F&& f) {
   f("causal_softmax_backward", N / T, [](buffers p) { return k::causal_softmax_backward{p.a, p.b, p.c, T}; });
   f("causal_softmax_forward (keeping log-sum-exps)", N / T,
     [](buffers p) { return k::causal_softmax_forward{p.a, T, p.e}; });
-  // 3 parts (Q, K, V) of 3 sequences of T tokens, 5 heads of width 30: 10,800 of the N elements
-  f("split_heads", 3 * 3 * T * 5 * 30, [](buffers p) { return k::split_heads{p.a, p.f, {3, T, 5, 30, 3}}; });
-  f("merge_heads", 3 * 3 * T * 5 * 30, [](buffers p) { return k::merge_heads{p.a, p.f, {3, T, 5, 30, 3}}; });
+  // 3 parts (Q, K, V) of 3 sequences of T tokens, 5 heads of width 30: 360 head-rows, 10,800 of the N elements
+  f("split_heads", 3 * 3 * T * 5, [](buffers p) { return k::split_heads{p.a, p.f, {3, T, 5, 30, 3}}; });
+  f("merge_heads", 3 * 3 * T * 5, [](buffers p) { return k::merge_heads{p.a, p.f, {3, T, 5, 30, 3}}; });
   f("cross_entropy_rows", R,
     [](buffers p) { return k::cross_entropy_rows{p.a, p.labels, p.f, p.rowd, C, 1.f / R, -100}; });
   f("row_max", R, [](buffers p) { return k::row_max{p.a, p.f, C}; });

@@ -196,13 +196,13 @@ class backend_ref {
     const index_t n = B * H, th = T * hd, tt = T * T;
     const scratch heads(*this, in.elements()), s(*this, n * tt), oh(*this, out.elements());
     const float* q = heads.p;
-    launch(in.elements(), kernels::split_heads{qkv, heads.p, in});
+    launch_rows(kernels::split_heads{qkv, heads.p, in});
     gemm_strided_batched(trans::no, trans::yes, T, T, hd, attention_scale(hd), q, hd, th, q + n * th, hd, th, 0.f,
                          s.p, T, tt, n);
     launch(n * T, kernels::causal_softmax_forward{s.p, T, lse});
     gemm_strided_batched(trans::no, trans::no, T, hd, T, 1.f, s.p, T, tt, q + 2 * n * th, hd, th, 0.f, oh.p, hd, th,
                          n);
-    launch(out.elements(), kernels::merge_heads{oh.p, o, out});
+    launch_rows(kernels::merge_heads{oh.p, o, out});
   }
   /// The backward of attention_forward: d(o) (B*T, W) to d(qkv) (B*T, 3W),
   /// from the forward's qkv and lse (o is for backends whose fused form reads
@@ -223,15 +223,15 @@ class backend_ref {
     const scratch p(*this, n * tt), dp(*this, n * tt);
     const float *q = heads.p, *k = q + n * th, *v = k + n * th;
     float *dq = dheads.p, *dk = dq + n * th, *dv = dk + n * th;
-    launch(in.elements(), kernels::split_heads{qkv, heads.p, in});
-    launch(one.elements(), kernels::split_heads{dout, dh.p, one});
+    launch_rows(kernels::split_heads{qkv, heads.p, in});
+    launch_rows(kernels::split_heads{dout, dh.p, one});
     gemm_strided_batched(trans::no, trans::yes, T, T, hd, scale, q, hd, th, k, hd, th, 0.f, p.p, T, tt, n);
     gemm_strided_batched(trans::no, trans::yes, T, T, hd, 1.f, dh.p, hd, th, v, hd, th, 0.f, dp.p, T, tt, n);
     launch(n * T, kernels::causal_softmax_backward{p.p, dp.p, lse, T});
     gemm_strided_batched(trans::yes, trans::no, T, hd, T, 1.f, p.p, T, tt, dh.p, hd, th, 0.f, dv, hd, th, n);
     gemm_strided_batched(trans::no, trans::no, T, hd, T, scale, dp.p, T, tt, k, hd, th, 0.f, dq, hd, th, n);
     gemm_strided_batched(trans::yes, trans::no, T, hd, T, scale, dp.p, T, tt, q, hd, th, 0.f, dk, hd, th, n);
-    launch(in.elements(), kernels::merge_heads{dheads.p, dqkv, in});
+    launch_rows(kernels::merge_heads{dheads.p, dqkv, in});
   }
 
   /// The scatter-add of an embedding's gradient rows into its table: the
@@ -284,6 +284,8 @@ class backend_ref {
     if constexpr (requires { body.bytes(n); }) bytes = body.bytes(n);
     return {kernels::kernel_name<K>().c_str(), shape, n, threads, bytes};
   }
+  /// A row body over its own rows().
+  template <kernels::RowBody K> void launch_rows(const K& body) const { launch(body.rows(), body); }
   /// The CPU's scratch memory: one block used as a stack by the scratches of
   /// a call (freed in reverse order), grown to the most they asked for at once
   /// when the last is freed; until then what does not fit comes from the

@@ -22,8 +22,8 @@
 #include "whale/backend/backend.hpp"
 #include "whale/backend/caching_allocator.hpp"
 #include "whale/detail/parse.hpp"
+#include "whale/backend/cuda/cudnn_attention.hpp"
 #if defined(__CUDACC__)
-#include "whale/backend/cuda/attention.cuh"
 #include "whale/backend/cuda/launch.cuh"
 #include "whale/backend/kernels/elementwise.hpp"
 #endif
@@ -215,7 +215,7 @@ class cuda_backend {
   void comm_wait(event_type& e) { detail::cuda_check(cudaStreamWaitEvent(comm_, e.get(), 0), "cudaStreamWaitEvent"); }
   void synchronize() { detail::cuda_check(cudaStreamSynchronize(compute_), "cudaStreamSynchronize"); }
 
-  /// Causal attention fused by cuDNN (backend/cuda/attention.cuh), for
+  /// Causal attention fused by cuDNN (backend/cuda/cudnn_attention.hpp), for
   /// backend_ref::attention_forward / attention_backward under bf16 mixed
   /// precision: Q, K, V (and O, d(O)) packed to bf16, cuDNN's flash attention,
   /// the results unpacked to fp32. False, and the caller runs its batched-GEMM
@@ -224,10 +224,11 @@ class cuda_backend {
   bool fused_attention(const attention_args& a, bool backward) {
 #if defined(WHALE_HAS_CUDNN_FRONTEND) && defined(__CUDACC__)
     if (!a.bf16) return false;
-    if (!attention_) attention_ = std::make_shared<detail::cudnn_attention>(compute_);
-    auto& att = *static_cast<detail::cudnn_attention*>(attention_.get());
+    namespace dnn = detail::cudnn;
+    if (!attention_) attention_ = dnn::make_engine(compute_);
+    auto& att = *attention_;
     std::string why;
-    if (!att.supports(a.B, a.T, a.H, a.hd, why)) {
+    if (!dnn::supports(att, a.B, a.T, a.H, a.hd, why)) {
       if (!attention_refused_)
         std::fprintf(stderr, "whale::cuda_backend: cuDNN's fused attention refuses B %lld, T %lld, H %lld, hd %lld (%s); "
                      "attention runs as batched GEMMs in fp32\n", static_cast<long long>(a.B), static_cast<long long>(a.T),
@@ -246,17 +247,17 @@ class cuda_backend {
     const block qkv16{*this, static_cast<std::size_t>(R * 3 * W) * 2}, o16{*this, static_cast<std::size_t>(R * W) * 2};
     launch(R * 3 * W, kernels::pack_bf16{a.qkv, u16(qkv16.p)});
     if (!backward) {
-      const block ws{*this, static_cast<std::size_t>(att.forward_workspace(a.B, a.T, a.H, a.hd))};
-      att.forward(a.B, a.T, a.H, a.hd, qkv16.p, o16.p, a.lse, ws.p);
+      const block ws{*this, static_cast<std::size_t>(dnn::forward_workspace(att, a.B, a.T, a.H, a.hd))};
+      dnn::forward(att, a.B, a.T, a.H, a.hd, qkv16.p, o16.p, a.lse, ws.p);
       launch(R * W, kernels::unpack_bf16{u16(o16.p), a.o});
       ++fused_attention_calls_;
       return true;
     }
     const block do16{*this, static_cast<std::size_t>(R * W) * 2}, dqkv16{*this, static_cast<std::size_t>(R * 3 * W) * 2};
-    const block ws{*this, static_cast<std::size_t>(att.backward_workspace(a.B, a.T, a.H, a.hd))};
+    const block ws{*this, static_cast<std::size_t>(dnn::backward_workspace(att, a.B, a.T, a.H, a.hd))};
     launch(R * W, kernels::pack_bf16{a.o, u16(o16.p)});
     launch(R * W, kernels::pack_bf16{a.dout, u16(do16.p)});
-    att.backward(a.B, a.T, a.H, a.hd, qkv16.p, o16.p, a.lse, do16.p, dqkv16.p, ws.p);
+    dnn::backward(att, a.B, a.T, a.H, a.hd, qkv16.p, o16.p, a.lse, do16.p, dqkv16.p, ws.p);
     launch(R * 3 * W, kernels::unpack_bf16{u16(dqkv16.p), a.dqkv});
     ++fused_attention_calls_;
     return true;
@@ -287,7 +288,7 @@ class cuda_backend {
   int device_ = 0;
   cudaStream_t compute_ = nullptr, comm_ = nullptr;
   cublasHandle_t blas_ = nullptr;
-  std::shared_ptr<void> attention_;  // the cuDNN attention (a detail::cudnn_attention) once used
+  std::shared_ptr<detail::cudnn::engine> attention_;  // cuDNN's attention, once used
   bool attention_refused_ = false;
   std::int64_t fused_attention_calls_ = 0;
   caching_allocator<detail::cuda_device_upstream> alloc_;

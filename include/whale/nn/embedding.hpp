@@ -54,7 +54,7 @@ struct embedding {
     auto& s = st_(c.slot);
     const index_t R = tokens.numel();
     std::vector<std::int32_t> host;  // the tokens on the host, when they are on a device
-    const auto readable = c.be.host_readable(tokens, host);
+    const auto readable = host_values(c, tokens, host);
     for (index_t r = 0; r < R; ++r) check(readable[r]);
     s.tokens = tokens;
     auto y = detail::ensure(s.y, {R, D});

@@ -4,6 +4,7 @@
 // Concrete layers live in their own headers beside this one.
 #pragma once
 
+#include <array>
 #include <concepts>
 #include <cstring>
 #include <cstdint>
@@ -11,6 +12,7 @@
 #include <ostream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -115,8 +117,37 @@ struct step_ctx {
   /// bf16 mixed precision (precision::bf16): every layer's output and input
   /// gradient is rounded to bf16 where it is produced; arithmetic stays fp32.
   bool bf16 = false;
+  /// Inputs copied up to a device from host memory for this pass (the
+  /// network and the executor set them): each device buffer and the host
+  /// values it was copied from. A layer that checks values it is given (token
+  /// ids, labels) reads them there (host_values) instead of reading the device
+  /// back, which would make the host wait for the device.
+  struct host_mirror {
+    const void* device = nullptr;
+    const void* host = nullptr;
+    std::size_t bytes = 0;
+  };
+  std::array<host_mirror, 2> mirrors{};
+  /// The host copy of `v`'s values, where `v` lies in a mirrored buffer; null otherwise.
+  template <class T> const T* host_copy(cview<T> v) const noexcept {
+    const auto* p = reinterpret_cast<const char*>(v.data());
+    for (const auto& m : mirrors) {
+      const auto* d = static_cast<const char*>(m.device);
+      if (p && d && p >= d && p + v.bytes() <= d + m.bytes)
+        return reinterpret_cast<const T*>(static_cast<const char*>(m.host) + (p - d));
+    }
+    return nullptr;
+  }
   index_t rows() const noexcept { return batch * seq; }
 };
+
+/// The values of `v` readable by host code: the host copy it was uploaded from
+/// (step_ctx::mirrors; no wait), or else `v` itself on the CPU, or else a copy
+/// read back from the device into `keep` (the host waits for the device).
+template <class T> cview<T> host_values(const step_ctx& c, cview<T> v, std::vector<std::remove_const_t<T>>& keep) {
+  if (const T* h = c.host_copy(v)) return cview<T>(h, v.shape());
+  return c.be.host_readable(v, keep);
+}
 
 /// Hands out consecutive slices of the flat parameter and gradient buffers.
 class param_binder {

@@ -133,7 +133,16 @@ class network {
   double on_device(step_ctx& c, F&& f, cview<input_type> x, cview<std::int32_t> labels) {
     c.be = be_;
     const place_scope on(be_.memory());
-    return f(upload(x, in_), upload(labels, labels_));
+    const auto dx = upload(x, in_);
+    const auto dl = upload(labels, labels_);
+    // the layers check token ids and labels on the host copies, without waiting for the device
+    c.mirrors[0] = {dx.data(), x.data(), static_cast<std::size_t>(x.bytes())};
+    c.mirrors[1] = {dl.data(), labels.data(), static_cast<std::size_t>(labels.bytes())};
+    struct clear {  // the host buffers are the caller's: forget them after the pass
+      step_ctx& c;
+      ~clear() { c.mirrors = {}; }
+    } forget{c};
+    return f(dx, dl);
   }
   double train_step_here(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) {
     const double loss = model_.forward_loss(c, x, labels);

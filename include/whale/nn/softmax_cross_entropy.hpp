@@ -44,7 +44,7 @@ struct softmax_cross_entropy : stateless_params {
     const double n = c.global_rows > 0 ? c.loss_count() : static_cast<double>(R);
     const double inv = n > 0 ? 1.0 / n : 0.0;
     std::vector<std::int32_t> host_labels;  // the labels on the host, when they are on a device
-    const auto readable = c.be.host_readable(labels, host_labels);
+    const auto readable = host_values(c, labels, host_labels);
     for (index_t r = 0; r < R; ++r) {
       const std::int32_t y = readable[r];
       if (y != ignore_index && (y < 0 || y >= C))

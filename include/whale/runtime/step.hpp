@@ -39,13 +39,16 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
                                 "drop worker_cuts");
   // On a device: everything the pass allocates goes there, and the host's rows are copied up once.
   const place_scope on(be_.memory());
+  std::array<step_ctx::host_mirror, 2> mirrors{};  // the layers check token ids and labels on the host copies
   if (!be_.on_cpu()) {
     in_.resize(x.shape());
     be_.copy(in_.data(), x.data(), x.bytes());
+    mirrors[0] = {in_.data(), x.data(), static_cast<std::size_t>(x.bytes())};
     x = in_.v();
     if (labels.data()) {
       labels_.resize(labels.shape());
       be_.copy(labels_.data(), labels.data(), labels.bytes());
+      mirrors[1] = {labels_.data(), labels.data(), static_cast<std::size_t>(labels.bytes())};
       labels = labels_.v();
     }
   }
@@ -134,6 +137,7 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
     mc.check_finite = c.check_finite || o_.check_finite;
     mc.bf16 = c.bf16;
     mc.be = c.be;
+    mc.mirrors = mirrors;
     if (a.kind == pipe_action::forward) {
       cview<float> in;
       if (!first) {

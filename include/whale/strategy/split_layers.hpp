@@ -56,7 +56,7 @@ class split_softmax_cross_entropy : public stateless_params {
     const index_t n = logits.numel() / R;  // local classes
     const index_t c0 = r_ * n;
     auto& s = st_(c.slot);
-    const auto ys = c.be.host_readable(labels, s.host_labels);  // the labels on the host, when they are on a device
+    const auto ys = host_values(c, labels, s.host_labels);  // the labels on the host, when they are on a device
     for (index_t r = 0; r < R; ++r) {
       const index_t y = ys[r];
       if (y != ignore_index && (y < 0 || y >= n * p_))
@@ -159,7 +159,7 @@ class vocab_embedding {
     const index_t R = tokens.numel();
     s.tokens = tokens;
     auto y = detail::ensure(s.y, {R, D});
-    const auto ts = c.be.host_readable(tokens, s.host_tokens);  // the tokens on the host, when they are on a device
+    const auto ts = host_values(c, tokens, s.host_tokens);  // the tokens on the host, when they are on a device
     for (index_t i = 0; i < R; ++i) {
       const index_t t = ts[i];
       if (t < 0 || t >= Vocab)

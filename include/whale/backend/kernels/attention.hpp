@@ -28,22 +28,35 @@ struct head_layout {
   }
 };
 
-/// Token-major to head-major: y[i] = x[token_major(i)], one index per element
-/// (consecutive indices read and write consecutive elements of a head).
+/// Token-major to head-major, one row body per head-row: row r is the hd
+/// floats of head-major element r * hd, copied from where token_major puts
+/// them (one index computation a row, a contiguous copy of hd floats).
 struct split_heads {
   const float* x;
   float* y;
   head_layout l;
-  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { y[i] = x[l.token_major(i)]; }
-  std::int64_t bytes(index_t n) const noexcept { return n * 8; }
+  index_t width() const noexcept { return l.hd; }
+  index_t rows() const noexcept { return l.elements() / l.hd; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
+    const float* src = x + l.token_major(r * l.hd);
+    float* dst = y + r * l.hd;
+    t.for_each(l.hd, [&](index_t d) { dst[d] = src[d]; });
+  }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * l.hd * 8; }
 };
-/// Head-major back to token-major: y[token_major(i)] = x[i].
+/// Head-major back to token-major, a head-row per row body: the inverse copy.
 struct merge_heads {
   const float* x;
   float* y;
   head_layout l;
-  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { y[l.token_major(i)] = x[i]; }
-  std::int64_t bytes(index_t n) const noexcept { return n * 8; }
+  index_t width() const noexcept { return l.hd; }
+  index_t rows() const noexcept { return l.elements() / l.hd; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
+    const float* src = x + r * l.hd;
+    float* dst = y + l.token_major(r * l.hd);
+    t.for_each(l.hd, [&](index_t d) { dst[d] = src[d]; });
+  }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * l.hd * 8; }
 };
 
 /// Sum over `rows` score rows of T of the columns the causal mask leaves
