@@ -459,9 +459,11 @@ TEST_CASE("count_only: the same ledger as a computed run, and no arithmetic done
 
 namespace {
 // One counted training step (the second: the first allocates) of a GPT of L blocks, 8 sequences of 16.
-template <std::size_t L> device_ledger gpt_step_ledger() {
+// bf16: under bf16 mixed precision, on a device whose attention is fused (cuDNN's, modelled).
+template <std::size_t L> device_ledger gpt_step_ledger(bool bf16 = false) {
   guarded_backend g;
   g.set_count_only(true);
+  g.set_fused_attention(bf16);
   network<models::gpt_model<64, 16, 32, 2, 64, L>> net(seed{1}, backend_ref(g));
   const adamw opt{.lr = 1e-3f};
   auto st = net.make_optimizer_state(opt);
@@ -472,6 +474,7 @@ template <std::size_t L> device_ledger gpt_step_ledger() {
     g.ledger().clear();
     step_ctx c;
     c.batch = 8, c.seq = 16, c.global_rows = 8 * 16;
+    c.bf16 = bf16;
     net.train_step(c, cview<std::int32_t>(tokens.data(), {8, 16}), cview<std::int32_t>(labels.data(), {8 * 16}));
     net.apply_optimizer(opt, st, clip_coefficient(net.grad_norm(), 1.0));
     out = g.ledger();
@@ -492,4 +495,12 @@ TEST_CASE("a GPT step's ledger: launches per block and host waits do not grow") 
   CHECK(two.device_to_host <= 2);
   CHECK(two.undeclared_launches == 0);  // every kernel declares its bytes
   CHECK(two.underfilled_launches > 0);  // at this toy size most launches are small: counted, not hidden
+
+  // bf16 with the fused attention: 2 attention calls a block, the emulation's rounding passes still there
+  const auto one16 = gpt_step_ledger<1>(true), two16 = gpt_step_ledger<2>(true);
+  const auto per_block16 = two16.launches() - one16.launches();
+  MESSAGE("bf16 with fused attention: launches per block " << per_block16 << ", host waits " << two16.host_syncs);
+  CHECK(two16.attention_calls - one16.attention_calls == 2);
+  CHECK(per_block16 <= 64);
+  CHECK(two16.host_syncs <= 2);
 }
