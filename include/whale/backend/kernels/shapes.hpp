@@ -96,25 +96,6 @@ template <int W> struct emulated_team : team_reductions<emulated_team<W>> {
     for (index_t j = full; j < n; ++j) step(acc[j - full], j);
     return tree_reduce<W>(acc, join);
   }
-  /// The online softmax's statistics with the lanes' maxima and sums in two
-  /// arrays (the same arithmetic as reduce with push and join; so that the
-  /// loop over lanes vectorizes, which an array of pairs does not).
-  template <class F> WHALE_HD WHALE_INLINE max_sum softmax_stats(index_t n, F f) const {
-    float m[lanes], s[lanes];
-    for (int l = 0; l < lanes; ++l) m[l] = -__builtin_huge_valf(), s[l] = 0.f;
-    const index_t full = n / lanes * lanes;
-    for (index_t j0 = 0; j0 < full; j0 += lanes)
-      for (int l = 0; l < lanes; ++l) {
-        const float x = f(j0 + l);
-        const float mx = x > m[l] ? x : m[l];
-        s[l] = s[l] * vexp(m[l] - mx) + vexp(x - mx);
-        m[l] = mx;
-      }
-    max_sum acc[lanes];
-    for (int l = 0; l < lanes; ++l) acc[l] = {m[l], s[l]};
-    for (index_t j = full; j < n; ++j) push(acc[j - full], f(j));
-    return tree_reduce<W>(acc, [](max_sum a, max_sum b) { return join(a, b); });
-  }
   template <class F> WHALE_HD WHALE_INLINE void for_each(index_t n, F f) const {
     for (index_t j = 0; j < n; ++j) f(j);
   }
