@@ -277,3 +277,90 @@ TEST_CASE("the trainer runs a network on a device: the CPU's losses and paramete
   }
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("trainer_options::log_every: steps queue without a host wait, with the losses and parameters of reading every step") {
+  struct outcome {
+    std::vector<double> losses, seen, norms;
+    std::vector<float> params;
+    std::int64_t syncs = -1, reads_d2h = -1;
+  };
+  auto run = [&](backend_ref be, guarded_backend* g, std::int64_t every, bool use_sgd) {
+    network<tiny_gpt> net(seed{9}, be);
+    markov_data data(seed{7}, 32, 8, 4);
+    outcome out;
+    trainer_options o;
+    o.progress = false;
+    o.max_grad_norm = 0.05;  // clipping acts on most steps
+    o.log_every = every;
+    o.on_step = [&](const step_report& r) {
+      out.seen.push_back(r.loss);
+      out.norms.push_back(r.grad_norm);
+    };
+    auto go = [&](auto opt) {
+      trainer t(net, opt, o);
+      t.run(data, steps{2});  // the first steps allocate
+      if (g) g->ledger().clear();
+      const auto r = t.run(data, steps{6});
+      if (g) out.syncs = g->ledger().host_syncs, out.reads_d2h = g->ledger().device_to_host;
+      out.losses = r.losses;
+      CHECK(t.next_step() == 8);
+    };
+    if (use_sgd) go(sgd{.lr = 0.05f, .momentum = 0.9f});
+    else go(adamw{.lr = 1e-2f});
+    out.params = net.params_on_host();
+    return out;
+  };
+  for (const bool use_sgd : {false, true}) {
+    INFO((use_sgd ? "sgd with momentum" : "adamw"));
+    const auto every_step = run(backend_ref{}, nullptr, 1, use_sgd);
+    REQUIRE(every_step.losses.size() == 6);
+    for (const std::int64_t every : {3, 4}) {
+      INFO("log_every " << every);
+      const auto cpu = run(backend_ref{}, nullptr, every, use_sgd);
+      guarded_backend g;
+      const auto dev = run(backend_ref(g), &g, every, use_sgd);
+      for (const auto* r : {&cpu, &dev}) {
+        CHECK(r->losses == every_step.losses);
+        CHECK(r->seen == every_step.seen);  // on_step saw every step, with its own loss and norm
+        CHECK(r->norms == every_step.norms);
+        CHECK(r->params == every_step.params);
+      }
+      // reads: at every `every` steps and at the end of run(); each is the one host wait
+      const std::int64_t reads = 2;  // every 3: after steps 3 and 6; every 4: after step 4 and at the end
+      CHECK(dev.syncs == reads);
+      CHECK(dev.reads_d2h == reads);
+    }
+    guarded_backend g;
+    const auto dev_every_step = run(backend_ref(g), &g, 1, use_sgd);
+    CHECK(dev_every_step.syncs >= 2 * 6);  // the loss and the norm, every step
+  }
+}
+
+TEST_CASE("trainer_options::log_every: a non-finite step found later is named, and nothing after it was updated") {
+  auto run = [&](backend_ref be, std::int64_t every) {
+    network<tiny_gpt> net(seed{9}, be);
+    markov_data data(seed{7}, 32, 8, 4);
+    trainer_options o;
+    o.progress = false;
+    o.log_every = every;
+    o.lr_schedule = [](std::int64_t s) { return s == 2 ? 1e30 : 1e-2; };  // step 3 blows the weights up
+    trainer t(net, adamw{}, o);
+    std::string what;
+    try {
+      t.run(data, steps{7});
+    } catch (const std::runtime_error& e) {
+      what = e.what();
+    }
+    return std::tuple{what, t.next_step(), t.optimizer_state().steps, net.params_on_host()};
+  };
+  const auto every_step = run(backend_ref{}, 1);
+  REQUIRE(!std::get<0>(every_step).empty());
+  CHECK(std::get<0>(every_step).find("whale::trainer: step 4: the loss is") != std::string::npos);
+  guarded_backend g;
+  for (const auto& r : {run(backend_ref{}, 7), run(backend_ref(g), 7), run(backend_ref(g), 2)}) {
+    CHECK(std::get<0>(r) == std::get<0>(every_step));
+    CHECK(std::get<1>(r) == std::get<1>(every_step));
+    CHECK(std::get<2>(r) == std::get<2>(every_step));
+    CHECK(std::get<3>(r) == std::get<3>(every_step));
+  }
+}

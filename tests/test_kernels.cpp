@@ -4,14 +4,17 @@
 // concept's CPU model, bf16 rounding and the caching allocator.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
 #include <vector>
 
 #include "support/kernel_cases.hpp"
+#include "whale/backend/backend_ref.hpp"
 #include "whale/backend/caching_allocator.hpp"
 #include "whale/backend/cpu.hpp"
+#include "whale/optim/optimizer.hpp"
 
 using namespace whale;
 namespace kc = kernel_cases;
@@ -68,7 +71,7 @@ TEST_CASE("every kernel body gives the same result on every CPU instruction set 
       for (index_t r = 0; r < kc::R; ++r) CHECK(got.rowd[r] == doctest::Approx(ref.rowd[r]).epsilon(1e-6));
     }
   });
-  CHECK(cases == 37);
+  CHECK(cases == 40);
 }
 
 TEST_CASE("elementwise bodies match their formulas in double precision") {
@@ -236,6 +239,75 @@ TEST_CASE("optimizer bodies match the scalar update rules") {
   auto q = s.ptrs();
   cpu::launch(kc::N, kernels::sgd_momentum{q.a, q.b, q.c, 0.01f, 0.1f, 0.9f, true});  // first step: buf = g + wd p
   for (index_t i = 0; i < kc::N; i += 97) CHECK(s.c[i] == doctest::Approx(o.b[i] + 0.1 * o.a[i]).epsilon(1e-6));
+}
+
+TEST_CASE("a gated update: the gradients scaled as they are read, or nothing changed while halted") {
+  const double half = 0.5, go = 0.0, stop = 3.0;
+  kc::host_buffers ref, gated, halted;
+  auto r = ref.ptrs(), g = gated.ptrs(), h = halted.ptrs();
+  cpu::launch(kc::N, kernels::scale{r.b, 0.5f});  // the host's clipping: scale the gradients, then update
+  cpu::launch(kc::N, kernels::adamw_step{r.a, r.b, r.c, r.d, 0.9f, 0.999f, 0.01f, 500.f, 0.9999f, 1e-8f});
+  cpu::launch(kc::N, kernels::adamw_step{g.a, g.b, g.c, g.d, 0.9f, 0.999f, 0.01f, 500.f, 0.9999f, 1e-8f, {&half, &go}});
+  CHECK(gated.a == ref.a);  // the same bits
+  CHECK(gated.c == ref.c);
+  CHECK(gated.d == ref.d);
+  const kc::host_buffers before;
+  cpu::launch(kc::N, kernels::adamw_step{h.a, h.b, h.c, h.d, 0.9f, 0.999f, 0.01f, 500.f, 0.9999f, 1e-8f, {&half, &stop}});
+  CHECK(halted.a == before.a);
+  CHECK(halted.c == before.c);
+  CHECK(halted.d == before.d);
+}
+
+TEST_CASE("sums left in memory: blocks then their sum in order; a step's check and clipping scale") {
+  for (const index_t n : {index_t{0}, index_t{1}, index_t{255}, index_t{256}, index_t{8192}, index_t{8193}}) {
+    INFO("n = " << n);
+    std::vector<double> x(static_cast<std::size_t>(n));
+    for (index_t i = 0; i < n; ++i) x[static_cast<std::size_t>(i)] = std::sin(static_cast<double>(i)) * 3.0 + 0.1;
+    const index_t nb = kernels::sum_blocks::blocks(n);
+    std::vector<double> part(static_cast<std::size_t>(nb) + 1);
+    cpu::launch(nb, kernels::sum_blocks{x.data(), part.data(), n});
+    double want = 0.0;  // the same order, written out
+    for (index_t b = 0; b < nb; ++b) {
+      double s = 0.0;
+      for (index_t i = b * 256; i < std::min(n, (b + 1) * 256); ++i) s += x[static_cast<std::size_t>(i)];
+      want += s;
+    }
+    double out = 7.0;
+    cpu::launch(1, kernels::sum_in_order{part.data(), nb, 0.25, &out, false});
+    CHECK(out == want * 0.25);
+    cpu::launch(1, kernels::sum_in_order{part.data(), nb, 0.25, &out, true});
+    CHECK(out == want * 0.25 + want * 0.25);
+    double direct = 0.0;
+    for (const double v : x) direct += v;
+    CHECK(out == doctest::Approx(direct * 0.5).epsilon(1e-12));
+    // the backend's composition, on the CPU
+    double via = 1.0;
+    backend_ref{}.sum_into(n, x.data(), 0.25, &via, true);
+    CHECK(via == 1.0 + want * 0.25);
+  }
+  kernels::step_figures rec{2.5, 16.0, 0, 0};
+  double halt = 0;
+  cpu::launch(1, kernels::check_step{&rec, &halt, 1.0, 3.0, true});
+  CHECK(rec.fault == 0);
+  CHECK(halt == 0);
+  CHECK(rec.scale == static_cast<double>(clip_coefficient(4.0, 1.0)));  // norm 4 clipped to 1
+  rec = {2.5, 16.0, 0, 0};
+  cpu::launch(1, kernels::check_step{&rec, &halt, 0.0, 3.0, true});
+  CHECK(rec.scale == 1.0);  // no clipping
+  rec = {2.5, NAN, 0, 0};
+  cpu::launch(1, kernels::check_step{&rec, &halt, 1.0, 3.0, true});
+  CHECK(rec.fault == 2);  // the norm
+  CHECK(halt == 3.0);     // the first faulty step stays
+  CHECK(rec.scale == 1.0);
+  rec = {INFINITY, 1.0, 0, 0};
+  cpu::launch(1, kernels::check_step{&rec, &halt, 1.0, 5.0, true});
+  CHECK(rec.fault == 1);  // the loss
+  CHECK(halt == 3.0);
+  rec = {1.0, NAN, 0, 0};
+  halt = 0;
+  cpu::launch(1, kernels::check_step{&rec, &halt, 0.0, 1.0, false});
+  CHECK(rec.fault == 0);  // the norm not checked (check_grad_norm off, no clipping)
+  CHECK(halt == 0);
 }
 
 TEST_CASE("bf16 rounding: nearest, ties to even, inf and NaN kept") {

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <concepts>
+#include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <vector>
@@ -153,25 +154,45 @@ class backend_ref {
   // ---- the compositions layers share ----
 
   /// The sum of squares of x[0, n) (a gradient norm): cpu::sum_squares on the
-  /// CPU; on a device, per-block sums there (kernels::sum_squares_blocks, the
-  /// body cpu::sum_squares runs) added on the host in order: the CPU's value to
-  /// the bit on the guarded backend; on a GPU to rounding (nvcc may fuse a
-  /// multiply and an add).
+  /// CPU; on a device, sum_squares_into a double there, read back (the host
+  /// waits). The CPU's value to the bit on the guarded backend; on a GPU to
+  /// rounding (nvcc may fuse a multiply and an add).
   double sum_squares(index_t n, const float* x) const {
     if (!gpu_) return cpu::sum_squares(n, x);
-    const index_t nb = kernels::sum_squares_blocks::blocks(n);
-    if (nb == 0) return 0.0;
-    tensor<double> partial;
-    {
-      const place_scope on(memory());
-      partial = tensor<double>({nb}, mem_kind::workspace);
-    }
-    launch(nb, kernels::sum_squares_blocks{x, partial.data(), n});
+    const scratch total(*this, 3);
+    double* t = doubles(total);
+    sum_squares_into(n, x, t);
     std::vector<double> host;
-    const auto sums = host_readable(cview<double>(partial), host);
-    double total = 0.0;
-    for (index_t b = 0; b < nb; ++b) total += sums[b];
-    return total;
+    return host_readable(cview<double>(t, {1}), host)[0];
+  }
+  /// *out = the sum of squares of x[0, n), with `out` in the backend's memory
+  /// and nothing read back: per-block sums (kernels::sum_squares_blocks),
+  /// those summed in groups (kernels::sum_blocks), and the groups in order
+  /// (kernels::sum_in_order), as cpu::sum_squares adds them: the same bits.
+  void sum_squares_into(index_t n, const float* x, double* out) const {
+    if (!gpu_) {
+      *out = cpu::sum_squares(n, x);
+      return;
+    }
+    const index_t nb = kernels::sum_squares_blocks::blocks(n), ng = kernels::sum_blocks::blocks(nb);
+    const scratch partial(*this, 2 * (nb + ng) + 2);
+    double* part = doubles(partial);
+    if (nb > 0) {
+      launch(nb, kernels::sum_squares_blocks{x, part, n});
+      launch(ng, kernels::sum_blocks{part, part + nb, nb});
+    }
+    launch(1, kernels::sum_in_order{part + nb, ng, 1.0, out, false});
+  }
+  /// *out = scale * (the sum of x[0, n)), or that added to *out (`add`), with
+  /// x and out in the backend's memory and nothing read back: blocks of
+  /// kernels::sum_blocks, then their sum in order, on every backend (the CPU
+  /// included), so every backend adds in one order.
+  void sum_into(index_t n, const double* x, double scale, double* out, bool add) const {
+    const index_t nb = kernels::sum_blocks::blocks(n);
+    const scratch partial(*this, 2 * nb + 2);
+    double* part = doubles(partial);
+    if (nb > 0) launch(nb, kernels::sum_blocks{x, part, n});
+    launch(1, kernels::sum_in_order{part, nb, scale, out, add});
   }
 
   /// Causal self-attention as one call, on B sequences of T tokens and H heads
@@ -348,6 +369,11 @@ class backend_ref {
     scratch& operator=(const scratch&) = delete;
   };
   static float attention_scale(index_t hd) { return 1.f / std::sqrt(static_cast<float>(hd)); }
+  /// Scratch as doubles, aligned to 8 bytes: 2 k + 1 floats hold k doubles.
+  static double* doubles(const scratch& s) noexcept {
+    const auto a = (reinterpret_cast<std::uintptr_t>(s.p) + 7) & ~std::uintptr_t{7};
+    return reinterpret_cast<double*>(a);
+  }
   /// The window of a host-executed backend, closed on every way out.
   struct opened {
     const backend_ref& b;

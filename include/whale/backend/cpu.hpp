@@ -94,17 +94,21 @@ inline int default_threads() {
 inline double sum_squares(index_t n, const float* x) {
   // Blocks of 4096 in 16 float lanes each (kernels::sum_squares_blocks, which
   // the compiler turns into vector registers without reassociating anything),
-  // accumulated in double in block order: one pass at memory speed, and
-  // accurate. The same body a device backend runs, through the same launch,
-  // so the guarded backend's norm is this one to the bit.
+  // in double: groups of 256 block sums added in order (kernels::sum_blocks),
+  // then the groups' sums in order (kernels::sum_in_order). One pass at
+  // memory speed, and accurate. A device backend runs the same bodies in the
+  // same order (backend_ref::sum_squares_into), so the guarded backend's norm
+  // is this one to the bit.
   const index_t nb = kernels::sum_squares_blocks::blocks(n);
-  constexpr index_t chunk = 256;  // block sums per launch, on the stack
+  constexpr index_t chunk = kernels::sum_blocks::block;  // block sums per launch, on the stack
   double part[chunk];
   double total = 0.0;
   for (index_t b0 = 0; b0 < nb; b0 += chunk) {
     const index_t m = nb - b0 < chunk ? nb - b0 : chunk;
     launch(m, kernels::sum_squares_blocks{x + b0 * kernels::sum_squares_blocks::block, part, n - b0 * kernels::sum_squares_blocks::block});
-    for (index_t b = 0; b < m; ++b) total += part[b];
+    double group = 0.0;
+    for (index_t b = 0; b < m; ++b) group += part[b];
+    total += group;
   }
   return total;
 }

@@ -75,6 +75,29 @@ struct device_ledger {
     return kernel_launches + gemms + batched_gemms + attention_calls + copies + fills;
   }
   void clear() { *this = device_ledger{}; }
+  /// What this ledger holds beyond `before` (a ledger of a shorter run of the
+  /// same work): e.g. one training step, as a run of two steps less a run of
+  /// one, with what both do once (a read at the end) cancelled. The fewest
+  /// threads of a launch stay this ledger's.
+  device_ledger minus(const device_ledger& before) const {
+    device_ledger d = *this;
+    for (const auto& [name, b] : before.kernels) {
+      auto& k = d.kernels[name];
+      k.launches -= b.launches, k.bytes -= b.bytes, k.undeclared -= b.undeclared, k.underfilled -= b.underfilled;
+      k.effective_bytes -= b.effective_bytes;
+      if (k.launches == 0) d.kernels.erase(name);
+    }
+    d.kernel_launches -= before.kernel_launches, d.gemms -= before.gemms, d.batched_gemms -= before.batched_gemms;
+    d.copies -= before.copies, d.fills -= before.fills, d.host_syncs -= before.host_syncs;
+    d.device_to_host -= before.device_to_host, d.host_to_device -= before.host_to_device;
+    d.kernel_bytes -= before.kernel_bytes, d.copy_bytes -= before.copy_bytes, d.fill_bytes -= before.fill_bytes;
+    d.undeclared_launches -= before.undeclared_launches, d.underfilled_launches -= before.underfilled_launches;
+    d.kernel_effective_bytes -= before.kernel_effective_bytes;
+    d.gemm_flops -= before.gemm_flops, d.batched_gemm_flops -= before.batched_gemm_flops;
+    d.attention_calls -= before.attention_calls, d.attention_bytes -= before.attention_bytes;
+    d.attention_flops -= before.attention_flops;
+    return d;
+  }
   void add(const launch_note& n) {
     auto& k = kernels[n.kernel];
     ++k.launches, ++kernel_launches;

@@ -117,6 +117,12 @@ struct step_ctx {
   /// bf16 mixed precision (precision::bf16): every layer's output and input
   /// gradient is rounded to bf16 where it is produced; arithmetic stays fp32.
   bool bf16 = false;
+  /// Where the loss goes without the host reading it (trainer_options::log_every):
+  /// when set (a double in the backend's memory), a loss layer adds its share
+  /// there and returns 0 instead of reading its rows' losses back. What
+  /// forward_loss returns and what lands here add up to the share. A container
+  /// that rescales its loss's share (a data-split region) hides it from the layers inside.
+  double* loss_sum = nullptr;
   /// Inputs copied up to a device from host memory for this pass (the
   /// network and the executor set them): each device buffer and the host
   /// values it was copied from. A layer that checks values it is given (token

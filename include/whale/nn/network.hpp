@@ -94,6 +94,9 @@ class network {
   std::pair<index_t, index_t> local_batch(index_t global_batch) const { return {0, global_batch}; }
   double reduce_loss(double share) const noexcept { return share; }
   double grad_norm() const { return std::sqrt(be_.sum_squares(grads_.numel(), grads_.data())); }
+  /// *out = the gradients' sum of squares, with `out` in the network's memory
+  /// and nothing read back (the square of grad_norm(), to the bit).
+  void grad_sum_squares_into(double* out) const { be_.sum_squares_into(grads_.numel(), grads_.data(), out); }
   int rank() const noexcept { return 0; }
   int world_size() const noexcept { return 1; }
   /// The optimizer's state, in the network's memory (the device's, on one).
@@ -105,6 +108,12 @@ class network {
   template <class O> void apply_optimizer(const O& opt, typename O::state& s, float grad_scale) {
     if (grad_scale != 1.f) be_.launch(grads_.numel(), kernels::scale{grads_.data(), grad_scale});
     update_on(be_, opt, s, params_.v(), grads_.v());
+  }
+  /// One optimizer step under `gate` (in the network's memory): the
+  /// gradients scaled by *gate.scale as they are read, nothing changed while
+  /// *gate.halt is non-zero. The host reads neither.
+  template <class O> void apply_optimizer(const O& opt, typename O::state& s, kernels::update_gate gate) {
+    update_on(be_, opt, s, params_.v(), grads_.v(), gate);
   }
 
   M& model() noexcept { return model_; }

@@ -15,7 +15,8 @@ namespace whale {
 
 /// Mean cross-entropy over the labels of the global batch. forward_loss returns
 /// this rank's rows' share (sum of their losses / step_ctx::loss_count()), so
-/// shares add up to the mean. A row labelled ignore_index adds no loss and
+/// shares add up to the mean; with step_ctx::loss_sum set it adds the share
+/// there instead, in the backend's memory, and returns 0. A row labelled ignore_index adds no loss and
 /// gets a zero gradient.
 struct softmax_cross_entropy : stateless_params {
   using input_type = float;
@@ -55,11 +56,15 @@ struct softmax_cross_entropy : stateless_params {
     auto loss = detail::ensure(s.row_loss, {R});
     c.be.launch(R, kernels::cross_entropy_rows{logits.data(), labels.data(), p.data(), loss.data(), C,
                                                static_cast<float>(inv), ignore_index});
-    std::vector<double> host_loss;
-    const auto rows = c.be.host_readable(cview<double>(loss), host_loss);
-    double total = 0.0;
-    for (index_t r = 0; r < R; ++r) total += rows[r];
-    return total * inv;
+    // the rows' losses added where they lie, in one order on every backend; read back only without c.loss_sum
+    if (c.loss_sum) {
+      c.be.sum_into(R, loss.data(), inv, c.loss_sum, true);
+      return 0.0;
+    }
+    auto total = detail::ensure(s.total, {1});
+    c.be.sum_into(R, loss.data(), inv, total.data(), false);
+    std::vector<double> host;
+    return c.be.host_readable(cview<double>(total), host)[0];
   }
   view<float> backward_loss(step_ctx& c) { return st_(c.slot).grad.v(); }
 
@@ -67,6 +72,7 @@ struct softmax_cross_entropy : stateless_params {
   struct state {
     tensor<float> grad;
     tensor<double> row_loss;
+    tensor<double> total;  // the rows' share, when it is read back
   };
   slots<state> st_;
 };

@@ -12,6 +12,7 @@
 
 #include "whale/backend/backend_ref.hpp"
 #include "whale/backend/kernels/elementwise.hpp"
+#include "whale/backend/kernels/optim.hpp"
 #include "whale/tensor/tensor.hpp"
 
 namespace whale {
@@ -41,10 +42,7 @@ concept CheckpointableState = requires(S& s) {
 };
 
 /// Scale factor that brings a gradient of global norm `norm` to at most `max_norm`.
-inline float clip_coefficient(double norm, double max_norm) {
-  if (max_norm <= 0 || norm <= max_norm) return 1.f;
-  return static_cast<float>(max_norm / (norm + 1e-6));
-}
+inline float clip_coefficient(double norm, double max_norm) { return kernels::clip_scale(norm, max_norm); }
 
 /// Clip gradients in place by their norm (single process, host memory);
 /// returns the norm before clipping.
@@ -69,5 +67,24 @@ void update_on(const backend_ref& be, const O& o, typename O::state& s, view<flo
     o.update(s, p, g);
   }
 }
+
+/// Run one update of gated rule `o` on backend `be`, under `gate` (GatedOptimizer).
+template <Optimizer O>
+void update_on(const backend_ref& be, const O& o, typename O::state& s, view<float> p, cview<float> g,
+               kernels::update_gate gate) {
+  static_assert(requires { o.update(s, p, g, be, gate); },
+                "whale: this optimizer has no update(state, p, g, backend, kernels::update_gate), so it cannot update "
+                "under a clipping scale and a halt flag kept in device memory; give it one (see sgd, adamw)");
+  o.update(s, p, g, be, gate);
+}
+
+/// Whether rule O updates under a gate in device memory (kernels::update_gate:
+/// a clipping scale and a halt flag), as a step that keeps its figures on the
+/// device needs (trainer_options::log_every): sgd and adamw do.
+template <class O>
+concept GatedOptimizer = Optimizer<O> && requires(const O& o, typename O::state& s, view<float> p, cview<float> g,
+                                                  const backend_ref& be, kernels::update_gate gate) {
+  o.update(s, p, g, be, gate);
+};
 
 }  // namespace whale

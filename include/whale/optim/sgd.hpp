@@ -28,12 +28,14 @@ struct sgd {
     if (momentum != 0.f) s.buf = tensor<float>({n}, mem_kind::optimizer);
     return s;
   }
-  void update(state& s, view<float> p, cview<float> g, const backend_ref& be = {}) const {
+  /// One step; under `gate` (in the backend's memory) the gradients are scaled
+  /// by *gate.scale, and nothing changes while *gate.halt is non-zero.
+  void update(state& s, view<float> p, cview<float> g, const backend_ref& be = {}, kernels::update_gate gate = {}) const {
     if (momentum == 0.f)
-      be.launch(p.numel(), kernels::sgd_plain{p.data(), g.data(), lr, weight_decay});
+      be.launch(p.numel(), kernels::sgd_plain{p.data(), g.data(), lr, weight_decay, gate});
     else
       be.launch(p.numel(), kernels::sgd_momentum{p.data(), g.data(), s.buf.data(), lr, weight_decay, momentum,
-                                                   s.steps == 0});
+                                                   s.steps == 0, gate});
     ++s.steps;
   }
 };

@@ -113,6 +113,11 @@ class split_chain {
     requires ends_in_loss
   {
     auto& loss = std::get<size - 1>(layers_);
+    struct hidden {  // loss_share rescales the share: the layers inside return it whole (step_ctx::loss_sum)
+      step_ctx& c;
+      double* sum = std::exchange(c.loss_sum, nullptr);
+      ~hidden() { c.loss_sum = sum; }
+    } hide{c};
     if constexpr (n_layers == 0) {
       return loss_share(run_forward_loss(loss, c, x, labels_for(c, labels), offset_[size - 1]));
     } else {

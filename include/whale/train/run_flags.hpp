@@ -1,5 +1,5 @@
 // The command-line flags every example shares (--steps N --save DIR
-// --save-every K --resume DIR --log FILE), what they do to a trainer, and the
+// --save-every K --resume DIR --log FILE --log-every K), what they do to a trainer, and the
 // parameters' checksum the examples end with, so that exact resume can be
 // checked from the shell:
 //   example --steps 6                      -> params checksum: X
@@ -26,18 +26,21 @@ struct run_flags {
   std::int64_t save_every = 0;  ///< --save-every K
   std::string resume;           ///< --resume DIR: load the newest checkpoint there (or this step directory) first
   std::string log;              ///< --log FILE: the metrics log, one JSON object per step
-  static constexpr const char* names = "--steps N, --save DIR, --save-every K, --resume DIR, --log FILE";
+  std::int64_t log_every = 0;   ///< --log-every K: trainer_options::log_every (0: the program's own)
+  static constexpr const char* names = "--steps N, --save DIR, --save-every K, --resume DIR, --log FILE, --log-every K";
 
   explicit run_flags(std::int64_t default_steps) : steps(default_steps) {}
 
   /// Consume argv[i] (and its value, advancing i) if it is one of these flags.
   bool take(int& i, int argc, char** argv) {
     const std::string a = argv[i];
-    if (a != "--steps" && a != "--save" && a != "--save-every" && a != "--resume" && a != "--log") return false;
+    if (a != "--steps" && a != "--save" && a != "--save-every" && a != "--resume" && a != "--log" && a != "--log-every")
+      return false;
     if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
     const std::string v = argv[++i];
     if (a == "--steps") steps = detail::parse_int(v, "--steps", 1, 100000000);
     else if (a == "--save-every") save_every = detail::parse_int(v, "--save-every", 1, 100000000);
+    else if (a == "--log-every") log_every = detail::parse_int(v, "--log-every", 1, 100000);
     else if (v.empty()) throw std::invalid_argument(a + ": an empty path");
     else if (a == "--save") save = v;
     else if (a == "--resume") resume = v;
@@ -50,6 +53,7 @@ struct run_flags {
     o.checkpoint_dir = save;
     o.save_every = save_every;
     o.log_path = log;
+    if (log_every > 0) o.log_every = log_every;
     return o;
   }
   trainer_options options(trainer_options o = {}) const { return apply(o); }

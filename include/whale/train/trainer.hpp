@@ -98,6 +98,7 @@ class trainer {
     at_least(o_.eval_every, 0, "eval_every");
     at_least(o_.eval_steps, 1, "eval_steps");
     at_least(o_.total_steps, 0, "total_steps");
+    at_least(o_.log_every, 1, "log_every");
     if constexpr (!requires { net_.params(); })
       if (o_.precision == precision::bf16)
         throw std::invalid_argument("whale::trainer: bf16 mixed precision needs the network's params() (the weights it rounds); "
@@ -195,20 +196,7 @@ class trainer {
       next_ = step + 1;
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       last_dt_ = dt;
-      const index_t rows = data.global_batch() * data.seq();
-      if (!line_) line_.emplace(o_.total_steps, data.seq() > 1, (o_.progress && net_.rank() == 0) ? o_.out : nullptr, o_.plain_every);
-      line_->update(++line_steps_, loss, dt, static_cast<double>(rows),
-                    model_flops<typename Net::model_type>(rows, data.seq()) / static_cast<double>(net_.world_size()));
-      if (o_.on_step || log_) {
-        const step_report rep{step, loss, last_lr_, last_norm_, dt, dt > 0 ? static_cast<double>(rows) / dt : 0};
-        if (log_) {
-          std::fprintf(log_.get(), "{\"step\":%lld,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%s,\"step_s\":%.6g,\"tokens_per_s\":%.6g}\n",
-                       static_cast<long long>(rep.step), rep.loss, rep.lr,
-                       std::isfinite(rep.grad_norm) ? std::to_string(rep.grad_norm).c_str() : "null", rep.seconds, rep.tokens_per_s);
-          std::fflush(log_.get());
-        }
-        if (o_.on_step) o_.on_step(rep);
-      }
+      report(step, loss, dt, data.global_batch() * data.seq(), data.seq());
       if constexpr (checkpoints)
         if (o_.save_every > 0 && next_ % o_.save_every == 0) save();
       return loss;
@@ -230,43 +218,16 @@ class trainer {
       w.restore();
     }
     const double loss = net_.reduce_loss(share);
-    // steps are named from 1, as the progress line counts them (strings only when failing: no allocation per step)
-    auto at = [&] {
-      return "whale::trainer: step " + std::to_string(step - o_.first_step + 1) +
-             (o_.first_step ? " (data step " + std::to_string(step) + ")" : "") + ": ";
-    };
-    auto clip = [&] { return std::string(o_.max_grad_norm > 0 ? "" : ", clip gradients (trainer_options::max_grad_norm)"); };
-    if (!std::isfinite(loss))
-      throw std::runtime_error(at() + "the loss is " + (std::isnan(loss) ? "NaN" : "infinite") +
-                               "; check the data for NaN/Inf, lower the learning rate" + clip() +
-                               ", or run with --check-finite to name the first layer whose output is not finite");
+    if (!std::isfinite(loss)) throw loss_error(step, loss);
     float scale = 1.f;
     last_norm_ = std::numeric_limits<double>::quiet_NaN();
     if (o_.max_grad_norm > 0 || o_.check_grad_norm) {
       const double norm = net_.grad_norm();
       last_norm_ = norm;
-      if (!std::isfinite(norm)) {
-        std::string where;
-        if constexpr (requires { net_.first_nonfinite_grad(); }) where = net_.first_nonfinite_grad();  // collective
-        else where = detail::first_nonfinite_grad_of(net_);
-        throw std::runtime_error(at() + "the gradient norm is " + (std::isnan(norm) ? "NaN" : "infinite") +
-                                 " while the loss is finite (" + std::to_string(loss) + ")" +
-                                 (where.empty() ? "" : "; the first layer with a non-finite gradient is " + where) +
-                                 "; no parameter was updated. Look for NaN/Inf in the input data (a ReLU hides a NaN "
-                                 "input from the loss, not from the weight gradients), lower the learning rate" + clip() +
-                                 ", or run with --check-finite to name the first layer whose output is not finite");
-      }
+      if (!std::isfinite(norm)) throw norm_error(step, norm, loss, true);
       if (o_.max_grad_norm > 0) scale = clip_coefficient(norm, o_.max_grad_norm);
     }
-    if constexpr (requires { opt_.lr; }) {
-      if (o_.lr_schedule) {
-        const double lr = o_.lr_schedule(step);
-        if (!std::isfinite(lr) || lr < 0)
-          throw std::invalid_argument(at() + "the learning-rate schedule gave " + std::to_string(lr) + "; it must be finite and >= 0");
-        opt_.lr = static_cast<float>(lr);
-      }
-      last_lr_ = opt_.lr;
-    }
+    set_lr(step);
     net_.apply_optimizer(opt_, state_, scale);
     return loss;
   }
@@ -319,6 +280,150 @@ class trainer {
     c.bf16 = o_.precision == precision::bf16;
     return c;
   }
+  /// "whale::trainer: step N (data step S): " — steps named from 1, as the progress line counts them.
+  std::string at(std::int64_t step) const {
+    return "whale::trainer: step " + std::to_string(step - o_.first_step + 1) +
+           (o_.first_step ? " (data step " + std::to_string(step) + ")" : "") + ": ";
+  }
+  std::string clip_hint() const { return o_.max_grad_norm > 0 ? "" : ", clip gradients (trainer_options::max_grad_norm)"; }
+  std::runtime_error loss_error(std::int64_t step, double loss) const {
+    return std::runtime_error(at(step) + "the loss is " + (std::isnan(loss) ? "NaN" : "infinite") +
+                              "; check the data for NaN/Inf, lower the learning rate" + clip_hint() +
+                              ", or run with --check-finite to name the first layer whose output is not finite");
+  }
+  /// `locate`: the gradients are this step's, so the first non-finite layer can be named (collective for a plan).
+  std::runtime_error norm_error(std::int64_t step, double norm, double loss, bool locate) {
+    std::string where;
+    if (locate) {
+      if constexpr (requires { net_.first_nonfinite_grad(); }) where = net_.first_nonfinite_grad();
+      else where = detail::first_nonfinite_grad_of(net_);
+    }
+    return std::runtime_error(at(step) + "the gradient norm is " + (std::isnan(norm) ? "NaN" : "infinite") +
+                              " while the loss is finite (" + std::to_string(loss) + ")" +
+                              (where.empty() ? "" : "; the first layer with a non-finite gradient is " + where) +
+                              "; no parameter was updated. Look for NaN/Inf in the input data (a ReLU hides a NaN "
+                              "input from the loss, not from the weight gradients), lower the learning rate" + clip_hint() +
+                              ", or run with --check-finite to name the first layer whose output is not finite");
+  }
+  /// trainer_options::lr_schedule's rate for data step `step`, set on the optimizer.
+  void set_lr(std::int64_t step) {
+    if constexpr (requires { opt_.lr; }) {
+      if (o_.lr_schedule) {
+        const double lr = o_.lr_schedule(step);
+        if (!std::isfinite(lr) || lr < 0)
+          throw std::invalid_argument(at(step) + "the learning-rate schedule gave " + std::to_string(lr) + "; it must be finite and >= 0");
+        opt_.lr = static_cast<float>(lr);
+      }
+      last_lr_ = opt_.lr;
+    }
+  }
+  /// The progress line, the metrics log and on_step for one step.
+  void report(std::int64_t step, double loss, double dt, index_t rows, index_t seq) {
+    if (!line_) line_.emplace(o_.total_steps, seq > 1, (o_.progress && net_.rank() == 0) ? o_.out : nullptr, o_.plain_every);
+    line_->update(++line_steps_, loss, dt, static_cast<double>(rows),
+                  model_flops<typename Net::model_type>(rows, seq) / static_cast<double>(net_.world_size()));
+    if (o_.on_step || log_) {
+      const step_report rep{step, loss, last_lr_, last_norm_, dt, dt > 0 ? static_cast<double>(rows) / dt : 0};
+      if (log_) {
+        std::fprintf(log_.get(), "{\"step\":%lld,\"loss\":%.9g,\"lr\":%.9g,\"grad_norm\":%s,\"step_s\":%.6g,\"tokens_per_s\":%.6g}\n",
+                     static_cast<long long>(rep.step), rep.loss, rep.lr,
+                     std::isfinite(rep.grad_norm) ? std::to_string(rep.grad_norm).c_str() : "null", rep.seconds, rep.tokens_per_s);
+        std::fflush(log_.get());
+      }
+      if (o_.on_step) o_.on_step(rep);
+    }
+  }
+
+  // ---- steps whose figures stay in the device's memory (trainer_options::log_every > 1) ----
+
+  /// Whether this network and optimizer can keep a step's figures where the step runs.
+  static constexpr bool figures_on_device =
+      GatedOptimizer<Opt> && requires(Net& n, const Net& cn, double* d, const Opt& o, typename Opt::state& st,
+                                      kernels::update_gate g) {
+        cn.grad_sum_squares_into(d);
+        n.apply_optimizer(o, st, g);
+        cn.backend();
+      };
+  bool deferring() const noexcept { return figures_on_device && o_.log_every > 1 && !o_.check_finite; }
+  /// A queued step, until its figures are read.
+  struct queued {
+    std::int64_t step;
+    double share;  // what the loss layers returned on the host (0 when all of it went to the device)
+    double lr;
+  };
+  kernels::step_figures* figure(std::size_t k) { return reinterpret_cast<kernels::step_figures*>(figures_.data()) + k; }
+  double* halt() { return figures_.data() + 4 * o_.log_every; }
+  /// One step queued on the device: forward and backward with the loss added
+  /// into its record, the gradients' sum of squares there, the check and the
+  /// clipping scale (kernels::check_step), and the update gated by them. The
+  /// host waits for none of it.
+  template <class Data> void queue_step(Data& data, std::int64_t step) {
+    if constexpr (figures_on_device) {
+      const auto be = net_.backend();
+      if (figures_.numel() == 0) {
+        {
+          const place_scope where(be.memory());
+          figures_ = tensor<double>({4 * o_.log_every + 1}, mem_kind::workspace);
+        }
+        be.fill_zero(figures_.data(), figures_.v().bytes());
+      }
+      if (queue_.empty()) queued_since_ = std::chrono::steady_clock::now();
+      auto* rec = figure(queue_.size());
+      be.fill_zero(rec, sizeof *rec);
+      const auto b = fetch(data, step);
+      step_ctx c = context_of(b, data.global_batch(), labelled(data, step));
+      c.loss_sum = &rec->loss;
+      double share = 0;
+      {
+        weights_scope w(bf16(), local_params(), master_, backend());
+        share = net_.train_step(c, b.inputs, b.labels);
+        w.restore();
+      }
+      const bool norm = o_.max_grad_norm > 0 || o_.check_grad_norm;
+      if (norm) net_.grad_sum_squares_into(&rec->sum_squares);
+      be.launch(1, kernels::check_step{rec, halt(), o_.max_grad_norm, static_cast<double>(queue_.size() + 1), norm});
+      set_lr(step);
+      queue_.push_back({step, share, last_lr_});
+      net_.apply_optimizer(opt_, state_, kernels::update_gate{&rec->scale, halt()});
+      next_ = step + 1;
+    }
+  }
+  /// Read the queued steps' figures (the host's one wait), check them in
+  /// order and report each; a faulty step throws, its updates and those after
+  /// it undone in the host's counts (the device made none).
+  void read_queued(index_t rows, index_t seq, train_result* r) {
+    if constexpr (figures_on_device) {
+      if (queue_.empty()) return;
+      const auto be = net_.backend();
+      const std::size_t k = queue_.size();
+      const auto f = be.host_readable(cview<double>(figures_.data(), {static_cast<index_t>(4 * k)}), figures_host_);
+      const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - queued_since_).count() / static_cast<double>(k);
+      const bool norm = o_.max_grad_norm > 0 || o_.check_grad_norm;
+      for (std::size_t i = 0; i < k; ++i) {
+        const auto q = queue_[i];
+        const double loss = net_.reduce_loss(q.share + f[static_cast<index_t>(4 * i)]);
+        const double sq = f[static_cast<index_t>(4 * i + 1)], fault = f[static_cast<index_t>(4 * i + 3)];
+        if (fault != 0 || !std::isfinite(loss)) {
+          if constexpr (requires { state_.steps -= 1; }) state_.steps -= static_cast<std::int64_t>(k - i);
+          be.fill_zero(halt(), sizeof(double));  // updates go again
+          next_ = q.step;
+          queue_.clear();
+          if (!std::isfinite(loss)) throw loss_error(q.step, loss);
+          throw norm_error(q.step, std::sqrt(sq), loss, i + 1 == k);  // the gradients held are the last step's
+        }
+        last_norm_ = norm ? std::sqrt(sq) : std::numeric_limits<double>::quiet_NaN();
+        last_lr_ = q.lr;
+        last_dt_ = dt;
+        report(q.step, loss, dt, rows, seq);
+        if (r) {
+          r->losses.push_back(loss);
+          r->step_seconds.push_back(dt);
+        }
+      }
+      queue_.clear();
+    }
+  }
+
   /// Under bf16, from construction to restore(): this rank's parameters
   /// rounded to bf16 (the weights a step computes with), the fp32 master
   /// values kept aside beside them (in the device's memory, for a network on
@@ -389,10 +494,22 @@ class trainer {
       line_.emplace(n.value, data.seq() > 1, (o_.progress && net_.rank() == 0) ? o_.out : nullptr, o_.plain_every);
       line_steps_ = 0;
       for (std::int64_t s = 0; s < n.value; ++s) {
-        r.losses.push_back(step(data, next_));
-        r.step_seconds.push_back(last_dt_);
+        bool save_due = false;
+        if constexpr (checkpoints) save_due = o_.save_every > 0 && (next_ + 1) % o_.save_every == 0;
+        bool eval_due = false;
+        if constexpr (!std::is_void_v<Eval>) eval_due = o_.eval_every > 0 && (next_ + 1) % o_.eval_every == 0;
+        if (deferring()) {
+          queue_step(data, next_);
+          if (static_cast<std::int64_t>(queue_.size()) == o_.log_every || s + 1 == n.value || save_due || eval_due)
+            read_queued(data.global_batch() * data.seq(), data.seq(), &r);
+          if constexpr (checkpoints)
+            if (save_due) save();
+        } else {
+          r.losses.push_back(step(data, next_));
+          r.step_seconds.push_back(last_dt_);
+        }
         if constexpr (!std::is_void_v<Eval>)
-          if (o_.eval_every > 0 && next_ % o_.eval_every == 0) run_eval(*eval);
+          if (eval_due) run_eval(*eval);
       }
       line_.reset();  // manual steps after run() start a line of their own
     }
@@ -453,6 +570,10 @@ class trainer {
   bool resumed_ = false;
   double last_norm_ = 0, last_lr_ = 0, last_dt_ = 0;
   std::optional<progress_line> line_;  // of run(), or of manual steps
+  tensor<double> figures_{shape{0}, mem_kind::workspace};  // log_every > 1: log_every step_figures, then the halt flag
+  std::vector<double> figures_host_;                        // their copy on the host, when read
+  std::vector<queued> queue_;                               // steps queued since the last read
+  std::chrono::steady_clock::time_point queued_since_;
   std::int64_t line_steps_ = 0;
   struct file_close {
     void operator()(std::FILE* f) const { std::fclose(f); }

@@ -71,6 +71,19 @@ struct trainer_options {
   /// it is NaN or Inf: one pass over this rank's gradients and an 8-byte
   /// all-reduce per step. false: only when clipping.
   bool check_grad_norm = true;
+  /// How often run() makes the host wait for the device: every `log_every`
+  /// steps it reads the steps' losses and gradient norms since the last read,
+  /// checks them, and reports them (progress line, metrics log, on_step, the
+  /// result), each step with its own loss and norm and the interval's mean
+  /// step time. In between, a step leaves its loss, norm and clipping scale in
+  /// the device's memory and the optimizer reads them there, so the host queues
+  /// the next step without waiting. A step whose loss or norm is not finite
+  /// stops every update after it on the device; the read names that step,
+  /// with the parameters and optimizer state as they were before it. run()
+  /// also reads at its last step and before a checkpoint or an evaluation.
+  /// 1: every step is read and checked as it ends. Single-process networks
+  /// with sgd or adamw; plans, and --check-finite, read every step.
+  std::int64_t log_every = 1;
   /// Debugging: check every leaf layer's output and input gradient for NaN/Inf
   /// (a pass over every activation; also plan_options::check_finite, --check-finite).
   bool check_finite = false;

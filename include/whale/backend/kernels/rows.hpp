@@ -386,4 +386,39 @@ struct sum_squares_blocks {
   std::int64_t bytes(index_t nb) const noexcept { return (n < nb * block ? n : nb * block) * 4 + nb * 8; }
 };
 
+/// out[b] = the sum of x over block b of `block` doubles, in index order: the
+/// first of two passes that add up per-row figures (the rows' losses) where
+/// they lie, in one order on every backend.
+struct sum_blocks {
+  static constexpr index_t block = 256;
+  const double* x;
+  double* out;
+  index_t n;
+  static constexpr index_t blocks(index_t n) noexcept { return (n + block - 1) / block; }
+  WHALE_HD WHALE_INLINE void operator()(index_t b) const noexcept {
+    const index_t e = (b + 1) * block < n ? (b + 1) * block : n;
+    double s = 0.0;
+    for (index_t i = b * block; i < e; ++i) s += x[i];
+    out[b] = s;
+  }
+  std::int64_t bytes(index_t nb) const noexcept { return (n < nb * block ? n : nb * block) * 8 + nb * 8; }
+};
+/// One index: *out = scale * (the sum of part[0, n) in order), or that added
+/// to *out (`add`): the second pass, which leaves a total in device memory
+/// for the host to read when it likes (or never).
+struct sum_in_order {
+  const double* part;
+  index_t n;
+  double scale;
+  double* out;
+  bool add;
+  WHALE_HD WHALE_INLINE void operator()(index_t) const noexcept {
+    double s = 0.0;
+    for (index_t i = 0; i < n; ++i) s += part[i];
+    s *= scale;
+    *out = add ? *out + s : s;
+  }
+  std::int64_t bytes(index_t) const noexcept { return n * 8 + 16; }
+};
+
 }  // namespace whale::kernels
