@@ -1,24 +1,27 @@
 // The GPU's GEMM limit at a model's own shapes: every GEMM of one training step
 // of `gpt-gpu` (12 layers, width 1024, 16 heads, seq 1024, vocab 32768; 8
-// sequences) -- forward, input gradient and weight gradient of each projection,
-// the attention products per head (strided-batched), the LM head -- timed alone
-// through cuda_backend in bf16 (inputs bf16, fp32 accumulation; fp32 and TF32
-// with --precision). Prints one JSON line: the step's GEMM FLOPs, their time
-// and the rate (the denominator of MFU). With --step S (fp32 or tf32), it then
-// trains gpt-gpu itself on the GPU for S timed steps (after 2 warm-up steps):
-// every layer through backend_ref on cuda_backend, parameters, gradients,
-// AdamW state and activations in device memory (network<M> on a device), and
-// prints a second line: the median step, tokens/s, model FLOPs by the
-// workloads.md formula, and MFU against the GEMM rate of the first line.
+// sequences), or of GPT-2 124M's shape with --model gpt2-124m (width 768, 12
+// heads, vocab 50304, untied head) -- forward, input gradient and weight
+// gradient of each projection, the attention products per head
+// (strided-batched), the LM head -- timed alone through cuda_backend in bf16
+// (inputs bf16, fp32 accumulation; fp32 and TF32 with --precision). Prints one
+// JSON line: the step's GEMM FLOPs, their time and the rate (the denominator
+// of MFU). With --step S it then trains the model on the GPU with the trainer,
+// as a program does: every layer through backend_ref on cuda_backend,
+// parameters, gradients, AdamW state and activations in device memory, S
+// steps in one run() that reads the losses once at its end
+// (trainer_options::log_every = S), after 2 warm-up steps; a second line
+// gives the step (the run's time over S), tokens/s, model FLOPs by the
+// workloads.md formula, and MFU against the GEMM rate of the first line and
+// against the dense bf16 peak (989 TFLOP/s).
 // With bf16, --step trains under bf16 mixed precision as the layers do it on
-// a GPU today: bf16 storage emulated by rounding (the layers' outputs and
-// input gradients; the trainer's rounding of the weights, one pass over the
-// parameters a step, is not in this loop), GEMMs in TF32, attention
+// a GPU today: bf16 storage emulated by rounding (the producing kernels store
+// rounded values, the trainer rounds the weights), GEMMs in TF32, attention
 // through cuDNN's fused call where the program is linked with whale::cudnn
-// (the line says which, and counts the fused calls); MFU is then against the
-// bf16 GEMM rate of the first line. Without a GPU: a clear error, exit 2.
+// (the line says which, and counts the fused calls). Without a GPU: a clear
+// error, exit 2.
 //
-//   gpu_gemm [--precision bf16|fp32|tf32] [--reps R] [--sequences B] [--step S]
+//   gpu_gemm [--model gpt-gpu|gpt2-124m] [--precision bf16|fp32|tf32] [--reps R] [--sequences B] [--step S]
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -30,6 +33,8 @@
 #include "whale/models/gpt.hpp"
 #include "whale/nn/network.hpp"
 #include "whale/optim/adamw.hpp"
+#include "whale/train/data.hpp"
+#include "whale/train/trainer.hpp"
 
 using namespace whale;
 
@@ -70,57 +75,52 @@ std::vector<shape_t> step_gemms(index_t B, index_t T, index_t D, index_t H, inde
       {"lm head dw", trans::yes, trans::no, V, D, R, 1, 1},
   };
 }
-// gpt-gpu trained on the GPU: `steps` timed steps after 2 warm-up ones; one JSON line.
-void train_steps(cuda_backend& gpu, const std::string& precision, index_t B, index_t steps, double gemm_rate) {
-  constexpr index_t V = 32768, T = 1024, D = 1024, H = 16, F = 4096;
-  constexpr std::size_t L = 12;
-  using gpt_gpu = models::gpt_model<V, T, D, H, F, L>;
-  network<gpt_gpu> net(seed{1}, backend_ref(gpu));
-  const adamw opt{.lr = 1e-4f};
-  auto st = net.make_optimizer_state(opt);
-  std::vector<std::int32_t> tokens(static_cast<std::size_t>(B * T)), labels(tokens.size());
-  const counter_rng r(seed{7});
-  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<std::int32_t>(r.uniform(i) * (V - 1));
-  for (std::size_t i = 0; i < tokens.size(); ++i) labels[i] = tokens[(i + 1) % tokens.size()];
-  const cview<std::int32_t> x(tokens.data(), {B, T}), y(labels.data(), {B * T});
+/// The two decoders measured: gpt-gpu (workloads.md) and GPT-2 124M's shape (untied head).
+struct model_shape {
+  const char* name;
+  index_t V, T, D, H, L;
+};
+constexpr model_shape gpt_gpu_shape{"gpt-gpu", 32768, 1024, 1024, 16, 12};
+constexpr model_shape gpt2_shape{"gpt2-124m", 50304, 1024, 768, 12, 12};
+
+// A decoder of shape `m` trained on the GPU by the trainer, as a user trains
+// it: 2 warm-up steps, then `steps` steps in one run() with log_every = steps,
+// so the host reads the losses once, after the last step, and never waits in
+// between. The step time is the run's wall time over its steps. One JSON line.
+template <class Model>
+void train_steps(cuda_backend& gpu, const model_shape& m, const std::string& precision, index_t B, index_t steps,
+                 double gemm_rate) {
+  network<Model> net(seed{1}, backend_ref(gpu));
+  markov_data data(seed{7}, m.V, m.T, B);
+  trainer_options o;
+  o.progress = false;
+  o.max_grad_norm = 1.0;
+  o.log_every = steps;
+  o.precision = precision == "bf16" ? whale::precision::bf16 : whale::precision::fp32;
   if (precision == "bf16") gpu.set_tf32(true);  // the layers' GEMMs are fp32 ones: TF32 under bf16
+  trainer t(net, adamw{.lr = 1e-4f}, o);
+  const auto warm = t.run(data, whale::steps{2});
+  const auto mallocs_warm = gpu.allocator().upstream_allocations;
   const auto fused_before = gpu.fused_attention_calls();
-  std::vector<double> times;
-  double loss_first = 0, loss_last = 0;
-  std::int64_t mallocs_warm = 0, in_use = 0;
-  for (index_t s = 0; s < steps + 2; ++s) {
-    gpu.synchronize();
-    const auto t0 = std::chrono::steady_clock::now();
-    step_ctx c;
-    c.batch = B;
-    c.seq = T;
-    c.global_rows = B * T;
-    c.bf16 = precision == "bf16";
-    const double loss = net.train_step(c, x, y);
-    in_use = std::max(in_use, gpu.allocator().bytes_in_use);  // activations are kept until the next step
-    net.apply_optimizer(opt, st, clip_coefficient(net.grad_norm(), 1.0));
-    gpu.synchronize();
-    if (s >= 2) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    if (s == 0) loss_first = loss;
-    if (s == 1) mallocs_warm = gpu.allocator().upstream_allocations;
-    loss_last = loss;
-  }
-  std::sort(times.begin(), times.end());
-  const double step = times[times.size() / 2];
+  gpu.synchronize();
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto r = t.run(data, whale::steps{steps});
+  gpu.synchronize();
+  const double step = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / static_cast<double>(steps);
   // workloads.md: 6 x params (without the token and position tables) x tokens, plus attention's 12 L T^2 D B
-  const double params = static_cast<double>(net.param_count() - V * D - T * D);
-  const double model_flops = 6.0 * params * static_cast<double>(B * T) + 12.0 * L * T * T * D * static_cast<double>(B);
-  std::printf("{\"workload\": \"gpt-gpu\", \"backend\": \"cuda\", \"plan\": \"single\", \"precision\": \"%s\", "
-              "\"sequences\": %lld, \"seq\": %lld, \"steps\": %lld, \"step_s\": %.6g, \"tokens_per_s\": %.6g, "
+  const double params = static_cast<double>(net.param_count() - m.V * m.D - m.T * m.D);
+  const double model_flops = 6.0 * params * static_cast<double>(B * m.T) +
+                             12.0 * static_cast<double>(m.L * m.T * m.T * m.D) * static_cast<double>(B);
+  std::printf("{\"workload\": \"%s\", \"backend\": \"cuda\", \"plan\": \"single\", \"precision\": \"%s\", "
+              "\"sequences\": %lld, \"seq\": %lld, \"steps\": %lld, \"host_reads\": 1, \"step_s\": %.6g, \"tokens_per_s\": %.6g, "
               "\"model_flops_per_step\": %.6g, \"achieved_tflops\": %.3f, \"gemm_tflops\": %.3f, \"mfu_vs_gemm\": %.4f, "
-              "\"loss_first\": %.6g, \"loss_last\": %.6g, \"cuda_mallocs_after_warmup\": %lld, "
-              "\"device_bytes_in_use_after_forward_backward\": %lld, \"layers\": \"%s\", "
-              "\"fused_attention_calls\": %lld}\n",
-              precision.c_str(), static_cast<long long>(B), static_cast<long long>(T), static_cast<long long>(steps), step,
-              static_cast<double>(B * T) / step, model_flops, model_flops / step / 1e12, gemm_rate / 1e12,
-              model_flops / step / gemm_rate, loss_first, loss_last,
+              "\"mfu_vs_dense_bf16_peak\": %.4f, \"loss_first\": %.6g, \"loss_last\": %.6g, \"cuda_mallocs_after_warmup\": %lld, "
+              "\"device_bytes_peak\": %lld, \"layers\": \"%s\", \"fused_attention_calls\": %lld}\n",
+              m.name, precision.c_str(), static_cast<long long>(B), static_cast<long long>(m.T), static_cast<long long>(steps),
+              step, static_cast<double>(B * m.T) / step, model_flops, model_flops / step / 1e12, gemm_rate / 1e12,
+              model_flops / step / gemm_rate, model_flops / step / 989e12, warm.loss_first(), r.loss_last(),
               static_cast<long long>(gpu.allocator().upstream_allocations - mallocs_warm),
-              static_cast<long long>(in_use),
+              static_cast<long long>(gpu.allocator().peak_bytes_in_use),
               precision == "bf16" ? "bf16 storage emulated by rounding, TF32 GEMMs, attention fused by cuDNN where linked"
                                   : "fp32 storage and GEMMs",
               static_cast<long long>(gpu.fused_attention_calls() - fused_before));
@@ -131,6 +131,7 @@ int main(int argc, char** argv) {
   try {
     std::string precision = "bf16";
     index_t reps = 10, B = 8, steps = 0;
+    model_shape m = gpt_gpu_shape;
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--precision" && i + 1 < argc) {
@@ -140,7 +141,12 @@ int main(int argc, char** argv) {
       } else if (a == "--reps" && i + 1 < argc) reps = detail::parse_int(argv[++i], "--reps", 1, 1000);
       else if (a == "--sequences" && i + 1 < argc) B = detail::parse_int(argv[++i], "--sequences", 1, 512);
       else if (a == "--step" && i + 1 < argc) steps = detail::parse_int(argv[++i], "--step", 1, 1000);
-      else throw std::invalid_argument("gpu_gemm: unknown argument " + a + " (have --precision, --reps, --sequences, --step)");
+      else if (a == "--model" && i + 1 < argc) {
+        const std::string v = argv[++i];
+        if (v == gpt_gpu_shape.name) m = gpt_gpu_shape;
+        else if (v == gpt2_shape.name) m = gpt2_shape;
+        else throw std::invalid_argument("gpu_gemm: --model '" + v + "': expected gpt-gpu or gpt2-124m");
+      } else throw std::invalid_argument("gpu_gemm: unknown argument " + a + " (have --precision, --reps, --sequences, --step, --model)");
     }
     if (cuda_device_count() == 0) {
       std::fprintf(stderr, "gpu_gemm: no CUDA device found: the GPU benchmark needs a GPU (use the CPU backend here)\n");
@@ -148,8 +154,8 @@ int main(int argc, char** argv) {
     }
     cuda_backend gpu;
     gpu.set_tf32(precision == "tf32");
-    const index_t T = 1024, D = 1024, H = 16, L = 12, V = 32768;
-    const auto gemms = step_gemms(B, T, D, H, L, V);
+    const index_t T = m.T;
+    const auto gemms = step_gemms(B, m.T, m.D, m.H, m.L, m.V);
     const std::size_t elt = precision == "bf16" ? 2 : 4;
     std::size_t most = 0;
     for (const auto& g : gemms) most = std::max({most, static_cast<std::size_t>(g.M * g.K * g.count),
@@ -193,13 +199,20 @@ int main(int argc, char** argv) {
       std::snprintf(b, sizeof b, "%s\"%s\": %.1f", per_shape.empty() ? "" : ", ", g.what, f / s / 1e12);
       per_shape += b;
     }
-    std::printf("{\"workload\": \"gpt-gpu\", \"backend\": \"cuda\", \"measure\": \"gemm_limit\", \"precision\": \"%s\", "
+    std::printf("{\"workload\": \"%s\", \"backend\": \"cuda\", \"measure\": \"gemm_limit\", \"precision\": \"%s\", "
                 "\"sequences\": %lld, \"seq\": %lld, \"gemm_flops_per_step\": %.6g, \"gemm_only_step_s\": %.6g, "
                 "\"gemm_tflops\": %.2f, \"tflops_by_shape\": {%s}, \"cuda_mallocs\": %lld}\n",
-                precision.c_str(), static_cast<long long>(B), static_cast<long long>(T), flops, seconds,
+                m.name, precision.c_str(), static_cast<long long>(B), static_cast<long long>(T), flops, seconds,
                 flops / seconds / 1e12, per_shape.c_str(), static_cast<long long>(gpu.allocator().upstream_allocations));
     for (void* p : {A, Bm, C}) gpu.deallocate(p, 0);
-    if (steps > 0) train_steps(gpu, precision, B, steps, flops / seconds);
+    if (steps > 0) {
+      if (m.D == gpt_gpu_shape.D)
+        train_steps<models::gpt_model<gpt_gpu_shape.V, gpt_gpu_shape.T, gpt_gpu_shape.D, gpt_gpu_shape.H,
+                                      4 * gpt_gpu_shape.D, gpt_gpu_shape.L>>(gpu, m, precision, B, steps, flops / seconds);
+      else
+        train_steps<models::gpt_model<gpt2_shape.V, gpt2_shape.T, gpt2_shape.D, gpt2_shape.H, 4 * gpt2_shape.D,
+                                      gpt2_shape.L>>(gpu, m, precision, B, steps, flops / seconds);
+    }
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "gpu_gemm: %s\n", e.what());

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "whale/models/gpt.hpp"
+#include "whale/nn/repeat.hpp"
 #include "whale/nn/network.hpp"
 #include "whale/optim/adamw.hpp"
 #include "whale/train/trainer.hpp"
@@ -81,4 +82,55 @@ TEST_CASE("precision is parsed whole") {
   for (const char* bad : {"", "BF16", "bf16 ", "fp16", "32"})
     CHECK_THROWS_WITH_AS(parse_precision(bad, "--precision"), doctest::Contains("expected fp32 or bf16"),
                          std::invalid_argument);
+}
+
+namespace {
+// Layer L (bound to fresh parameters) forward and backward under bf16 and fp32 on the same
+// non-bf16 input and output gradient, through run_forward / run_backward as the containers run
+// it: under bf16 its output and input gradient are stored as bf16, whether its own kernels round
+// them or a rounding pass follows. `one_op`: a layer of one operation each way, whose bf16 values
+// are its fp32 values rounded, to the bit (a composite rounds its intermediates too).
+template <class L> void check_stored_bf16(index_t width, bool one_op) {
+  network<sequential<L, softmax_cross_entropy>> net(seed{3});
+  auto& l = net.model().template get<0>();
+  const index_t B = 2, T = 8, R = B * T;
+  std::vector<float> x(static_cast<std::size_t>(R * width)), dy(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    x[i] = std::sin(0.37f * static_cast<float>(i)) * 1.7f + 0.013f;  // not bf16 values
+    dy[i] = std::cos(0.11f * static_cast<float>(i)) * 0.3f + 0.0007f;
+  }
+  std::vector<float> y[2], dx[2];
+  for (const bool bf16 : {false, true}) {
+    step_ctx c;
+    c.batch = B, c.seq = T, c.global_rows = R, c.bf16 = bf16;
+    const auto out = run_forward(l, c, cview<float>(x.data(), {R, width}), 0);
+    y[bf16].assign(out.begin(), out.end());
+    c.need_input_grad = true;
+    const auto din = run_backward(l, c, cview<float>(dy.data(), {R, width}), 0);
+    dx[bf16].assign(din.begin(), din.end());
+  }
+  index_t not_bf16 = 0, off = 0;
+  for (const auto* v : {&y[1], &dx[1]})
+    for (const float e : *v) not_bf16 += !is_bf16(e);
+  CHECK(not_bf16 == 0);
+  for (std::size_t i = 0; i < y[0].size(); ++i) {
+    const float want = kernels::round_bf16(y[0][i]);
+    off += one_op && y[1][i] != want;
+  }
+  for (std::size_t i = 0; i < dx[0].size(); ++i) {
+    const float want = kernels::round_bf16(dx[0][i]);
+    off += one_op && dx[1][i] != want;
+  }
+  CHECK(off == 0);
+}
+}  // namespace
+
+TEST_CASE("bf16: every layer's output and input gradient is stored rounded, by its own kernels or by a pass after it") {
+  SUBCASE("layer_norm (its kernels round)") { check_stored_bf16<layer_norm<32>>(32, true); }
+  SUBCASE("gelu (its kernels round)") { check_stored_bf16<gelu>(32, true); }
+  SUBCASE("linear (the bias pass after the product rounds; a pass rounds d(input))") { check_stored_bf16<linear<32, 32>>(32, true); }
+  SUBCASE("residual (its sums round)") { check_stored_bf16<residual<layer_norm<32>, linear<32, 32>>>(32, false); }
+  SUBCASE("causal_self_attention") { check_stored_bf16<causal_self_attention<32, 2>>(32, false); }
+  SUBCASE("transformer_block (a sequential: its elements' values)") { check_stored_bf16<transformer_block<32, 2, 64>>(32, false); }
+  SUBCASE("repeat") { check_stored_bf16<repeat<2, transformer_block<32, 2, 64>>>(32, false); }
 }

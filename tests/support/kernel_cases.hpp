@@ -64,6 +64,13 @@ template <class F> void for_each_case(F&& f) {
   f("relu_backward", N, [](buffers p) { return k::relu_backward{p.a, p.b, p.f}; });
   f("add", N, [](buffers p) { return k::add{p.a, p.b, p.f}; });
   f("to_bf16", N, [](buffers p) { return k::to_bf16{p.a}; });
+  // under bf16 the producing kernels store rounded (kernels::stored_as)
+  f("gelu_forward (stored as bf16)", N, [](buffers p) { return k::gelu_forward{p.a, p.f, true}; });
+  f("add (stored as bf16)", N, [](buffers p) { return k::add{p.a, p.b, p.f, true}; });
+  f("bias_rows (added after the product, stored as bf16)", R, [](buffers p) { return k::bias_rows{p.f, p.a, C, true, true}; });
+  f("layer_norm_forward (stored as bf16)", R,
+    [](buffers p) { return k::layer_norm_forward{p.a, p.b, p.c, p.f, p.e, p.d, C, 1e-5f, true}; });
+  f("layer_norm_backward (stored as bf16)", R, [](buffers p) { return k::layer_norm_backward{p.a, p.b, p.d, p.c, p.f, C, true}; });
   f("bias_rows", R, [](buffers p) { return k::bias_rows{p.f, p.a, C, true}; });
   f("column_sums", C, [](buffers p) { return k::column_sums{p.a, p.f, R, C, false}; });
   f("column_sums (9 row tiles)", 20, [](buffers p) { return k::column_sums{p.a, p.f, N / 20, 20, true}; });

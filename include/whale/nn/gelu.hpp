@@ -16,6 +16,7 @@ struct gelu : stateless_params {
   using input_type = float;
   static constexpr index_t in_features = any_features;
   static constexpr index_t out_features = any_features;
+  static constexpr bool rounds_output = true, rounds_input_grad = true;  // under bf16 its kernels store rounded
   static std::string name() { return "gelu"; }
   static constexpr cost_info cost() {
     cost_info c;
@@ -31,7 +32,7 @@ struct gelu : stateless_params {
     auto& s = st_(c.slot);
     s.x = x;
     auto y = detail::ensure(s.y, x.shape());
-    c.be.launch(x.numel(), kernels::gelu_forward{x.data(), y.data()});
+    c.be.launch(x.numel(), kernels::gelu_forward{x.data(), y.data(), c.bf16});
     return y;
   }
   // dy: (R, F) -> dx: (R, F)
@@ -39,7 +40,7 @@ struct gelu : stateless_params {
     auto& s = st_(c.slot);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, dy.shape());
-    c.be.launch(dy.numel(), kernels::gelu_backward{s.x.data(), dy.data(), dx.data()});
+    c.be.launch(dy.numel(), kernels::gelu_backward{s.x.data(), dy.data(), dx.data(), c.bf16});
     return dx;
   }
 

@@ -18,6 +18,7 @@
 
 #include "whale/backend/backend_ref.hpp"
 #include "whale/backend/kernels/elementwise.hpp"
+#include "whale/backend/kernels/rows.hpp"
 #include "whale/tensor/random.hpp"
 #include "whale/tensor/tensor.hpp"
 
@@ -346,23 +347,52 @@ inline void check_finite_values(cview<float> given, const std::string& name, con
 }
 }  // namespace detail
 
+/// Whether layer L stores its forward output (`rounds_output`) or its input
+/// gradient (`rounds_input_grad`) as bf16 mixed precision stores it by
+/// itself: the kernel that writes it rounds (kernels::stored_as), or the
+/// container returns what an element it ran gave. Then no rounding pass
+/// follows. Default: no.
+template <class L> constexpr bool rounds_output() {
+  if constexpr (requires { L::rounds_output; }) return L::rounds_output;
+  else return false;
+}
+template <class L> constexpr bool rounds_input_grad() {
+  if constexpr (requires { L::rounds_input_grad; }) return L::rounds_input_grad;
+  else return false;
+}
+
 namespace detail {
-/// Under bf16 mixed precision, a tensor as it would be stored: rounded to bf16 in place.
-inline view<float> stored(const step_ctx& c, view<float> v) {
-  if (c.bf16 && v.data() && v.numel() > 0) c.be.launch(v.numel(), kernels::to_bf16{v.data()});
+/// Under bf16 mixed precision, a tensor as it would be stored: rounded to bf16
+/// in place, unless what produced it rounded it already (`done`).
+template <bool done = false> inline view<float> stored(const step_ctx& c, view<float> v) {
+  if constexpr (!done)
+    if (c.bf16 && v.data() && v.numel() > 0) c.be.launch(v.numel(), kernels::to_bf16{v.data()});
   return v;
+}
+/// y = x W^T + b, with x (R, In), W (Out, In) and y (R, Out). Under bf16
+/// (`round`): the product, then the bias added in the pass that stores y
+/// rounded (no rounding pass after). Otherwise: y = b, then the product added.
+inline void affine_forward(const backend_ref& be, const float* x, const float* w, const float* b, float* y, index_t R,
+                           index_t Out, index_t In, bool round) {
+  if (round) {
+    be.gemm(trans::no, trans::yes, R, Out, In, 1.f, x, w, 0.f, y);
+    be.launch(R, kernels::bias_rows{y, b, Out, true, true});
+  } else {
+    be.launch(R, kernels::bias_rows{y, b, Out, false});
+    be.gemm(trans::no, trans::yes, R, Out, In, 1.f, x, w, 1.f, y);
+  }
 }
 }  // namespace detail
 
 /// Run element `l` (at flat offset `offset`) forward, with hooks around leaves.
 template <class L, class X> view<float> run_forward(L& l, step_ctx& c, X x, index_t offset) {
   if constexpr (is_container<L>) {
-    return detail::stored(c, l.forward(c, x));
+    return detail::stored<rounds_output<L>()>(c, l.forward(c, x));
   } else {
-    if (!c.hooks && !c.check_finite) return detail::stored(c, l.forward(c, x));
+    if (!c.hooks && !c.check_finite) return detail::stored<rounds_output<L>()>(c, l.forward(c, x));
     const auto ref = make_leaf_ref(l, offset);
     if (c.hooks) c.hooks->before_forward(ref);
-    auto y = detail::stored(c, l.forward(c, x));
+    auto y = detail::stored<rounds_output<L>()>(c, l.forward(c, x));
     if (c.hooks) c.hooks->after_forward(ref);
     if (c.check_finite) detail::check_finite_values(y, layer_name<L>(), "output", c);
     return y;
@@ -371,12 +401,12 @@ template <class L, class X> view<float> run_forward(L& l, step_ctx& c, X x, inde
 /// Run element `l` backward, with hooks around leaves.
 template <class L> view<float> run_backward(L& l, step_ctx& c, cview<float> dy, index_t offset) {
   if constexpr (is_container<L>) {
-    return detail::stored(c, l.backward(c, dy));
+    return detail::stored<rounds_input_grad<L>()>(c, l.backward(c, dy));
   } else {
-    if (!c.hooks && !c.check_finite) return detail::stored(c, l.backward(c, dy));
+    if (!c.hooks && !c.check_finite) return detail::stored<rounds_input_grad<L>()>(c, l.backward(c, dy));
     const auto ref = make_leaf_ref(l, offset);
     if (c.hooks) c.hooks->before_backward(ref);
-    auto dx = detail::stored(c, l.backward(c, dy));
+    auto dx = detail::stored<rounds_input_grad<L>()>(c, l.backward(c, dy));
     if (c.hooks) c.hooks->after_backward(ref);
     if (c.check_finite) detail::check_finite_values(dx, layer_name<L>(), "input gradient", c);
     return dx;

@@ -23,6 +23,7 @@ struct layer_norm {
   static constexpr index_t in_features = D;
   static constexpr index_t out_features = D;
   static constexpr float eps = 1e-5f;
+  static constexpr bool rounds_output = true, rounds_input_grad = true;  // under bf16 its kernels store rounded
 
   static std::string name() { return "layer_norm<" + std::to_string(D) + ">"; }
   static constexpr cost_info cost() {
@@ -64,7 +65,7 @@ struct layer_norm {
     auto y = detail::ensure(s.y, {R, D});
     auto xh = detail::ensure(s.xhat, {R, D});
     auto rs = detail::ensure(s.rstd, {R});
-    c.be.launch(R, kernels::layer_norm_forward{x.data(), g_.data(), b_.data(), y.data(), xh.data(), rs.data(), D, eps});
+    c.be.launch(R, kernels::layer_norm_forward{x.data(), g_.data(), b_.data(), y.data(), xh.data(), rs.data(), D, eps, c.bf16});
     return y;
   }
 
@@ -75,7 +76,7 @@ struct layer_norm {
     c.be.reduce_columns(kernels::layer_norm_param_grads{dy.data(), s.xhat.data(), dg_.data(), db_.data(), R, D, c.accumulate});
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
-    c.be.launch(R, kernels::layer_norm_backward{dy.data(), s.xhat.data(), s.rstd.data(), g_.data(), dx.data(), D});
+    c.be.launch(R, kernels::layer_norm_backward{dy.data(), s.xhat.data(), s.rstd.data(), g_.data(), dx.data(), D, c.bf16});
     return dx;
   }
 

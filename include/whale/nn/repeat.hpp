@@ -30,6 +30,8 @@ class repeat {
   using block_type = Block;
   using input_type = float;
   static constexpr bool is_container = true;
+  // what it returns is what an element it ran returned, stored as that element stores it
+  static constexpr bool rounds_output = true, rounds_input_grad = true;
   static constexpr std::size_t count = N;
   static constexpr index_t in_features = Block::in_features;
   static constexpr index_t out_features = Block::out_features;

@@ -49,6 +49,7 @@ class residual {
  public:
   using input_type = float;
   static constexpr bool is_container = true;
+  static constexpr bool rounds_output = true, rounds_input_grad = true;  // its sums are stored rounded under bf16
   static constexpr index_t in_features = inner_type::in_features;
   static constexpr index_t out_features = inner_type::in_features;
 
@@ -94,7 +95,7 @@ class residual {
                                   " outputs; a residual branch must keep the width");
     auto& s = st_(c.slot);
     auto y = detail::ensure(s.y, x.shape());
-    c.be.launch(x.numel(), kernels::add{x.data(), h.data(), y.data()});
+    c.be.launch(x.numel(), kernels::add{x.data(), h.data(), y.data(), c.bf16});
     return y;
   }
   // dy: (R, F) -> dx = dy + inner'(dy): (R, F)
@@ -103,7 +104,7 @@ class residual {
     if (!c.need_input_grad) return {};
     auto& s = st_(c.slot);
     auto dx = detail::ensure(s.dx, dy.shape());
-    c.be.launch(dy.numel(), kernels::add{dy.data(), dh.data(), dx.data()});
+    c.be.launch(dy.numel(), kernels::add{dy.data(), dh.data(), dx.data(), c.bf16});
     return dx;
   }
 

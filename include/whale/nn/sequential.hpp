@@ -153,6 +153,8 @@ class sequential {
  public:
   using input_type = typename first::input_type;
   static constexpr bool is_container = true;
+  // what it returns is what an element it ran returned, stored as that element stores it
+  static constexpr bool rounds_output = true, rounds_input_grad = true;
   static constexpr index_t in_features = W::in_width[0];
   static constexpr index_t out_features = has_loss ? 1 : W::in_width[size];
 

@@ -10,14 +10,30 @@ namespace whale::kernels {
 inline constexpr float gelu_k0 = 0.7978845608028654f;  // sqrt(2 / pi)
 inline constexpr float gelu_k1 = 0.044715f;
 
+/// x rounded to the nearest bfloat16 (ties to even), kept in a float: the
+/// emulation of bf16 storage on the CPU and the cast on the GPU. NaN stays NaN;
+/// values beyond bf16's range round to infinity as a real cast does.
+WHALE_HD WHALE_INLINE float round_bf16(float x) noexcept {
+  const std::int32_t b = as_int(x);
+  const std::uint32_t u = static_cast<std::uint32_t>(b);
+  const std::uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  // inf and NaN pass through (an integer select, so that the loop vectorizes)
+  return as_float((b & 0x7f800000) == 0x7f800000 ? b : static_cast<std::int32_t>(r));
+}
+/// v as bf16 mixed precision stores it (`round`: rounded to bf16), or v:
+/// the store of a body that produces a layer's output under bf16, so that no
+/// separate rounding pass reads and writes the tensor again.
+WHALE_HD WHALE_INLINE float stored_as(float v, bool round) noexcept { return round ? round_bf16(v) : v; }
+
 /// y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))
 struct gelu_forward {
   const float* x;
   float* y;
+  bool round = false;  ///< store y rounded to bf16 (stored_as)
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
     const float v = x[i];
     const float t = vtanh(gelu_k0 * (v + gelu_k1 * v * v * v));
-    y[i] = 0.5f * v * (1.f + t);
+    y[i] = stored_as(0.5f * v * (1.f + t), round);
   }
   std::int64_t bytes(index_t n) const noexcept { return n * 8; }
 };
@@ -26,12 +42,13 @@ struct gelu_backward {
   const float* x;
   const float* dy;
   float* dx;
+  bool round = false;  ///< store dx rounded to bf16 (stored_as)
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
     const float v = x[i];
     const float v2 = v * v;
     const float t = vtanh(gelu_k0 * (v + gelu_k1 * v2 * v));
     const float du = gelu_k0 * (1.f + 3.f * gelu_k1 * v2);  // d(inner)/dx
-    dx[i] = dy[i] * (0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * du);
+    dx[i] = stored_as(dy[i] * (0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * du), round);
   }
   std::int64_t bytes(index_t n) const noexcept { return n * 12; }
 };
@@ -57,7 +74,8 @@ struct add {
   const float* a;
   const float* b;
   float* out;
-  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { out[i] = a[i] + b[i]; }
+  bool round = false;  ///< store out rounded to bf16 (stored_as)
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { out[i] = stored_as(a[i] + b[i], round); }
   std::int64_t bytes(index_t n) const noexcept { return n * 12; }
 };
 
@@ -69,16 +87,6 @@ struct scale {
   std::int64_t bytes(index_t n) const noexcept { return n * 8; }
 };
 
-/// x rounded to the nearest bfloat16 (ties to even), kept in a float: the
-/// emulation of bf16 storage on the CPU and the cast on the GPU. NaN stays NaN;
-/// values beyond bf16's range round to infinity as a real cast does.
-WHALE_HD WHALE_INLINE float round_bf16(float x) noexcept {
-  const std::int32_t b = as_int(x);
-  const std::uint32_t u = static_cast<std::uint32_t>(b);
-  const std::uint32_t r = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
-  // inf and NaN pass through (an integer select, so that the loop vectorizes)
-  return as_float((b & 0x7f800000) == 0x7f800000 ? b : static_cast<std::int32_t>(r));
-}
 /// The bits of x rounded to bf16 (what a cast to bfloat16 stores), and back.
 /// A NaN stays a NaN (quieted: its payload may lie only in the bits dropped).
 WHALE_HD WHALE_INLINE std::uint16_t bf16_bits(float x) noexcept {

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "whale/backend/kernels/attention.hpp"
+#include "whale/backend/kernels/elementwise.hpp"
 #include "whale/backend/kernels/math.hpp"
 #include "whale/backend/kernels/shapes.hpp"
 
@@ -23,19 +24,21 @@ inline constexpr index_t col_block = 256;
 /// How many column blocks cover `cols` columns.
 constexpr index_t col_blocks(index_t cols) noexcept { return (cols + col_block - 1) / col_block; }
 
-/// y[r, :] = b (beta 0) or y[r, :] += b, a row of width C per team.
+/// y[r, :] = b (beta 0) or y[r, :] += b, a row of width C per team; `round`:
+/// stored rounded to bf16 (a linear layer's output under bf16, after its GEMM).
 struct bias_rows {
   float* y;
   const float* b;
   index_t C;
   bool accumulate;
+  bool round = false;
   index_t width() const noexcept { return C; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     float* yr = y + r * C;
     if (accumulate)
-      t.for_each(C, [&](index_t c) { yr[c] += b[c]; });
+      t.for_each(C, [&](index_t c) { yr[c] = stored_as(yr[c] + b[c], round); });
     else
-      t.for_each(C, [&](index_t c) { yr[c] = b[c]; });
+      t.for_each(C, [&](index_t c) { yr[c] = stored_as(b[c], round); });
   }
   std::int64_t bytes(index_t rows) const noexcept { return rows * C * 4 * (accumulate ? 2 : 1) + C * 4; }
 };
@@ -89,6 +92,7 @@ struct layer_norm_forward {
   float* rstd;
   index_t D;
   float eps;
+  bool round = false;  ///< store y rounded to bf16 (x-hat and rstd stay fp32)
   index_t width() const noexcept { return D; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     const float* xr = x + r * D;
@@ -104,7 +108,7 @@ struct layer_norm_forward {
     t.for_each(D, [&](index_t j) {
       const float h = (xr[j] - mean) * s;
       hr[j] = h;
-      yr[j] = h * gain[j] + bias[j];
+      yr[j] = stored_as(h * gain[j] + bias[j], round);
     });
   }
   std::int64_t bytes(index_t rows) const noexcept { return rows * (5 * D * 4 + 4) + 3 * D * 4; }  // x twice, then x in, x-hat and y out
@@ -117,6 +121,7 @@ struct layer_norm_backward {
   const float* gain;
   float* dx;
   index_t D;
+  bool round = false;  ///< store dx rounded to bf16
   index_t width() const noexcept { return D; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     const float* gr = dy + r * D;
@@ -125,7 +130,7 @@ struct layer_norm_backward {
     const float m1 = t.sum(D, [&](index_t j) { return gr[j] * gain[j]; }) / static_cast<float>(D);
     const float m2 = t.sum(D, [&](index_t j) { return gr[j] * gain[j] * hr[j]; }) / static_cast<float>(D);
     const float s = rstd[r];
-    t.for_each(D, [&](index_t j) { dr[j] = s * (gr[j] * gain[j] - m1 - hr[j] * m2); });
+    t.for_each(D, [&](index_t j) { dr[j] = stored_as(s * (gr[j] * gain[j] - m1 - hr[j] * m2), round); });
   }
   std::int64_t bytes(index_t rows) const noexcept { return rows * (6 * D * 4 + 4) + 3 * D * 4; }  // dy; dy, x-hat; dy, x-hat in, dx out
 };
