@@ -23,8 +23,8 @@ namespace {
 // Runs an index body by the loop compiled for `which` (when this CPU has it).
 template <class K> void run_index(cpu::isa which, index_t n, const K& body) {
 #if WHALE_ISA_DISPATCH
-  if (which == cpu::isa::avx512) return cpu::detail::launch_avx512(n, body);
-  if (which == cpu::isa::avx2) return cpu::detail::launch_avx2(n, body);
+  if (which == cpu::isa::avx512) return cpu::detail::launch_avx512<-1>(n, body);  // a round flag (if any) read in the loop
+  if (which == cpu::isa::avx2) return cpu::detail::launch_avx2<-1>(n, body);
 #endif
   (void)which;
   for (index_t i = 0; i < n; ++i) body(i);
@@ -247,12 +247,14 @@ TEST_CASE("a gated update: the gradients scaled as they are read, or nothing cha
   auto r = ref.ptrs(), g = gated.ptrs(), h = halted.ptrs();
   cpu::launch(kc::N, kernels::scale{r.b, 0.5f});  // the host's clipping: scale the gradients, then update
   cpu::launch(kc::N, kernels::adamw_step{r.a, r.b, r.c, r.d, 0.9f, 0.999f, 0.01f, 500.f, 0.9999f, 1e-8f});
-  cpu::launch(kc::N, kernels::adamw_step{g.a, g.b, g.c, g.d, 0.9f, 0.999f, 0.01f, 500.f, 0.9999f, 1e-8f, {&half, &go}});
+  const kernels::adamw_step gr{g.a, g.b, g.c, g.d, 0.9f, 0.999f, 0.01f, 500.f, 0.9999f, 1e-8f};
+  cpu::launch(kc::N, kernels::gated_update<kernels::adamw_step>{gr, &half, &go});
   CHECK(gated.a == ref.a);  // the same bits
   CHECK(gated.c == ref.c);
   CHECK(gated.d == ref.d);
   const kc::host_buffers before;
-  cpu::launch(kc::N, kernels::adamw_step{h.a, h.b, h.c, h.d, 0.9f, 0.999f, 0.01f, 500.f, 0.9999f, 1e-8f, {&half, &stop}});
+  const kernels::adamw_step hr{h.a, h.b, h.c, h.d, 0.9f, 0.999f, 0.01f, 500.f, 0.9999f, 1e-8f};
+  cpu::launch(kc::N, kernels::gated_update<kernels::adamw_step>{hr, &half, &stop});
   CHECK(halted.a == before.a);
   CHECK(halted.c == before.c);
   CHECK(halted.d == before.d);

@@ -49,7 +49,8 @@ struct host_buffers {
     for (index_t r = 0; r < R; ++r) labels[r] = static_cast<std::int32_t>((r * 97) % C);
     labels[5] = -100;  // ignore_index
     for (index_t r = 0; r < R; ++r) tokens[r] = static_cast<std::int32_t>((r * 7) % R);
-    for (index_t r = 0; r < R; ++r) rowd[r] = 0.5 + 0.25 * static_cast<double>(r % 7);  // rowd[0] = 0.5: a clipping scale
+    // rowd[0] = 0.5: a clipping scale; rowd[1] = 0: go; rowd[2] = 1: halt (update_gate)
+    for (index_t r = 0; r < R; ++r) rowd[r] = r == 1 ? 0.0 : 0.5 + 0.25 * static_cast<double>(r % 7);
   }
   buffers ptrs() { return {a.data(), b.data(), c.data(), d.data(), e.data(), f.data(), labels.data(), tokens.data(), rowd.data()}; }
   std::vector<std::vector<float>*> floats() { return {&a, &b, &c, &d, &e, &f}; }
@@ -117,13 +118,15 @@ template <class F> void for_each_case(F&& f) {
   f("adamw_step", N,
     [](buffers p) { return k::adamw_step{p.a, p.b, p.c, p.d, 0.9f, 0.999f, 0.01f, 1.f / 0.002f, 0.9999f, 1e-8f}; });
   // under a gate in device memory (trainer_options::log_every): the gradients scaled by rowd[0] as they are read
-  f("adamw_step (gated: a clipping scale)", N, [](buffers p) {
-    return k::adamw_step{p.a, p.b, p.c, p.d, 0.9f, 0.999f, 0.01f, 1.f / 0.002f, 0.9999f, 1e-8f, {p.rowd, nullptr}};
+  f("gated_update<adamw_step> (a clipping scale)", N, [](buffers p) {
+    return k::gated_update<k::adamw_step>{{p.a, p.b, p.c, p.d, 0.9f, 0.999f, 0.01f, 1.f / 0.002f, 0.9999f, 1e-8f},
+                                          p.rowd, p.rowd + 1};
   });
-  f("sgd_momentum (gated: a clipping scale)", N, [](buffers p) {
-    return k::sgd_momentum{p.a, p.b, p.c, 0.01f, 0.1f, 0.9f, false, {p.rowd, nullptr}};
+  f("gated_update<sgd_momentum> (a clipping scale)", N, [](buffers p) {
+    return k::gated_update<k::sgd_momentum>{{p.a, p.b, p.c, 0.01f, 0.1f, 0.9f, false}, p.rowd, p.rowd + 1};
   });
-  f("sgd_plain (gated: halted)", N, [](buffers p) { return k::sgd_plain{p.a, p.b, 0.01f, 0.1f, {p.rowd, p.rowd + 1}}; });
+  f("gated_update<sgd_plain> (halted)", N,
+    [](buffers p) { return k::gated_update<k::sgd_plain>{{p.a, p.b, 0.01f, 0.1f}, p.rowd, p.rowd + 2}; });
 }
 
 /// Runs a case's body on a backend (cpu_backend, backend_ref): by its shape.

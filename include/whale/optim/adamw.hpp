@@ -36,8 +36,10 @@ struct adamw {
     const float b1 = beta1, b2 = beta2;
     const float c1 = 1.f - static_cast<float>(std::pow(static_cast<double>(b1), static_cast<double>(s.steps)));
     const float c2 = 1.f - static_cast<float>(std::pow(static_cast<double>(b2), static_cast<double>(s.steps)));
-    be.launch(p.numel(), kernels::adamw_step{p.data(), g.data(), s.m.data(), s.v.data(), b1, b2, lr / c1, 1.f / c2,
-                                               1.f - lr * weight_decay, eps, gate});
+    const kernels::adamw_step rule{p.data(), g.data(), s.m.data(), s.v.data(), b1, b2, lr / c1, 1.f / c2,
+                                   1.f - lr * weight_decay, eps};
+    if (gate.set()) be.launch(p.numel(), kernels::gated_update<kernels::adamw_step>{rule, gate.scale, gate.halt});
+    else be.launch(p.numel(), rule);
   }
 };
 

@@ -28,14 +28,18 @@ struct sgd {
     if (momentum != 0.f) s.buf = tensor<float>({n}, mem_kind::optimizer);
     return s;
   }
+  template <class K> static void run(const backend_ref& be, index_t n, const K& rule, kernels::update_gate gate) {
+    if (gate.set()) be.launch(n, kernels::gated_update<K>{rule, gate.scale, gate.halt});
+    else be.launch(n, rule);
+  }
   /// One step; under `gate` (in the backend's memory) the gradients are scaled
   /// by *gate.scale, and nothing changes while *gate.halt is non-zero.
   void update(state& s, view<float> p, cview<float> g, const backend_ref& be = {}, kernels::update_gate gate = {}) const {
     if (momentum == 0.f)
-      be.launch(p.numel(), kernels::sgd_plain{p.data(), g.data(), lr, weight_decay, gate});
+      run(be, p.numel(), kernels::sgd_plain{p.data(), g.data(), lr, weight_decay}, gate);
     else
-      be.launch(p.numel(), kernels::sgd_momentum{p.data(), g.data(), s.buf.data(), lr, weight_decay, momentum,
-                                                   s.steps == 0, gate});
+      run(be, p.numel(), kernels::sgd_momentum{p.data(), g.data(), s.buf.data(), lr, weight_decay, momentum, s.steps == 0},
+          gate);
     ++s.steps;
   }
 };

@@ -62,15 +62,40 @@ inline isa detect_isa() {
   return best;
 }
 
-#if WHALE_ISA_DISPATCH
-template <class K> [[gnu::target("avx2,fma")]] void launch_avx2(index_t n, const K body) {
-  for (index_t i = 0; i < n; ++i) body(i);
+/// A body's flag `round` (store rounded to bf16: kernels::stored_as), found
+/// through the runners that wrap it (their member `body`). The loops below
+/// set it on their own copy of the body, as a constant of the loop, so that
+/// each of the two loops is free of the branch and vectorizes.
+template <class K> constexpr bool has_round_flag() {
+  if constexpr (requires(K k) { k.round = true; }) return true;
+  else if constexpr (requires { sizeof(decltype(K::body)); }) return has_round_flag<decltype(K::body)>();
+  else return false;
 }
-template <class K>
+template <class K> WHALE_INLINE bool& round_flag(K& k) {
+  if constexpr (requires { k.round = true; }) return k.round;
+  else return round_flag(k.body);
+}
+/// The loop's own copy of `body`, its flag fixed to R (R < 0: no flag).
+template <int R, class K> WHALE_INLINE K fixed(const K& body) {
+  K k = body;
+  if constexpr (R >= 0) round_flag(k) = R != 0;
+  return k;
+}
+
+#if WHALE_ISA_DISPATCH
+template <int R, class K> [[gnu::target("avx2,fma")]] void launch_avx2(index_t n, const K body) {
+  const K k = fixed<R>(body);
+  for (index_t i = 0; i < n; ++i) k(i);
+}
+template <int R, class K>
 [[gnu::target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]] void launch_avx512(index_t n, const K body) {
-  for (index_t i = 0; i < n; ++i) body(i);
+  const K k = fixed<R>(body);
+  for (index_t i = 0; i < n; ++i) k(i);
 }
 #endif
+
+/// body(i) for i in [0, n), the flag (if any) fixed to R.
+template <int R, class K> inline void launch_loop(index_t n, const K& body);
 }  // namespace detail
 
 /// The instruction set the kernels run with in this process (detected once).
@@ -79,18 +104,29 @@ inline isa active_isa() {
   return i;
 }
 
-/// body(i) for i in [0, n), in order, with the widest vectors this CPU has.
-template <kernels::KernelBody K>
-inline void launch(index_t n, const K& body) {
+template <int R, class K> inline void detail::launch_loop(index_t n, const K& body) {
 #if WHALE_ISA_DISPATCH
   switch (active_isa()) {
-    case isa::avx512: return detail::launch_avx512(n, body);
-    case isa::avx2: return detail::launch_avx2(n, body);
+    case isa::avx512: return detail::launch_avx512<R>(n, body);
+    case isa::avx2: return detail::launch_avx2<R>(n, body);
     default: break;
   }
 #endif
-  const K k = body;  // a local copy: its pointers are known not to change inside the loop
+  const K k = fixed<R>(body);  // a local copy: its pointers are known not to change inside the loop
   for (index_t i = 0; i < n; ++i) k(i);
+}
+
+/// body(i) for i in [0, n), in order, with the widest vectors this CPU has.
+/// A body with a `round` flag runs one of two loops, each with the flag fixed.
+template <kernels::KernelBody K>
+inline void launch(index_t n, const K& body) {
+  if constexpr (detail::has_round_flag<K>()) {
+    K probe = body;
+    if (detail::round_flag(probe)) return detail::launch_loop<1>(n, body);
+    return detail::launch_loop<0>(n, body);
+  } else {
+    return detail::launch_loop<-1>(n, body);
+  }
 }
 
 namespace detail {

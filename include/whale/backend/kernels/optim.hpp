@@ -10,14 +10,12 @@
 namespace whale::kernels {
 
 /// What a step kept in device memory hands the optimizer (trainer_options::log_every):
-/// the gradients' clipping scale and a halt flag, read by every element; null: 1 and go.
+/// the gradients' clipping scale and a halt flag, both in the backend's memory
+/// (both, or neither: no gate).
 struct update_gate {
-  const double* scale = nullptr;  ///< multiplies every gradient (clipping); null: 1
+  const double* scale = nullptr;  ///< multiplies every gradient (clipping)
   const double* halt = nullptr;   ///< non-zero: change nothing (a step was not finite)
-  WHALE_HD WHALE_INLINE bool stop() const noexcept { return halt && *halt != 0.0; }
-  WHALE_HD WHALE_INLINE float grad(const float* g, index_t i) const noexcept {
-    return scale ? g[i] * static_cast<float>(*scale) : g[i];
-  }
+  bool set() const noexcept { return scale != nullptr; }
 };
 
 /// The factor that brings a gradient of global norm `norm` to at most
@@ -55,16 +53,21 @@ struct check_step {
   std::int64_t bytes(index_t) const noexcept { return 48; }
 };
 
+// Each rule's apply(i, gi, keep): the update of element i with gradient gi,
+// or (keep) the element's values written back unchanged: a select rather
+// than a branch, so that a CPU loop under a runtime halt flag still vectorizes.
+
 /// p -= lr (g + wd p), no momentum.
 struct sgd_plain {
   float* p;
   const float* g;
   float lr, wd;
-  update_gate gate{};
-  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
-    if (gate.stop()) return;
-    p[i] -= lr * (gate.grad(g, i) + wd * p[i]);
+  WHALE_HD WHALE_INLINE void apply(index_t i, float gi, bool keep) const noexcept {
+    const float pi = p[i];
+    const float next = pi - lr * (gi + wd * pi);
+    p[i] = keep ? pi : next;
   }
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { apply(i, g[i], false); }
   std::int64_t bytes(index_t n) const noexcept { return n * 12; }
 };
 /// buf = mu buf + (g + wd p) (buf = g + wd p on the first step); p -= lr buf.
@@ -74,13 +77,15 @@ struct sgd_momentum {
   float* buf;
   float lr, wd, mu;
   bool first;
-  update_gate gate{};
-  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
-    if (gate.stop()) return;
-    const float b = (first ? 0.f : mu * buf[i]) + gate.grad(g, i) + wd * p[i];
-    buf[i] = b;
-    p[i] -= lr * b;
+  WHALE_HD WHALE_INLINE void apply(index_t i, float gi, bool keep) const noexcept {
+    const float pi = p[i], bi = first ? 0.f : buf[i];
+    const float b = (first ? 0.f : mu * bi) + gi + wd * pi;
+    const float next = pi - lr * b;
+    if (first) buf[i] = keep ? 0.f : b;  // a halted first step leaves the buffer as make_state made it
+    else buf[i] = keep ? bi : b;
+    p[i] = keep ? pi : next;
   }
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { apply(i, g[i], false); }
   std::int64_t bytes(index_t n) const noexcept { return n * (first ? 16 : 20); }
 };
 /// AdamW: m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
@@ -91,17 +96,31 @@ struct adamw_step {
   float* m;
   float* v;
   float b1, b2, step, inv_c2, decay, eps;
-  update_gate gate{};
-  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
-    if (gate.stop()) return;
-    const float gi = gate.grad(g, i);
-    const float mi = b1 * m[i] + (1.f - b1) * gi;
-    const float vi = b2 * v[i] + (1.f - b2) * gi * gi;
-    m[i] = mi;
-    v[i] = vi;
-    p[i] = p[i] * decay - step * mi / (std::sqrt(vi * inv_c2) + eps);
+  WHALE_HD WHALE_INLINE void apply(index_t i, float gi, bool keep) const noexcept {
+    const float m0 = m[i], v0 = v[i], p0 = p[i];
+    const float mi = b1 * m0 + (1.f - b1) * gi;
+    const float vi = b2 * v0 + (1.f - b2) * gi * gi;
+    const float pi = p0 * decay - step * mi / (std::sqrt(vi * inv_c2) + eps);
+    m[i] = keep ? m0 : mi;
+    v[i] = keep ? v0 : vi;
+    p[i] = keep ? p0 : pi;
   }
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { apply(i, g[i], false); }
   std::int64_t bytes(index_t n) const noexcept { return n * 28; }
+};
+
+/// Rule K under a gate in device memory (update_gate, both pointers set):
+/// every gradient scaled by *scale as it is read, and nothing changed while
+/// *halt is non-zero. The same arithmetic as K after kernels::scale.
+template <class K> struct gated_update {
+  K rule;
+  const double* scale;
+  const double* halt;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
+    const bool keep = *halt != 0.0;
+    rule.apply(i, rule.g[i] * static_cast<float>(*scale), keep);
+  }
+  std::int64_t bytes(index_t n) const noexcept { return rule.bytes(n) + 16; }
 };
 
 }  // namespace whale::kernels
