@@ -14,9 +14,13 @@
 //
 // Under bf16 the attention is the CUDA backend's fused cuDNN call, as a
 // program linked with whale::cudnn runs it (--attention steps: the batched-GEMM
-// steps instead, as without cuDNN; fp32 always takes those).
+// steps instead, as without cuDNN; fp32 always takes those). Each fully
+// connected layer's bias gradient comes from its weight GEMM's epilogue, as
+// the CUDA backend's cuBLASLt computes it (--bias-grads reduction: a column
+// reduction after the GEMM instead, as where cuBLASLt has no such algorithm).
 //
-//   gpu_ledger [--steps S] [--precision fp32|bf16] [--attention fused|steps] [--matmul-tflops X] [--kernels]
+//   gpu_ledger [--steps S] [--precision fp32|bf16] [--attention fused|steps] [--bias-grads epilogue|reduction]
+//              [--matmul-tflops X] [--kernels]
 #include <algorithm>
 #include <cstdio>
 #include <string>
@@ -38,7 +42,7 @@ constexpr index_t V = 32768, T = 1024, D = 1024, H = 16, F = 4096, B = 8;
 
 struct options {
   index_t steps = 3;
-  bool bf16 = false, kernels = false, fused_attention = true;
+  bool bf16 = false, kernels = false, fused_attention = true, bias_grad_epilogue = true;
   double matmul_rate = 0.7 * 989e12, bytes_rate = 4.0e12, launch_s = 3e-6;
 };
 
@@ -51,6 +55,7 @@ template <std::size_t L> std::vector<device_ledger> ledgers(const options& o, in
   guarded_backend g(std::size_t{64} << 30);  // address space only: count_only touches no page
   g.set_count_only(true);
   g.set_fused_attention(o.fused_attention);
+  g.set_fused_bias_grads(o.bias_grad_epilogue);
   std::vector<device_ledger> out;
   {
     network<models::gpt_model<V, T, D, H, F, L>> net(seed{1}, backend_ref(g));
@@ -87,7 +92,8 @@ void print(const options& o, const device_ledger& l, const device_ledger& one_bl
   const double model_params = static_cast<double>(params - V * D - T * D);
   const double model_flops = 6.0 * model_params * B * T + 12.0 * 12 * T * T * D * static_cast<double>(B);
   std::printf("{\"workload\": \"gpt-gpu\", \"backend\": \"guarded\", \"ledger\": \"count_only\", \"precision\": \"%s\", "
-              "\"attention\": \"%s\", \"attention_calls_per_step\": %lld, "
+              "\"attention\": \"%s\", \"attention_calls_per_step\": %lld, \"bias_grads\": \"%s\", "
+              "\"bias_grad_epilogues_per_step\": %lld, "
               "\"step\": %lld, \"sequences\": %lld, \"seq\": %lld, \"launches_per_step\": %lld, "
               "\"kernel_launches_per_step\": %lld, \"gemm_calls_per_step\": %lld, \"batched_gemm_calls_per_step\": %lld, "
               "\"copies_per_step\": %lld, \"fills_per_step\": %lld, \"launches_per_block\": %.1f, "
@@ -99,7 +105,8 @@ void print(const options& o, const device_ledger& l, const device_ledger& one_bl
               "\"predicted_h200_matmul_s\": %.6g, \"predicted_h200_bytes_s\": %.6g, \"predicted_h200_launch_s\": %.6g, "
               "\"predicted_h200_step_s\": %.6g, \"predicted_h200_mfu\": %.4f}\n",
               o.bf16 ? "bf16" : "fp32", l.attention_calls > 0 ? "fused" : "batched GEMM steps",
-              static_cast<long long>(l.attention_calls), static_cast<long long>(step), static_cast<long long>(B),
+              static_cast<long long>(l.attention_calls), l.bias_grad_epilogues > 0 ? "gemm epilogue" : "column reduction",
+              static_cast<long long>(l.bias_grad_epilogues), static_cast<long long>(step), static_cast<long long>(B),
               static_cast<long long>(T), static_cast<long long>(l.launches()),
               static_cast<long long>(l.kernel_launches), static_cast<long long>(l.gemms),
               static_cast<long long>(l.batched_gemms), static_cast<long long>(l.copies), static_cast<long long>(l.fills),
@@ -143,10 +150,15 @@ int main(int argc, char** argv) {
         const std::string v = argv[++i];
         if (v != "fused" && v != "steps") throw std::invalid_argument("--attention '" + v + "': expected fused or steps");
         o.fused_attention = v == "fused";
+      } else if (a == "--bias-grads" && has) {
+        const std::string v = argv[++i];
+        if (v != "epilogue" && v != "reduction")
+          throw std::invalid_argument("--bias-grads '" + v + "': expected epilogue or reduction");
+        o.bias_grad_epilogue = v == "epilogue";
       } else
         throw std::invalid_argument("unknown argument " + a +
                                     " (have --steps S, --precision fp32|bf16, --attention fused|steps, "
-                                    "--matmul-tflops X, --kernels)");
+                                    "--bias-grads epilogue|reduction, --matmul-tflops X, --kernels)");
     }
     index_t params = 0, params1 = 0;
     const auto one = ledgers<1>(o, params1);

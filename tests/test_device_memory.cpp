@@ -97,10 +97,15 @@ run_result train(backend_ref be, const O& opt, double max_norm, int steps, const
   return r;
 }
 
-template <class M, class O> void same_as_cpu(const O& opt, double max_norm) {
+// epilogue: the device computes each layer's bias gradient in its weight
+// GEMM's epilogue (as cuBLASLt's BGRADB does), in the CPU's order here.
+template <class M, class O> void same_as_cpu(const O& opt, double max_norm, bool epilogue = false) {
   const auto host = train<M>(backend_ref{}, opt, max_norm, 5);
   guarded_backend g;
+  g.set_fused_bias_grads(epilogue);
   const auto dev = train<M>(backend_ref(g), opt, max_norm, 5, &g);
+  CHECK((g.ledger().bias_grad_epilogues > 0) == epilogue);
+  if (epilogue) CHECK(g.ledger().kernels.count("column_tile_sums<column_sums>") == 0);
   REQUIRE(host.params.size() == dev.params.size());
   CHECK(host.losses == dev.losses);
   std::size_t differ = 0;
@@ -196,11 +201,20 @@ TEST_CASE("sum_squares_blocks is cpu::sum_squares, block for block, to the bit")
 TEST_CASE("a GPT trained in guarded device memory equals the CPU's, with SGD and with AdamW and clipping") {
   SUBCASE("sgd with momentum") { same_as_cpu<tiny_gpt>(sgd{.lr = 0.2f, .momentum = 0.9f}, 0); }
   SUBCASE("adamw, clipped to norm 0.05") { same_as_cpu<tiny_gpt>(adamw{.lr = 1e-2f}, 0.05); }
+  SUBCASE("sgd, bias gradients in the weight GEMMs' epilogue") {
+    same_as_cpu<tiny_gpt>(sgd{.lr = 0.2f, .momentum = 0.9f}, 0, true);
+  }
+  SUBCASE("adamw, clipped, bias gradients in the weight GEMMs' epilogue") {
+    same_as_cpu<tiny_gpt>(adamw{.lr = 1e-2f}, 0.05, true);
+  }
 }
 
 TEST_CASE("an MLP with a recomputed block trained in guarded device memory equals the CPU's") {
   SUBCASE("sgd") { same_as_cpu<small_mlp>(sgd{.lr = 0.1f}, 0); }
   SUBCASE("adamw, clipped") { same_as_cpu<small_mlp>(adamw{.lr = 1e-2f}, 0.05); }
+  SUBCASE("adamw, clipped, bias gradients in the weight GEMMs' epilogue") {
+    same_as_cpu<small_mlp>(adamw{.lr = 1e-2f}, 0.05, true);
+  }
 }
 
 TEST_CASE("on a device: logits come back to the host, evaluation and --check-finite read through copies") {
@@ -276,6 +290,34 @@ TEST_CASE("the trainer runs a network on a device: the CPU's losses and paramete
     CHECK(host.second == dev.second);
   }
   std::filesystem::remove_all(dir);
+}
+
+TEST_CASE("bf16 on a device with fused attention and bias-gradient epilogues (modelled): the CPU's bf16 training within bf16's rounding") {
+  auto run = [](backend_ref be) {
+    network<tiny_gpt> net(seed{9}, be);
+    markov_data data(seed{7}, 32, 8, 4);
+    trainer_options o;
+    o.progress = false;
+    o.max_grad_norm = 0.5;
+    o.precision = precision::bf16;
+    o.log_every = 3;
+    trainer t(net, adamw{.lr = 1e-2f}, o);
+    const auto r = t.run(data, steps{6});
+    return std::vector<double>{r.loss_first(), r.loss_last()};
+  };
+  const auto host = run(backend_ref{});
+  guarded_backend g;
+  g.set_fused_attention(true);
+  g.set_fused_bias_grads(true);
+  const auto dev = run(backend_ref(g));
+  // each block's attention: the forward packs Q, K, V; the backward reads them from the kept buffer
+  // and packs only d(o); every bias gradient comes from a GEMM's epilogue
+  const auto& l = g.ledger();
+  CHECK(l.attention_calls == 6 * 2 * 2);
+  CHECK(l.kernels.at("pack_bf16").launches == l.attention_calls);
+  CHECK(l.bias_grad_epilogues > 0);
+  CHECK(l.kernels.count("column_tile_sums<column_sums>") == 0);
+  for (std::size_t i = 0; i < host.size(); ++i) CHECK(dev[i] == doctest::Approx(host[i]).epsilon(5e-3));
 }
 
 TEST_CASE("trainer_options::log_every: steps queue without a host wait, with the losses and parameters of reading every step") {

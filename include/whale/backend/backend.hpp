@@ -33,6 +33,21 @@ struct attention_args {
   const float* dout = nullptr;   ///< backward: d(o)
   float* dqkv = nullptr;         ///< backward: d(qkv), written
   bool bf16 = false;             ///< the step computes in bf16 mixed precision
+  /// Device memory of (B*T, 4W) bf16 values (2W floats a row) that keeps the
+  /// forward's bf16 Q, K, V and O for the backward, so that it packs only
+  /// d(o); null: the backward packs qkv and o again.
+  void* packed = nullptr;
+};
+
+/// A fully connected layer's parameter gradients from R rows, for a backend
+/// that computes them in one call (the CUDA backend's cuBLASLt epilogue):
+/// dw (out, in) = dy^T x and db (out) = the column sums of dy, both overwritten.
+struct weight_grad_args {
+  index_t R, out, in;
+  const float* dy;  ///< (R, out)
+  const float* x;   ///< (R, in)
+  float* dw;        ///< (out, in)
+  float* db;        ///< (out)
 };
 
 /// Transpose flag of a GEMM operand (row-major storage).

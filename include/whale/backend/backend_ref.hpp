@@ -137,6 +137,14 @@ class backend_ref {
     }
     ops_->fill_zero(gpu_, p, bytes);
   }
+  /// bf16 mixed precision's GEMMs from here on (`on`), or no longer: a GPU
+  /// then multiplies on its bf16 tensor cores, the operands converted to bf16
+  /// (exact: every GEMM operand of whale's layers is a bf16 value under bf16).
+  /// The trainer sets it around each step it runs in bf16. Nothing elsewhere
+  /// (the CPU's and the guarded backend's products are exact in fp32 anyway).
+  void bf16_products(bool on) const {
+    if (gpu_ && ops_->products) ops_->products(gpu_, on);
+  }
   /// Wait until the queue's work is done (nothing to wait for on the CPU).
   void synchronize() const {
     if (gpu_) ops_->synchronize(gpu_);
@@ -209,9 +217,12 @@ class backend_ref {
   /// Under bf16 mixed precision (`bf16`) a backend that fuses attention runs
   /// it instead: the CUDA backend through cuDNN's flash attention (bf16 Q, K,
   /// V and O, fp32 lse) where the program was built with the cuDNN frontend.
+  /// `packed` (optional, from the caller while it keeps qkv, o and lse: see
+  /// attention_packed_floats) keeps a fused attention's bf16 operands for the backward.
   void attention_forward(index_t B, index_t T, index_t H, index_t hd, const float* qkv, float* o, float* lse,
-                         bool bf16 = false) const {
-    if (gpu_ && ops_->attention && ops_->attention(gpu_, attention_args{B, T, H, hd, qkv, o, lse, nullptr, nullptr, bf16}, false))
+                         bool bf16 = false, float* packed = nullptr) const {
+    if (gpu_ && ops_->attention &&
+        ops_->attention(gpu_, attention_args{B, T, H, hd, qkv, o, lse, nullptr, nullptr, bf16, packed}, false))
       return;
     const kernels::head_layout in{B, T, H, hd, 3}, out{B, T, H, hd, 1};
     const index_t n = B * H, th = T * hd, tt = T * T;
@@ -233,9 +244,12 @@ class backend_ref {
   /// five strided-batched products over every (sequence, head), one row
   /// kernel and three layout copies.
   void attention_backward(index_t B, index_t T, index_t H, index_t hd, const float* qkv, const float* o,
-                          const float* lse, const float* dout, float* dqkv, bool bf16 = false) const {
+                          const float* lse, const float* dout, float* dqkv, bool bf16 = false,
+                          float* packed = nullptr) const {
     if (gpu_ && ops_->attention &&
-        ops_->attention(gpu_, attention_args{B, T, H, hd, qkv, const_cast<float*>(o), const_cast<float*>(lse), dout, dqkv, bf16}, true))
+        ops_->attention(gpu_, attention_args{B, T, H, hd, qkv, const_cast<float*>(o), const_cast<float*>(lse), dout, dqkv,
+                                             bf16, packed},
+                        true))
       return;
     const kernels::head_layout in{B, T, H, hd, 3}, one{B, T, H, hd, 1};
     const index_t n = B * H, th = T * hd, tt = T * T;
@@ -253,6 +267,14 @@ class backend_ref {
     gemm_strided_batched(trans::no, trans::no, T, hd, T, scale, dp.p, T, tt, k, hd, th, 0.f, dq, hd, th, n);
     gemm_strided_batched(trans::yes, trans::no, T, hd, T, scale, dp.p, T, tt, q, hd, th, 0.f, dk, hd, th, n);
     launch_rows(kernels::merge_heads{dheads.p, dqkv, in});
+  }
+
+  /// Floats a caller of attention_forward keeps as its `packed` buffer, for
+  /// rows of width W under bf16 (`bf16`): 2W a row where the backend fuses
+  /// attention (a GPU with cuDNN's, or the guarded backend modelling it),
+  /// otherwise 0 (nothing to keep).
+  index_t attention_packed_floats(index_t rows, index_t W, bool bf16) const {
+    return bf16 && gpu_ && ops_->attention_fused && ops_->attention_fused(gpu_) ? rows * 2 * W : 0;
   }
 
   /// The scatter-add of an embedding's gradient rows into its table: the
@@ -273,8 +295,13 @@ class backend_ref {
   }
   /// A fully connected layer's parameter gradients from R rows: dW (out, in) =
   /// dy^T x and db (out) = the column sums of dy; `accumulate` adds to them.
+  /// A device that fuses the two (the CUDA backend's cuBLASLt epilogue, or
+  /// the guarded backend modelling it) computes them in one call where they
+  /// are overwritten; otherwise, and to accumulate, a GEMM and a column reduction.
   void linear_weight_grads(index_t R, index_t out, index_t in, const float* dy, const float* x, float* dw, float* db,
                            bool accumulate) const {
+    if (gpu_ && !accumulate && ops_->weight_grads && ops_->weight_grads(gpu_, weight_grad_args{R, out, in, dy, x, dw, db}))
+      return;
     gemm(trans::yes, trans::no, out, in, R, 1.f, dy, x, accumulate ? 1.f : 0.f, dw);
     sum_rows(dy, db, R, out, accumulate);
   }
@@ -398,6 +425,10 @@ class backend_ref {
     bool (*note)(void*, const launch_note&);  // the launch for its ledger; false: do not run it
     // a fused attention call (forward, or backward when the flag is set); false: not taken, run the steps
     bool (*attention)(void*, const attention_args&, bool);
+    // a layer's weight and bias gradients in one call; false: not taken, run the GEMM and the reduction
+    bool (*weight_grads)(void*, const weight_grad_args&);
+    bool (*attention_fused)(void*);  // whether bf16 attention calls are fused; null: never
+    void (*products)(void*, bool);  // bf16 products on or off; null: nothing to set
   };
   template <class G> static constexpr bool host_executed_v = requires { requires G::host_executed; };
   template <class G> static void enter_of(void* g) {
@@ -414,9 +445,27 @@ class backend_ref {
   static constexpr bool fuses_attention_v = requires(G& g, const attention_args& a) {
     { g.fused_attention(a, true) } -> std::same_as<bool>;
   };
+  template <class G> static bool attention_fused_of(void* g) {
+    if constexpr (requires(G& b) { { b.fuses_attention() } -> std::same_as<bool>; })
+      return static_cast<G*>(g)->fuses_attention();
+    else return (void)g, false;
+  }
   template <class G> static bool attention_of(void* g, const attention_args& a, bool backward) {
     if constexpr (fuses_attention_v<G>) return static_cast<G*>(g)->fused_attention(a, backward);
     else return (void)g, (void)a, (void)backward, false;
+  }
+  template <class G>
+  static constexpr bool fuses_weight_grads_v = requires(G& g, const weight_grad_args& a) {
+    { g.linear_weight_grads(a) } -> std::same_as<bool>;
+  };
+  template <class G> static bool weight_grads_of(void* g, const weight_grad_args& a) {
+    if constexpr (fuses_weight_grads_v<G>) return static_cast<G*>(g)->linear_weight_grads(a);
+    else return (void)g, (void)a, false;
+  }
+  template <class G> static constexpr bool sets_products_v = requires(G& g) { g.set_bf16_products(true); };
+  template <class G> static void products_of(void* g, bool on) {
+    if constexpr (sets_products_v<G>) static_cast<G*>(g)->set_bf16_products(on);
+    else (void)g, (void)on;
   }
   template <class G>
   static constexpr table gpu_table{
@@ -445,6 +494,9 @@ class backend_ref {
       host_executed_v<G> ? &leave_of<G> : nullptr,
       host_executed_v<G> ? &note_to<G> : nullptr,
       fuses_attention_v<G> ? &attention_of<G> : nullptr,
+      fuses_weight_grads_v<G> ? &weight_grads_of<G> : nullptr,
+      fuses_attention_v<G> ? &attention_fused_of<G> : nullptr,
+      sets_products_v<G> ? &products_of<G> : nullptr,
   };
 
   void* gpu_ = nullptr;     // the GPU backend; null: the CPU

@@ -1,5 +1,7 @@
 // The CUDA backend: `cuda_backend`, a model of the Backend concept on one GPU
-// -- cuBLAS GEMMs (fp32, TF32 opt-in, bf16 inputs with fp32 accumulation),
+// -- cuBLASLt GEMMs (fp32, TF32 opt-in, bf16 tensor cores under bf16 mixed
+// precision; the bias gradient as an epilogue), cuBLAS where cuBLASLt has no
+// algorithm,
 // kernel bodies (backend/kernels/) on a CUDA grid, a caching device allocator
 // (no cudaMalloc in the steady state), pinned host staging, a compute and a
 // communication stream with events between them. Needs the CUDA toolkit
@@ -23,6 +25,7 @@
 #include "whale/backend/caching_allocator.hpp"
 #include "whale/detail/parse.hpp"
 #include "whale/backend/cuda/cudnn_attention.hpp"
+#include "whale/backend/cuda/lt_gemm.hpp"
 #if defined(__CUDACC__)
 #include "whale/backend/cuda/launch.cuh"
 #include "whale/backend/kernels/elementwise.hpp"
@@ -125,19 +128,63 @@ class cuda_backend {
   cublasHandle_t blas_handle() const noexcept { return blas_; }
 
   /// TF32 tensor cores for fp32 GEMMs (off by default: results then match fp32 to ~1e-3 relative).
-  void set_tf32(bool on) {
-    detail::cublas_check(cublasSetMathMode(blas_, on ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH),
-                         "cublasSetMathMode");
+  void set_tf32(bool on) { set_math(on ? gemm_math::tf32 : gemm_math::fp32); }
+  /// How the GEMMs use the tensor cores (gemm_math; fp32 by default). The
+  /// strided-batched GEMMs (attention's steps) follow it, except that under
+  /// gemm_math::bf16 they stay fp32 (their operands are not bf16 values).
+  void set_math(gemm_math m) {
+    math_ = m;
+    detail::cublas_check(
+        cublasSetMathMode(blas_, m == gemm_math::tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH),
+        "cublasSetMathMode");
   }
+  gemm_math math() const noexcept { return math_; }
+  /// While on, every non-batched GEMM runs as gemm_math::bf16 whatever
+  /// set_math chose: bf16 mixed precision, whose layers round every GEMM
+  /// operand to bf16 first, so that the conversion changes no value (the
+  /// trainer turns it on for the steps it runs under precision::bf16).
+  void set_bf16_products(bool on) noexcept { bf16_products_ = on; }
 
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
+  // cuBLASLt in the backend's math; cuBLAS where cuBLASLt has no algorithm for the call.
   void gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
             const float* B, index_t ldb, float beta, float* C, index_t ldc) {
     if (M == 0 || N == 0) return;
+    if (lt_gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, nullptr)) return;
+    if (products() == gemm_math::bf16) {
+      detail::cublas_check(cublasGemmEx(blas_, op(tb), op(ta), i32(N), i32(M), i32(K), &alpha, B, CUDA_R_32F,
+                                        i32(ldb), A, CUDA_R_32F, i32(lda), &beta, C, CUDA_R_32F, i32(ldc),
+                                        CUBLAS_COMPUTE_32F_FAST_16BF, CUBLAS_GEMM_DEFAULT),
+                           "cublasGemmEx (32F_FAST_16BF)");
+      return;
+    }
     detail::cublas_check(cublasSgemm(blas_, op(tb), op(ta), i32(N), i32(M), i32(K), &alpha, B, i32(ldb), A,
                                      i32(lda), &beta, C, i32(ldc)),
                          "cublasSgemm");
   }
+  /// A fully connected layer's parameter gradients from R rows in one
+  /// cuBLASLt call: dW (out, in) = dy^T x and db (out) = the column sums of
+  /// dy (the BGRADB epilogue), both overwritten. False, with nothing queued,
+  /// where cuBLASLt has no algorithm for it (said once on stderr): the caller
+  /// then runs a GEMM and a column reduction.
+  bool linear_weight_grads(const weight_grad_args& a) {
+    if (a.R == 0 || a.out == 0 || a.in == 0 || a.db == nullptr) return false;
+    // row-major dW (out x in) = dy^T (out x R) x (R x in): column-major dW^T = x^T dy, reduced over R
+    if (lt_gemm(trans::yes, trans::no, a.out, a.in, a.R, 1.f, a.dy, a.out, a.x, a.in, 0.f, a.dw, a.in, a.db)) {
+      ++fused_bias_grads_;
+      return true;
+    }
+    if (!bias_grad_refused_)
+      std::fprintf(stderr, "whale::cuda_backend: cuBLASLt has no bias-gradient epilogue for R %lld, out %lld, in %lld; "
+                   "the bias gradients run as a column reduction\n", static_cast<long long>(a.R),
+                   static_cast<long long>(a.out), static_cast<long long>(a.in));
+    bias_grad_refused_ = true;
+    return false;
+  }
+  /// How many bias gradients the BGRADB epilogue computed so far, and how
+  /// many GEMM plans cuBLASLt had no algorithm for (cuBLAS ran those).
+  std::int64_t fused_bias_grads() const noexcept { return fused_bias_grads_; }
+  std::size_t lt_refused_plans() const noexcept { return lt_ ? lt_->refused() : 0; }
   void gemm_strided_batched(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A,
                             index_t lda, index_t strideA, const float* B, index_t ldb, index_t strideB, float beta,
                             float* C, index_t ldc, index_t strideC, index_t count) {
@@ -244,20 +291,24 @@ class cuda_backend {
       ~block() { if (p) g.deallocate(p, bytes); }
     };
     const auto u16 = [](void* p) { return static_cast<std::uint16_t*>(p); };
-    const block qkv16{*this, static_cast<std::size_t>(R * 3 * W) * 2}, o16{*this, static_cast<std::size_t>(R * W) * 2};
-    launch(R * 3 * W, kernels::pack_bf16{a.qkv, u16(qkv16.p)});
+    // bf16 Q, K, V and O: in the caller's kept buffer (a.packed) from the forward to the backward, or packed per call
+    const bool kept = a.packed != nullptr;
+    const block own{*this, kept ? 0 : static_cast<std::size_t>(R * 4 * W) * 2};
+    std::uint16_t* const qkv16 = u16(kept ? a.packed : own.p);
+    std::uint16_t* const o16 = qkv16 + R * 3 * W;
+    if (!backward || !kept) launch(R * 3 * W, kernels::pack_bf16{a.qkv, qkv16});
     if (!backward) {
       const block ws{*this, static_cast<std::size_t>(dnn::forward_workspace(att, a.B, a.T, a.H, a.hd))};
-      dnn::forward(att, a.B, a.T, a.H, a.hd, qkv16.p, o16.p, a.lse, ws.p);
-      launch(R * W, kernels::unpack_bf16{u16(o16.p), a.o});
+      dnn::forward(att, a.B, a.T, a.H, a.hd, qkv16, o16, a.lse, ws.p);
+      launch(R * W, kernels::unpack_bf16{o16, a.o});
       ++fused_attention_calls_;
       return true;
     }
     const block do16{*this, static_cast<std::size_t>(R * W) * 2}, dqkv16{*this, static_cast<std::size_t>(R * 3 * W) * 2};
     const block ws{*this, static_cast<std::size_t>(dnn::backward_workspace(att, a.B, a.T, a.H, a.hd))};
-    launch(R * W, kernels::pack_bf16{a.o, u16(o16.p)});
+    if (!kept) launch(R * W, kernels::pack_bf16{a.o, o16});
     launch(R * W, kernels::pack_bf16{a.dout, u16(do16.p)});
-    dnn::backward(att, a.B, a.T, a.H, a.hd, qkv16.p, o16.p, a.lse, do16.p, dqkv16.p, ws.p);
+    dnn::backward(att, a.B, a.T, a.H, a.hd, qkv16, o16, a.lse, do16.p, dqkv16.p, ws.p);
     launch(R * 3 * W, kernels::unpack_bf16{u16(dqkv16.p), a.dqkv});
     ++fused_attention_calls_;
     return true;
@@ -266,13 +317,36 @@ class cuda_backend {
     return false;
 #endif
   }
+  /// Whether attention calls under bf16 go to cuDNN: built with the cuDNN
+  /// frontend (whale::cudnn) and no shape refused so far.
+  bool fuses_attention() const noexcept {
+#if defined(WHALE_HAS_CUDNN_FRONTEND) && defined(__CUDACC__)
+    return !attention_refused_;
+#else
+    return false;
+#endif
+  }
   /// How many attention calls (forward and backward) cuDNN ran so far.
   std::int64_t fused_attention_calls() const noexcept { return fused_attention_calls_; }
 
  private:
+  gemm_math products() const noexcept { return bf16_products_ ? gemm_math::bf16 : math_; }
+  /// Row-major C (M x N) = op(A) op(B) through cuBLASLt; with `bias_grad`,
+  /// also bias_grad (M) = the sums of op(A) (M x K) over K, the BGRADB epilogue.
+  bool lt_gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
+               const float* B, index_t ldb, float beta, float* C, index_t ldc, float* bias_grad) {
+    if (!lt_) lt_ = std::make_unique<detail::lt::gemms>();
+    if (!lt_workspace_) lt_workspace_ = allocate(detail::lt::gemms::workspace_bytes);
+    // column-major: C^T (N x M) = op(B)^T op(A)^T, and op(A)^T is the second operand, reduced over K
+    return lt_->run(products(), tb == trans::yes, ta == trans::yes, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc,
+                    bias_grad, lt_workspace_, compute_);
+  }
   void destroy() noexcept {
     if (compute_) cudaStreamSynchronize(compute_);
     attention_.reset();
+    if (lt_workspace_) alloc_.deallocate(lt_workspace_, detail::lt::gemms::workspace_bytes);
+    lt_workspace_ = nullptr;
+    lt_.reset();
     alloc_.release();
     if (blas_) cublasDestroy(blas_);
     if (comm_) cudaStreamDestroy(comm_);
@@ -289,6 +363,11 @@ class cuda_backend {
   cudaStream_t compute_ = nullptr, comm_ = nullptr;
   cublasHandle_t blas_ = nullptr;
   std::shared_ptr<detail::cudnn::engine> attention_;  // cuDNN's attention, once used
+  std::unique_ptr<detail::lt::gemms> lt_;             // cuBLASLt's handle and plans, once used
+  void* lt_workspace_ = nullptr;                      // its workspace, from the cache
+  gemm_math math_ = gemm_math::fp32;
+  bool bf16_products_ = false, bias_grad_refused_ = false;
+  std::int64_t fused_bias_grads_ = 0;
   bool attention_refused_ = false;
   std::int64_t fused_attention_calls_ = 0;
   caching_allocator<detail::cuda_device_upstream> alloc_;

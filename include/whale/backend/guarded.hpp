@@ -69,6 +69,8 @@ struct device_ledger {
   /// masked blocks) and the bytes of their bf16 operands, statistics included.
   std::int64_t attention_calls = 0, attention_bytes = 0;
   double attention_flops = 0;
+  /// GEMMs that computed a bias gradient in their epilogue (guarded_backend::set_fused_bias_grads; counted in gemms).
+  std::int64_t bias_grad_epilogues = 0;
 
   /// Every call a GPU queues: kernels, GEMMs (batched ones count once), fused attention, copies and fills.
   std::int64_t launches() const noexcept {
@@ -96,6 +98,7 @@ struct device_ledger {
     d.gemm_flops -= before.gemm_flops, d.batched_gemm_flops -= before.batched_gemm_flops;
     d.attention_calls -= before.attention_calls, d.attention_bytes -= before.attention_bytes;
     d.attention_flops -= before.attention_flops;
+    d.bias_grad_epilogues -= before.bias_grad_epilogues;
     return d;
   }
   void add(const launch_note& n) {
@@ -182,15 +185,20 @@ class guarded_backend {
   /// results unpacked -- and computed in the same precision on the CPU: the
   /// batched-GEMM steps on bf16-rounded operands, the results rounded to bf16.
   void set_fused_attention(bool on) noexcept { fused_attention_ = on; }
+  bool fuses_attention() const noexcept { return fused_attention_; }
+  /// A kept buffer (attention_args::packed) is written by the forward (the
+  /// bf16 Q, K, V and O) and read by the backward, which then packs only d(o).
   bool fused_attention(const attention_args& a, bool backward) {
     if (!fused_attention_ || !a.bf16) return false;
     mine(a.qkv, "attention's qkv"), mine(a.o, "attention's output"), mine(a.lse, "attention's log-sum-exps");
+    mine(a.packed, "attention's kept bf16 operands");
+    const bool kept = a.packed != nullptr;
     const index_t W = a.H * a.hd, R = a.B * a.T, in = R * 3 * W, out = R * W;
     const auto pack = kernels::kernel_name<kernels::pack_bf16>(), unpack = kernels::kernel_name<kernels::unpack_bf16>();
     const double products = static_cast<double>(a.B * a.H) * static_cast<double>(a.T) * static_cast<double>(a.T) *
                             static_cast<double>(a.hd);  // T x T x hd multiply-adds per (sequence, head), the causal half
     ++ledger_.attention_calls;
-    ledger_.add({pack.c_str(), 'i', in, in, kernels::pack_bf16{}.bytes(in)});
+    if (!backward || !kept) ledger_.add({pack.c_str(), 'i', in, in, kernels::pack_bf16{}.bytes(in)});
     if (!backward) {
       ledger_.attention_flops += 2.0 * products;  // S = Q K^T and O = P V
       ledger_.attention_bytes += 2 * (in + out) + 4 * a.B * a.H * a.T;
@@ -199,7 +207,7 @@ class guarded_backend {
       mine(a.dout, "attention's d(output)"), mine(a.dqkv, "attention's d(qkv)");
       ledger_.attention_flops += 5.0 * products;  // S again, dP, dV, dQ, dK
       ledger_.attention_bytes += 2 * (2 * in + 2 * out) + 4 * a.B * a.H * a.T;
-      ledger_.add({pack.c_str(), 'i', out, out, kernels::pack_bf16{}.bytes(out)});
+      if (!kept) ledger_.add({pack.c_str(), 'i', out, out, kernels::pack_bf16{}.bytes(out)});
       ledger_.add({pack.c_str(), 'i', out, out, kernels::pack_bf16{}.bytes(out)});
       ledger_.add({unpack.c_str(), 'i', in, in, kernels::unpack_bf16{}.bytes(in)});
     }
@@ -210,16 +218,45 @@ class guarded_backend {
       for (auto& e : v) e = kernels::round_bf16(e);
       return v;
     };
-    const auto qkv = rounded(a.qkv, in);
+    auto* const kept16 = static_cast<std::uint16_t*>(a.packed);
+    std::vector<float> qkv;
+    if (backward && kept) {  // the forward's bf16 Q, K, V, as cuDNN's backward reads them
+      qkv.resize(static_cast<std::size_t>(in));
+      for (index_t i = 0; i < in; ++i) qkv[static_cast<std::size_t>(i)] = kernels::from_bf16_bits(kept16[i]);
+    } else {
+      qkv = rounded(a.qkv, in);
+    }
     const backend_ref cpu;
     if (!backward) {
       cpu.attention_forward(a.B, a.T, a.H, a.hd, qkv.data(), a.o, a.lse);
       for (index_t i = 0; i < out; ++i) a.o[i] = kernels::round_bf16(a.o[i]);
+      if (kept) {
+        for (index_t i = 0; i < in; ++i) kept16[i] = kernels::bf16_bits(qkv[static_cast<std::size_t>(i)]);
+        for (index_t i = 0; i < out; ++i) kept16[in + i] = kernels::bf16_bits(a.o[i]);
+      }
     } else {
       const auto dout = rounded(a.dout, out);
       cpu.attention_backward(a.B, a.T, a.H, a.hd, qkv.data(), a.o, a.lse, dout.data(), a.dqkv);
       for (index_t i = 0; i < in; ++i) a.dqkv[i] = kernels::round_bf16(a.dqkv[i]);
     }
+    return true;
+  }
+  /// Model a GPU whose GEMMs compute the bias gradient in their epilogue (the
+  /// CUDA backend's cuBLASLt BGRADB; off by default): backend_ref's
+  /// linear_weight_grads that overwrite are then one GEMM in the ledger, with
+  /// no column reduction launched, and computed as the CPU computes them (its
+  /// GEMM, its column sums in their order), so the values stay the CPU's bits.
+  void set_fused_bias_grads(bool on) noexcept { fused_bias_grads_ = on; }
+  bool linear_weight_grads(const weight_grad_args& a) {
+    if (!fused_bias_grads_ || a.db == nullptr) return false;
+    mine(a.dy, "a GEMM's A"), mine(a.x, "a GEMM's B"), mine(a.dw, "a GEMM's C"), mine(a.db, "a GEMM's bias gradient");
+    if (a.R == 0 || a.out == 0 || a.in == 0) return false;
+    ++ledger_.gemms, ++ledger_.bias_grad_epilogues;
+    ledger_.gemm_flops += 2.0 * static_cast<double>(a.out) * static_cast<double>(a.in) * static_cast<double>(a.R);
+    if (count_only_) return true;
+    const window w(*this);
+    cpu::gemm(trans::yes, trans::no, a.out, a.in, a.R, 1.f, a.dy, a.out, a.x, a.in, 0.f, a.dw, a.in);
+    cpu::reduce_columns(kernels::column_sums{a.dy, a.db, a.R, a.out, false});
     return true;
   }
   /// A kernel launch for the ledger; whether to run it (false under count_only).
@@ -398,7 +435,7 @@ class guarded_backend {
   char* base_ = nullptr;
   std::size_t capacity_ = 0, used_ = 0;
   int depth_ = 0;
-  bool count_only_ = false, fused_attention_ = false;
+  bool count_only_ = false, fused_attention_ = false, fused_bias_grads_ = false;
   device_ledger ledger_;
   std::vector<std::pair<void*, std::size_t>> free_;
   struct sigaction previous_ {};

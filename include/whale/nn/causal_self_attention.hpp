@@ -22,7 +22,9 @@ namespace whale {
 /// at index i (as linear). Legend: B sequences, T tokens, H heads, hd = D/H.
 /// The attention itself is one backend call (backend_ref::attention_forward):
 /// it keeps each query's log-sum-exp, and the backward recomputes the
-/// probabilities from it; no (B, H, T, T) tensor is kept.
+/// probabilities from it; no (B, H, T, T) tensor is kept. Under bf16 on a
+/// device that fuses attention (cuDNN's), the forward's bf16 Q, K, V and O
+/// (8 D bytes a row) are kept too, so that the backward packs only d(o).
 
 template <index_t D, index_t Heads>
 struct causal_self_attention {
@@ -104,7 +106,7 @@ struct causal_self_attention {
     fill_rows(c.be, qkv.data(), bqkv_.data(), R, 3 * D);
     c.be.gemm(trans::no, trans::yes, R, 3 * D, D, 1.f, x.data(), wqkv_.data(), 1.f,
               qkv.data());
-    c.be.attention_forward(B, T, Heads, hd, qkv.data(), att.data(), lse.data(), c.bf16);
+    c.be.attention_forward(B, T, Heads, hd, qkv.data(), att.data(), lse.data(), c.bf16, packed(c, s, R));
     detail::affine_forward(c.be, att.data(), wo_.data(), bo_.data(), y.data(), R, D, D, c.bf16);
     return y;
   }
@@ -118,7 +120,8 @@ struct causal_self_attention {
     s.dy = dy;
     // output projection, attention core, then (if asked) d(input) through the QKV projection
     c.be.gemm(trans::no, trans::no, R, D, D, 1.f, dy.data(), wo_.data(), 0.f, datt.data());
-    c.be.attention_backward(B, T, Heads, hd, s.qkv.data(), s.att.data(), s.lse.data(), datt.data(), dqkv.data(), c.bf16);
+    c.be.attention_backward(B, T, Heads, hd, s.qkv.data(), s.att.data(), s.lse.data(), datt.data(), dqkv.data(), c.bf16,
+                            s.packed.numel() ? s.packed.data() : nullptr);
     if (!defer_weights(c, this)) weight_grads(c.be, c.slot, c.accumulate);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
@@ -154,7 +157,17 @@ struct causal_self_attention {
   struct state {
     cview<float> x, dy;
     tensor<float> qkv, lse, att, y, datt, dqkv, dx;
+    tensor<float> packed;  // a fused attention's bf16 Q, K, V and O, kept for the backward (empty otherwise)
   };
+  /// The kept buffer of a fused bf16 attention (backend_ref::attention_packed_floats); null where there is none.
+  static float* packed(const step_ctx& c, state& s, index_t R) {
+    const index_t n = c.be.attention_packed_floats(R, D, c.bf16);
+    if (n == 0) {
+      s.packed = {};
+      return nullptr;
+    }
+    return detail::ensure(s.packed, {n}).data();
+  }
   view<float> wqkv_, dwqkv_, bqkv_, dbqkv_, wo_, dwo_, bo_, dbo_;
   slots<state> st_;
 };

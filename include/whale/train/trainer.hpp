@@ -428,7 +428,8 @@ class trainer {
   /// rounded to bf16 (the weights a step computes with), the fp32 master
   /// values kept aside beside them (in the device's memory, for a network on
   /// one) and put back by restore(), or by the destructor when the step
-  /// throws. Under fp32: nothing.
+  /// throws; and meanwhile a GPU's GEMMs on its bf16 tensor cores
+  /// (backend_ref::bf16_products). Under fp32: nothing.
   class weights_scope {
    public:
     weights_scope(bool on, view<float> p, tensor<float>& master, backend_ref be) : p_(p), be_(be) {
@@ -440,6 +441,7 @@ class trainer {
       be.copy(master.data(), p.data(), p.bytes());
       master_ = &master;
       be.launch(p.numel(), kernels::to_bf16{p.data()});
+      be.bf16_products(true);  // a GPU's GEMMs on its bf16 tensor cores: every operand is a bf16 value now
     }
     weights_scope(const weights_scope&) = delete;
     weights_scope& operator=(const weights_scope&) = delete;
@@ -447,6 +449,7 @@ class trainer {
     void restore() {
       if (!master_) return;
       auto* m = std::exchange(master_, nullptr);
+      be_.bf16_products(false);
       be_.copy(p_.data(), m->data(), p_.bytes());
     }
     ~weights_scope() {
