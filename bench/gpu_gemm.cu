@@ -3,27 +3,34 @@
 // sequences), or of GPT-2 124M's shape with --model gpt2-124m (width 768, 12
 // heads, vocab 50304, untied head) -- forward, input gradient and weight
 // gradient of each projection, the attention products per head
-// (strided-batched), the LM head -- timed alone through cuda_backend in bf16
-// (inputs bf16, fp32 accumulation; fp32 and TF32 with --precision). Prints one
-// JSON line: the step's GEMM FLOPs, their time and the rate (the denominator
-// of MFU). With --step S it then trains the model on the GPU with the trainer,
-// as a program does: every layer through backend_ref on cuda_backend,
-// parameters, gradients, AdamW state and activations in device memory, S
-// steps in one run() that reads the losses once at its end
-// (trainer_options::log_every = S), after 2 warm-up steps; a second line
-// gives the step (the run's time over S), tokens/s, model FLOPs by the
-// workloads.md formula, and MFU against the GEMM rate of the first line and
-// against the dense bf16 peak (989 TFLOP/s).
+// (strided-batched), the LM head -- timed alone through cuda_backend on
+// operands of hashed values (never zeros), in bf16 (inputs bf16, fp32
+// accumulation; fp32 and TF32 with --precision). Prints one JSON line: the
+// step's GEMM FLOPs, their time and the rate (the denominator of MFU). Under
+// bf16 a line before it times the same GEMMs as the layers run them: fp32
+// operands holding bf16 values, cuBLASLt's bf16 math. With --step S it then
+// trains the model on the GPU with the trainer, as a program does: every
+// layer through backend_ref on cuda_backend, parameters, gradients, AdamW
+// state and activations in device memory, S steps in one run() that reads
+// the losses once at its end (trainer_options::log_every = S), after 2
+// warm-up steps; a line gives the step (the run's time over S), tokens/s,
+// model FLOPs by the workloads.md formula, and MFU against the GEMM rate of
+// the last limit line and against the dense bf16 peak (989 TFLOP/s). Then 3
+// more steps with CUDA events around every call: one line per kind of work
+// (gemm, attention, row, column_reduction, optimizer, elementwise) with its
+// GPU milliseconds a step.
 // With bf16, --step trains under bf16 mixed precision as the layers do it on
 // a GPU today: bf16 storage emulated by rounding (the producing kernels store
-// rounded values, the trainer rounds the weights), GEMMs in TF32, attention
-// through cuDNN's fused call where the program is linked with whale::cudnn
-// (the line says which, and counts the fused calls). Without a GPU: a clear
-// error, exit 2.
+// rounded values, the trainer rounds the weights), GEMMs on the bf16 tensor
+// cores (the trainer's bf16 products), bias gradients in the weight GEMM's
+// epilogue, attention through cuDNN's fused call where the program is linked
+// with whale::cudnn (the line counts the fused calls and the epilogues).
+// Without a GPU: a clear error, exit 2.
 //
 //   gpu_gemm [--model gpt-gpu|gpt2-124m] [--precision bf16|fp32|tf32] [--reps R] [--sequences B] [--step S]
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -97,11 +104,11 @@ void train_steps(cuda_backend& gpu, const model_shape& m, const std::string& pre
   o.max_grad_norm = 1.0;
   o.log_every = steps;
   o.precision = precision == "bf16" ? whale::precision::bf16 : whale::precision::fp32;
-  if (precision == "bf16") gpu.set_tf32(true);  // the layers' GEMMs are fp32 ones: TF32 under bf16
-  trainer t(net, adamw{.lr = 1e-4f}, o);
+  trainer t(net, adamw{.lr = 1e-4f}, o);  // under bf16 it turns on the GPU's bf16 products for each step
   const auto warm = t.run(data, whale::steps{2});
   const auto mallocs_warm = gpu.allocator().upstream_allocations;
   const auto fused_before = gpu.fused_attention_calls();
+  const auto bias_before = gpu.fused_bias_grads();
   gpu.synchronize();
   const auto t0 = std::chrono::steady_clock::now();
   const auto r = t.run(data, whale::steps{steps});
@@ -115,16 +122,44 @@ void train_steps(cuda_backend& gpu, const model_shape& m, const std::string& pre
               "\"sequences\": %lld, \"seq\": %lld, \"steps\": %lld, \"host_reads\": 1, \"step_s\": %.6g, \"tokens_per_s\": %.6g, "
               "\"model_flops_per_step\": %.6g, \"achieved_tflops\": %.3f, \"gemm_tflops\": %.3f, \"mfu_vs_gemm\": %.4f, "
               "\"mfu_vs_dense_bf16_peak\": %.4f, \"loss_first\": %.6g, \"loss_last\": %.6g, \"cuda_mallocs_after_warmup\": %lld, "
-              "\"device_bytes_peak\": %lld, \"layers\": \"%s\", \"fused_attention_calls\": %lld}\n",
+              "\"device_bytes_peak\": %lld, \"layers\": \"%s\", \"fused_attention_calls\": %lld, "
+              "\"bias_grad_epilogues\": %lld, \"cublaslt_refused_plans\": %lld}\n",
               m.name, precision.c_str(), static_cast<long long>(B), static_cast<long long>(m.T), static_cast<long long>(steps),
               step, static_cast<double>(B * m.T) / step, model_flops, model_flops / step / 1e12, gemm_rate / 1e12,
               model_flops / step / gemm_rate, model_flops / step / 989e12, warm.loss_first(), r.loss_last(),
               static_cast<long long>(gpu.allocator().upstream_allocations - mallocs_warm),
               static_cast<long long>(gpu.allocator().peak_bytes_in_use),
-              precision == "bf16" ? "bf16 storage emulated by rounding, TF32 GEMMs, attention fused by cuDNN where linked"
-                                  : "fp32 storage and GEMMs",
-              static_cast<long long>(gpu.fused_attention_calls() - fused_before));
+              precision == "bf16" ? "bf16 storage emulated by rounding, GEMMs on bf16 tensor cores, bias gradients in "
+                                    "the GEMM epilogue, attention fused by cuDNN where linked"
+                                  : "fp32 storage, GEMMs in the backend's math, bias gradients in the GEMM epilogue",
+              static_cast<long long>(gpu.fused_attention_calls() - fused_before),
+              static_cast<long long>(gpu.fused_bias_grads() - bias_before), static_cast<long long>(gpu.lt_refused_plans()));
+  // where the time goes: CUDA events around every call of a few more steps, summed by kind of work
+  constexpr index_t profiled = 3;
+  gpu.set_kernel_timing(true);
+  t.run(data, whale::steps{profiled});
+  const auto times = gpu.kernel_times();
+  gpu.set_kernel_timing(false);
+  double total = 0;
+  for (const auto& [what, k] : times) total += k.ms;
+  for (const auto& [what, k] : times)
+    std::printf("{\"workload\": \"%s\", \"backend\": \"cuda\", \"measure\": \"kernel_class\", \"precision\": \"%s\", "
+                "\"class\": \"%s\", \"ms_per_step\": %.4f, \"calls_per_step\": %.1f, \"share_of_timed\": %.4f, "
+                "\"step_s_untimed\": %.6g}\n",
+                m.name, precision.c_str(), what.c_str(), k.ms / profiled, static_cast<double>(k.calls) / profiled,
+                total > 0 ? k.ms / total : 0.0, step);
 }
+
+/// Fills x[0, n) with values in [-1, 1) from a hash of the index (never zeros: a GEMM on zeros runs faster).
+struct fill_hashed {
+  float* x;
+  std::uint32_t salt;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
+    std::uint32_t h = static_cast<std::uint32_t>(i) * 2654435761u ^ salt;
+    h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
+    x[i] = static_cast<float>(h >> 8) * (2.f / 16777216.f) - 1.f;
+  }
+};
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -156,18 +191,22 @@ int main(int argc, char** argv) {
     gpu.set_tf32(precision == "tf32");
     const index_t T = m.T;
     const auto gemms = step_gemms(B, m.T, m.D, m.H, m.L, m.V);
-    const std::size_t elt = precision == "bf16" ? 2 : 4;
     std::size_t most = 0;
     for (const auto& g : gemms) most = std::max({most, static_cast<std::size_t>(g.M * g.K * g.count),
                                                  static_cast<std::size_t>(g.K * g.N * g.count),
                                                  static_cast<std::size_t>(g.M * g.N * g.count)});
-    void* A = gpu.allocate(most * elt);
-    void* Bm = gpu.allocate(most * elt);
+    // operands of hashed values, never zeros (bf16: rounded, then packed below)
+    void* A = gpu.allocate(most * 4);
+    void* Bm = gpu.allocate(most * 4);
     void* C = gpu.allocate(most * 4);
-    gpu.fill_zero(A, most * elt), gpu.fill_zero(Bm, most * elt), gpu.fill_zero(C, most * 4);
+    const auto n_most = static_cast<index_t>(most);
+    gpu.launch(n_most, fill_hashed{static_cast<float*>(A), 1u});
+    gpu.launch(n_most, fill_hashed{static_cast<float*>(Bm), 2u});
+    gpu.fill_zero(C, most * 4);
+    bool fp32_operands = precision != "bf16";  // bf16: a second pass times the layers' form (fp32 operands, bf16 math)
     auto run = [&](const shape_t& g) {
       const index_t lda = g.ta == trans::yes ? g.M : g.K, ldb = g.tb == trans::yes ? g.K : g.N;
-      if (precision == "bf16") {
+      if (!fp32_operands) {
         if (g.count == 1) gpu.gemm_bf16(g.ta, g.tb, g.M, g.N, g.K, 1.f, A, lda, Bm, ldb, 0.f, C, g.N, true);
         else
           for (index_t b = 0; b < g.count; ++b)  // per problem: cublasGemmStridedBatchedEx is the next step
@@ -184,26 +223,48 @@ int main(int argc, char** argv) {
       }
     };
     double flops = 0, seconds = 0;
-    std::string per_shape;
-    for (const auto& g : gemms) {
-      run(g);  // warm-up (cuBLAS heuristics, workspace)
-      gpu.synchronize();
-      const auto t0 = std::chrono::steady_clock::now();
-      for (index_t r = 0; r < reps; ++r) run(g);
-      gpu.synchronize();
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
-      const double f = 2.0 * g.M * g.N * g.K * g.count;
-      flops += f * g.per_step;
-      seconds += s * g.per_step;
-      char b[160];
-      std::snprintf(b, sizeof b, "%s\"%s\": %.1f", per_shape.empty() ? "" : ", ", g.what, f / s / 1e12);
-      per_shape += b;
+    auto measure = [&](const char* measure_name) {
+      flops = 0, seconds = 0;
+      std::string per_shape;
+      for (const auto& g : gemms) {
+        run(g);  // warm-up (cuBLASLt plans, workspace)
+        gpu.synchronize();
+        const auto t0 = std::chrono::steady_clock::now();
+        for (index_t r = 0; r < reps; ++r) run(g);
+        gpu.synchronize();
+        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / reps;
+        const double f = 2.0 * g.M * g.N * g.K * g.count;
+        flops += f * g.per_step;
+        seconds += s * g.per_step;
+        char b[160];
+        std::snprintf(b, sizeof b, "%s\"%s\": %.1f", per_shape.empty() ? "" : ", ", g.what, f / s / 1e12);
+        per_shape += b;
+      }
+      std::printf("{\"workload\": \"%s\", \"backend\": \"cuda\", \"measure\": \"%s\", \"precision\": \"%s\", "
+                  "\"sequences\": %lld, \"seq\": %lld, \"gemm_flops_per_step\": %.6g, \"gemm_only_step_s\": %.6g, "
+                  "\"gemm_tflops\": %.2f, \"tflops_by_shape\": {%s}, \"cuda_mallocs\": %lld}\n",
+                  m.name, measure_name, precision.c_str(), static_cast<long long>(B), static_cast<long long>(T), flops,
+                  seconds, flops / seconds / 1e12, per_shape.c_str(),
+                  static_cast<long long>(gpu.allocator().upstream_allocations));
+    };
+    if (precision == "bf16") {
+      // the layers' form first: fp32 operands holding bf16 values, multiplied on the bf16 tensor cores
+      // (the batched products stay fp32 there, as attention's unfused steps run them)
+      fp32_operands = true;
+      gpu.set_math(gemm_math::bf16);
+      gpu.launch(n_most, fill_hashed{static_cast<float*>(A), 1u});
+      gpu.launch(n_most, fill_hashed{static_cast<float*>(Bm), 2u});
+      gpu.launch(n_most, kernels::to_bf16{static_cast<float*>(A)});
+      gpu.launch(n_most, kernels::to_bf16{static_cast<float*>(Bm)});
+      measure("gemm_limit_fp32_operands_bf16_math");
+      gpu.set_math(gemm_math::fp32);
+      gpu.launch(n_most, kernels::pack_bf16{static_cast<float*>(A), static_cast<std::uint16_t*>(C)});
+      gpu.copy(A, C, most * 2);
+      gpu.launch(n_most, kernels::pack_bf16{static_cast<float*>(Bm), static_cast<std::uint16_t*>(C)});
+      gpu.copy(Bm, C, most * 2);
+      fp32_operands = false;
     }
-    std::printf("{\"workload\": \"%s\", \"backend\": \"cuda\", \"measure\": \"gemm_limit\", \"precision\": \"%s\", "
-                "\"sequences\": %lld, \"seq\": %lld, \"gemm_flops_per_step\": %.6g, \"gemm_only_step_s\": %.6g, "
-                "\"gemm_tflops\": %.2f, \"tflops_by_shape\": {%s}, \"cuda_mallocs\": %lld}\n",
-                m.name, precision.c_str(), static_cast<long long>(B), static_cast<long long>(T), flops, seconds,
-                flops / seconds / 1e12, per_shape.c_str(), static_cast<long long>(gpu.allocator().upstream_allocations));
+    measure("gemm_limit");  // the denominator of MFU: bf16 operands in bf16 storage, or fp32 / TF32
     for (void* p : {A, Bm, C}) gpu.deallocate(p, 0);
     if (steps > 0) {
       if (m.D == gpt_gpu_shape.D)

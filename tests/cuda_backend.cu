@@ -1,7 +1,8 @@
 // The CUDA backend against the CPU backend, on a GPU: every kernel body of
 // backend/kernels/ run by a CUDA grid against the same body run by the CPU
-// loop (tests/support/kernel_cases.hpp), cuBLAS GEMMs in every transpose and
-// strided-batched against OpenBLAS (fp32, TF32, bf16 inputs), and the caching
+// loop (tests/support/kernel_cases.hpp), cuBLASLt and cuBLAS GEMMs in every
+// transpose and strided-batched against OpenBLAS (fp32, TF32, bf16 inputs,
+// bf16 math on bf16 values; the bias-gradient epilogue), and the caching
 // allocator's steady state (no cudaMalloc after the first step), and
 // backend_ref holding the GPU as a layer uses it. Compiled by
 // nvcc in CI; without a GPU it prints "skipped: no CUDA device" and exits 77
@@ -141,6 +142,25 @@ void gemms(cuda_backend& gpu) {
   gpu.copy(Cg.data(), dC, Cg.size() * 4);
   gpu.synchronize();
   check(kc::max_rel_diff(Cg, Cc) <= 1e-4, "bf16 gemm against the CPU on bf16-rounded inputs");
+  // the layers' bf16 GEMMs: fp32 operands holding bf16 values, cuBLASLt's bf16 math (32F_FAST_16BF), in
+  // the four transposes: exact products, fp32 sums in another order (1e-5, as fp32)
+  gpu.copy(dA, Ar.data(), Ar.size() * 4), gpu.copy(dB, Br.data(), Br.size() * 4);
+  gpu.set_math(gemm_math::bf16);
+  for (int t = 0; t < 4; ++t) {
+    const trans ta = t & 1 ? trans::yes : trans::no, tb = t & 2 ? trans::yes : trans::no;
+    const index_t lda = ta == trans::yes ? M : K, ldb = tb == trans::yes ? K : N;
+    Cc = C0;
+    cpu::gemm(ta, tb, M, N, K, 0.5f, Ar.data(), lda, Br.data(), ldb, 2.f, Cc.data(), N);
+    gpu.copy(dC, C0.data(), C0.size() * 4);
+    gpu.gemm(ta, tb, M, N, K, 0.5f, dA, lda, dB, ldb, 2.f, dC, N);
+    gpu.copy(Cg.data(), dC, Cg.size() * 4);
+    gpu.synchronize();
+    const double d = kc::max_rel_diff(Cg, Cc);
+    check(d <= 1e-5, "gemm in bf16 math on bf16 values, ta=" + std::to_string(t & 1) + " tb=" + std::to_string(t >> 1) +
+                         ": difference " + std::to_string(d));
+  }
+  gpu.set_math(gemm_math::fp32);
+  std::printf("gemms: cuBLASLt plans %s\n", gpu.lt_refused_plans() ? "partly refused (cuBLAS ran those)" : "all taken");
   for (void* p : {static_cast<void*>(dA), static_cast<void*>(dB), static_cast<void*>(dC), static_cast<void*>(da),
                   static_cast<void*>(db), static_cast<void*>(dc), dA16, dB16})
     gpu.deallocate(p, 0);
@@ -180,7 +200,8 @@ void backend_ref_on_gpu(cuda_backend& gpu) {
   check(kc::max_rel_diff(y_g, y_c) <= 1e-4, "backend_ref: a linear forward on the GPU against the CPU");
   check(kc::max_rel_diff(dw_g, dw_c) <= 1e-4, "backend_ref: dW on the GPU against the CPU");
   check(kc::max_rel_diff(db_g, db_c) <= 1e-4, "backend_ref: db on the GPU against the CPU");
-  std::printf("backend_ref: a linear layer's forward and weight gradients on the GPU match the CPU\n");
+  std::printf("backend_ref: a linear layer's forward and weight gradients on the GPU match the CPU (bias gradient %s)\n",
+              gpu.fused_bias_grads() > 0 ? "in the GEMM's epilogue" : "by a column reduction: cuBLASLt refused the epilogue");
 }
 
 // Causal attention as one backend call on the GPU against the CPU's steps:

@@ -9,6 +9,7 @@
 #include <numeric>
 #include <vector>
 
+#include "whale/backend/guarded.hpp"
 #include "whale/models/gpt.hpp"
 #include "whale/nn/repeat.hpp"
 #include "whale/nn/network.hpp"
@@ -86,9 +87,9 @@ TEST_CASE("precision is parsed whole") {
 
 namespace {
 // Layer L (bound to fresh parameters) forward and backward under bf16 and fp32 on the same
-// non-bf16 input and output gradient, through run_forward / run_backward as the containers run
-// it: under bf16 its output and input gradient are stored as bf16, whether its own kernels round
-// them or a rounding pass follows. `one_op`: a layer of one operation each way, whose bf16 values
+// non-bf16 input and a bf16 output gradient (as gradients are stored), through run_forward /
+// run_backward as the containers run it: under bf16 its output and input gradient are stored as
+// bf16, whether its own kernels round them or a rounding pass follows. `one_op`: a layer of one operation each way, whose bf16 values
 // are its fp32 values rounded, to the bit (a composite rounds its intermediates too).
 template <class L> void check_stored_bf16(index_t width, bool one_op) {
   network<sequential<L, softmax_cross_entropy>> net(seed{3});
@@ -97,7 +98,8 @@ template <class L> void check_stored_bf16(index_t width, bool one_op) {
   std::vector<float> x(static_cast<std::size_t>(R * width)), dy(x.size());
   for (std::size_t i = 0; i < x.size(); ++i) {
     x[i] = std::sin(0.37f * static_cast<float>(i)) * 1.7f + 0.013f;  // not bf16 values
-    dy[i] = std::cos(0.11f * static_cast<float>(i)) * 0.3f + 0.0007f;
+    // a gradient as it is stored: bf16 values (a layer's backward reads dy as bf16 holds it)
+    dy[i] = kernels::round_bf16(std::cos(0.11f * static_cast<float>(i)) * 0.3f + 0.0007f);
   }
   std::vector<float> y[2], dx[2];
   for (const bool bf16 : {false, true}) {
@@ -133,4 +135,101 @@ TEST_CASE("bf16: every layer's output and input gradient is stored rounded, by i
   SUBCASE("causal_self_attention") { check_stored_bf16<causal_self_attention<32, 2>>(32, false); }
   SUBCASE("transformer_block (a sequential: its elements' values)") { check_stored_bf16<transformer_block<32, 2, 64>>(32, false); }
   SUBCASE("repeat") { check_stored_bf16<repeat<2, transformer_block<32, 2, 64>>>(32, false); }
+}
+
+TEST_CASE("bf16: the cross-entropy's kernel stores d(logits) rounded: the fp32 gradient rounded, to the bit, and no pass after") {
+  constexpr index_t R = 12, C = 37;
+  std::vector<float> z(static_cast<std::size_t>(R * C));
+  for (std::size_t i = 0; i < z.size(); ++i) z[i] = std::sin(0.29f * static_cast<float>(i)) * 3.1f + 0.0173f;
+  std::vector<std::int32_t> y(static_cast<std::size_t>(R));
+  for (index_t r = 0; r < R; ++r) y[static_cast<std::size_t>(r)] = static_cast<std::int32_t>((r * 7) % C);
+  y[5] = -100;  // an ignored row: a zero gradient
+  auto grad = [&](const backend_ref& be, bool bf16) {
+    const place_scope on(be.memory());  // the layer's state too, as a network on a device keeps it
+    softmax_cross_entropy l;
+    tensor<float> dz({R, C});
+    tensor<std::int32_t> dy({R});
+    be.copy(dz.data(), z.data(), z.size() * 4);
+    be.copy(dy.data(), y.data(), y.size() * 4);
+    step_ctx c;
+    c.be = be, c.global_rows = R, c.bf16 = bf16;
+    (void)l.forward_loss(c, cview<float>(dz), cview<std::int32_t>(dy));
+    const auto g = run_backward_loss(l, c, 0);
+    std::vector<float> out(static_cast<std::size_t>(g.numel()));
+    be.copy(out.data(), g.data(), out.size() * 4);
+    be.synchronize();
+    return out;
+  };
+  const auto g32 = grad(backend_ref{}, false), g16 = grad(backend_ref{}, true);
+  REQUIRE(g16.size() == g32.size());
+  index_t off = 0;
+  for (std::size_t i = 0; i < g32.size(); ++i) off += g16[i] != kernels::round_bf16(g32[i]);
+  CHECK(off == 0);
+  guarded_backend g;
+  const backend_ref dev(g);
+  CHECK(grad(dev, true) == g16);  // the device's shape gives the CPU's bits
+  CHECK(g.ledger().kernels.count("to_bf16") == 0);
+  CHECK(g.ledger().kernels.at("cross_entropy_rows").launches == 1);
+}
+
+TEST_CASE("bf16: a residual's sums are stored by its branch's own kernels, and a GEMM's d(input) rounded as the next layer reads it: bit for bit, with no add or rounding pass launched") {
+  // two blocks of a transformer under bf16, forward and backward: fused (no hooks) against unfused (a
+  // hook that does nothing turns the fusion off), on the CPU and on the guarded backend
+  using block = sequential<transformer_block<32, 2, 64>, transformer_block<32, 2, 64>>;
+  const index_t B = 2, T = 8, R = B * T, D = 32;
+  std::vector<float> x(static_cast<std::size_t>(R * D)), dy(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    x[i] = kernels::round_bf16(std::sin(0.37f * static_cast<float>(i)) * 1.7f + 0.013f);
+    dy[i] = kernels::round_bf16(std::cos(0.11f * static_cast<float>(i)) * 0.3f + 0.0007f);
+  }
+  struct nothing : layer_hooks {};
+  struct result {
+    std::vector<float> y, dx, grads;
+    std::int64_t adds = 0, roundings = 0;
+  };
+  auto run = [&](backend_ref be, bool hooked, guarded_backend* g) {
+    network<sequential<block, softmax_cross_entropy>> net(seed{4}, be);
+    auto& l = net.model().template get<0>();
+    const place_scope on(be.memory());  // the layers' state too, as the network keeps it
+    tensor<float> dx_in({R, D}), dy_in({R, D});
+    be.copy(dx_in.data(), x.data(), x.size() * 4);
+    be.copy(dy_in.data(), dy.data(), dy.size() * 4);
+    nothing h;
+    step_ctx c;
+    c.be = be, c.batch = B, c.seq = T, c.global_rows = R, c.bf16 = true;
+    if (hooked) c.hooks = &h;
+    if (g) g->ledger().clear();
+    result r;
+    const auto out = run_forward(l, c, cview<float>(dx_in), 0);
+    c.need_input_grad = true;
+    const auto din = run_backward(l, c, cview<float>(dy_in), 0);
+    r.y.resize(static_cast<std::size_t>(out.numel())), r.dx.resize(static_cast<std::size_t>(din.numel()));
+    be.copy(r.y.data(), out.data(), r.y.size() * 4);
+    be.copy(r.dx.data(), din.data(), r.dx.size() * 4);
+    r.grads.resize(static_cast<std::size_t>(net.grads().numel()));
+    be.copy(r.grads.data(), net.grads().data(), r.grads.size() * 4);
+    be.synchronize();
+    if (g) {
+      const auto& k = g->ledger().kernels;
+      r.adds = k.count("add") ? k.at("add").launches : 0;
+      r.roundings = k.count("to_bf16") ? k.at("to_bf16").launches : 0;
+    }
+    return r;
+  };
+  const auto fused = run(backend_ref{}, false, nullptr), unfused = run(backend_ref{}, true, nullptr);
+  CHECK(fused.y == unfused.y);
+  CHECK(fused.dx == unfused.dx);
+  CHECK(fused.grads == unfused.grads);
+  guarded_backend g;
+  const auto dev = run(backend_ref(g), false, &g);
+  CHECK(dev.y == fused.y);
+  CHECK(dev.dx == fused.dx);
+  CHECK(dev.grads == fused.grads);
+  CHECK(dev.adds == 0);  // 4 residuals, 8 sums: all stored by the bias and layer norm kernels
+  // the linear layers' d(input), which GEMMs write, is rounded as the next layer reads it (layer norm's
+  // and GELU's backward kernels), not by a pass: 3 a block when hooks look at each value
+  CHECK(dev.roundings == 0);
+  const auto dev_unfused = run(backend_ref(g), true, &g);
+  CHECK(dev_unfused.adds == 8);
+  CHECK(dev_unfused.roundings == 6);
 }

@@ -94,6 +94,8 @@ template <class F> void for_each_case(F&& f) {
   f("merge_heads", 3 * 3 * T * 5, [](buffers p) { return k::merge_heads{p.a, p.f, {3, T, 5, 30, 3}}; });
   f("cross_entropy_rows", R,
     [](buffers p) { return k::cross_entropy_rows{p.a, p.labels, p.f, p.rowd, C, 1.f / R, -100}; });
+  f("cross_entropy_rows (gradient stored as bf16)", R,
+    [](buffers p) { return k::cross_entropy_rows{p.a, p.labels, p.f, p.rowd, C, 1.f / R, -100, true}; });
   f("row_max", R, [](buffers p) { return k::row_max{p.a, p.f, C}; });
   f("exp_rows", R, [](buffers p) { return k::exp_rows{p.a, p.b, p.f, p.e, C}; });
   f("target_logits", R, [](buffers p) { return k::target_logits{p.a, p.labels, p.f, C / 2, 100, -100}; });

@@ -316,7 +316,9 @@ class backend_ref {
       return cpu::launch(n, body);
     }
 #if defined(__CUDACC__)
+    const int t = ops_->time_begin ? ops_->time_begin(gpu_, kernel_class<K>(shape)) : -1;
     cuda_space::launch(n, body, static_cast<cudaStream_t>(stream_));
+    if (t >= 0) ops_->time_end(gpu_, t);
 #else
     (void)threads;
     no_nvcc();
@@ -326,6 +328,16 @@ class backend_ref {
     throw std::logic_error(
         "whale::backend_ref: a kernel body was launched on a CUDA device from a translation unit not compiled by "
         "nvcc; compile the training code as a .cu file (every unit of the program with the same compiler)");
+  }
+  /// The kind of work a body is, for a GPU's per-kind timing (cuda_backend::set_kernel_timing).
+  template <class K> static constexpr const char* kernel_class(char shape) {
+    if (shape == 'r') return "row";
+    if constexpr (requires(const K& k) { k.apply(index_t{0}, 0.f, false); } || requires(const K& k) { k.rule.apply(index_t{0}, 0.f, false); })
+      return "optimizer";
+    else if constexpr (kernels::is_column_phase<K>)
+      return "column_reduction";
+    else
+      return "elementwise";
   }
   template <class K> static launch_note note_of(const K& body, char shape, index_t n, std::int64_t threads) {
     std::int64_t bytes = -1;
@@ -429,6 +441,8 @@ class backend_ref {
     bool (*weight_grads)(void*, const weight_grad_args&);
     bool (*attention_fused)(void*);  // whether bf16 attention calls are fused; null: never
     void (*products)(void*, bool);  // bf16 products on or off; null: nothing to set
+    int (*time_begin)(void*, const char*);  // a timed launch's start (-1: not timing); null: no timing
+    void (*time_end)(void*, int);
   };
   template <class G> static constexpr bool host_executed_v = requires { requires G::host_executed; };
   template <class G> static void enter_of(void* g) {
@@ -467,6 +481,15 @@ class backend_ref {
     if constexpr (sets_products_v<G>) static_cast<G*>(g)->set_bf16_products(on);
     else (void)g, (void)on;
   }
+  template <class G> static constexpr bool times_v = requires(G& g) { g.time_end(g.time_begin("")); };
+  template <class G> static int time_begin_of(void* g, const char* what) {
+    if constexpr (times_v<G>) return static_cast<G*>(g)->time_begin(what);
+    else return (void)g, (void)what, -1;
+  }
+  template <class G> static void time_end_of(void* g, int i) {
+    if constexpr (times_v<G>) static_cast<G*>(g)->time_end(i);
+    else (void)g, (void)i;
+  }
   template <class G>
   static constexpr table gpu_table{
       [](void* g, trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
@@ -497,6 +520,8 @@ class backend_ref {
       fuses_weight_grads_v<G> ? &weight_grads_of<G> : nullptr,
       fuses_attention_v<G> ? &attention_fused_of<G> : nullptr,
       sets_products_v<G> ? &products_of<G> : nullptr,
+      times_v<G> ? &time_begin_of<G> : nullptr,
+      times_v<G> ? &time_end_of<G> : nullptr,
   };
 
   void* gpu_ = nullptr;     // the GPU backend; null: the CPU

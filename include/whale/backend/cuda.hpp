@@ -17,9 +17,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "whale/backend/backend.hpp"
 #include "whale/backend/caching_allocator.hpp"
@@ -150,6 +153,7 @@ class cuda_backend {
   void gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
             const float* B, index_t ldb, float beta, float* C, index_t ldc) {
     if (M == 0 || N == 0) return;
+    const timed t(*this, "gemm");
     if (lt_gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, nullptr)) return;
     if (products() == gemm_math::bf16) {
       detail::cublas_check(cublasGemmEx(blas_, op(tb), op(ta), i32(N), i32(M), i32(K), &alpha, B, CUDA_R_32F,
@@ -170,6 +174,7 @@ class cuda_backend {
   bool linear_weight_grads(const weight_grad_args& a) {
     if (a.R == 0 || a.out == 0 || a.in == 0 || a.db == nullptr) return false;
     // row-major dW (out x in) = dy^T (out x R) x (R x in): column-major dW^T = x^T dy, reduced over R
+    const timed t(*this, "gemm");
     if (lt_gemm(trans::yes, trans::no, a.out, a.in, a.R, 1.f, a.dy, a.out, a.x, a.in, 0.f, a.dw, a.in, a.db)) {
       ++fused_bias_grads_;
       return true;
@@ -189,6 +194,7 @@ class cuda_backend {
                             index_t lda, index_t strideA, const float* B, index_t ldb, index_t strideB, float beta,
                             float* C, index_t ldc, index_t strideC, index_t count) {
     if (M == 0 || N == 0 || count == 0) return;
+    const timed t(*this, "attention");  // only attention's steps run batched GEMMs
     detail::cublas_check(cublasSgemmStridedBatched(blas_, op(tb), op(ta), i32(N), i32(M), i32(K), &alpha, B,
                                                    i32(ldb), strideB, A, i32(lda), strideA, &beta, C, i32(ldc),
                                                    strideC, i32(count)),
@@ -210,6 +216,7 @@ class cuda_backend {
   /// body(i) for i in [0, n) on the compute stream, asynchronously.
   template <kernels::KernelBody K> void launch(index_t n, const K& body) {
 #if defined(__CUDACC__)
+    const timed t(*this, "elementwise");
     cuda_space::launch(n, body, compute_);
 #else
     static_assert(sizeof(K) == 0,
@@ -299,6 +306,7 @@ class cuda_backend {
     if (!backward || !kept) launch(R * 3 * W, kernels::pack_bf16{a.qkv, qkv16});
     if (!backward) {
       const block ws{*this, static_cast<std::size_t>(dnn::forward_workspace(att, a.B, a.T, a.H, a.hd))};
+      const timed t(*this, "attention");
       dnn::forward(att, a.B, a.T, a.H, a.hd, qkv16, o16, a.lse, ws.p);
       launch(R * W, kernels::unpack_bf16{o16, a.o});
       ++fused_attention_calls_;
@@ -308,7 +316,10 @@ class cuda_backend {
     const block ws{*this, static_cast<std::size_t>(dnn::backward_workspace(att, a.B, a.T, a.H, a.hd))};
     if (!kept) launch(R * W, kernels::pack_bf16{a.o, o16});
     launch(R * W, kernels::pack_bf16{a.dout, u16(do16.p)});
-    dnn::backward(att, a.B, a.T, a.H, a.hd, qkv16, o16, a.lse, do16.p, dqkv16.p, ws.p);
+    {
+      const timed t(*this, "attention");
+      dnn::backward(att, a.B, a.T, a.H, a.hd, qkv16, o16, a.lse, do16.p, dqkv16.p, ws.p);
+    }
     launch(R * 3 * W, kernels::unpack_bf16{u16(dqkv16.p), a.dqkv});
     ++fused_attention_calls_;
     return true;
@@ -326,10 +337,68 @@ class cuda_backend {
     return false;
 #endif
   }
+  /// GPU time by kind of work, measured by CUDA events around each call
+  /// while on (scripts/gpu-check; off by default: the events cost a little):
+  /// "gemm" (cuBLASLt and cuBLAS, bias-gradient epilogues included),
+  /// "attention" (cuDNN's calls, or the batched-GEMM steps), and for kernel
+  /// bodies "row", "column_reduction", "optimizer" and "elementwise" (the
+  /// attention's bf16 packing included). kernel_times() waits for the queue,
+  /// sums what was marked since the last call and forgets it.
+  void set_kernel_timing(bool on) noexcept { timing_ = on; }
+  struct kernel_time {
+    double ms = 0;
+    std::int64_t calls = 0;
+  };
+  std::map<std::string, kernel_time> kernel_times() {
+    synchronize();
+    std::map<std::string, kernel_time> out;
+    for (const auto& m : marks_) {
+      float ms = 0;
+      detail::cuda_check(cudaEventElapsedTime(&ms, events_[m.pair].first, events_[m.pair].second), "cudaEventElapsedTime");
+      auto& k = out[m.what];
+      k.ms += ms, ++k.calls;
+    }
+    marks_.clear();
+    return out;
+  }
+  /// Mark the start of a call of kind `what` (-1 while timing is off), and its end.
+  int time_begin(const char* what) {
+    if (!timing_ || in_timed_) return -1;
+    const auto i = marks_.size();
+    if (i == events_.size()) {
+      std::pair<cudaEvent_t, cudaEvent_t> e{};
+      detail::cuda_check(cudaEventCreate(&e.first), "cudaEventCreate");
+      detail::cuda_check(cudaEventCreate(&e.second), "cudaEventCreate");
+      events_.push_back(e);
+    }
+    marks_.push_back({what, i});
+    detail::cuda_check(cudaEventRecord(events_[i].first, compute_), "cudaEventRecord");
+    in_timed_ = true;
+    return static_cast<int>(i);
+  }
+  void time_end(int i) {
+    if (i < 0) return;
+    in_timed_ = false;
+    detail::cuda_check(cudaEventRecord(events_[static_cast<std::size_t>(i)].second, compute_), "cudaEventRecord");
+  }
   /// How many attention calls (forward and backward) cuDNN ran so far.
   std::int64_t fused_attention_calls() const noexcept { return fused_attention_calls_; }
 
  private:
+  /// A timed call (set_kernel_timing), for the scope's life; calls inside another count as the outer one's.
+  struct timed {
+    cuda_backend& g;
+    int i;
+    timed(cuda_backend& b, const char* what) : g(b), i(b.time_begin(what)) {}
+    ~timed() {
+      try {
+        g.time_end(i);
+      } catch (...) {
+      }
+    }
+    timed(const timed&) = delete;
+    timed& operator=(const timed&) = delete;
+  };
   gemm_math products() const noexcept { return bf16_products_ ? gemm_math::bf16 : math_; }
   /// Row-major C (M x N) = op(A) op(B) through cuBLASLt; with `bias_grad`,
   /// also bias_grad (M) = the sums of op(A) (M x K) over K, the BGRADB epilogue.
@@ -344,6 +413,8 @@ class cuda_backend {
   void destroy() noexcept {
     if (compute_) cudaStreamSynchronize(compute_);
     attention_.reset();
+    for (auto& e : events_) cudaEventDestroy(e.first), cudaEventDestroy(e.second);
+    events_.clear();
     if (lt_workspace_) alloc_.deallocate(lt_workspace_, detail::lt::gemms::workspace_bytes);
     lt_workspace_ = nullptr;
     lt_.reset();
@@ -366,7 +437,13 @@ class cuda_backend {
   std::unique_ptr<detail::lt::gemms> lt_;             // cuBLASLt's handle and plans, once used
   void* lt_workspace_ = nullptr;                      // its workspace, from the cache
   gemm_math math_ = gemm_math::fp32;
-  bool bf16_products_ = false, bias_grad_refused_ = false;
+  bool bf16_products_ = false, bias_grad_refused_ = false, timing_ = false, in_timed_ = false;
+  struct mark {
+    const char* what;
+    std::size_t pair;
+  };
+  std::vector<mark> marks_;                                    // timed calls since the last kernel_times()
+  std::vector<std::pair<cudaEvent_t, cudaEvent_t>> events_;   // their events, reused
   std::int64_t fused_bias_grads_ = 0;
   bool attention_refused_ = false;
   std::int64_t fused_attention_calls_ = 0;

@@ -33,6 +33,7 @@ struct causal_self_attention {
   static_assert(D % Heads == 0,
                 "whale::causal_self_attention: D must be divisible by Heads (each head gets D / "
                 "Heads features); choose a head count that divides D");
+  static constexpr bool accepts_residual_add = true;  // last in a residual branch: under bf16 the projection's bias pass adds x
   using input_type = float;
   static constexpr index_t in_features = D;
   static constexpr index_t out_features = D;
@@ -107,7 +108,8 @@ struct causal_self_attention {
     c.be.gemm(trans::no, trans::yes, R, 3 * D, D, 1.f, x.data(), wqkv_.data(), 1.f,
               qkv.data());
     c.be.attention_forward(B, T, Heads, hd, qkv.data(), att.data(), lse.data(), c.bf16, packed(c, s, R));
-    detail::affine_forward(c.be, att.data(), wo_.data(), bo_.data(), y.data(), R, D, D, c.bf16);
+    const float* add = c.bf16 ? detail::take_residual(c.residual_add, R * D) : nullptr;
+    detail::affine_forward(c.be, att.data(), wo_.data(), bo_.data(), y.data(), R, D, D, c.bf16, add);
     return y;
   }
 

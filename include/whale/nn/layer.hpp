@@ -124,6 +124,15 @@ struct step_ctx {
   /// forward_loss returns and what lands here add up to the share. A container
   /// that rescales its loss's share (a data-split region) hides it from the layers inside.
   double* loss_sum = nullptr;
+  /// A residual's sum, offered to the layers that produce its branch's ends
+  /// (residual<...>, under bf16 without hooks or --check-finite): the
+  /// branch's last layer may add `residual_add` (the residual's input) to its
+  /// output in the kernel that stores it, and the branch's first layer may add
+  /// `residual_grad` (the residual's output gradient) to its input gradient.
+  /// A layer that does clears the field; the residual then adds nothing. Each
+  /// sequential shows them only to the element at that end, where it accepts
+  /// them (accepts_residual_add / accepts_residual_grad).
+  cview<float> residual_add, residual_grad;
   /// Inputs copied up to a device from host memory for this pass (the
   /// network and the executor set them): each device buffer and the host
   /// values it was copied from. A layer that checks values it is given (token
@@ -361,7 +370,36 @@ template <class L> constexpr bool rounds_input_grad() {
   else return false;
 }
 
+/// Whether layer L, as the last layer of a residual branch, may add the
+/// residual's input to its output (step_ctx::residual_add), or, as the first,
+/// the residual's output gradient to its input gradient (residual_grad).
+/// Whether layer L's backward reads its dy as bf16 would hold it (rounding
+/// each value it reads; a stored value is unchanged): then the element
+/// before it need not round its input gradient in a pass of its own.
+template <class L> constexpr bool rounds_grad_on_read() {
+  if constexpr (requires { L::rounds_grad_on_read; }) return L::rounds_grad_on_read;
+  else return false;
+}
+template <class L> constexpr bool accepts_residual_add() {
+  if constexpr (requires { L::accepts_residual_add; }) return L::accepts_residual_add;
+  else return false;
+}
+template <class L> constexpr bool accepts_residual_grad() {
+  if constexpr (requires { L::accepts_residual_grad; }) return L::accepts_residual_grad;
+  else return false;
+}
+
 namespace detail {
+/// The residual's addend offered in `slot` (step_ctx::residual_add or
+/// residual_grad), taken by a layer whose result has `n` elements: its data,
+/// with the field cleared (the residual adds nothing then); null where none
+/// is offered or its size differs (the residual then adds, or says why not).
+inline const float* take_residual(cview<float>& slot, index_t n) noexcept {
+  if (slot.data() == nullptr || slot.numel() != n) return nullptr;
+  const float* p = slot.data();
+  slot = {};
+  return p;
+}
 /// Under bf16 mixed precision, a tensor as it would be stored: rounded to bf16
 /// in place, unless what produced it rounded it already (`done`).
 template <bool done = false> inline view<float> stored(const step_ctx& c, view<float> v) {
@@ -372,11 +410,13 @@ template <bool done = false> inline view<float> stored(const step_ctx& c, view<f
 /// y = x W^T + b, with x (R, In), W (Out, In) and y (R, Out). Under bf16
 /// (`round`): the product, then the bias added in the pass that stores y
 /// rounded (no rounding pass after). Otherwise: y = b, then the product added.
+/// With `add` (a residual's input, bf16 only): y = x W^T + b + add, each sum
+/// stored rounded, in the same pass.
 inline void affine_forward(const backend_ref& be, const float* x, const float* w, const float* b, float* y, index_t R,
-                           index_t Out, index_t In, bool round) {
+                           index_t Out, index_t In, bool round, const float* add = nullptr) {
   if (round) {
     be.gemm(trans::no, trans::yes, R, Out, In, 1.f, x, w, 0.f, y);
-    be.launch(R, kernels::bias_rows{y, b, Out, true, true});
+    be.launch(R, kernels::bias_rows{y, b, Out, true, true, add});
   } else {
     be.launch(R, kernels::bias_rows{y, b, Out, false});
     be.gemm(trans::no, trans::yes, R, Out, In, 1.f, x, w, 1.f, y);
@@ -398,12 +438,16 @@ template <class L, class X> view<float> run_forward(L& l, step_ctx& c, X x, inde
     return y;
   }
 }
-/// Run element `l` backward, with hooks around leaves.
-template <class L> view<float> run_backward(L& l, step_ctx& c, cview<float> dy, index_t offset) {
+/// Run element `l` backward, with hooks around leaves. `next_rounds`: the
+/// element that reads the result rounds it as it reads (rounds_grad_on_read),
+/// so no rounding pass follows a leaf's backward (where no hook or
+/// finiteness check looks at the value between them).
+template <bool next_rounds = false, class L> view<float> run_backward(L& l, step_ctx& c, cview<float> dy, index_t offset) {
   if constexpr (is_container<L>) {
     return detail::stored<rounds_input_grad<L>()>(c, l.backward(c, dy));
   } else {
-    if (!c.hooks && !c.check_finite) return detail::stored<rounds_input_grad<L>()>(c, l.backward(c, dy));
+    if (!c.hooks && !c.check_finite)
+      return detail::stored<rounds_input_grad<L>() || next_rounds>(c, l.backward(c, dy));
     const auto ref = make_leaf_ref(l, offset);
     if (c.hooks) c.hooks->before_backward(ref);
     auto dx = detail::stored<rounds_input_grad<L>()>(c, l.backward(c, dy));
@@ -431,10 +475,10 @@ template <class L> view<float> run_backward_loss(L& l, step_ctx& c, index_t offs
   if constexpr (is_container<L>) {
     return detail::stored(c, l.backward_loss(c));
   } else {
-    if (!c.hooks && !c.check_finite) return detail::stored(c, l.backward_loss(c));
+    if (!c.hooks && !c.check_finite) return detail::stored<rounds_input_grad<L>()>(c, l.backward_loss(c));
     const auto ref = make_leaf_ref(l, offset);
     if (c.hooks) c.hooks->before_backward(ref);
-    auto d = detail::stored(c, l.backward_loss(c));
+    auto d = detail::stored<rounds_input_grad<L>()>(c, l.backward_loss(c));
     if (c.hooks) c.hooks->after_backward(ref);
     if (c.check_finite) detail::check_finite_values(d, layer_name<L>(), "input gradient", c);
     return d;

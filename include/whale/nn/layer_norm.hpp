@@ -24,6 +24,8 @@ struct layer_norm {
   static constexpr index_t out_features = D;
   static constexpr float eps = 1e-5f;
   static constexpr bool rounds_output = true, rounds_input_grad = true;  // under bf16 its kernels store rounded
+  static constexpr bool accepts_residual_grad = true;  // first in a residual branch: its dx kernel adds the residual's dy
+  static constexpr bool rounds_grad_on_read = true;    // under bf16 its kernels read dy rounded
 
   static std::string name() { return "layer_norm<" + std::to_string(D) + ">"; }
   static constexpr cost_info cost() {
@@ -73,10 +75,13 @@ struct layer_norm {
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
     const index_t R = dy.numel() / D;
-    c.be.reduce_columns(kernels::layer_norm_param_grads{dy.data(), s.xhat.data(), dg_.data(), db_.data(), R, D, c.accumulate});
+    c.be.reduce_columns(
+        kernels::layer_norm_param_grads{dy.data(), s.xhat.data(), dg_.data(), db_.data(), R, D, c.accumulate, c.bf16});
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
-    c.be.launch(R, kernels::layer_norm_backward{dy.data(), s.xhat.data(), s.rstd.data(), g_.data(), dx.data(), D, c.bf16});
+    const float* add = c.bf16 ? detail::take_residual(c.residual_grad, R * D) : nullptr;
+    c.be.launch(R, kernels::layer_norm_backward{dy.data(), s.xhat.data(), s.rstd.data(), g_.data(), dx.data(), D, c.bf16,
+                                                add});
     return dx;
   }
 

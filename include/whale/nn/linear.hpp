@@ -20,6 +20,7 @@ struct linear {
   static constexpr index_t in_features = In;
   static constexpr index_t out_features = Out;
   static constexpr bool rounds_output = true;  // under bf16 the bias pass stores y rounded (d(input) is a GEMM's)
+  static constexpr bool accepts_residual_add = true;  // last in a residual branch: under bf16 the bias pass adds x
 
   static std::string name() { return "linear<" + std::to_string(In) + ", " + std::to_string(Out) + ">"; }
   static constexpr cost_info cost() {
@@ -56,7 +57,8 @@ struct linear {
     const index_t R = x.numel() / In;
     s.x = x;
     auto y = detail::ensure(s.y, {R, Out});
-    detail::affine_forward(c.be, x.data(), w_.data(), b_.data(), y.data(), R, Out, In, c.bf16);
+    const float* add = c.bf16 ? detail::take_residual(c.residual_add, R * Out) : nullptr;
+    detail::affine_forward(c.be, x.data(), w_.data(), b_.data(), y.data(), R, Out, In, c.bf16, add);
     return y;
   }
   // dy: (R, Out) -> dx: (R, In); the weight gradients now or, in a split backward, in the W pass

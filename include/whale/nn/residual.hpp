@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "whale/backend/kernels/elementwise.hpp"
 #include "whale/nn/layer.hpp"
@@ -85,23 +86,34 @@ class residual {
   void gather_full(const float* local, float* full) { gather_full_params(inner_, local, full); }
   void init(const counter_rng& r) { inner_.init(r); }
 
-  // x: (R, F) -> y = x + inner(x): (R, F)
+  // x: (R, F) -> y = x + inner(x): (R, F). Under bf16 (without hooks or
+  // --check-finite) the branch's last layer may store the sum itself (step_ctx::residual_add).
   view<float> forward(step_ctx& c, cview<float> x) {
+    const auto outer = std::exchange(c.residual_add, fuses(c) ? x : cview<float>{});
     auto h = inner_.forward(c, x);
+    const bool fused = fuses(c) && c.residual_add.data() == nullptr;
+    c.residual_add = outer;
     if (h.numel() != x.numel())
       throw std::invalid_argument("whale::residual: the inner layers turned " +
                                   std::to_string(x.numel()) + " inputs into " +
                                   std::to_string(h.numel()) +
                                   " outputs; a residual branch must keep the width");
+    if (fused) return h;  // x + inner(x), stored by the branch's last kernel
     auto& s = st_(c.slot);
     auto y = detail::ensure(s.y, x.shape());
     c.be.launch(x.numel(), kernels::add{x.data(), h.data(), y.data(), c.bf16});
     return y;
   }
-  // dy: (R, F) -> dx = dy + inner'(dy): (R, F)
+  // dy: (R, F) -> dx = dy + inner'(dy): (R, F). Under bf16 (as forward) the
+  // branch's first layer may store the sum itself (step_ctx::residual_grad).
   view<float> backward(step_ctx& c, cview<float> dy) {
+    const bool offer = fuses(c) && c.need_input_grad;
+    const auto outer = std::exchange(c.residual_grad, offer ? dy : cview<float>{});
     auto dh = inner_.backward(c, dy);  // parameter gradients; d(input) only if asked
+    const bool fused = offer && c.residual_grad.data() == nullptr;
+    c.residual_grad = outer;
     if (!c.need_input_grad) return {};
+    if (fused) return dh;  // dy + inner'(dy), stored by the branch's first kernel
     auto& s = st_(c.slot);
     auto dx = detail::ensure(s.dx, dy.shape());
     c.be.launch(dy.numel(), kernels::add{dy.data(), dh.data(), dx.data(), c.bf16});
@@ -112,6 +124,10 @@ class residual {
   const inner_type& inner() const noexcept { return inner_; }
 
  private:
+  /// Whether the sums may be stored by the branch's own kernels: under bf16
+  /// (bit for bit the sums the add kernel stores), where no hook or finiteness
+  /// check looks at a leaf's output or input gradient on its own.
+  static bool fuses(const step_ctx& c) noexcept { return c.bf16 && !c.hooks && !c.check_finite; }
   struct state {
     tensor<float> y, dx;
   };

@@ -76,20 +76,34 @@ constexpr bool check_features(std::index_sequence<I...>) {
 }
 
 /// Elements I..N-1 of a tuple of layers forward (hooks around leaves).
+/// A residual's addend (step_ctx::residual_add) is shown to the last element
+/// only, where it accepts it; hidden from the others and put back after.
 template <std::size_t I, std::size_t N, class Tuple, class Offsets, class X>
 view<float> forward_through(Tuple& layers, const Offsets& offset, step_ctx& c, X x) {
+  constexpr bool shown = I + 1 == N && accepts_residual_add<std::tuple_element_t<I, Tuple>>();
+  const cview<float> held = shown ? cview<float>{} : std::exchange(c.residual_add, cview<float>{});
   auto y = run_forward(std::get<I>(layers), c, x, offset[I]);
+  if constexpr (!shown) c.residual_add = held;
   if constexpr (I + 1 < N) return forward_through<I + 1, N>(layers, offset, c, cview<float>(y));
   else return y;
 }
 /// Elements I..0 backward, reporting each element's gradients final as it goes;
 /// d(input) of element 0 only if the caller asked for it.
+/// A residual's gradient addend (step_ctx::residual_grad) is shown to element 0
+/// only, where it accepts it; hidden from the others and put back after.
 template <std::size_t I, class Tuple, class Offsets>
 view<float> backward_through(Tuple& layers, const Offsets& offset, step_ctx& c, cview<float> dy) {
+  constexpr bool shown = I == 0 && accepts_residual_grad<std::tuple_element_t<I, Tuple>>();
+  const cview<float> held = shown ? cview<float>{} : std::exchange(c.residual_grad, cview<float>{});
+  constexpr bool next_rounds = [] {  // the element before reads this one's d(input) rounded
+    if constexpr (I > 0) return rounds_grad_on_read<std::tuple_element_t<I - 1, Tuple>>();
+    else return false;
+  }();
   const bool outer = c.need_input_grad;
   c.need_input_grad = I > 0 || outer;
-  auto dx = run_backward(std::get<I>(layers), c, dy, offset[I]);
+  auto dx = run_backward<next_rounds>(std::get<I>(layers), c, dy, offset[I]);
   c.need_input_grad = outer;
+  if constexpr (!shown) c.residual_grad = held;
   if (c.grads_ready) c.grads_ready(offset[I]);
   if constexpr (I > 0) return backward_through<I - 1>(layers, offset, c, cview<float>(dx));
   else return dx;
@@ -155,6 +169,10 @@ class sequential {
   static constexpr bool is_container = true;
   // what it returns is what an element it ran returned, stored as that element stores it
   static constexpr bool rounds_output = true, rounds_input_grad = true;
+  // a residual's sums go to the elements at its ends (step_ctx::residual_add, residual_grad)
+  static constexpr bool accepts_residual_add =
+      n_layers > 0 && !has_loss && whale::accepts_residual_add<std::tuple_element_t<(n_layers > 0 ? n_layers - 1 : 0), tuple_type>>();
+  static constexpr bool accepts_residual_grad = whale::accepts_residual_grad<first>();
   static constexpr index_t in_features = W::in_width[0];
   static constexpr index_t out_features = has_loss ? 1 : W::in_width[size];
 

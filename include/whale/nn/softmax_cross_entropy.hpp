@@ -22,6 +22,7 @@ struct softmax_cross_entropy : stateless_params {
   using input_type = float;
   static constexpr index_t in_features = any_features;
   static constexpr index_t out_features = 1;
+  static constexpr bool rounds_input_grad = true;  // under bf16 the kernel stores d(logits) rounded
   static std::string name() { return "softmax_cross_entropy"; }
   static constexpr cost_info cost() {
     cost_info c;
@@ -55,7 +56,7 @@ struct softmax_cross_entropy : stateless_params {
     }
     auto loss = detail::ensure(s.row_loss, {R});
     c.be.launch(R, kernels::cross_entropy_rows{logits.data(), labels.data(), p.data(), loss.data(), C,
-                                               static_cast<float>(inv), ignore_index});
+                                               static_cast<float>(inv), ignore_index, c.bf16});
     // the rows' losses added where they lie, in one order on every backend; read back only without c.loss_sum
     if (c.loss_sum) {
       c.be.sum_into(R, loss.data(), inv, c.loss_sum, true);

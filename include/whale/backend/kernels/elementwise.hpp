@@ -42,13 +42,16 @@ struct gelu_backward {
   const float* x;
   const float* dy;
   float* dx;
-  bool round = false;  ///< store dx rounded to bf16 (stored_as)
+  /// store dx rounded to bf16 (stored_as), and read dy as bf16 would hold it
+  /// (rounding a stored value again changes nothing; a GEMM's d(input) left
+  /// unrounded is rounded here instead of by a pass before)
+  bool round = false;
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
     const float v = x[i];
     const float v2 = v * v;
     const float t = vtanh(gelu_k0 * (v + gelu_k1 * v2 * v));
     const float du = gelu_k0 * (1.f + 3.f * gelu_k1 * v2);  // d(inner)/dx
-    dx[i] = stored_as(dy[i] * (0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * du), round);
+    dx[i] = stored_as(stored_as(dy[i], round) * (0.5f * (1.f + t) + 0.5f * v * (1.f - t * t) * du), round);
   }
   std::int64_t bytes(index_t n) const noexcept { return n * 12; }
 };

@@ -32,15 +32,26 @@ struct bias_rows {
   index_t C;
   bool accumulate;
   bool round = false;
+  /// A residual's input (rows of C) added after the bias, each sum stored as
+  /// `round` says: y = (y + b) + add, a residual's sum in the same pass.
+  const float* add = nullptr;
   index_t width() const noexcept { return C; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     float* yr = y + r * C;
-    if (accumulate)
+    if (add) {
+      const float* ar = add + r * C;
+      t.for_each(C, [&](index_t c) {
+        yr[c] = stored_as(ar[c] + stored_as((accumulate ? yr[c] : 0.f) + b[c], round), round);
+      });
+    } else if (accumulate) {
       t.for_each(C, [&](index_t c) { yr[c] = stored_as(yr[c] + b[c], round); });
-    else
+    } else {
       t.for_each(C, [&](index_t c) { yr[c] = stored_as(b[c], round); });
+    }
   }
-  std::int64_t bytes(index_t rows) const noexcept { return rows * C * 4 * (accumulate ? 2 : 1) + C * 4; }
+  std::int64_t bytes(index_t rows) const noexcept {
+    return rows * C * 4 * ((accumulate ? 2 : 1) + (add ? 1 : 0)) + C * 4;
+  }
 };
 
 /// y[r, :] = table[tokens[r] - first, :]: an embedding lookup, a row of width D
@@ -121,18 +132,32 @@ struct layer_norm_backward {
   const float* gain;
   float* dx;
   index_t D;
-  bool round = false;  ///< store dx rounded to bf16
+  /// store dx rounded to bf16, and read dy as bf16 would hold it (as gelu_backward)
+  bool round = false;
+  /// A residual's output gradient (rows of D) added to dx, each stored as
+  /// `round` says: dx = add + dx, a residual's sum in the same pass.
+  const float* add = nullptr;
   index_t width() const noexcept { return D; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     const float* gr = dy + r * D;
     const float* hr = xhat + r * D;
     float* dr = dx + r * D;
-    const float m1 = t.sum(D, [&](index_t j) { return gr[j] * gain[j]; }) / static_cast<float>(D);
-    const float m2 = t.sum(D, [&](index_t j) { return gr[j] * gain[j] * hr[j]; }) / static_cast<float>(D);
+    const auto g = [&](index_t j) { return stored_as(gr[j], round); };
+    const float m1 = t.sum(D, [&](index_t j) { return g(j) * gain[j]; }) / static_cast<float>(D);
+    const float m2 = t.sum(D, [&](index_t j) { return g(j) * gain[j] * hr[j]; }) / static_cast<float>(D);
     const float s = rstd[r];
-    t.for_each(D, [&](index_t j) { dr[j] = stored_as(s * (gr[j] * gain[j] - m1 - hr[j] * m2), round); });
+    if (add) {
+      const float* ar = add + r * D;
+      t.for_each(D, [&](index_t j) {
+        dr[j] = stored_as(ar[j] + stored_as(s * (g(j) * gain[j] - m1 - hr[j] * m2), round), round);
+      });
+    } else {
+      t.for_each(D, [&](index_t j) { dr[j] = stored_as(s * (g(j) * gain[j] - m1 - hr[j] * m2), round); });
+    }
   }
-  std::int64_t bytes(index_t rows) const noexcept { return rows * (6 * D * 4 + 4) + 3 * D * 4; }  // dy; dy, x-hat; dy, x-hat in, dx out
+  std::int64_t bytes(index_t rows) const noexcept {  // dy; dy, x-hat; dy, x-hat in, dx out (and the addend)
+    return rows * ((6 + (add ? 1 : 0)) * D * 4 + 4) + 3 * D * 4;
+  }
 };
 /// d(gain) and d(bias): the sums over R rows of dy xhat and of dy, a column reduction.
 struct layer_norm_param_grads {
@@ -143,10 +168,11 @@ struct layer_norm_param_grads {
   float* dbias;
   index_t R, D;
   bool accumulate;
+  bool round = false;  ///< read dy as bf16 would hold it (as layer_norm_backward)
   index_t rows() const noexcept { return R; }
   index_t cols() const noexcept { return D; }
   WHALE_HD WHALE_INLINE void load(index_t r, index_t c, float* v) const noexcept {
-    const float g = dy[r * D + c];
+    const float g = stored_as(dy[r * D + c], round);
     v[0] = g * xhat[r * D + c];
     v[1] = g;
   }
@@ -161,7 +187,8 @@ struct layer_norm_param_grads {
 /// q = (softmax(z) - onehot(y)) * inv where inv is 1 / (the global label count).
 /// A row labelled `ignore` gets loss 0 and gradient 0. q may be z itself (the
 /// gradient in place of the logits). Three passes with one exponential per
-/// element: the maximum; exp(z - max) written to q and summed; q scaled. The
+/// element: the maximum; exp(z - max) written to q and summed; q scaled (and,
+/// under bf16, stored rounded: `round`, no pass after). The
 /// online softmax (kernels::max_sum) reads the logits once less but costs
 /// two more exponentials per element, which the CPU pays (1.6% of gpt's step).
 struct cross_entropy_rows {
@@ -172,6 +199,7 @@ struct cross_entropy_rows {
   index_t C;
   float inv;
   std::int32_t ignore;
+  bool round = false;  ///< store the gradient rounded to bf16 (stored_as)
   index_t width() const noexcept { return C; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     const float* zr = z + r * C;
@@ -192,9 +220,10 @@ struct cross_entropy_rows {
     });
     if (t.leader()) loss[r] = std::log(static_cast<double>(sum)) + m - target;
     const float scale = inv / sum;
-    t.for_each(C, [&](index_t j) { qr[j] *= scale; });
-    t.sync();  // the lane that wrote q[label] is done before the leader changes it
-    if (t.leader()) qr[label] -= inv;
+    t.for_each(C, [&](index_t j) {  // the label's element less inv, in the same pass
+      const float g = qr[j] * scale;
+      qr[j] = stored_as(j == label ? g - inv : g, round);
+    });
   }
   std::int64_t bytes(index_t rows) const noexcept { return rows * (5 * C * 4 + 4 + 8); }
 };

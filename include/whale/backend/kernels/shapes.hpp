@@ -195,6 +195,12 @@ inline std::string type_after_k(std::string_view f) {
 }
 }  // namespace detail
 
+/// Whether K is a phase of a column reduction (a GPU's timing sorts by kind).
+template <class K> inline constexpr bool is_column_phase = false;
+template <ColumnBody B> inline constexpr bool is_column_phase<column_tile_sums<B>> = true;
+template <ColumnBody B> inline constexpr bool is_column_phase<column_tile_finish<B>> = true;
+template <ColumnBody B> inline constexpr bool is_column_phase<column_one_tile<B>> = true;
+
 /// The name of a kernel body's type without whale's namespaces, for the
 /// ledger and error messages: `layer_norm_forward`, `column_tile_sums<column_sums>`.
 template <class K> const std::string& kernel_name() {
