@@ -53,24 +53,40 @@ struct check_step {
   std::int64_t bytes(index_t) const noexcept { return 48; }
 };
 
+/// a * b + c rounded once (a fused multiply-add), on every backend. The rules
+/// below write each multiply-add as one, so that no compiler is left to
+/// choose which products to fuse: g++ contracts a * b + c at -O2 and above
+/// (-ffp-contract=fast, its default), and may choose differently in two
+/// loops over the same rule (the plain update and gated_update), which made
+/// trainer_options::log_every change the parameters' last bits.
+WHALE_HD WHALE_INLINE float madd(float a, float b, float c) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return __builtin_fmaf(a, b, c);  // an instruction in the CPU loops built for FMA (cpu/launch.hpp)
+#endif
+}
+
 // Each rule's apply(i, gi, keep): the update of element i with gradient gi,
 // or (keep) the element's values written back unchanged: a select rather
 // than a branch, so that a CPU loop under a runtime halt flag still vectorizes.
+// Every multiply-add is one madd.
 
-/// p -= lr (g + wd p), no momentum.
+/// p -= lr (g + wd p), no momentum: p + (-lr) (wd p + g), two multiply-adds.
 struct sgd_plain {
   float* p;
   const float* g;
   float lr, wd;
   WHALE_HD WHALE_INLINE void apply(index_t i, float gi, bool keep) const noexcept {
     const float pi = p[i];
-    const float next = pi - lr * (gi + wd * pi);
+    const float next = madd(-lr, madd(wd, pi, gi), pi);
     p[i] = keep ? pi : next;
   }
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { apply(i, g[i], false); }
   std::int64_t bytes(index_t n) const noexcept { return n * 12; }
 };
-/// buf = mu buf + (g + wd p) (buf = g + wd p on the first step); p -= lr buf.
+/// buf = mu buf + (g + wd p) (buf = g + wd p on the first step); p -= lr buf:
+/// buf = wd p + (mu buf + g), p = (-lr) buf + p, each sum a multiply-add.
 struct sgd_momentum {
   float* p;
   const float* g;
@@ -79,8 +95,8 @@ struct sgd_momentum {
   bool first;
   WHALE_HD WHALE_INLINE void apply(index_t i, float gi, bool keep) const noexcept {
     const float pi = p[i], bi = first ? 0.f : buf[i];
-    const float b = (first ? 0.f : mu * bi) + gi + wd * pi;
-    const float next = pi - lr * b;
+    const float b = madd(wd, pi, first ? gi : madd(mu, bi, gi));
+    const float next = madd(-lr, b, pi);
     if (first) buf[i] = keep ? 0.f : b;  // a halted first step leaves the buffer as make_state made it
     else buf[i] = keep ? bi : b;
     p[i] = keep ? pi : next;
@@ -89,7 +105,8 @@ struct sgd_momentum {
   std::int64_t bytes(index_t n) const noexcept { return n * (first ? 16 : 20); }
 };
 /// AdamW: m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
-/// p = p (1 - lr wd) - (lr / c1) m / (sqrt(v / c2) + eps), c1 and c2 the bias corrections.
+/// p = p (1 - lr wd) - (lr / c1) m / (sqrt(v / c2) + eps), c1 and c2 the bias
+/// corrections; the three sums are multiply-adds (b1 m, b2 v and p (1 - lr wd) fused).
 struct adamw_step {
   float* p;
   const float* g;
@@ -98,9 +115,9 @@ struct adamw_step {
   float b1, b2, step, inv_c2, decay, eps;
   WHALE_HD WHALE_INLINE void apply(index_t i, float gi, bool keep) const noexcept {
     const float m0 = m[i], v0 = v[i], p0 = p[i];
-    const float mi = b1 * m0 + (1.f - b1) * gi;
-    const float vi = b2 * v0 + (1.f - b2) * gi * gi;
-    const float pi = p0 * decay - step * mi / (std::sqrt(vi * inv_c2) + eps);
+    const float mi = madd(b1, m0, (1.f - b1) * gi);
+    const float vi = madd(b2, v0, (1.f - b2) * gi * gi);
+    const float pi = madd(p0, decay, -(step * mi / (std::sqrt(vi * inv_c2) + eps)));
     m[i] = keep ? m0 : mi;
     v[i] = keep ? v0 : vi;
     p[i] = keep ? p0 : pi;
