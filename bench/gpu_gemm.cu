@@ -157,7 +157,7 @@ struct fill_hashed {
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
     std::uint32_t h = static_cast<std::uint32_t>(i) * 2654435761u ^ salt;
     h ^= h >> 15, h *= 2246822519u, h ^= h >> 13;
-    x[i] = static_cast<float>(h >> 8) * (2.f / 16777216.f) - 1.f;
+    x[i] = (static_cast<float>(h >> 8) + 0.5f) * (2.f / 16777216.f) - 1.f;  // (k + 1/2) 2^-23 - 1: never 0
   }
 };
 }  // namespace

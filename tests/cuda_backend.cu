@@ -202,6 +202,49 @@ void backend_ref_on_gpu(cuda_backend& gpu) {
   check(kc::max_rel_diff(db_g, db_c) <= 1e-4, "backend_ref: db on the GPU against the CPU");
   std::printf("backend_ref: a linear layer's forward and weight gradients on the GPU match the CPU (bias gradient %s)\n",
               gpu.fused_bias_grads() > 0 ? "in the GEMM's epilogue" : "by a column reduction: cuBLASLt refused the epilogue");
+  // the weight gradients at shapes of multiples of 16, with db aligned and with db one float off (cuBLASLt
+  // takes the first or says no; either way the values are the CPU's to rounding)
+  {
+    const index_t R2 = 64, out2 = 32, in2 = 48;
+    std::vector<float> x2(R2 * in2), dy2(R2 * out2), dw_c2(out2 * in2), db_c2(out2);
+    for (std::size_t i = 0; i < x2.size(); ++i) x2[i] = static_cast<float>((i * 29) % 23) / 11.f - 1.f;
+    for (std::size_t i = 0; i < dy2.size(); ++i) dy2[i] = static_cast<float>((i * 13) % 19) / 9.f - 1.f;
+    host.linear_weight_grads(R2, out2, in2, dy2.data(), x2.data(), dw_c2.data(), db_c2.data(), false);
+    auto* dx2 = static_cast<float*>(gpu.allocate(x2.size() * 4));
+    auto* ddy2 = static_cast<float*>(gpu.allocate(dy2.size() * 4));
+    auto* ddw2 = static_cast<float*>(gpu.allocate(dw_c2.size() * 4));
+    auto* ddb2 = static_cast<float*>(gpu.allocate((db_c2.size() + 1) * 4));
+    gpu.copy(dx2, x2.data(), x2.size() * 4), gpu.copy(ddy2, dy2.data(), dy2.size() * 4);
+    for (const int off : {0, 1}) {
+      const auto fused_before = gpu.fused_bias_grads();
+      dev.linear_weight_grads(R2, out2, in2, ddy2, dx2, ddw2, ddb2 + off, false);
+      std::vector<float> dw_g2(dw_c2.size()), db_g2(db_c2.size());
+      dev.copy(dw_g2.data(), ddw2, dw_g2.size() * 4);
+      dev.copy(db_g2.data(), ddb2 + off, db_g2.size() * 4);
+      dev.synchronize();
+      const std::string what = std::string("weight gradients, db ") + (off ? "4 bytes off alignment" : "aligned") +
+                               (gpu.fused_bias_grads() > fused_before ? " (epilogue)" : " (column reduction)");
+      check(kc::max_rel_diff(dw_g2, dw_c2) <= 1e-4, what + ": dW against the CPU");
+      check(kc::max_rel_diff(db_g2, db_c2) <= 1e-4, what + ": db against the CPU");
+      std::printf("backend_ref: %s matches the CPU\n", what.c_str());
+    }
+    for (void* p : {static_cast<void*>(dx2), static_cast<void*>(ddy2), static_cast<void*>(ddw2), static_cast<void*>(ddb2)})
+      gpu.deallocate(p, 0);
+  }
+  // per-kind timing: a GEMM and a kernel body, each counted once under its kind
+  {
+    auto* buf = static_cast<float*>(gpu.allocate(64 * 64 * 4 * 3));
+    gpu.fill_zero(buf, 64 * 64 * 4 * 3);
+    gpu.set_kernel_timing(true);
+    dev.gemm(trans::no, trans::no, 64, 64, 64, 1.f, buf, buf + 4096, 0.f, buf + 8192);
+    dev.launch(4096, kernels::scale{buf, 2.f});
+    auto times = gpu.kernel_times();
+    gpu.set_kernel_timing(false);
+    check(times.count("gemm") == 1 && times["gemm"].calls == 1, "kernel timing: one GEMM counted");
+    check(times.count("elementwise") == 1 && times["elementwise"].calls == 1, "kernel timing: one body counted");
+    check(gpu.kernel_times().empty(), "kernel timing: the marks are forgotten once read");
+    gpu.deallocate(buf, 0);
+  }
 }
 
 // Causal attention as one backend call on the GPU against the CPU's steps:
@@ -234,7 +277,10 @@ void attention_on_gpu(cuda_backend& gpu) {
       for (std::size_t i = 0; i < x.size(); ++i) e = std::max(e, static_cast<double>(std::fabs(x[i] - ref[i])));
       return e / scale;
     };
-    for (const bool bf16 : {false, true}) {
+    for (const int mode : {0, 1, 2}) {  // fp32; bf16; bf16 with the forward's bf16 operands kept for the backward
+      const bool bf16 = mode > 0;
+      const index_t kept_floats = mode == 2 ? dev.attention_packed_floats(R, W, true) : 0;
+      float* kept = kept_floats ? static_cast<float*>(gpu.allocate(static_cast<std::size_t>(kept_floats) * 4)) : nullptr;
       auto* d_qkv = static_cast<float*>(gpu.allocate(qkv.size() * 4));
       auto* d_dout = static_cast<float*>(gpu.allocate(dout.size() * 4));
       auto* d_o = static_cast<float*>(gpu.allocate(o.size() * 4));
@@ -243,18 +289,21 @@ void attention_on_gpu(cuda_backend& gpu) {
       dev.copy(d_qkv, qkv.data(), qkv.size() * 4);
       dev.copy(d_dout, dout.data(), dout.size() * 4);
       const auto fused_before = gpu.fused_attention_calls();
-      dev.attention_forward(B, T, H, hd, d_qkv, d_o, d_lse, bf16);
-      dev.attention_backward(B, T, H, hd, d_qkv, d_o, d_lse, d_dout, d_dqkv, bf16);
+      dev.attention_forward(B, T, H, hd, d_qkv, d_o, d_lse, bf16, kept);
+      dev.attention_backward(B, T, H, hd, d_qkv, d_o, d_lse, d_dout, d_dqkv, bf16, kept);
       std::vector<float> o_g(o.size()), lse_g(lse.size()), dqkv_g(dqkv.size());
       dev.copy(o_g.data(), d_o, o_g.size() * 4);
       dev.copy(lse_g.data(), d_lse, lse_g.size() * 4);
       dev.copy(dqkv_g.data(), d_dqkv, dqkv_g.size() * 4);
       dev.synchronize();
       for (auto* p : {d_qkv, d_dout, d_o, d_lse, d_dqkv}) gpu.deallocate(p, 0);
+      if (kept) gpu.deallocate(kept, 0);
       const bool fused = gpu.fused_attention_calls() == fused_before + 2;
       const std::string what = "attention B " + std::to_string(B) + " T " + std::to_string(T) + " H " +
-                               std::to_string(H) + (bf16 ? (fused ? " (bf16, cuDNN)" : " (bf16, steps)") : " (fp32)");
-      const double tol = fused ? 2e-2 : 1e-4, dtol = fused ? 3e-2 : 1e-4;
+                               std::to_string(H) + (bf16 ? (fused ? " (bf16, cuDNN)" : " (bf16, steps)") : " (fp32)") +
+                               (kept ? ", operands kept" : "");
+      // bf16: the operands carry 8 bits, and o and d(qkv) are stored as bf16 (the steps round them too)
+      const double tol = bf16 ? 2e-2 : 1e-4, dtol = bf16 ? 3e-2 : 1e-4;
       const double eo = worst(o_g, o), el = worst(lse_g, lse), ed = worst(dqkv_g, dqkv);
       check(eo <= tol, what + ": output differs from the CPU by " + std::to_string(eo));
       check(el <= tol, what + ": log-sum-exp differs from the CPU by " + std::to_string(el));

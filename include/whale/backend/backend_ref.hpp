@@ -234,7 +234,7 @@ class backend_ref {
     launch(n * T, kernels::causal_softmax_forward{s.p, T, lse});
     gemm_strided_batched(trans::no, trans::no, T, hd, T, 1.f, s.p, T, tt, q + 2 * n * th, hd, th, 0.f, oh.p, hd, th,
                          n);
-    launch_rows(kernels::merge_heads{oh.p, o, out});
+    launch_rows(kernels::merge_heads{oh.p, o, out, bf16});  // under bf16 stored as bf16, as a fused call returns it
   }
   /// The backward of attention_forward: d(o) (B*T, W) to d(qkv) (B*T, 3W),
   /// from the forward's qkv and lse (o is for backends whose fused form reads
@@ -266,7 +266,7 @@ class backend_ref {
     gemm_strided_batched(trans::yes, trans::no, T, hd, T, 1.f, p.p, T, tt, dh.p, hd, th, 0.f, dv, hd, th, n);
     gemm_strided_batched(trans::no, trans::no, T, hd, T, scale, dp.p, T, tt, k, hd, th, 0.f, dq, hd, th, n);
     gemm_strided_batched(trans::yes, trans::no, T, hd, T, scale, dp.p, T, tt, q, hd, th, 0.f, dk, hd, th, n);
-    launch_rows(kernels::merge_heads{dheads.p, dqkv, in});
+    launch_rows(kernels::merge_heads{dheads.p, dqkv, in, bf16});
   }
 
   /// Floats a caller of attention_forward keeps as its `packed` buffer, for
@@ -316,9 +316,14 @@ class backend_ref {
       return cpu::launch(n, body);
     }
 #if defined(__CUDACC__)
-    const int t = ops_->time_begin ? ops_->time_begin(gpu_, kernel_class<K>(shape)) : -1;
+    struct timed {  // a GPU's per-kind timing, ended on every way out
+      const backend_ref& b;
+      int i;
+      ~timed() {
+        if (i >= 0) b.ops_->time_end(b.gpu_, i);
+      }
+    } const t{*this, ops_->time_begin ? ops_->time_begin(gpu_, kernel_class<K>(shape)) : -1};
     cuda_space::launch(n, body, static_cast<cudaStream_t>(stream_));
-    if (t >= 0) ops_->time_end(gpu_, t);
 #else
     (void)threads;
     no_nvcc();
@@ -442,7 +447,7 @@ class backend_ref {
     bool (*attention_fused)(void*);  // whether bf16 attention calls are fused; null: never
     void (*products)(void*, bool);  // bf16 products on or off; null: nothing to set
     int (*time_begin)(void*, const char*);  // a timed launch's start (-1: not timing); null: no timing
-    void (*time_end)(void*, int);
+    void (*time_end)(void*, int) noexcept;
   };
   template <class G> static constexpr bool host_executed_v = requires { requires G::host_executed; };
   template <class G> static void enter_of(void* g) {
@@ -486,9 +491,15 @@ class backend_ref {
     if constexpr (times_v<G>) return static_cast<G*>(g)->time_begin(what);
     else return (void)g, (void)what, -1;
   }
-  template <class G> static void time_end_of(void* g, int i) {
-    if constexpr (times_v<G>) static_cast<G*>(g)->time_end(i);
-    else (void)g, (void)i;
+  template <class G> static void time_end_of(void* g, int i) noexcept {
+    if constexpr (times_v<G>) {
+      try {
+        static_cast<G*>(g)->time_end(i);
+      } catch (...) {  // a failed event record loses one timing; the launch's own errors surface elsewhere
+      }
+    } else {
+      (void)g, (void)i;
+    }
   }
   template <class G>
   static constexpr table gpu_table{

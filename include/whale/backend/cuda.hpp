@@ -174,11 +174,12 @@ class cuda_backend {
   bool linear_weight_grads(const weight_grad_args& a) {
     if (a.R == 0 || a.out == 0 || a.in == 0 || a.db == nullptr) return false;
     // row-major dW (out x in) = dy^T (out x R) x (R x in): column-major dW^T = x^T dy, reduced over R
-    const timed t(*this, "gemm");
+    timed t(*this, "gemm");
     if (lt_gemm(trans::yes, trans::no, a.out, a.in, a.R, 1.f, a.dy, a.out, a.x, a.in, 0.f, a.dw, a.in, a.db)) {
       ++fused_bias_grads_;
       return true;
     }
+    t.cancel();  // nothing was queued: the caller's GEMM is timed instead
     if (!bias_grad_refused_)
       std::fprintf(stderr, "whale::cuda_backend: cuBLASLt has no bias-gradient epilogue for R %lld, out %lld, in %lld; "
                    "the bias gradients run as a column reduction\n", static_cast<long long>(a.R),
@@ -306,8 +307,10 @@ class cuda_backend {
     if (!backward || !kept) launch(R * 3 * W, kernels::pack_bf16{a.qkv, qkv16});
     if (!backward) {
       const block ws{*this, static_cast<std::size_t>(dnn::forward_workspace(att, a.B, a.T, a.H, a.hd))};
-      const timed t(*this, "attention");
-      dnn::forward(att, a.B, a.T, a.H, a.hd, qkv16, o16, a.lse, ws.p);
+      {
+        const timed t(*this, "attention");
+        dnn::forward(att, a.B, a.T, a.H, a.hd, qkv16, o16, a.lse, ws.p);
+      }
       launch(R * W, kernels::unpack_bf16{o16, a.o});
       ++fused_attention_calls_;
       return true;
@@ -343,7 +346,10 @@ class cuda_backend {
   /// "attention" (cuDNN's calls, or the batched-GEMM steps), and for kernel
   /// bodies "row", "column_reduction", "optimizer" and "elementwise" (the
   /// attention's bf16 packing included). kernel_times() waits for the queue,
-  /// sums what was marked since the last call and forgets it.
+  /// sums what was marked since the last call and forgets it. A pair of
+  /// events brackets what the stream ran between them: where the host queues
+  /// launches more slowly than the GPU runs them, the gaps count too, so
+  /// small kernels then read slower than they are.
   void set_kernel_timing(bool on) noexcept { timing_ = on; }
   struct kernel_time {
     double ms = 0;
@@ -381,6 +387,12 @@ class cuda_backend {
     in_timed_ = false;
     detail::cuda_check(cudaEventRecord(events_[static_cast<std::size_t>(i)].second, compute_), "cudaEventRecord");
   }
+  /// Forget mark `i`, the last one begun (a call that queued nothing after all).
+  void time_cancel(int i) noexcept {
+    if (i < 0 || static_cast<std::size_t>(i) + 1 != marks_.size()) return;
+    marks_.pop_back();
+    in_timed_ = false;
+  }
   /// How many attention calls (forward and backward) cuDNN ran so far.
   std::int64_t fused_attention_calls() const noexcept { return fused_attention_calls_; }
 
@@ -395,6 +407,11 @@ class cuda_backend {
         g.time_end(i);
       } catch (...) {
       }
+    }
+    /// Nothing was queued: forget the mark.
+    void cancel() noexcept {
+      g.time_cancel(i);
+      i = -1;
     }
     timed(const timed&) = delete;
     timed& operator=(const timed&) = delete;

@@ -154,7 +154,7 @@ template <class K> struct column_runner {
       for (index_t r = r0; r < r1; ++r)
         for (index_t c = 0; c < w; ++c) {
           body.load(r, c0 + c, v);
-          for (int a = 0; a < A; ++a) tile[a][c] += v[a];
+          for (int a = 0; a < A; ++a) tile[a][c] = kernels::madd(v[a], 1.f, tile[a][c]);  // as column_tile_sums adds
         }
       for (int a = 0; a < A; ++a)
         for (index_t c = 0; c < w; ++c) total[a][c] += tile[a][c];

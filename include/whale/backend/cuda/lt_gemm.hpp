@@ -7,8 +7,9 @@
 // dW = dy^T x and db = the column sums of dy in one call instead of a GEMM
 // and a column reduction. A plan (descriptors and the algorithm cuBLASLt's
 // heuristic picked) is made once per shape, mode, epilogue and operand
-// alignment and kept; a shape cuBLASLt has no algorithm for is remembered
-// too, and the caller then runs its unfused steps.
+// alignment and kept; a shape cuBLASLt has no algorithm for (at the
+// heuristic, or CUBLAS_STATUS_NOT_SUPPORTED at the call) is remembered too,
+// and the caller then runs its unfused steps.
 #pragma once
 
 #include <cublasLt.h>
@@ -99,15 +100,19 @@ class gemms {
     const key kk{m, n, k, lda, ldb, ldc, ta, tb, beta != 0.f, math, epi,
                  alignment(A), alignment(B), alignment(C), bias_grad ? alignment(bias_grad) : 256u};
     auto it = plans_.find(kk);
-    if (it == plans_.end()) it = plans_.emplace(kk, make(kk)).first;
-    const plan& p = *it->second;
+    if (it == plans_.end()) it = plans_.emplace(kk, make(kk, bias_grad)).first;
+    plan& p = *it->second;
     if (!p.ok) return false;
     if (bias_grad)
       check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_grad, sizeof bias_grad),
             "cublasLtMatmulDescSetAttribute (bias pointer)");
-    check(cublasLtMatmul(handle_, p.op, &alpha, A, p.a, B, p.b, &beta, C, p.c, C, p.c, &p.algo, workspace,
-                         workspace_bytes, stream),
-          "cublasLtMatmul");
+    const cublasStatus_t s = cublasLtMatmul(handle_, p.op, &alpha, A, p.a, B, p.b, &beta, C, p.c, C, p.c, &p.algo,
+                                            workspace, workspace_bytes, stream);
+    if (s == CUBLAS_STATUS_NOT_SUPPORTED) {  // refused at the call after all: remembered, and the caller's steps run
+      p.ok = false;
+      return false;
+    }
+    check(s, "cublasLtMatmul");
     return true;
   }
   /// Plans made so far, and how many of them cuBLASLt had no algorithm for.
@@ -119,7 +124,8 @@ class gemms {
   }
 
  private:
-  std::unique_ptr<plan> make(const key& k) const {
+  /// `bias_grad`: the call's bias pointer, set before the heuristic looks (it judges its alignment).
+  std::unique_ptr<plan> make(const key& k, float* bias_grad) const {
     auto p = std::make_unique<plan>();
     const cublasComputeType_t compute = k.math == gemm_math::bf16   ? CUBLAS_COMPUTE_32F_FAST_16BF
                                         : k.math == gemm_math::tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32
@@ -134,6 +140,8 @@ class gemms {
       const cudaDataType_t bias_type = CUDA_R_32F;
       check(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type),
             "set BIAS_DATA_TYPE");
+      check(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_grad, sizeof bias_grad),
+            "set BIAS_POINTER");
     }
     // stored shapes: op(A) is m x k, op(B) is k x n
     check(cublasLtMatrixLayoutCreate(&p->a, CUDA_R_32F, k.ta ? k.k : k.m, k.ta ? k.m : k.k, k.lda), "layout A");

@@ -10,6 +10,20 @@
 
 namespace whale::kernels {
 
+/// a * b + c rounded once (a fused multiply-add), on every backend: an
+/// instruction in the CPU loops built for FMA (cpu/launch.hpp) and on a GPU.
+/// Where two code paths must give the same bits (a CPU loop and a device's
+/// shape of the same sums), each multiply-add is written as one, so that an
+/// optimizing compiler has no product left to fuse one way in one loop and
+/// another way in the other.
+WHALE_HD WHALE_INLINE float madd(float a, float b, float c) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return __builtin_fmaf(a, b, c);
+#endif
+}
+
 /// e^x for float x; relative error < 3e-7 where the result is a normal float.
 /// Saturates instead of overflowing: about 1e-38 for x < -87, at most 2.4e38 for
 /// x > 88 (so exp(-inf) is ~1e-38, not 0). Branch-free and built only from

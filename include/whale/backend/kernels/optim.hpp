@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "whale/backend/kernel.hpp"
+#include "whale/backend/kernels/math.hpp"
 
 namespace whale::kernels {
 
@@ -53,24 +54,14 @@ struct check_step {
   std::int64_t bytes(index_t) const noexcept { return 48; }
 };
 
-/// a * b + c rounded once (a fused multiply-add), on every backend. The rules
-/// below write each multiply-add as one, so that no compiler is left to
-/// choose which products to fuse: g++ contracts a * b + c at -O2 and above
-/// (-ffp-contract=fast, its default), and may choose differently in two
-/// loops over the same rule (the plain update and gated_update), which made
-/// trainer_options::log_every change the parameters' last bits.
-WHALE_HD WHALE_INLINE float madd(float a, float b, float c) noexcept {
-#if defined(__CUDA_ARCH__)
-  return __fmaf_rn(a, b, c);
-#else
-  return __builtin_fmaf(a, b, c);  // an instruction in the CPU loops built for FMA (cpu/launch.hpp)
-#endif
-}
-
 // Each rule's apply(i, gi, keep): the update of element i with gradient gi,
 // or (keep) the element's values written back unchanged: a select rather
 // than a branch, so that a CPU loop under a runtime halt flag still vectorizes.
-// Every multiply-add is one madd.
+// Every multiply-add is one madd (kernels/math.hpp), so that no compiler is left to
+// choose which products to fuse: g++ contracts a * b + c at -O2 and above
+// (-ffp-contract=fast, its default) and may choose differently in two loops
+// over the same rule (the plain update and gated_update), which made
+// trainer_options::log_every change the parameters' last bits.
 
 /// p -= lr (g + wd p), no momentum: p + (-lr) (wd p + g), two multiply-adds.
 struct sgd_plain {

@@ -136,7 +136,7 @@ template <ColumnBody K> struct column_tile_sums {
     float acc[A] = {}, v[A];
     for (index_t r = t * row_tile; r < r1; ++r) {
       body.load(r, c, v);
-      for (int a = 0; a < A; ++a) acc[a] += v[a];
+      for (int a = 0; a < A; ++a) acc[a] = madd(v[a], 1.f, acc[a]);  // v + acc: no product left to fuse into it
     }
     for (int a = 0; a < A; ++a) partial[i * A + a] = acc[a];
   }
@@ -167,7 +167,7 @@ template <ColumnBody K> struct column_one_tile {
     float tile[A] = {}, acc[A] = {}, v[A];
     for (index_t r = 0; r < R; ++r) {
       body.load(r, c, v);
-      for (int a = 0; a < A; ++a) tile[a] += v[a];
+      for (int a = 0; a < A; ++a) tile[a] = madd(v[a], 1.f, tile[a]);
     }
     for (int a = 0; a < A; ++a) acc[a] += tile[a];
     body.store(c, acc);
