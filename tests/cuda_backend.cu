@@ -93,26 +93,30 @@ void gemms(cuda_backend& gpu) {
   auto* dA = static_cast<float*>(gpu.allocate(A.size() * 4));
   auto* dB = static_cast<float*>(gpu.allocate(B.size() * 4));
   auto* dC = static_cast<float*>(gpu.allocate(C0.size() * 4));
-  gpu.copy(dA, A.data(), A.size() * 4);
-  gpu.copy(dB, B.data(), B.size() * 4);
-  for (bool tf32 : {false, true}) {
-    gpu.set_tf32(tf32);
+  // C = 0.5 op(A) op(B) + 2 C in the four transposes, in the backend's math `m`, against OpenBLAS
+  auto transposes = [&](gemm_math m, const std::vector<float>& a, const std::vector<float>& b, double tol,
+                        const char* what) {
+    gpu.copy(dA, a.data(), a.size() * 4);
+    gpu.copy(dB, b.data(), b.size() * 4);
+    gpu.set_math(m);
     for (int t = 0; t < 4; ++t) {
       const trans ta = t & 1 ? trans::yes : trans::no, tb = t & 2 ? trans::yes : trans::no;
       const index_t lda = ta == trans::yes ? M : K, ldb = tb == trans::yes ? K : N;
       Cc = C0;
-      cpu::gemm(ta, tb, M, N, K, 0.5f, A.data(), lda, B.data(), ldb, 2.f, Cc.data(), N);
+      cpu::gemm(ta, tb, M, N, K, 0.5f, a.data(), lda, b.data(), ldb, 2.f, Cc.data(), N);
       gpu.copy(dC, C0.data(), C0.size() * 4);
       gpu.gemm(ta, tb, M, N, K, 0.5f, dA, lda, dB, ldb, 2.f, dC, N);
       gpu.copy(Cg.data(), dC, Cg.size() * 4);
       gpu.synchronize();
       const double d = kc::max_rel_diff(Cg, Cc);
-      // fp32: summation order only (1e-5); TF32 rounds inputs to 10 bits (relative 1e-3 of |C| ~ K)
-      check(d <= (tf32 ? 5e-2 : 1e-5), "gemm ta=" + std::to_string(t & 1) + " tb=" + std::to_string(t >> 1) +
-                                           (tf32 ? " tf32" : " fp32") + ": difference " + std::to_string(d));
+      check(d <= tol, "gemm ta=" + std::to_string(t & 1) + " tb=" + std::to_string(t >> 1) + " " + what +
+                          ": difference " + std::to_string(d));
     }
-  }
-  gpu.set_tf32(false);
+    gpu.set_math(gemm_math::fp32);
+  };
+  // fp32: summation order only (1e-5); TF32 rounds inputs to 10 bits (relative 1e-3 of |C| ~ K)
+  transposes(gemm_math::fp32, A, B, 1e-5, "fp32");
+  transposes(gemm_math::tf32, A, B, 5e-2, "tf32");
   // strided-batched: 3 problems
   const index_t count = 3, m = 8, n = 9, k = 10;
   std::vector<float> a(count * m * k), bb(count * k * n), cc(count * m * n, 0.f), cg(count * m * n);
@@ -142,24 +146,9 @@ void gemms(cuda_backend& gpu) {
   gpu.copy(Cg.data(), dC, Cg.size() * 4);
   gpu.synchronize();
   check(kc::max_rel_diff(Cg, Cc) <= 1e-4, "bf16 gemm against the CPU on bf16-rounded inputs");
-  // the layers' bf16 GEMMs: fp32 operands holding bf16 values, cuBLASLt's bf16 math (32F_FAST_16BF), in
-  // the four transposes: exact products, fp32 sums in another order (1e-5, as fp32)
-  gpu.copy(dA, Ar.data(), Ar.size() * 4), gpu.copy(dB, Br.data(), Br.size() * 4);
-  gpu.set_math(gemm_math::bf16);
-  for (int t = 0; t < 4; ++t) {
-    const trans ta = t & 1 ? trans::yes : trans::no, tb = t & 2 ? trans::yes : trans::no;
-    const index_t lda = ta == trans::yes ? M : K, ldb = tb == trans::yes ? K : N;
-    Cc = C0;
-    cpu::gemm(ta, tb, M, N, K, 0.5f, Ar.data(), lda, Br.data(), ldb, 2.f, Cc.data(), N);
-    gpu.copy(dC, C0.data(), C0.size() * 4);
-    gpu.gemm(ta, tb, M, N, K, 0.5f, dA, lda, dB, ldb, 2.f, dC, N);
-    gpu.copy(Cg.data(), dC, Cg.size() * 4);
-    gpu.synchronize();
-    const double d = kc::max_rel_diff(Cg, Cc);
-    check(d <= 1e-5, "gemm in bf16 math on bf16 values, ta=" + std::to_string(t & 1) + " tb=" + std::to_string(t >> 1) +
-                         ": difference " + std::to_string(d));
-  }
-  gpu.set_math(gemm_math::fp32);
+  // the layers' bf16 GEMMs: fp32 operands holding bf16 values, cuBLASLt's bf16 math (32F_FAST_16BF):
+  // exact products, fp32 sums in another order (1e-5, as fp32)
+  transposes(gemm_math::bf16, Ar, Br, 1e-5, "bf16 math on bf16 values");
   std::printf("gemms: cuBLASLt plans %s\n", gpu.lt_refused_plans() ? "partly refused (cuBLAS ran those)" : "all taken");
   for (void* p : {static_cast<void*>(dA), static_cast<void*>(dB), static_cast<void*>(dC), static_cast<void*>(da),
                   static_cast<void*>(db), static_cast<void*>(dc), dA16, dB16})
@@ -302,8 +291,8 @@ void attention_on_gpu(cuda_backend& gpu) {
       const std::string what = "attention B " + std::to_string(B) + " T " + std::to_string(T) + " H " +
                                std::to_string(H) + (bf16 ? (fused ? " (bf16, cuDNN)" : " (bf16, steps)") : " (fp32)") +
                                (kept ? ", operands kept" : "");
-      // bf16: the operands carry 8 bits, and o and d(qkv) are stored as bf16 (the steps round them too)
-      const double tol = bf16 ? 2e-2 : 1e-4, dtol = bf16 ? 3e-2 : 1e-4;
+      // cuDNN: bf16 operands carry 8 bits, and o and d(qkv) come back as bf16; the steps run in fp32
+      const double tol = fused ? 2e-2 : 1e-4, dtol = fused ? 3e-2 : 1e-4;
       const double eo = worst(o_g, o), el = worst(lse_g, lse), ed = worst(dqkv_g, dqkv);
       check(eo <= tol, what + ": output differs from the CPU by " + std::to_string(eo));
       check(el <= tol, what + ": log-sum-exp differs from the CPU by " + std::to_string(el));

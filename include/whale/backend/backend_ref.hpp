@@ -139,7 +139,9 @@ class backend_ref {
   }
   /// bf16 mixed precision's GEMMs from here on (`on`), or no longer: a GPU
   /// then multiplies on its bf16 tensor cores, the operands converted to bf16
-  /// (exact: every GEMM operand of whale's layers is a bf16 value under bf16).
+  /// (exact where the operands are bf16 values, as whale's layers store them
+  /// under bf16; attention's unfused steps keep o and d(qkv) in fp32, which
+  /// such GEMMs then round).
   /// The trainer sets it around each step it runs in bf16. Nothing elsewhere
   /// (the CPU's and the guarded backend's products are exact in fp32 anyway).
   void bf16_products(bool on) const {
@@ -234,7 +236,7 @@ class backend_ref {
     launch(n * T, kernels::causal_softmax_forward{s.p, T, lse});
     gemm_strided_batched(trans::no, trans::no, T, hd, T, 1.f, s.p, T, tt, q + 2 * n * th, hd, th, 0.f, oh.p, hd, th,
                          n);
-    launch_rows(kernels::merge_heads{oh.p, o, out, bf16});  // under bf16 stored as bf16, as a fused call returns it
+    launch_rows(kernels::merge_heads{oh.p, o, out});
   }
   /// The backward of attention_forward: d(o) (B*T, W) to d(qkv) (B*T, 3W),
   /// from the forward's qkv and lse (o is for backends whose fused form reads
@@ -266,7 +268,7 @@ class backend_ref {
     gemm_strided_batched(trans::yes, trans::no, T, hd, T, 1.f, p.p, T, tt, dh.p, hd, th, 0.f, dv, hd, th, n);
     gemm_strided_batched(trans::no, trans::no, T, hd, T, scale, dp.p, T, tt, k, hd, th, 0.f, dq, hd, th, n);
     gemm_strided_batched(trans::yes, trans::no, T, hd, T, scale, dp.p, T, tt, q, hd, th, 0.f, dk, hd, th, n);
-    launch_rows(kernels::merge_heads{dheads.p, dqkv, in, bf16});
+    launch_rows(kernels::merge_heads{dheads.p, dqkv, in});
   }
 
   /// Floats a caller of attention_forward keeps as its `packed` buffer, for

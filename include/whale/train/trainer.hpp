@@ -441,7 +441,7 @@ class trainer {
       be.copy(master.data(), p.data(), p.bytes());
       master_ = &master;
       be.launch(p.numel(), kernels::to_bf16{p.data()});
-      be.bf16_products(true);  // a GPU's GEMMs on its bf16 tensor cores: every operand is a bf16 value now
+      be.bf16_products(true);  // a GPU's GEMMs on its bf16 tensor cores: the layers' operands are bf16 values
     }
     weights_scope(const weights_scope&) = delete;
     weights_scope& operator=(const weights_scope&) = delete;

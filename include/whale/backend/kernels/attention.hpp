@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstdint>
 
-#include "whale/backend/kernels/elementwise.hpp"
 #include "whale/backend/kernels/math.hpp"
 #include "whale/backend/kernels/shapes.hpp"
 
@@ -50,13 +49,12 @@ struct merge_heads {
   const float* x;
   float* y;
   head_layout l;
-  bool round = false;  ///< store y rounded to bf16 (stored_as): attention's result under bf16
   index_t width() const noexcept { return l.hd; }
   index_t rows() const noexcept { return l.elements() / l.hd; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     const float* src = x + r * l.hd;
     float* dst = y + l.token_major(r * l.hd);
-    t.for_each(l.hd, [&](index_t d) { dst[d] = stored_as(src[d], round); });
+    t.for_each(l.hd, [&](index_t d) { dst[d] = src[d]; });
   }
   std::int64_t bytes(index_t rows) const noexcept { return rows * l.hd * 8; }
 };
