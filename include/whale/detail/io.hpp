@@ -36,7 +36,19 @@ inline std::string output_path_problem(const std::string& path) {
   return {};
 }
 
-/// Write `data` to `path` atomically: `path.tmp.<pid>`, flushed to disk, then renamed over `path`.
+/// Flush directory `dir`'s entries to disk (what a rename or a new file in it
+/// changed), so they survive a power loss. Throws naming `what` and the directory.
+inline void sync_directory(const std::string& dir, const std::string& what) {
+  const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) throw std::runtime_error(what + ": cannot open the directory '" + dir + "' to sync it: " + system_reason(errno));
+  const int rc = ::fsync(fd), err = errno;
+  ::close(fd);
+  if (rc != 0 && err != EINVAL)  // EINVAL: a file system that does not sync directories
+    throw std::runtime_error(what + ": cannot sync the directory '" + dir + "': " + system_reason(err));
+}
+
+/// Write `data` to `path` atomically: `path.tmp.<pid>`, flushed to disk, then
+/// renamed over `path`, and the directory synced.
 /// Throws std::runtime_error naming `what`, the file and the system's reason; the temporary is removed.
 inline void write_file_atomically(const std::string& path, std::string_view data, const std::string& what) {
   const std::string tmp = path + ".tmp." + std::to_string(::getpid());
@@ -58,6 +70,8 @@ inline void write_file_atomically(const std::string& path, std::string_view data
   }
   if (std::fclose(f) != 0) fail("write", errno);
   if (std::rename(tmp.c_str(), path.c_str()) != 0) fail("rename the finished temporary file to", errno);
+  const auto slash = path.find_last_of('/');
+  sync_directory(slash == std::string::npos ? "." : (slash == 0 ? "/" : path.substr(0, slash)), what);
 }
 
 }  // namespace whale::detail

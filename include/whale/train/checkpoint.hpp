@@ -29,6 +29,7 @@
 #include "whale/optim/optimizer.hpp"
 #include "whale/plan/describe.hpp"
 #include "whale/plan/program.hpp"
+#include "whale/train/checkpoint_dir.hpp"
 #include "whale/train/checkpoint_format.hpp"
 
 namespace whale {
@@ -39,6 +40,7 @@ struct checkpoint_info {
   std::int64_t step = 0;      ///< the data step to train next (steps done so far)
   std::string plan, mesh;     ///< what it was saved under
   int ranks = 1;
+  std::string note;           ///< a complete folder an interrupted save left aside, and how to use it ("" if none)
 };
 
 /// A network whose parameters a checkpoint can address: a single-process
@@ -145,6 +147,14 @@ inline void agree(world_comm* c, const std::string& err) {
   throw std::runtime_error(first == c->rank() ? msg : "rank " + std::to_string(first) + " reports: " + msg);
 }
 template <class Net> void agree(Net& net, const std::string& err) { agree(world_of(net), err); }
+/// Rank 0's `s` on every rank (`c` null: a single process).
+inline void share(world_comm* c, std::string& s) {
+  if (!c) return;
+  std::int64_t n = static_cast<std::int64_t>(s.size());
+  broadcast(*c, view<std::int64_t>(&n, {1}), 0);
+  s.resize(static_cast<std::size_t>(n));
+  if (n > 0) broadcast(*c, view<char>(s.data(), {static_cast<index_t>(n)}), 0);
+}
 template <class F> std::string catching(F&& f) {
   try {
     f();
@@ -248,17 +258,22 @@ template <class Net, class Opt> target target_of(Net& net, const Opt& opt, typen
 /// save_checkpoint's work, for any network (see there).
 inline std::string save(const std::string& dir, target& t, std::int64_t step, int keep_last) {
   namespace fs = std::filesystem;
+  static constexpr const char* who = "whale::save_checkpoint";
   std::string err;
-  const std::string final_dir = dir + "/" + step_name(step), part = final_dir + ".partial";
+  const std::string name = step_name(step), final_dir = dir + "/" + name;
+  std::string part = final_dir + ".partial-" + job_token();  // this job's own: never another job's folder
   if (t.rank == 0) err = catching([&] {
     if (dir.empty()) throw std::invalid_argument("whale::save_checkpoint: the checkpoint directory is empty");
     std::error_code ec;
     fs::create_directories(dir, ec);
     if (ec) throw std::runtime_error("whale::save_checkpoint: cannot create '" + dir + "': " + ec.message());
-    fs::remove_all(part, ec);
+    hold_folder(dir, who);
+    fs::remove_all(part, ec);  // this job's own leftover of the same step
     if (!fs::create_directory(part, ec)) throw std::runtime_error("whale::save_checkpoint: cannot create '" + part + "': " + ec.message());
+    save_point("partial folder made");
   });
   agree(t.comm, err);
+  share(t.comm, part);
   const auto& names = t.expected.vectors;
   file_rec mine;
   err = catching([&] {
@@ -268,6 +283,7 @@ inline std::string save(const std::string& dir, target& t, std::int64_t step, in
       throw std::logic_error("whale::save_checkpoint: the optimizer state has " + std::to_string(t.state.size()) + " vectors, expected " +
                              std::to_string(names.size() - 1));
     mine = write_shard(part + "/" + rank_file(t.rank), t.L.mine, vecs);
+    save_point("shard written");
   });
   agree(t.comm, err);
   std::vector<std::int64_t> recs(static_cast<std::size_t>(2 * t.world), 0);
@@ -281,19 +297,22 @@ inline std::string save(const std::string& dir, target& t, std::int64_t step, in
     for (int r = 0; r < t.world; ++r)
       m.files.push_back({rank_file(r), static_cast<std::uint64_t>(recs[static_cast<std::size_t>(2 * r)]),
                          static_cast<std::uint64_t>(recs[static_cast<std::size_t>(2 * r + 1)])});
-    detail::write_file_atomically(part + "/meta.txt", m.text(), "whale::save_checkpoint");
-    std::error_code ec;
-    if (fs::exists(final_dir)) fs::remove_all(final_dir, ec);
-    fs::rename(part, final_dir, ec);
-    if (ec) throw std::runtime_error("whale::save_checkpoint: cannot rename '" + part + "' to '" + final_dir + "': " + ec.message());
-    if (keep_last > 0) {
+    detail::write_file_atomically(part + "/meta.txt", m.text(), who);  // last: a folder with meta.txt is complete
+    save_point("metadata written");
+    publish(dir, part, final_dir, who);
+    set_latest(dir, name, who);
+    if (keep_last > 0) {  // the oldest other steps, never the one just written (which may be older than some)
       std::vector<std::string> steps;
+      std::error_code ec;
       for (const auto& e : fs::directory_iterator(dir)) {
         const auto n = e.path().filename().string();
-        if (is_step_name(n)) steps.push_back(n);
+        if (is_step_name(n) && n != name) steps.push_back(n);
       }
       std::sort(steps.begin(), steps.end());
-      for (std::size_t i = 0; i + static_cast<std::size_t>(keep_last) < steps.size(); ++i) fs::remove_all(dir + "/" + steps[i], ec);
+      for (std::size_t i = 0; i + static_cast<std::size_t>(keep_last) < steps.size() + 1; ++i) {
+        fs::remove_all(dir + "/" + steps[i], ec);
+        save_point("older step removed");
+      }
     }
   });
   agree(t.comm, err);
@@ -306,12 +325,21 @@ inline checkpoint_info load(const std::string& path, target& t) {
   checkpoint_info info;
   meta m;
   std::string err = catching([&] {
+    std::vector<std::string> left;
     if (fs::exists(fs::path(path) / "meta.txt")) info.dir = path;
-    else if (fs::is_directory(path)) info.dir = latest(path);
+    else if (fs::is_directory(path)) info.dir = latest(path), left = leftovers(path);
+    if (info.dir.empty() && !left.empty())
+      throw std::runtime_error("whale::load_checkpoint: '" + path + "' holds no complete checkpoint in place, but " + leftover_note(left));
     if (info.dir.empty())
       throw std::runtime_error("whale::load_checkpoint: '" + path + "' is neither a checkpoint step directory (with meta.txt) nor a "
                                "directory holding one (step-<N>/meta.txt)");
     m = parse_meta(info.dir + "/meta.txt");
+    if (const auto base = fs::path(info.dir).filename().string(); is_step_name(base) && base != step_name(m.step))
+      throw std::runtime_error("whale::load_checkpoint: '" + info.dir + "/meta.txt' says step " + std::to_string(m.step) +
+                               ", its folder's name another: the folder was renamed or its metadata damaged");
+    info.note = leftover_note(left);
+    if (!is_step_name(fs::path(info.dir).filename().string()))
+      info.note = "the step 'latest' names is missing (a re-save was interrupted); loaded '" + info.dir + "' instead; " + info.note;
     // the same model: the same unsplit tensors in the same order (any plan of it)
     const auto& e = t.expected;
     const auto where = "whale::load_checkpoint: '" + info.dir + "' ";

@@ -11,7 +11,8 @@
 //                     u64 floats per vector, slices × (u64 first, u64 count),
 //                     then vectors × floats little-endian f32 (parameters, then
 //                     each optimizer vector), slice after slice.
-// It is written under <dir>/step-<S>.partial/ and renamed when complete.
+// It is written under <dir>/step-<S>.partial-<job>/ and put in place when
+// complete (train/checkpoint_dir.hpp).
 #pragma once
 
 #include <algorithm>
@@ -25,6 +26,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "whale/detail/io.hpp"
@@ -36,7 +38,9 @@ namespace whale::ckpt {
 static_assert(std::endian::native == std::endian::little, "whale checkpoints are little-endian files written from memory");
 
 inline constexpr char magic[8] = {'W', 'H', 'A', 'L', 'E', 'C', 'K', '1'};
-inline constexpr int format_version = 1;
+/// The metadata's format: 2 ends meta.txt with a checksum of every line before
+/// it; version 1 (no checksum) is still read.
+inline constexpr int format_version = 2;
 
 /// A run of this rank's flat parameter buffer and where it lies in the unsplit model.
 struct piece {
@@ -128,13 +132,42 @@ struct meta {
     o << "\n";
     for (const auto& u : units) o << "unit " << u.offset << " " << u.count << " " << u.name << "\n";
     for (const auto& f : files) o << "file " << f.bytes << " " << hex64(f.checksum) << " " << f.name << "\n";
-    return o.str();
+    std::string body = o.str();
+    return body + "checksum " + hex64(checksum_of(body)) + "\n";
+  }
+  /// The checksum meta.txt's last line records: of every byte before that line.
+  static std::uint64_t checksum_of(std::string_view body) {
+    hasher h;
+    h.add(body.data(), body.size());
+    return h.value();
   }
 };
 
+/// meta.txt at `path`, parsed and checked: its checksum (version 2), every
+/// entry, and that it names one file per rank. Throws naming the file and line.
 inline meta parse_meta(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw std::runtime_error("the checkpoint's metadata '" + path + "' cannot be read: " + detail::system_reason(errno));
+  std::string text;
+  {
+    std::ifstream f(path, std::ios::binary);
+    if (!f) throw std::runtime_error("the checkpoint's metadata '" + path + "' cannot be read: " + detail::system_reason(errno));
+    std::ostringstream all;
+    all << f.rdbuf();
+    text = all.str();
+  }
+  if (text.rfind("whale-checkpoint 2\n", 0) == 0) {  // version 2: the last line is the checksum of the rest
+    const auto last = text.rfind("checksum ", text.size() >= 2 ? text.size() - 2 : 0);
+    const bool at_line = last != std::string::npos && last > 0 && text[last - 1] == '\n' && text.back() == '\n';
+    if (!at_line)
+      throw std::runtime_error("the checkpoint's metadata '" + path + "' has no checksum line at its end: it was cut short or edited; "
+                               "nothing was loaded");
+    const std::string recorded = text.substr(last + 9, text.size() - last - 10);
+    const std::string actual = hex64(meta::checksum_of(std::string_view(text).substr(0, last)));
+    if (recorded != actual)
+      throw std::runtime_error("the checkpoint's metadata '" + path + "' fails its checksum (" + actual + ", its last line says " +
+                               recorded + "): it was edited or damaged; nothing was loaded");
+    text.resize(last);
+  }
+  std::istringstream in(text);
   meta m;
   std::string line;
   int n = 0;
@@ -161,7 +194,8 @@ inline meta parse_meta(const std::string& path) {
     std::string a, b;
     if (n == 1) {
       if (key != "whale-checkpoint") bad("not a whale checkpoint (the first line is not 'whale-checkpoint 1')");
-      if (rest != std::to_string(format_version)) bad("format version " + rest + ", this build reads version " + std::to_string(format_version));
+      if (rest != "1" && rest != std::to_string(format_version))
+        bad("format version " + rest + ", this build reads versions 1 and " + std::to_string(format_version));
       header = true;
     } else if (key == "model") m.model = rest;
     else if (key == "plan") m.plan = rest;
@@ -192,6 +226,9 @@ inline meta parse_meta(const std::string& path) {
   }
   if (!header) throw std::runtime_error("the checkpoint's metadata '" + path + "' is empty");
   if (m.files.empty() || m.vectors.empty() || m.units.empty()) bad("incomplete (no files, vectors or units): the save did not finish");
+  if (m.files.size() != static_cast<std::size_t>(m.ranks))
+    throw std::runtime_error("the checkpoint's metadata '" + path + "' names " + std::to_string(m.files.size()) + " shard files for " +
+                             std::to_string(m.ranks) + " ranks: it is damaged");
   return m;
 }
 
@@ -317,19 +354,6 @@ inline void read_shards(const std::string& dir, const meta& m, std::vector<vec_d
       c.d->got[c.need] += static_cast<index_t>(c.n);
     }
   }
-}
-
-/// The newest complete checkpoint (a step-* directory with its meta.txt) in `dir`, or "".
-inline std::string latest(const std::string& dir) {
-  std::error_code ec;
-  std::string best;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string n = e.path().filename().string();
-    if (is_step_name(n) &&
-        std::filesystem::exists(e.path() / "meta.txt") && n > best)
-      best = n;
-  }
-  return best.empty() ? best : dir + "/" + best;
 }
 
 }  // namespace whale::ckpt

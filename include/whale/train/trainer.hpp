@@ -136,6 +136,7 @@ class trainer {
           if (ec) err = "cannot create it: " + ec.message();
           else err = detail::output_path_problem(o_.checkpoint_dir + "/.whale-probe");
           if (!err.empty()) err = "whale::trainer: the checkpoint directory (trainer_options::checkpoint_dir, --save) '" + o_.checkpoint_dir + "': " + err + "; nothing was run";
+          else if (err = ckpt::catching([&] { ckpt::hold_folder(o_.checkpoint_dir, "whale::trainer"); }); !err.empty()) err += "; nothing was run";
         }
         ckpt::agree(net_, err);
       }
@@ -487,10 +488,13 @@ class trainer {
       if constexpr (checkpoints) {
         if (o_.resume && !resumed_) {
           resumed_ = true;
-          if (!ckpt::latest(o_.checkpoint_dir).empty()) {
+          // a directory with only what an interrupted save left aside is not a fresh start: load says so
+          if (!ckpt::latest(o_.checkpoint_dir).empty() || !ckpt::leftovers(o_.checkpoint_dir).empty()) {
             const auto info = load(o_.checkpoint_dir);
-            if (o_.progress && net_.rank() == 0 && o_.out)
+            if (o_.progress && net_.rank() == 0 && o_.out) {
               std::fprintf(o_.out, "resumed from %s (step %lld, saved under %s)\n", info.dir.c_str(), static_cast<long long>(info.step), info.plan.c_str());
+              if (!info.note.empty()) std::fprintf(o_.out, "note: %s\n", info.note.c_str());
+            }
           }
         }
       }
