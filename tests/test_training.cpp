@@ -415,3 +415,29 @@ TEST_CASE("checkpoints: a second job saving to the same directory is refused, na
   CHECK_NOTHROW(trainer(s.net, s.opt, o));  // the same job again: it holds the directory already
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("a data source that returns fewer rows than asked is an error naming the step, not a wrong loss") {
+  struct short_data {  // the teacher's batches, cut to `rows` rows from step 1 on (a reader at the end of its data)
+    using input_type = float;
+    teacher_data inner{seed{2}, 32, 16, 16};
+    index_t rows;
+    index_t global_batch() const { return inner.global_batch(); }
+    index_t seq() const { return 1; }
+    batch_view<float> get(std::int64_t s, index_t begin, index_t count) {
+      auto b = inner.get(s, begin, count);
+      if (s == 0) return b;
+      return {cview<float>(b.inputs.data(), {rows, 32}), cview<std::int32_t>(b.labels.data(), {rows}), rows, 1};
+    }
+  };
+  for (const index_t rows : {13, 1, 0}) {
+    CAPTURE(rows);
+    network<small> net(seed{1});
+    trainer t(net, sgd{.lr = 0.1f}, quiet());
+    short_data d{.rows = rows};
+    CHECK_THROWS_WITH(t.run(d, steps{3}),
+                      doctest::Contains(("step 2: the data source gave " + std::to_string(rows) +
+                                         " rows for rows [0, 16) of the global batch of 16 it asked for; a short batch")
+                                            .c_str()));
+    CHECK(t.next_step() == 1);  // step 1 trained; nothing of step 2 was
+  }
+}

@@ -110,6 +110,31 @@ inline std::uint64_t epoch_order(std::uint64_t g, std::uint64_t n, bool shuffle,
   return shuffle ? permute(pos, n, mix64(key ^ mix64(epoch + 0x5eed))) : pos;
 }
 
+/// Why batch `b`, returned for rows (or sequences) [begin, begin + count) of a
+/// global batch of `global` in sequences of `seq`, is not those rows for model
+/// `M`; "" if it is. A short batch (a reader at the end of its data) would
+/// train on a wrong loss: the loss is divided by the whole global batch.
+template <class M, class In>
+std::string batch_problem(const batch_view<In>& b, index_t begin, index_t count, index_t global, index_t seq) {
+  const index_t rows = count * seq;
+  index_t width = 0;  // inputs per row, where the model's first layer says
+  if constexpr (std::is_same_v<In, std::int32_t>) width = 1;
+  else if constexpr (requires { M::in_features; })
+    if (M::in_features != any_features) width = M::in_features;
+  std::string why;
+  if (b.sequences != count) why = std::to_string(b.sequences) + (seq > 1 ? " sequences" : " rows");
+  else if (b.seq != seq) why = "sequences of " + std::to_string(b.seq) + " tokens (its seq() says " + std::to_string(seq) + ")";
+  else if (b.labels.numel() != rows) why = std::to_string(b.labels.numel()) + " labels (for " + std::to_string(rows) + " rows)";
+  else if (width > 0 ? b.inputs.numel() != rows * width : (rows > 0 && b.inputs.numel() % rows != 0))
+    why = std::to_string(b.inputs.numel()) + " inputs (for " + std::to_string(rows) + " rows" +
+          (width > 0 ? " of " + std::to_string(width) : std::string()) + ")";
+  if (why.empty()) return why;
+  return "the data source gave " + why + " for " + (seq > 1 ? "sequences [" : "rows [") + std::to_string(begin) + ", " +
+         std::to_string(begin + count) + ") of the global batch of " + std::to_string(global) +
+         " it asked for; a short batch would train on a wrong loss (it is divided by the whole batch). A data source "
+         "returns every row asked for: at the end of its data, wrap around, or stop before that step";
+}
+
 inline void check_rows(const char* who, index_t begin, index_t count, index_t total) {
   if (begin < 0 || count < 0 || begin + count > total)
     throw std::out_of_range(std::string("whale::") + who + ": rows [" + std::to_string(begin) + ", " +

@@ -178,10 +178,16 @@ class trainer {
   template <class Data> static constexpr bool data_ok = detail::data_source_for<Data, typename Net::input_type>();
 
   /// This rank's rows of data step `step` (no training).
+  /// Throws, naming the step, when the batch is not the rows asked for: a
+  /// short batch (a reader at the end of its data) would train on a wrong
+  /// loss, since the loss is divided by the whole global batch.
   template <class Data> auto fetch(Data& data, std::int64_t step) {
     if constexpr (data_ok<Data>) {
       const auto [begin, count] = net_.local_batch(data.global_batch());
-      return data.get(step, begin, count);
+      auto b = data.get(step, begin, count);
+      if (auto why = detail::batch_problem<typename Net::model_type>(b, begin, count, data.global_batch(), data.seq()); !why.empty())
+        throw std::runtime_error(at(step) + why);
+      return b;
     } else {
       return batch_view<typename Net::input_type>{};
     }

@@ -162,6 +162,8 @@ template <class Net, class Opt> class wsp_trainer {
     const index_t global = data.global_batch();
     const auto [begin, count] = net_->local_batch(global);
     const auto b = data.get(step, begin, count);
+    if (auto why = detail::batch_problem<typename Net::model_type>(b, begin, count, global, data.seq()); !why.empty())
+      throw std::runtime_error("whale::wsp_trainer: data step " + std::to_string(step) + ": " + why);
     const auto p = net_->params();
     if (in_wave_ == 0) std::copy_n(p.data(), p.numel(), snapshot_.data());
     step_ctx c;
@@ -200,6 +202,8 @@ template <class Net, class Opt> class wsp_trainer {
     index_t seq = 1, in_row = 0, label_row = 0;
     for (int k = 0; k < n; ++k) {  // the wave's minibatches, one after another
       const auto b = data.get(first + k, begin, count);
+      if (auto why = detail::batch_problem<typename Net::model_type>(b, begin, count, global, data.seq()); !why.empty())
+        throw std::runtime_error("whale::wsp_trainer: data step " + std::to_string(first + k) + ": " + why);
       if (k == 0) {
         seq = b.seq;
         in_row = b.inputs.numel() / std::max<index_t>(1, count);
