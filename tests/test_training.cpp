@@ -441,3 +441,48 @@ TEST_CASE("a data source that returns fewer rows than asked is an error naming t
     CHECK(t.next_step() == 1);  // step 1 trained; nothing of step 2 was
   }
 }
+
+TEST_CASE("the metrics log: a resumed run continues it without repeating a step; a fresh run does not overwrite it unasked") {
+  const auto dir = fresh_dir("log-ckpt");
+  const auto log = dir + ".jsonl";
+  std::remove(log.c_str());
+  teacher_data data(seed{2}, 32, 16, 8);
+  auto o = quiet();
+  o.log_path = log, o.checkpoint_dir = dir, o.save_every = 2;
+  auto steps_in = [&] {
+    std::ifstream in(log);
+    std::vector<long long> v;
+    std::string line;
+    while (std::getline(in, line)) {
+      long long s = -1;
+      REQUIRE(std::sscanf(line.c_str(), "{\"step\":%lld,", &s) == 1);
+      v.push_back(s);
+    }
+    return v;
+  };
+  {
+    network<small> net(seed{1});
+    trainer t(net, sgd{.lr = 0.1f}, o);
+    t.run(data, steps{5});  // saved at 2 and 4; the log has steps 0-4, then the job "dies"
+  }
+  CHECK(steps_in() == std::vector<long long>{0, 1, 2, 3, 4});
+  {
+    network<small> net(seed{1});
+    CHECK_THROWS_WITH(trainer(net, sgd{.lr = 0.1f}, o), doctest::Contains("exists (5 lines) and this run would overwrite it"));
+    auto r = o;
+    r.resume = true;
+    trainer t(net, sgd{.lr = 0.1f}, r);
+    t.run(data, steps{3});  // from step 4: steps 4, 5, 6
+  }
+  CHECK(steps_in() == std::vector<long long>{0, 1, 2, 3, 4, 5, 6});
+  {
+    network<small> net(seed{1});
+    auto w = o;
+    w.overwrite_log = true, w.checkpoint_dir.clear(), w.save_every = 0;
+    trainer t(net, sgd{.lr = 0.1f}, w);
+    t.run(data, steps{2});
+  }
+  CHECK(steps_in() == std::vector<long long>{0, 1});
+  std::remove(log.c_str());
+  std::filesystem::remove_all(dir);
+}

@@ -18,7 +18,7 @@ struct sgd {
     tensor<float> buf;
     std::int64_t steps = 0;
     std::vector<state_vector> vectors() {
-      if (buf.numel() == 0) return {};
+      if (buf.data() == nullptr) return {};  // without momentum: no buffer (a default tensor counts 1 element)
       return {{"momentum_buffer", buf.v()}};
     }
   };

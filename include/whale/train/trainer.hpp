@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <type_traits>
@@ -61,6 +62,29 @@ template <class N> constexpr bool gives_logits_v = [] {
   if constexpr (requires { N::gives_logits(); }) return N::gives_logits();
   else return true;
 }();
+/// The lines of the file at `path` (0 if it is missing or empty).
+inline std::int64_t count_lines(const std::string& path) {
+  std::ifstream f(path);
+  std::int64_t n = 0;
+  std::string line;
+  while (f && std::getline(f, line)) ++n;
+  return n;
+}
+/// Rewrite the metrics log at `path` (atomically) keeping its lines of data
+/// steps before `from` and its evaluations up to `from` (an evaluation line
+/// records the steps done); lines it cannot read are kept.
+inline void keep_log_before(const std::string& path, std::int64_t from, const std::string& what) {
+  std::ifstream f(path);
+  std::string kept, line;
+  while (f && std::getline(f, line)) {
+    long long step = 0;
+    const bool known = std::sscanf(line.c_str(), "{\"step\":%lld,", &step) == 1;
+    const bool eval = line.find("\"eval_loss\"") != std::string::npos;
+    if (!known || (eval ? step <= from : step < from)) kept += line + "\n";
+  }
+  f.close();
+  write_file_atomically(path, kept, what);
+}
 /// A single-process network's first layer (flat order) with a non-finite gradient, named; empty if none.
 template <class Net> std::string first_nonfinite_grad_of(const Net& net) {
   if constexpr (requires { net.grads(); }) {
@@ -144,8 +168,15 @@ class trainer {
     if (!o_.log_path.empty()) {  // checked on every rank (collective when the network has a world)
       std::string err;
       if (net_.rank() == 0) {
+        const auto lines = detail::count_lines(o_.log_path);
+        const bool continues = lines > 0 && !o_.overwrite_log && (o_.resume || o_.continue_log);
         if (auto why = detail::output_path_problem(o_.log_path); !why.empty())
           err = "whale::trainer: the metrics log (trainer_options::log_path, --log) '" + o_.log_path + "': " + why + "; nothing was run";
+        else if (lines > 0 && !o_.overwrite_log && !continues)
+          err = "whale::trainer: the metrics log (trainer_options::log_path, --log) '" + o_.log_path + "' exists (" + std::to_string(lines) +
+                " lines) and this run would overwrite it: continue it by resuming from a checkpoint (--resume), replace it with "
+                "--overwrite-log (trainer_options::overwrite_log), or give another path; nothing was run";
+        else if (continues) log_pending_ = true;  // opened when the first step is known (after a resume's load)
         else if (log_.reset(std::fopen(o_.log_path.c_str(), "w")); !log_)
           err = "whale::trainer: the metrics log '" + o_.log_path + "' cannot be opened: " + detail::system_reason(errno);
       }
@@ -287,6 +318,16 @@ class trainer {
     c.bf16 = o_.precision == precision::bf16;
     return c;
   }
+  /// A continued metrics log, opened before the first line this run writes, of
+  /// data step `from`: its lines of data steps `from` and later (and evaluations
+  /// after step `from`) are dropped, as the run writes them again.
+  void open_continued_log(std::int64_t from) {
+    if (!log_pending_) return;
+    log_pending_ = false;
+    detail::keep_log_before(o_.log_path, from, "whale::trainer: the metrics log");
+    log_.reset(std::fopen(o_.log_path.c_str(), "a"));
+    if (!log_) throw std::runtime_error("whale::trainer: the metrics log '" + o_.log_path + "' cannot be opened: " + detail::system_reason(errno));
+  }
   /// "whale::trainer: step N (data step S): " — steps named from 1, as the progress line counts them.
   std::string at(std::int64_t step) const {
     return "whale::trainer: step " + std::to_string(step - o_.first_step + 1) +
@@ -329,6 +370,7 @@ class trainer {
     if (!line_) line_.emplace(o_.total_steps, seq > 1, (o_.progress && net_.rank() == 0) ? o_.out : nullptr, o_.plain_every);
     line_->update(++line_steps_, loss, dt, static_cast<double>(rows),
                   model_flops<typename Net::model_type>(rows, seq) / static_cast<double>(net_.world_size()));
+    open_continued_log(step);
     if (o_.on_step || log_) {
       const step_report rep{step, loss, last_lr_, last_norm_, dt, dt > 0 ? static_cast<double>(rows) / dt : 0};
       if (log_) {
@@ -535,6 +577,7 @@ class trainer {
       const int n = std::snprintf(buf, sizeof buf, "eval after step %lld  loss %.4f", static_cast<long long>(rep.step), rep.loss);
       if (o_.eval_metric && n > 0) std::snprintf(buf + n, sizeof buf - static_cast<std::size_t>(n), "  metric %.4f", rep.metric);
       if (line_) line_->note(buf);
+      open_continued_log(rep.step);
       if (log_) {
         std::fprintf(log_.get(), "{\"step\":%lld,\"eval_loss\":%.9g", static_cast<long long>(rep.step), rep.loss);
         if (o_.eval_metric) std::fprintf(log_.get(), ",\"eval_metric\":%.9g", rep.metric);
@@ -592,6 +635,7 @@ class trainer {
     void operator()(std::FILE* f) const { std::fclose(f); }
   };
   std::unique_ptr<std::FILE, file_close> log_;
+  bool log_pending_ = false;  // an existing log to continue, opened at the first line
 };
 
 }  // namespace whale

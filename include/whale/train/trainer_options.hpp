@@ -96,7 +96,13 @@ struct trainer_options {
   std::string checkpoint_dir;
   /// Metrics log: rank 0 writes one JSON object per step to this file (flushed per line):
   /// {"step", "loss", "lr", "grad_norm", "step_s", "tokens_per_s"}. Checked when the trainer is made.
+  /// An existing, non-empty log is continued when the run starts from a loaded
+  /// checkpoint (`resume`, or `continue_log`): its lines from the resumed step on
+  /// are dropped, so no step appears twice. Otherwise it is an error, unless
+  /// `overwrite_log` replaces it.
   std::string log_path;
+  bool continue_log = false;   ///< continue an existing log (the run loads a checkpoint itself; run_flags' --resume sets it)
+  bool overwrite_log = false;  ///< replace an existing log (--overwrite-log)
   /// The learning rate of each data step (e.g. warmup_cosine(3e-4, 100, 2000); optim/lr_schedule.hpp),
   /// set on the optimizer (its `lr`) before each update. Empty: the optimizer's own rate.
   std::function<double(std::int64_t)> lr_schedule;
