@@ -314,6 +314,22 @@ template <class T, index_t Deg> constexpr bool degree_ok() {
 }
 }  // namespace detail
 
+namespace detail {
+/// Whether T is or holds a layer that the model axis shards (a linear, an
+/// embedding, an attention layer); the others (LayerNorm, activations, a loss
+/// alone) work on whole rows and would be computed whole on every rank.
+template <index_t I, index_t O> constexpr bool shards_on_model(const linear<I, O>*) { return true; }
+template <index_t V, index_t D> constexpr bool shards_on_model(const embedding<V, D>*) { return true; }
+template <index_t D, index_t H> constexpr bool shards_on_model(const causal_self_attention<D, H>*) { return true; }
+template <class L> constexpr bool shards_on_model(const column_tag<L>*) { return true; }
+template <class L> constexpr bool shards_on_model(const row_tag<L>*) { return true; }
+constexpr bool shards_on_model(const void*) { return false; }
+template <class T> constexpr bool model_split_finds_work() {
+  if constexpr (shards_on_model(static_cast<const T*>(nullptr))) return true;
+  else return []<class... P>(part_list<P...>) { return (model_split_finds_work<P>() || ...); }(typename parts<T>::type{});
+}
+}  // namespace detail
+
 /// `Degree` (optional): the split degree, when known at compile time. Every
 /// sharded dimension must be divisible by it (a compile error otherwise), and
 /// the mesh axis must have exactly that many ranks (an error on every rank).
@@ -324,6 +340,10 @@ struct split : decltype(detail::region_for<A, M>()) {
                 "whale::split: operators cannot be split over the pipe axis; use axis::model or axis::data");
   static_assert(Degree >= 0, "whale::split: the degree must be positive (or 0: the axis size at run time)");
   static_assert(Degree == 0 || detail::degree_ok<region, Degree>());
+  static_assert(A != axis::model || detail::model_split_finds_work<M>(),
+                "whale::split<M>: M holds nothing the model axis can split (no linear, embedding or attention "
+                "layer): its layers work on whole rows, so every rank would compute all of it and the split would "
+                "be a replication in disguise. Split a region that holds such a layer, or leave M unsplit");
   // Nestings (docs/strategies.md): a region holds layers and containers only.
   static_assert(!detail::is_or_holds<detail::part_kind::shard, M>(),
                 "whale::split<shard<M>>: the region is or holds a shard<...>, which the split would train as a "
