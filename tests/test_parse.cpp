@@ -13,7 +13,9 @@
 #include <vector>
 
 #include "whale/detail/parse.hpp"
+#include "whale/runtime/agree.hpp"
 #include "whale/runtime/options.hpp"
+#include "whale/version.hpp"
 
 using namespace whale;
 using detail::parse_error;
@@ -147,4 +149,19 @@ TEST_CASE("fuzz: random strings are a strictly valid value or an error naming th
   MESSAGE("fuzz: " << parsed << " values parsed, " << refused << " refused");
   CHECK(parsed > 100);
   CHECK(refused > 100);
+}
+
+TEST_CASE("the build the ranks compare names whale's version and what changes the numbers") {
+  const auto b = whale::detail::build_id();
+  MESSAGE(b);
+  CHECK(b.rfind(std::string("whale ") + whale::version + ", ", 0) == 0);
+  CHECK(std::regex_search(b, std::regex(", (not optimised|optimised|optimised for size)(,|$)")));
+  CHECK(std::regex_search(b, std::regex(", multiply-adds (fused|separate)")));
+#if defined(__OPTIMIZE__) && !defined(__OPTIMIZE_SIZE__)
+  CHECK(b.find(", optimised,") != std::string::npos);
+#endif
+  // a*b + c through the probe: one rounding or two, and the text says which
+  const volatile float a = 1.f + 0x1p-12f, c = -(1.f + 0x1p-11f);
+  const float r = whale::detail::multiply_add_probe(a, a, c);
+  CHECK((r == 0.f || r == 0x1p-24f));
 }

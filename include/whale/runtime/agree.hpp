@@ -16,7 +16,9 @@
 #include "whale/comm/collectives.hpp"
 #include "whale/comm/communicator.hpp"
 #include "whale/comm/mesh.hpp"
+#include "whale/backend/cpu/launch.hpp"
 #include "whale/runtime/options.hpp"
+#include "whale/version.hpp"
 
 namespace whale::detail {
 
@@ -49,16 +51,57 @@ struct launch_field {
   }
 };
 
-/// What this compiler and these flags make of whale's headers (ranks must run one build).
+/// a * b + c as this translation unit compiles it where whale's CPU kernels
+/// run (with FMA, when the ISA dispatch has it): one rounding if the compiler
+/// fuses it (GCC does from -O2 on), two if not. The operands come through
+/// volatiles, so it is not folded.
+#if WHALE_ISA_DISPATCH
+[[gnu::target("avx2,fma")]]
+#endif
+inline float multiply_add_probe(float a, float b, float c) { return a * b + c; }
+/// "fused" or "separate": how this build rounds a multiply-add in the kernels
+/// (1 + 2^-12 squared, less 1 + 2^-11: 2^-24 fused, 0 rounded twice).
+inline const char* multiply_adds() {
+  static volatile float a = 1.f + 0x1p-12f, c = -(1.f + 0x1p-11f);
+#if WHALE_ISA_DISPATCH
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return "separate (no fma here)";
+#endif
+  return multiply_add_probe(a, a, c) != 0.f ? "fused" : "separate";
+}
+
+/// What this compiler and these flags make of whale's headers (ranks must run
+/// one build): whale's version, the compiler, the language, the index width,
+/// assertions, and what changes the numbers: optimisation, fast math, the
+/// instruction sets compiled for, and whether multiply-adds are fused.
 inline std::string build_id() {
-  std::string b = "gcc-compatible ";
+  std::string b = std::string("whale ") + version + ", gcc-compatible ";
 #ifdef __VERSION__
   b += __VERSION__;
 #endif
-  b += " c++" + std::to_string(__cplusplus) + " index_t" + std::to_string(sizeof(index_t) * 8);
+  b += ", c++" + std::to_string(__cplusplus) + ", index_t " + std::to_string(sizeof(index_t) * 8) + " bits";
 #ifdef NDEBUG
-  b += " NDEBUG";
+  b += ", NDEBUG";
 #endif
+#if defined(__OPTIMIZE_SIZE__)
+  b += ", optimised for size";
+#elif defined(__OPTIMIZE__)
+  b += ", optimised";
+#else
+  b += ", not optimised";
+#endif
+#ifdef __FAST_MATH__
+  b += ", fast math";
+#endif
+#ifdef __AVX512F__
+  b += ", avx512";
+#elif defined(__AVX2__)
+  b += ", avx2";
+#endif
+#ifdef __FMA__
+  b += ", fma";
+#endif
+  b += std::string(", multiply-adds ") + multiply_adds();
   return b;
 }
 
