@@ -486,3 +486,49 @@ TEST_CASE("the metrics log: a resumed run continues it without repeating a step;
   std::remove(log.c_str());
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("a diverging run: a warning naming the step, or with stop_on_divergence an error naming the last checkpoint") {
+  const auto dir = fresh_dir("diverge");
+  teacher_data data(seed{2}, 32, 16, 8);
+  char* text = nullptr;
+  std::size_t size = 0;
+  std::FILE* out = ::open_memstream(&text, &size);
+  REQUIRE(out);
+  {
+    network<small> net(seed{1});
+    auto o = quiet();
+    o.out = out;
+    trainer t(net, sgd{.lr = 3.f, .momentum = 0.9f}, o);
+    std::vector<double> losses;
+    try {
+      losses = t.run(data, steps{6}).losses;
+    } catch (const std::runtime_error&) {  // a NaN later on is the NaN check's to name
+    }
+    std::fflush(out);
+    const std::string said(text, size);
+    MESSAGE(said);
+    CHECK(said.find("warning: whale::trainer: step ") != std::string::npos);
+    CHECK(said.find("times its lowest so far") != std::string::npos);
+  }
+  {
+    network<small> net(seed{1});
+    auto o = quiet();
+    o.out = out, o.stop_on_divergence = true, o.checkpoint_dir = dir, o.save_every = 1;
+    trainer t(net, sgd{.lr = 3.f, .momentum = 0.9f}, o);
+    CHECK_THROWS_WITH(t.run(data, steps{6}), doctest::Contains("the run diverges; stopped (stop_on_divergence, --stop-on-divergence); the last checkpoint is '"));
+  }
+  {  // a run that learns is not warned about
+    std::rewind(out);
+    const auto before = std::ftell(out);
+    network<small> net(seed{1});
+    auto o = quiet();
+    o.out = out, o.stop_on_divergence = true;
+    trainer t(net, sgd{.lr = 0.05f}, o);
+    CHECK_NOTHROW(t.run(data, steps{20}));
+    std::fflush(out);
+    CHECK(std::ftell(out) == before);
+  }
+  std::fclose(out);
+  std::free(text);
+  std::filesystem::remove_all(dir);
+}

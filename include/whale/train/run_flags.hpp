@@ -1,5 +1,6 @@
 // The command-line flags every example shares (--steps N --save DIR
-// --save-every K --resume DIR --log FILE --overwrite-log --log-every K), what they do to a trainer, and the
+// --save-every K --resume DIR --log FILE --overwrite-log --log-every K
+// --stop-on-divergence), what they do to a trainer, and the
 // parameters' checksum the examples end with, so that exact resume can be
 // checked from the shell:
 //   example --steps 6                      -> params checksum: X
@@ -28,7 +29,9 @@ struct run_flags {
   std::string log;              ///< --log FILE: the metrics log, one JSON object per step
   std::int64_t log_every = 0;   ///< --log-every K: trainer_options::log_every (0: the program's own)
   bool overwrite_log = false;   ///< --overwrite-log: replace an existing --log FILE (without --resume it is an error)
-  static constexpr const char* names = "--steps N, --save DIR, --save-every K, --resume DIR, --log FILE, --overwrite-log, --log-every K";
+  bool stop_on_divergence = false;  ///< --stop-on-divergence: end a diverging run (trainer_options::stop_on_divergence)
+  static constexpr const char* names =
+      "--steps N, --save DIR, --save-every K, --resume DIR, --log FILE, --overwrite-log, --log-every K, --stop-on-divergence";
 
   explicit run_flags(std::int64_t default_steps) : steps(default_steps) {}
 
@@ -36,6 +39,7 @@ struct run_flags {
   bool take(int& i, int argc, char** argv) {
     const std::string a = argv[i];
     if (a == "--overwrite-log") return overwrite_log = true;
+    if (a == "--stop-on-divergence") return stop_on_divergence = true;
     if (a != "--steps" && a != "--save" && a != "--save-every" && a != "--resume" && a != "--log" && a != "--log-every")
       return false;
     if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
@@ -57,6 +61,7 @@ struct run_flags {
     o.log_path = log;
     o.continue_log = !resume.empty();  // run() loads --resume first: the log continues from its step
     o.overwrite_log = overwrite_log;
+    if (stop_on_divergence) o.stop_on_divergence = true;
     if (log_every > 0) o.log_every = log_every;
     return o;
   }

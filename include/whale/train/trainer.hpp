@@ -192,7 +192,7 @@ class trainer {
   std::string save(std::string dir = {})
     requires checkpoints
   {
-    return save_checkpoint(dir.empty() ? o_.checkpoint_dir : dir, net_, opt_, state_, next_, o_.keep_last);
+    return last_checkpoint_ = save_checkpoint(dir.empty() ? o_.checkpoint_dir : dir, net_, opt_, state_, next_, o_.keep_last);
   }
   /// Load a checkpoint (a step directory, or the newest in a checkpoint
   /// directory) saved under any plan; run() continues from its step (collective).
@@ -201,6 +201,7 @@ class trainer {
   {
     auto info = load_checkpoint(path, net_, opt_, state_);
     next_ = info.step;
+    last_checkpoint_ = info.dir;
     return info;
   }
 
@@ -381,6 +382,37 @@ class trainer {
       }
       if (o_.on_step) o_.on_step(rep);
     }
+    watch_divergence(step, loss, last_norm_);
+  }
+  /// trainer_options::divergence_factor's watch over step `step`'s global loss
+  /// and gradient norm: a warning on rank 0, or (stop_on_divergence) an error on every rank.
+  void watch_divergence(std::int64_t step, double loss, double norm) {
+    const double f = o_.divergence_factor;
+    if (!(f > 0) || !std::isfinite(loss)) return;
+    char what[256] = "";
+    if (watched_ > 0 && min_loss_ > 0 && loss > f * min_loss_)
+      std::snprintf(what, sizeof what, "the loss %.6g is %.3g times its lowest so far (%.6g, at step %lld)", loss, loss / min_loss_,
+                    min_loss_, static_cast<long long>(min_step_ - o_.first_step + 1));
+    else if (std::isfinite(norm) && norms_ >= 5 && norm > f * norm_sum_ / static_cast<double>(norms_))
+      std::snprintf(what, sizeof what, "the gradient norm %.6g is %.3g times its mean over the %lld steps before (%.6g)", norm,
+                    norm * static_cast<double>(norms_) / norm_sum_, static_cast<long long>(norms_), norm_sum_ / static_cast<double>(norms_));
+    if (watched_++ == 0 || loss < min_loss_) min_loss_ = loss, min_step_ = step;
+    if (std::isfinite(norm)) norm_sum_ += norm, ++norms_;
+    if (what[0] == '\0') {
+      diverging_ = false;
+      return;
+    }
+    const std::string advice = "; lower the learning rate" + clip_hint() + ", or look at the data of these steps";
+    if (o_.stop_on_divergence)
+      throw std::runtime_error(at(step) + what + ": the run diverges; stopped (stop_on_divergence, --stop-on-divergence)" +
+                               (last_checkpoint_.empty() ? std::string("; this run saved and loaded no checkpoint")
+                                                         : "; the last checkpoint is '" + last_checkpoint_ + "'") + advice);
+    if (!diverging_ && net_.rank() == 0 && o_.out) {
+      const std::string msg = "warning: " + at(step) + what + ": the run may be diverging" + advice;
+      if (line_ && o_.progress) line_->note(msg.c_str());
+      else std::fprintf(o_.out, "%s\n", msg.c_str());
+    }
+    diverging_ = true;
   }
 
   // ---- steps whose figures stay in the device's memory (trainer_options::log_every > 1) ----
@@ -636,6 +668,11 @@ class trainer {
   };
   std::unique_ptr<std::FILE, file_close> log_;
   bool log_pending_ = false;  // an existing log to continue, opened at the first line
+  std::string last_checkpoint_;  // the step folder this trainer saved or loaded last
+  // the divergence watch: steps seen, the lowest loss and its step, the norms' sum and count, a warning given
+  std::int64_t watched_ = 0, min_step_ = 0, norms_ = 0;
+  double min_loss_ = 0, norm_sum_ = 0;
+  bool diverging_ = false;
 };
 
 }  // namespace whale

@@ -63,6 +63,14 @@ struct metric_share {
 struct trainer_options {
   double max_grad_norm = 0;      ///< clip gradients to this global norm (0: no clipping)
   bool progress = true;          ///< print the progress line (rank 0 only)
+  /// A run that diverges: when the loss rises past this factor times its lowest
+  /// so far, or the gradient norm past this factor times its mean over the
+  /// earlier steps (from the 6th step), rank 0 prints a warning naming the step
+  /// to `out` (once, until the figures fall back below). 0: no watch.
+  double divergence_factor = 10;
+  /// With the watch: end the run there instead (every rank; the figures are
+  /// global), naming the last checkpoint this trainer saved or loaded (--stop-on-divergence).
+  bool stop_on_divergence = false;
   std::FILE* out = stderr;       ///< where the progress line goes
   int plain_every = 10;          ///< without a terminal, print every this many steps
   std::int64_t first_step = 0;   ///< data step of the first step (for resuming)
