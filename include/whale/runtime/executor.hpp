@@ -83,6 +83,11 @@ template <class P> class executor {
                 "backward; use ZeRO-1 (shard<..., 1>) or the 1f1b schedule");
 
  public:
+  /// The memory check before the first training step's activations and
+  /// communication buffers, with `data_bytes` of this rank's data-source
+  /// buffers (counted on the CPU, where they share the memory), run once:
+  /// the trainer runs it before it fetches the first batch (collective).
+  void check_step_memory(const step_ctx& c, std::int64_t data_bytes = 0);
   using model_type = P;
   using input_type = typename stage_type::input_type;
 
@@ -361,7 +366,6 @@ template <class P> class executor {
   /// checks before the parameters and before the first step's activations.
   lower_options step_lowering(index_t global_batch, index_t seq, int optimizer_bytes_per_param) const;
   void check_state_memory(const program_totals& held, index_t n) const;
-  void check_step_memory(const step_ctx& c) const;
   /// plan_options::balance under memory caps: replicas whose predicted step of
   /// plan_batch rows would pass a rank's cap get only the rows that fit; the
   /// others share the rest by speed (collective over the world).

@@ -143,7 +143,10 @@ template <class P> void executor<P>::check_state_memory(const program_totals& he
                             be_);
 }
 
-template <class P> void executor<P>::check_step_memory(const step_ctx& c) const {
+template <class P> void executor<P>::check_step_memory(const step_ctx& c, std::int64_t data_bytes) {
+  if (memory_checked_) return;
+  memory_checked_ = true;
+  if (!be_.on_cpu()) data_bytes = 0;  // on a device the data source's buffers are host memory, apart
   // minibatches in flight: N_m of them, each a whole minibatch, are one pass's micro-batches
   const index_t global = (c.seq > 0 ? c.global_rows / c.seq : c.global_rows) * std::max(1, in_flight_);
   auto lo = step_lowering(global, c.seq, 8);
@@ -152,7 +155,8 @@ template <class P> void executor<P>::check_step_memory(const step_ctx& c) const 
   std::ostringstream what;
   what << "the activations of its step (" << detail::mib_text(e.activations) << ": " << e.live_micro_batches
        << " micro-batch(es) of " << e.rows << " rows kept) and its communication buffers (" << detail::mib_text(e.comm) << ")";
-  detail::check_memory_fits(ctx_->world(), e.activations + e.comm, what.str(), "whale::" + layer_name<P>() + ": ",
+  if (data_bytes > 0) what << ", with its data source's batch (" << detail::mib_text(data_bytes) << ")";
+  detail::check_memory_fits(ctx_->world(), e.activations + e.comm + data_bytes, what.str(), "whale::" + layer_name<P>() + ": ",
                             "use a smaller batch, more micro-batches" + std::string(staged ? " (fewer kept under 1f1b)" : "") +
                                 ", recompute<Block>, or more ranks",
                             be_);

@@ -52,10 +52,7 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
       labels = labels_.v();
     }
   }
-  if (train && !memory_checked_) {
-    memory_checked_ = true;
-    check_step_memory(c);
-  }
+  if (train && !memory_checked_) check_step_memory(c);
   const index_t mb = B / m, rows = mb * T;
   // passes are keyed chunk·m + micro; chunk c of this rank is virtual stage c·p + stage
   const int pv = p_ * V, keys = m * V;

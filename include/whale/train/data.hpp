@@ -40,6 +40,10 @@ class teacher_data {
   index_t seq() const noexcept { return 1; }
   index_t features() const noexcept { return in_; }
   index_t classes() const noexcept { return classes_; }
+  /// The bytes get() holds for `count` samples: inputs, labels and the teacher's scores.
+  std::int64_t memory_bytes(index_t count) const noexcept {
+    return static_cast<std::int64_t>(count) * ((in_ + classes_) * 4 + 4);
+  }
 
   /// Samples [begin, begin + count) of step `step`'s global batch.
   batch_view<float> get(std::int64_t step, index_t begin, index_t count) {

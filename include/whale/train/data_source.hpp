@@ -135,6 +135,22 @@ std::string batch_problem(const batch_view<In>& b, index_t begin, index_t count,
          "returns every row asked for: at the end of its data, wrap around, or stop before that step";
 }
 
+/// The bytes data source `d` holds for a batch of `count` rows (or sequences):
+/// its own `memory_bytes(count)` where it says, else its inputs and labels
+/// (rows × seq × the model's input width, and a label per row).
+template <class M, class D> std::int64_t data_source_bytes(const D& d, index_t count) {
+  if constexpr (requires { { d.memory_bytes(count) } -> std::convertible_to<std::int64_t>; }) {
+    return d.memory_bytes(count);
+  } else {
+    using In = typename D::input_type;
+    index_t width = 1;
+    if constexpr (!std::is_same_v<In, std::int32_t> && requires { M::in_features; })
+      if (M::in_features != any_features) width = M::in_features;
+    const std::int64_t rows = static_cast<std::int64_t>(count) * d.seq();
+    return rows * width * static_cast<std::int64_t>(sizeof(In)) + rows * static_cast<std::int64_t>(sizeof(std::int32_t));
+  }
+}
+
 inline void check_rows(const char* who, index_t begin, index_t count, index_t total) {
   if (begin < 0 || count < 0 || begin + count > total)
     throw std::out_of_range(std::string("whale::") + who + ": rows [" + std::to_string(begin) + ", " +

@@ -230,6 +230,7 @@ class trainer {
   /// log, on_step and save_every. Returns the global mean loss; next_step() becomes step + 1.
   template <class Data> double step(Data& data, std::int64_t step) {
     if constexpr (data_ok<Data>) {
+      check_memory_first(data);
       const auto t0 = std::chrono::steady_clock::now();
       const double loss = step_on(fetch(data, step), data.global_batch(), step, labelled(data, step));
       next_ = step + 1;
@@ -328,6 +329,18 @@ class trainer {
     detail::keep_log_before(o_.log_path, from, "whale::trainer: the metrics log");
     log_.reset(std::fopen(o_.log_path.c_str(), "a"));
     if (!log_) throw std::runtime_error("whale::trainer: the metrics log '" + o_.log_path + "' cannot be opened: " + detail::system_reason(errno));
+  }
+  /// The plan's memory check of a training step, with the data source's batch
+  /// on this rank, before the source allocates it (once; collective).
+  template <class Data> void check_memory_first(Data& data) {
+    if constexpr (requires(const step_ctx& c) { net_.check_step_memory(c, std::int64_t{}); }) {
+      const auto [begin, count] = net_.local_batch(data.global_batch());
+      step_ctx c;
+      c.batch = count;
+      c.seq = data.seq();
+      c.global_rows = data.global_batch() * data.seq();
+      net_.check_step_memory(c, detail::data_source_bytes<typename Net::model_type>(data, count));
+    }
   }
   /// "whale::trainer: step N (data step S): " — steps named from 1, as the progress line counts them.
   std::string at(std::int64_t step) const {
@@ -578,6 +591,7 @@ class trainer {
           }
         }
       }
+      if (n.value > 0) check_memory_first(data);
       line_.emplace(n.value, data.seq() > 1, (o_.progress && net_.rank() == 0) ? o_.out : nullptr, o_.plain_every);
       line_steps_ = 0;
       for (std::int64_t s = 0; s < n.value; ++s) {
