@@ -532,3 +532,53 @@ TEST_CASE("a diverging run: a warning naming the step, or with stop_on_divergenc
   std::free(text);
   std::filesystem::remove_all(dir);
 }
+
+TEST_CASE("SIGINT or SIGTERM ends the run at once with one line naming the last checkpoint; during a save, after it") {
+  const auto dir = fresh_dir("signal");
+  // child: trains by hand, interrupted by `sig` after 5 steps, or during the save of step 6 (`in_save`)
+  auto run_child = [&](int sig, bool in_save, std::string& said) {
+    int err[2];
+    REQUIRE(::pipe(err) == 0);
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {
+      ::dup2(err[1], STDERR_FILENO);
+      ::close(err[0]);
+      ::signal(SIGINT, SIG_DFL), ::signal(SIGTERM, SIG_DFL);  // the test runner's own handlers are not the program's
+      try {
+        network<small> net(seed{1});
+        teacher_data data(seed{2}, 32, 16, 8);
+        auto o = quiet();
+        o.checkpoint_dir = dir, o.save_every = 2;
+        trainer t(net, sgd{.lr = 0.1f, .momentum = 0.9f}, o);
+        for (std::int64_t s = 0; s < 8; ++s) {
+          if (in_save && s == 5) ckpt::on_save_point = [sig](const char* p) {
+            if (std::string(p) == "shard written") ::raise(sig);
+          };
+          t.step(data, s);
+          if (!in_save && s == 4) ::raise(sig);
+        }
+      } catch (...) {
+        ::_exit(2);
+      }
+      ::_exit(3);  // not reached
+    }
+    ::close(err[1]);
+    said.clear();
+    char buf[512];
+    for (ssize_t n; (n = ::read(err[0], buf, sizeof buf)) > 0;) said.append(buf, static_cast<std::size_t>(n));
+    ::close(err[0]);
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  };
+  std::string said;
+  CHECK(run_child(SIGINT, false, said) == 128 + SIGINT);
+  CHECK(said == "whale: interrupted (SIGINT) at step 6; last checkpoint '" + dir + "/step-00000004'\n");
+  std::filesystem::remove_all(dir);
+  CHECK(run_child(SIGTERM, true, said) == 128 + SIGTERM);  // raised in the middle of step 6's save
+  CHECK(said == "whale: interrupted (SIGTERM) at step 7; last checkpoint '" + dir + "/step-00000006'\n");
+  saved_pair r;
+  CHECK(load_checkpoint(dir, r.net, r.opt, r.st).step == 6);  // the save was finished, and is the latest
+  std::filesystem::remove_all(dir);
+}

@@ -19,6 +19,8 @@
 //                   third step: rank 0, polling the clocks, is stopped by the watchdog, naming the waves
 //   memory          replicate<mlp> on a batch of 4096 under WHALE_MEMORY_LIMIT_MIB (the test sets it):
 //                   refused before the parameters, or before the first step's activations
+//   interrupt       replicate<mlp> trains on; after step 3 rank 0 sends SIGINT to mpirun (its parent), as
+//                   Ctrl-C does; mpirun passes SIGTERM to every rank, and each ends at once, rank 0 with one line
 #include <csignal>
 #include <algorithm>
 #include <chrono>
@@ -27,6 +29,8 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+
+#include <unistd.h>
 
 #include "whale/comm/context.hpp"
 #include "whale/nn/linear.hpp"
@@ -95,6 +99,18 @@ int main(int argc, char** argv) {
       to.progress = false;
       trainer(net, sgd{.lr = 0.1f}, to).run(data, steps{2});
       std::printf("whale failure test: rank %d trained; it should not have\n", ctx.rank());
+    });
+  } else if (mode == "interrupt") {
+    run_guarded(ctx, [&] {
+      auto net = make<replicate<mlp>>(ctx, seed{1});
+      teacher_data data(seed{7}, 8, 4, 64);
+      trainer_options to;
+      to.progress = false;
+      to.on_step = [&](const step_report& r) {
+        if (r.step == 3 && ctx.rank() == 0) ::kill(::getppid(), SIGINT);
+      };
+      trainer(net, sgd{.lr = 0.01f}, to).run(data, steps{100000000});
+      std::printf("whale failure test: rank %d trained to the end; it should have been interrupted\n", ctx.rank());
     });
   } else if (mode == "unwind") {
     try {

@@ -31,6 +31,7 @@
 #include "whale/plan/program.hpp"
 #include "whale/train/checkpoint_dir.hpp"
 #include "whale/train/checkpoint_format.hpp"
+#include "whale/train/interrupt.hpp"
 
 namespace whale {
 
@@ -393,12 +394,15 @@ inline checkpoint_info load(const std::string& path, target& t) {
 /// Save a checkpoint of step `step` (the data steps done) under `dir` as
 /// `dir/step-<step>/`, collective over the world: every rank writes its shard,
 /// rank 0 the metadata, and the directory appears only once complete. With
-/// `keep_last` > 0, older step directories beyond that many are removed.
+/// `keep_last` > 0, older step directories beyond that many are removed. A
+/// SIGINT or SIGTERM during the save ends the process once it is done
+/// (train/interrupt.hpp).
 /// Returns the step directory. Throws on every rank if any rank fails.
 template <Checkpointable Net, class Opt>
   requires CheckpointableState<typename Opt::state>
 std::string save_checkpoint(const std::string& dir, Net& net, const Opt& opt, typename Opt::state& st, std::int64_t step,
                             int keep_last = 0) {
+  const detail::interrupt_deferral finish_first;  // SIGINT/SIGTERM during a save end the process after it
   auto t = ckpt::target_of(net, opt, st, true);
   return ckpt::save(dir, t, step, keep_last);
 }

@@ -143,6 +143,10 @@ class trainer {
       if constexpr (Checkpointable<Net>) ckpt::agree(net_, err);  // every rank fails alike
       else if (!err.empty()) throw std::runtime_error(err);
     }
+    if (o_.handle_signals) {
+      detail::install_interrupt_handlers(net_.rank() == 0);
+      note_progress();
+    }
     if (o_.keep_last < 0) throw std::invalid_argument("whale::trainer: keep_last must be >= 0 (got " + std::to_string(o_.keep_last) + ")");
     if ((o_.save_every > 0 || o_.resume) && o_.checkpoint_dir.empty())
       throw std::invalid_argument("whale::trainer: save_every and resume need trainer_options::checkpoint_dir");
@@ -192,7 +196,10 @@ class trainer {
   std::string save(std::string dir = {})
     requires checkpoints
   {
-    return last_checkpoint_ = save_checkpoint(dir.empty() ? o_.checkpoint_dir : dir, net_, opt_, state_, next_, o_.keep_last);
+    const detail::interrupt_deferral finish_first;  // an interruption during the save ends the process after it, naming it
+    last_checkpoint_ = save_checkpoint(dir.empty() ? o_.checkpoint_dir : dir, net_, opt_, state_, next_, o_.keep_last);
+    note_progress();
+    return last_checkpoint_;
   }
   /// Load a checkpoint (a step directory, or the newest in a checkpoint
   /// directory) saved under any plan; run() continues from its step (collective).
@@ -202,6 +209,7 @@ class trainer {
     auto info = load_checkpoint(path, net_, opt_, state_);
     next_ = info.step;
     last_checkpoint_ = info.dir;
+    note_progress();
     return info;
   }
 
@@ -396,6 +404,16 @@ class trainer {
       if (o_.on_step) o_.on_step(rep);
     }
     watch_divergence(step, loss, last_norm_);
+    note_progress();
+  }
+  /// What an interruption's line says from now on: the step in progress and the last checkpoint.
+  void note_progress() const {
+    if (!o_.handle_signals) return;
+    char text[480];
+    const int n = std::snprintf(text, sizeof text, " at step %lld; %s%s%s", static_cast<long long>(next_ - o_.first_step + 1),
+                                last_checkpoint_.empty() ? "no checkpoint saved or loaded" : "last checkpoint '",
+                                last_checkpoint_.c_str(), last_checkpoint_.empty() ? "" : "'");
+    if (n > 0) detail::set_interrupt_text(text, std::min<std::size_t>(static_cast<std::size_t>(n), sizeof text - 1));
   }
   /// trainer_options::divergence_factor's watch over step `step`'s global loss
   /// and gradient norm: a warning on rank 0, or (stop_on_divergence) an error on every rank.

@@ -71,6 +71,11 @@ struct trainer_options {
   /// With the watch: end the run there instead (every rank; the figures are
   /// global), naming the last checkpoint this trainer saved or loaded (--stop-on-divergence).
   bool stop_on_divergence = false;
+  /// SIGINT (Ctrl-C) and SIGTERM end the process at once with one line on rank 0,
+  /// "whale: interrupted (SIGINT) at step N; last checkpoint '…'" (a save in
+  /// progress is finished first), exit status 128 + the signal. The handlers are
+  /// installed when the trainer is made, unless the program has its own; false: none.
+  bool handle_signals = true;
   std::FILE* out = stderr;       ///< where the progress line goes
   int plain_every = 10;          ///< without a terminal, print every this many steps
   std::int64_t first_step = 0;   ///< data step of the first step (for resuming)
