@@ -416,19 +416,22 @@ TEST_CASE("checkpoints: a second job saving to the same directory is refused, na
   std::filesystem::remove_all(dir);
 }
 
+namespace {
+struct short_data {  // the teacher's batches, cut to `rows` rows from step 1 on (a reader at the end of its data)
+  using input_type = float;
+  teacher_data inner{seed{2}, 32, 16, 16};
+  index_t rows;
+  index_t global_batch() const { return inner.global_batch(); }
+  index_t seq() const { return 1; }
+  batch_view<float> get(std::int64_t s, index_t begin, index_t count) {
+    auto b = inner.get(s, begin, count);
+    if (s == 0) return b;
+    return {cview<float>(b.inputs.data(), {rows, 32}), cview<std::int32_t>(b.labels.data(), {rows}), rows, 1};
+  }
+};
+}  // namespace
+
 TEST_CASE("a data source that returns fewer rows than asked is an error naming the step, not a wrong loss") {
-  struct short_data {  // the teacher's batches, cut to `rows` rows from step 1 on (a reader at the end of its data)
-    using input_type = float;
-    teacher_data inner{seed{2}, 32, 16, 16};
-    index_t rows;
-    index_t global_batch() const { return inner.global_batch(); }
-    index_t seq() const { return 1; }
-    batch_view<float> get(std::int64_t s, index_t begin, index_t count) {
-      auto b = inner.get(s, begin, count);
-      if (s == 0) return b;
-      return {cview<float>(b.inputs.data(), {rows, 32}), cview<std::int32_t>(b.labels.data(), {rows}), rows, 1};
-    }
-  };
   for (const index_t rows : {13, 1, 0}) {
     CAPTURE(rows);
     network<small> net(seed{1});
