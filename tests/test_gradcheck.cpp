@@ -23,6 +23,7 @@
 #include "whale/nn/embedding.hpp"
 #include "whale/nn/gelu.hpp"
 #include "whale/nn/layer_norm.hpp"
+#include "whale/nn/rms_norm.hpp"
 #include "whale/nn/linear.hpp"
 #include "whale/nn/relu.hpp"
 #include "whale/nn/repeat.hpp"
@@ -36,6 +37,7 @@ using namespace whale;
 // ---- the Layer concept, checked at compile time ----
 static_assert(Layer<gelu>);
 static_assert(Layer<layer_norm<8>>);
+static_assert(Layer<rms_norm<8>>);
 static_assert(Layer<embedding<10, 4>>);
 static_assert(Layer<position_embedding<6, 4>>);
 static_assert(Layer<causal_self_attention<8, 2>>);
@@ -225,6 +227,29 @@ TEST_CASE("gelu: backward matches finite differences, values match the tanh form
     const double ref = 0.5 * v * (1 + std::tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)));
     CHECK(y[i] == doctest::Approx(ref).epsilon(1e-5).scale(1.0));
   }
+}
+
+TEST_CASE("rms_norm: backward matches finite differences; output rows have unit mean square") {
+  bound<rms_norm<6, 1e-5f>> m;  // gains away from 1, so that their gradients are generic
+  for (index_t i = 0; i < m.count(); ++i) m.params[i] += 0.3f * static_cast<float>(i % 5) - 0.5f;
+  auto c = ctx(4, 1);
+  tensor<float> x({4, 6});
+  fill_normal(x.v(), 7, 2.f);
+  auto r = gradients(m, c, x.v(), 6);
+  check_close(r.an_x, r.fd_x, "rms_norm: d(input)");
+  check_close(r.an_p, r.fd_p, "rms_norm: d(gain)");
+  check_layer<residual<rms_norm<6>, linear<6, 6>>>("residual<rms_norm, linear>", 4, 1, 6, 6);
+
+  bound<rms_norm<6>> fresh;  // gain 1: each row's mean square is 1 (up to eps)
+  auto y = fresh.layer.forward(c, x);
+  for (index_t rr = 0; rr < 4; ++rr) {
+    double ms = 0;
+    for (index_t j = 0; j < 6; ++j) ms += y[rr * 6 + j] * y[rr * 6 + j] / 6.0;
+    CHECK(ms == doctest::Approx(1).epsilon(1e-4));
+  }
+  CHECK(rms_norm<4096>::name() == "rms_norm<4096>");
+  CHECK(rms_norm<4096, 1e-5f>::name() == "rms_norm<4096, 1e-05>");
+  static_assert(rms_norm<8>::param_count() == 8 && rms_norm<8>::cost().params == 8);
 }
 
 TEST_CASE("layer_norm: backward matches finite differences; output rows are normalized") {

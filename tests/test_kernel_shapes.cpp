@@ -102,6 +102,32 @@ TEST_CASE("row bodies at edge shapes: one row, narrow and 50,304-wide rows, agai
       CHECK(worst_dx < 2e-4);
     }
   }
+  for (const index_t D : {1, 7, 33, 1000, 4096, 50304}) {
+    for (const index_t R : {1, 3}) {
+      INFO("RMSNorm of " << R << " rows of " << D);
+      const auto x = values(R * D, 15), g = values(D, 16), dy = values(R * D, 17);
+      std::vector<float> y(x.size()), xh(x.size()), rs(R), dx(x.size());
+      cpu::launch(R, kernels::rms_norm_forward{x.data(), g.data(), y.data(), xh.data(), rs.data(), D, 1e-6f});
+      cpu::launch(R, kernels::rms_norm_backward{dy.data(), xh.data(), rs.data(), g.data(), dx.data(), D});
+      double worst_y = 0, worst_dx = 0;
+      for (index_t r = 0; r < R; ++r) {
+        double ms = 0, m2 = 0;
+        for (index_t j = 0; j < D; ++j) ms += static_cast<double>(x[r * D + j]) * x[r * D + j] / D;
+        const double s = 1 / std::sqrt(ms + 1e-6);
+        for (index_t j = 0; j < D; ++j) {
+          const double h = x[r * D + j] * s;
+          worst_y = std::fmax(worst_y, std::fabs(y[r * D + j] - h * g[j]));
+          m2 += dy[r * D + j] * g[j] * h / D;
+        }
+        for (index_t j = 0; j < D; ++j) {
+          const double h = x[r * D + j] * s;
+          worst_dx = std::fmax(worst_dx, std::fabs(dx[r * D + j] - s * (dy[r * D + j] * g[j] - h * m2)) / (1 + s));
+        }
+      }
+      CHECK(worst_y < 1e-4);
+      CHECK(worst_dx < 2e-4);
+    }
+  }
   // cross-entropy over a 50,304-wide row and a 33-wide one, one row ignored, the gradient in place
   for (const index_t C : {33, 50304}) {
     const index_t R = 3;
@@ -152,12 +178,15 @@ TEST_CASE("column reductions at edge shapes: one row, a tile, a tile and one, ma
       std::vector<float> s(C, 2.f), dg(C, 1.f), db(C, 1.f);
       cpu::reduce_columns(kernels::column_sums{x.data(), s.data(), R, C, true});
       cpu::reduce_columns(kernels::layer_norm_param_grads{x.data(), h.data(), dg.data(), db.data(), R, C, false});
+      std::vector<float> rg(C, 3.f);
+      cpu::reduce_columns(kernels::rms_norm_param_grads{x.data(), h.data(), rg.data(), R, C, true});
       for (index_t c = 0; c < C; ++c) {
         double want = 0, wg = 0;
         for (index_t r = 0; r < R; ++r) want += x[r * C + c], wg += x[r * C + c] * h[r * C + c];
         CHECK(s[c] == doctest::Approx(2 + want).epsilon(1e-5).scale(10));
         CHECK(db[c] == doctest::Approx(want).epsilon(1e-5).scale(10));
         CHECK(dg[c] == doctest::Approx(wg).epsilon(1e-5).scale(10));
+        CHECK(rg[c] == doctest::Approx(3 + wg).epsilon(1e-5).scale(10));
       }
     }
 }

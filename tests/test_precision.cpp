@@ -12,6 +12,7 @@
 #include "whale/backend/guarded.hpp"
 #include "whale/models/gpt.hpp"
 #include "whale/nn/repeat.hpp"
+#include "whale/nn/rms_norm.hpp"
 #include "whale/nn/network.hpp"
 #include "whale/optim/adamw.hpp"
 #include "whale/train/trainer.hpp"
@@ -129,6 +130,7 @@ template <class L> void check_stored_bf16(index_t width, bool one_op) {
 
 TEST_CASE("bf16: every layer's output and input gradient is stored rounded, by its own kernels or by a pass after it") {
   SUBCASE("layer_norm (its kernels round)") { check_stored_bf16<layer_norm<32>>(32, true); }
+  SUBCASE("rms_norm (its kernels round)") { check_stored_bf16<rms_norm<32>>(32, true); }
   SUBCASE("gelu (its kernels round)") { check_stored_bf16<gelu>(32, true); }
   SUBCASE("linear (the bias pass after the product rounds; a pass rounds d(input))") { check_stored_bf16<linear<32, 32>>(32, true); }
   SUBCASE("residual (its sums round)") { check_stored_bf16<residual<layer_norm<32>, linear<32, 32>>>(32, false); }

@@ -29,6 +29,7 @@ template <index_t In, index_t Out> struct linear;
 struct relu;
 struct gelu;
 template <index_t D> struct layer_norm;
+template <index_t D, float Eps = 1e-6f> struct rms_norm;  // Eps: LlamaConfig's default
 template <index_t Vocab, index_t D> struct embedding;
 template <index_t MaxSeq, index_t D> struct position_embedding;
 template <index_t D, index_t Heads> struct causal_self_attention;

@@ -34,6 +34,7 @@
 #include "whale/nn/gelu.hpp"
 #include "whale/nn/layer.hpp"
 #include "whale/nn/layer_norm.hpp"
+#include "whale/nn/rms_norm.hpp"
 #include "whale/nn/linear.hpp"
 #include "whale/nn/network.hpp"
 #include "whale/nn/recompute.hpp"

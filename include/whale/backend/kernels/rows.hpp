@@ -1,7 +1,7 @@
 // Row and column kernel bodies over a (R, C) matrix. Row bodies,
 // body(team, r) (backend/kernels/shapes.hpp): a team of lanes takes row r,
 // reduces across lanes in a fixed tree and writes the row in strided passes
-// -- bias rows, embedding lookups, LayerNorm forward and backward,
+// -- bias rows, embedding lookups, LayerNorm and RMSNorm forward and backward,
 // cross-entropy, the class-split passes (attention's rows: kernels/attention.hpp).
 // Column bodies, load/store (the column-reduction shape): the sums over rows
 // of bias and LayerNorm gradients and of position gradients. The embedding's
@@ -179,6 +179,83 @@ struct layer_norm_param_grads {
   WHALE_HD WHALE_INLINE void store(index_t c, const float* acc) const noexcept {
     dgain[c] = accumulate ? dgain[c] + acc[0] : acc[0];
     dbias[c] = accumulate ? dbias[c] + acc[1] : acc[1];
+  }
+};
+
+/// RMSNorm of row r (width D), as Llama's: s = 1 / sqrt(mean(x^2) + eps),
+/// xhat = x s, y = gain xhat (HF transformers' LlamaRMSNorm, in fp32).
+struct rms_norm_forward {
+  const float* x;
+  const float* gain;
+  float* y;
+  float* xhat;
+  float* rstd;
+  index_t D;
+  float eps;
+  bool round = false;  ///< store y rounded to bf16 (x-hat and rstd stay fp32)
+  index_t width() const noexcept { return D; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
+    const float* xr = x + r * D;
+    float* hr = xhat + r * D;
+    float* yr = y + r * D;
+    const float ms = t.sum(D, [&](index_t j) { return xr[j] * xr[j]; }) / static_cast<float>(D);
+    const float s = 1.f / std::sqrt(ms + eps);
+    if (t.leader()) rstd[r] = s;
+    t.for_each(D, [&](index_t j) {
+      const float h = xr[j] * s;
+      hr[j] = h;
+      yr[j] = stored_as(gain[j] * h, round);
+    });
+  }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * (4 * D * 4 + 4) + 2 * D * 4; }  // x twice, then x-hat and y out
+};
+/// d(input) of row r: dx = rstd (g - xhat mean(g xhat)), g = dy gain (RMSNorm has no mean to subtract).
+struct rms_norm_backward {
+  const float* dy;
+  const float* xhat;
+  const float* rstd;
+  const float* gain;
+  float* dx;
+  index_t D;
+  /// store dx rounded to bf16, and read dy as bf16 would hold it (as layer_norm_backward)
+  bool round = false;
+  /// A residual's output gradient added to dx, each stored as `round` says (as layer_norm_backward).
+  const float* add = nullptr;
+  index_t width() const noexcept { return D; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
+    const float* gr = dy + r * D;
+    const float* hr = xhat + r * D;
+    float* dr = dx + r * D;
+    const auto g = [&](index_t j) { return stored_as(gr[j], round); };
+    const float m2 = t.sum(D, [&](index_t j) { return g(j) * gain[j] * hr[j]; }) / static_cast<float>(D);
+    const float s = rstd[r];
+    if (add) {
+      const float* ar = add + r * D;
+      t.for_each(D, [&](index_t j) { dr[j] = stored_as(ar[j] + stored_as(s * (g(j) * gain[j] - hr[j] * m2), round), round); });
+    } else {
+      t.for_each(D, [&](index_t j) { dr[j] = stored_as(s * (g(j) * gain[j] - hr[j] * m2), round); });
+    }
+  }
+  std::int64_t bytes(index_t rows) const noexcept {  // dy, x-hat; dy, x-hat in, dx out (and the addend)
+    return rows * ((5 + (add ? 1 : 0)) * D * 4 + 4) + 2 * D * 4;
+  }
+};
+/// d(gain) of RMSNorm: the sums over R rows of dy xhat, a column reduction.
+struct rms_norm_param_grads {
+  static constexpr int accumulators = 1;
+  const float* dy;
+  const float* xhat;
+  float* dgain;
+  index_t R, D;
+  bool accumulate;
+  bool round = false;  ///< read dy as bf16 would hold it (as rms_norm_backward)
+  index_t rows() const noexcept { return R; }
+  index_t cols() const noexcept { return D; }
+  WHALE_HD WHALE_INLINE void load(index_t r, index_t c, float* v) const noexcept {
+    v[0] = stored_as(dy[r * D + c], round) * xhat[r * D + c];
+  }
+  WHALE_HD WHALE_INLINE void store(index_t c, const float* acc) const noexcept {
+    dgain[c] = accumulate ? dgain[c] + acc[0] : acc[0];
   }
 };
 
