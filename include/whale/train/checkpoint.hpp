@@ -130,6 +130,14 @@ template <class Net> world_comm* world_of(Net& net) {
   else return nullptr;
 }
 
+/// Rank `root`'s `s` on every rank (`c` null: a single process).
+inline void share(world_comm* c, std::string& s, int root = 0) {
+  if (!c) return;
+  std::int64_t n = static_cast<std::int64_t>(s.size());
+  broadcast(*c, view<std::int64_t>(&n, {1}), root);
+  s.resize(static_cast<std::size_t>(n));
+  if (n > 0) broadcast(*c, view<char>(s.data(), {static_cast<index_t>(n)}), root);
+}
 /// Every rank learns whether any rank failed, and throws that rank's message
 /// (the lowest failing rank's). `c` null: a single process.
 inline void agree(world_comm* c, const std::string& err) {
@@ -140,22 +148,11 @@ inline void agree(world_comm* c, const std::string& err) {
   int first = err.empty() ? INT_MAX : c->rank();
   all_reduce(*c, view<int>(&first, {1}), reduce_op::min);
   if (first == INT_MAX) return;
-  std::int64_t n = static_cast<std::int64_t>(err.size());
-  broadcast(*c, view<std::int64_t>(&n, {1}), first);
   std::string msg = err;
-  msg.resize(static_cast<std::size_t>(n));
-  broadcast(*c, view<char>(msg.data(), {static_cast<index_t>(n)}), first);
+  share(c, msg, first);
   throw std::runtime_error(first == c->rank() ? msg : "rank " + std::to_string(first) + " reports: " + msg);
 }
 template <class Net> void agree(Net& net, const std::string& err) { agree(world_of(net), err); }
-/// Rank 0's `s` on every rank (`c` null: a single process).
-inline void share(world_comm* c, std::string& s) {
-  if (!c) return;
-  std::int64_t n = static_cast<std::int64_t>(s.size());
-  broadcast(*c, view<std::int64_t>(&n, {1}), 0);
-  s.resize(static_cast<std::size_t>(n));
-  if (n > 0) broadcast(*c, view<char>(s.data(), {static_cast<index_t>(n)}), 0);
-}
 template <class F> std::string catching(F&& f) {
   try {
     f();
