@@ -20,6 +20,8 @@
 #include "whale/nn/gelu.hpp"
 #include "whale/nn/layer_norm.hpp"
 #include "whale/nn/relu.hpp"
+#include "whale/nn/rms_norm.hpp"
+#include "whale/nn/swiglu_mlp.hpp"
 #include "whale/optim/adamw.hpp"
 #include "whale/optim/sgd.hpp"
 #include "whale/runtime/make.hpp"
@@ -101,6 +103,18 @@ std::string all_on(const char* axis, int n) { return std::string(axis) + "=" + s
 using mlp_single = sequential<sequential<linear<16, 32>, gelu, linear<32, 16>>, linear<16, 8>, softmax_cross_entropy>;
 using mlp_split = sequential<split<sequential<linear<16, 32>, gelu, linear<32, 16>>>, linear<16, 8>, softmax_cross_entropy>;
 auto mlp_data() { return teacher_data(seed{5}, 16, 8, 12); }
+// The same pair without biases (Llama's projections): no bias pass, no replicated row-parallel bias.
+using nobias_inner = sequential<linear<16, 32, no_bias>, gelu, linear<32, 16, no_bias>>;
+using nobias_single = sequential<nobias_inner, linear<16, 8, no_bias>, softmax_cross_entropy>;
+using nobias_split = sequential<split<nobias_inner>, linear<16, 8, no_bias>, softmax_cross_entropy>;
+using nobias_forced = sequential<split<sequential<row<linear<16, 32, no_bias>>, gelu, column<linear<32, 16, no_bias>>>>,
+                                 linear<16, 8, no_bias>, softmax_cross_entropy>;
+
+// Llama's MLP and norms in a decoder: the SwiGLU MLP split by hidden features
+// (gate and up column-split together, down row-split), a head without bias split by class.
+using llama_block = sequential<residual<rms_norm<32>, causal_self_attention<32, 4>>, residual<rms_norm<32>, swiglu_mlp<32, 48>>>;
+using llama_like = sequential<embedding<64, 32>, repeat<2, llama_block>, rms_norm<32>, linear<32, 64, no_bias>, softmax_cross_entropy>;
+auto llama_data() { return markov_data(seed{9}, 64, 16, 4); }
 
 // Whale's 100k-class plan, shrunk: backbone replicated, classifier split by class over the same ranks.
 using xc_small_backbone = sequential<linear<24, 48>, relu>;
@@ -148,6 +162,36 @@ TEST_CASE("column then row linear (Megatron pair) over the model axis equals sin
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   check_split<mlp_split, mlp_single>(all_on("model", world), mlp_data);
   if (world == 4) check_split<mlp_split, mlp_single>("data=2,model=2", mlp_data);
+}
+
+TEST_CASE("linears without bias: column then row (and forced row then column) equal single-process training") {
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  check_split<nobias_split, nobias_single>(all_on("model", world), mlp_data);
+  check_split<nobias_forced, nobias_single>(all_on("model", world), mlp_data);
+  check_split_clipped<nobias_split, nobias_single>(all_on("model", world), mlp_data, 0.05);
+  if (world == 4) {
+    check_split<nobias_split, nobias_single>("data=2,model=2", mlp_data);
+    check_split_clipped<nobias_split, nobias_single>("data=2,model=2", mlp_data, 0.05);
+  }
+  std::ostringstream os;
+  nobias_split::print_structure(os, 0, 8);
+  CHECK(os.str().find("column_linear<16, 32, no_bias>/model") != std::string::npos);
+  CHECK(os.str().find("row_linear<32, 16, no_bias>/model") != std::string::npos);
+}
+
+TEST_CASE("swiglu_mlp split by hidden features (Megatron) in a Llama-like decoder equals single-process training") {
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  check_split<split<llama_like>, llama_like>(all_on("model", world), llama_data);
+  check_split_clipped<split<llama_like>, llama_like>(all_on("model", world), llama_data, 0.5);
+  if (world == 4) {
+    check_split<split<llama_like>, llama_like>("data=2,model=2", llama_data);
+    check_split_clipped<split<llama_like>, llama_like>("data=2,model=2", llama_data, 0.5);
+  }
+  std::ostringstream os;
+  split<llama_like>::print_structure(os, 0, 8);
+  CHECK(os.str().find("hidden_swiglu_mlp<32, 48>/model") != std::string::npos);
 }
 
 TEST_CASE("xc plan: replicated backbone, class-split classifier over the data ranks") {

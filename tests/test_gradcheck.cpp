@@ -24,6 +24,7 @@
 #include "whale/nn/gelu.hpp"
 #include "whale/nn/layer_norm.hpp"
 #include "whale/nn/rms_norm.hpp"
+#include "whale/nn/swiglu_mlp.hpp"
 #include "whale/nn/linear.hpp"
 #include "whale/nn/relu.hpp"
 #include "whale/nn/repeat.hpp"
@@ -203,6 +204,56 @@ TEST_CASE("the gradient checker detects a wrong backward") {
 
 TEST_CASE("linear: backward matches finite differences") {
   check_layer<linear<5, 3>>("linear<5, 3>", 4, 1, 5, 3);
+}
+
+TEST_CASE("linear<In, Out, no_bias>: no bias parameter, the same weights, backward matches finite differences") {
+  check_layer<linear<5, 3, no_bias>>("linear<5, 3, no_bias>", 4, 1, 5, 3);
+  static_assert(linear<5, 3, no_bias>::param_count() == 15 && linear<5, 3>::param_count() == 18);
+  static_assert(linear<5, 3, no_bias>::param_tensors().size() == 1 && linear<5, 3, with_bias>::param_tensors().size() == 2);
+  static_assert(std::is_same_v<linear<5, 3>, linear<5, 3, with_bias>>);
+  CHECK(linear<5, 3, no_bias>::name() == "linear<5, 3, no_bias>");
+  CHECK(linear<5, 3>::name() == "linear<5, 3>");
+  // the weight's initial values do not depend on the bias (the same stream indices)
+  bound<linear<5, 3, no_bias>> nb;
+  bound<linear<5, 3>> wb;
+  for (index_t i = 0; i < 15; ++i) CHECK(nb.params[i] == wb.params[i]);
+  // y = x W^T exactly: a zero input gives a zero output
+  auto c = ctx(2, 1);
+  tensor<float> x({2, 5});
+  for (auto& v : x) v = 0.f;
+  const auto y = nb.layer.forward(c, x.v());
+  for (const float v : y) CHECK(v == 0.f);
+}
+
+TEST_CASE("swiglu_mlp: backward matches finite differences, alone and in a residual after rms_norm") {
+  check_layer<swiglu_mlp<6, 10>>("swiglu_mlp<6, 10>", 4, 1, 6, 6);
+  check_layer<residual<rms_norm<6>, swiglu_mlp<6, 10>>>("residual<rms_norm, swiglu_mlp>", 4, 1, 6, 6);
+  static_assert(swiglu_mlp<6, 10>::param_count() == 180);
+  CHECK(swiglu_mlp<6, 10>::name() == "swiglu_mlp<6, 10>");
+  // y = down(SiLU(gate x) * up x), each a linear without bias, from the layer's own weights
+  bound<swiglu_mlp<6, 10>> m;
+  auto c = ctx(3, 1);
+  tensor<float> x({3, 6});
+  fill_normal(x.v(), 11);
+  const auto y = m.layer.forward(c, x.v());
+  const float* wg = m.params.data();
+  const float* wu = wg + 60;
+  const float* wd = wu + 60;
+  double worst = 0;
+  for (index_t r = 0; r < 3; ++r)
+    for (index_t o = 0; o < 6; ++o) {
+      double acc = 0;
+      for (index_t j = 0; j < 10; ++j) {
+        double g = 0, u = 0;
+        for (index_t i = 0; i < 6; ++i) {
+          g += double(wg[j * 6 + i]) * x[r * 6 + i];
+          u += double(wu[j * 6 + i]) * x[r * 6 + i];
+        }
+        acc += double(wd[o * 10 + j]) * (g / (1 + std::exp(-g))) * u;
+      }
+      worst = std::max(worst, std::abs(acc - y[r * 6 + o]));
+    }
+  CHECK(worst < 1e-5);
 }
 
 TEST_CASE("relu: backward matches finite differences away from the kink") {

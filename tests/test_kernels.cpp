@@ -43,6 +43,7 @@ template <class K> void run_on(cpu::isa which, index_t n, const K& body) {
   }
 }
 double ref_gelu(double x) { return 0.5 * x * (1 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))); }
+double ref_silu(double x) { return x / (1 + std::exp(-x)); }
 }  // namespace
 
 TEST_CASE("every kernel body gives the same result on every CPU instruction set it is compiled for") {
@@ -71,7 +72,7 @@ TEST_CASE("every kernel body gives the same result on every CPU instruction set 
       for (index_t r = 0; r < kc::R; ++r) CHECK(got.rowd[r] == doctest::Approx(ref.rowd[r]).epsilon(1e-6));
     }
   });
-  CHECK(cases == 46);
+  CHECK(cases == 51);
 }
 
 TEST_CASE("elementwise bodies match their formulas in double precision") {
@@ -92,6 +93,44 @@ TEST_CASE("elementwise bodies match their formulas in double precision") {
   CHECK(worst < 1e-5);
   cpu::launch(kc::N, kernels::relu_backward{p.a, p.b, p.f});
   for (index_t i = 0; i < kc::N; ++i) CHECK(h.f[i] == (h.a[i] > 0 ? h.b[i] : 0.f));
+}
+
+TEST_CASE("SwiGLU bodies: SiLU(g) u and its gradient against double formulas, on rows of gate | up") {
+  // rows of 2H (H = 150: not a multiple of a vector), and one odd row width
+  for (const index_t H : {kc::C / 2, index_t{7}}) {
+    const index_t rows = kc::N / (2 * H), n = rows * H;
+    kc::host_buffers h;
+    auto p = h.ptrs();
+    cpu::launch(n, kernels::swiglu_forward{p.a, p.f, H});
+    double worst = 0;
+    for (index_t i = 0; i < n; ++i) {
+      const index_t r = i / H, c = i % H;
+      const double g = h.a[2 * r * H + c], u = h.a[2 * r * H + H + c];
+      worst = std::fmax(worst, std::fabs(h.f[i] - ref_silu(g) * u) / std::fmax(1.0, std::fabs(ref_silu(g) * u)));
+    }
+    CHECK(worst < 1e-6);
+    // the backward against central differences of the double formula
+    cpu::launch(n, kernels::swiglu_backward{p.a, p.b, p.f, H});
+    double worst_g = 0, worst_u = 0;
+    for (index_t i = 0; i < n; ++i) {
+      const index_t r = i / H, c = i % H;
+      const double g = h.a[2 * r * H + c], u = h.a[2 * r * H + H + c], d = h.b[i], eps = 1e-5;
+      const double dg = d * u * (ref_silu(g + eps) - ref_silu(g - eps)) / (2 * eps), du = d * ref_silu(g);
+      worst_g = std::fmax(worst_g, std::fabs(h.f[2 * r * H + c] - dg) / std::fmax(1.0, std::fabs(dg)));
+      worst_u = std::fmax(worst_u, std::fabs(h.f[2 * r * H + H + c] - du) / std::fmax(1.0, std::fabs(du)));
+    }
+    CHECK(worst_g < 1e-5);
+    CHECK(worst_u < 1e-6);
+    // under bf16: the inputs read as bf16 holds them, every output stored rounded
+    kc::host_buffers b;
+    auto q = b.ptrs();
+    cpu::launch(n, kernels::swiglu_forward{q.a, q.f, H, true});
+    for (index_t i = 0; i < n; ++i) {
+      const index_t r = i / H, c = i % H;
+      const float g = kernels::round_bf16(b.a[2 * r * H + c]), u = kernels::round_bf16(b.a[2 * r * H + H + c]);
+      CHECK(b.f[i] == kernels::round_bf16(g * kernels::vsigmoid(g) * u));
+    }
+  }
 }
 
 TEST_CASE("row bodies: LayerNorm, causal softmax, cross-entropy and column sums against double references") {

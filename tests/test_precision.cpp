@@ -13,6 +13,7 @@
 #include "whale/models/gpt.hpp"
 #include "whale/nn/repeat.hpp"
 #include "whale/nn/rms_norm.hpp"
+#include "whale/nn/swiglu_mlp.hpp"
 #include "whale/nn/network.hpp"
 #include "whale/optim/adamw.hpp"
 #include "whale/train/trainer.hpp"
@@ -133,7 +134,11 @@ TEST_CASE("bf16: every layer's output and input gradient is stored rounded, by i
   SUBCASE("rms_norm (its kernels round)") { check_stored_bf16<rms_norm<32>>(32, true); }
   SUBCASE("gelu (its kernels round)") { check_stored_bf16<gelu>(32, true); }
   SUBCASE("linear (the bias pass after the product rounds; a pass rounds d(input))") { check_stored_bf16<linear<32, 32>>(32, true); }
+  SUBCASE("linear without bias (the pass after the product rounds)") { check_stored_bf16<linear<32, 32, no_bias>>(32, true); }
   SUBCASE("residual (its sums round)") { check_stored_bf16<residual<layer_norm<32>, linear<32, 32>>>(32, false); }
+  SUBCASE("residual ending in a linear without bias") { check_stored_bf16<residual<rms_norm<32>, linear<32, 32, no_bias>>>(32, false); }
+  SUBCASE("swiglu_mlp (its gate kernels round; the pass after the down projection rounds)") { check_stored_bf16<swiglu_mlp<32, 48>>(32, false); }
+  SUBCASE("residual ending in a swiglu_mlp") { check_stored_bf16<residual<rms_norm<32>, swiglu_mlp<32, 48>>>(32, false); }
   SUBCASE("causal_self_attention") { check_stored_bf16<causal_self_attention<32, 2>>(32, false); }
   SUBCASE("transformer_block (a sequential: its elements' values)") { check_stored_bf16<transformer_block<32, 2, 64>>(32, false); }
   SUBCASE("repeat") { check_stored_bf16<repeat<2, transformer_block<32, 2, 64>>>(32, false); }

@@ -25,7 +25,11 @@ class cuda_backend;
 struct step_ctx;
 struct cost_info;
 class param_binder;
-template <index_t In, index_t Out> struct linear;
+/// Whether a linear adds a bias: `linear<In, Out, no_bias>` has none (Llama's projections).
+enum class bias_mode : bool { none = false, added = true };
+inline constexpr bias_mode no_bias = bias_mode::none;
+inline constexpr bias_mode with_bias = bias_mode::added;
+template <index_t In, index_t Out, bias_mode Bias = with_bias> struct linear;
 struct relu;
 struct gelu;
 template <index_t D> struct layer_norm;
@@ -33,6 +37,7 @@ template <index_t D, float Eps = 1e-6f> struct rms_norm;  // Eps: LlamaConfig's 
 template <index_t Vocab, index_t D> struct embedding;
 template <index_t MaxSeq, index_t D> struct position_embedding;
 template <index_t D, index_t Heads> struct causal_self_attention;
+template <index_t D, index_t Hidden> struct swiglu_mlp;
 struct softmax_cross_entropy;
 template <class... L> class sequential;
 template <class M> class network;

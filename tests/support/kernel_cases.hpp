@@ -73,6 +73,14 @@ template <class F> void for_each_case(F&& f) {
     [](buffers p) { return k::layer_norm_forward{p.a, p.b, p.c, p.f, p.e, p.d, C, 1e-5f, true}; });
   f("layer_norm_backward (stored as bf16)", R, [](buffers p) { return k::layer_norm_backward{p.a, p.b, p.d, p.c, p.f, C, true}; });
   f("bias_rows", R, [](buffers p) { return k::bias_rows{p.f, p.a, C, true}; });
+  // a linear without bias under bf16: the pass stores the product rounded, adding a residual's input
+  f("bias_rows (no bias, residual added, stored as bf16)", R,
+    [](buffers p) { return k::bias_rows{p.a, nullptr, C, true, true, p.b}; });
+  // SwiGLU on rows of 2 x 150 (gate | up): h and d(gate | up)
+  f("swiglu_forward", N / 2, [](buffers p) { return k::swiglu_forward{p.a, p.f, C / 2}; });
+  f("swiglu_backward", N / 2, [](buffers p) { return k::swiglu_backward{p.a, p.b, p.f, C / 2}; });
+  f("swiglu_forward (stored as bf16)", N / 2, [](buffers p) { return k::swiglu_forward{p.a, p.f, C / 2, true}; });
+  f("swiglu_backward (stored as bf16)", N / 2, [](buffers p) { return k::swiglu_backward{p.a, p.b, p.f, C / 2, true}; });
   f("column_sums", C, [](buffers p) { return k::column_sums{p.a, p.f, R, C, false}; });
   f("column_sums (9 row tiles)", 20, [](buffers p) { return k::column_sums{p.a, p.f, N / 20, 20, true}; });
   f("layer_norm_forward", R,

@@ -296,12 +296,16 @@ class backend_ref {
     reduce_columns(kernels::column_sums{dy, db, rows, cols, accumulate});
   }
   /// A fully connected layer's parameter gradients from R rows: dW (out, in) =
-  /// dy^T x and db (out) = the column sums of dy; `accumulate` adds to them.
+  /// dy^T x and db (out) = the column sums of dy (db null: no bias); `accumulate` adds to them.
   /// A device that fuses the two (the CUDA backend's cuBLASLt epilogue, or
   /// the guarded backend modelling it) computes them in one call where they
   /// are overwritten; otherwise, and to accumulate, a GEMM and a column reduction.
   void linear_weight_grads(index_t R, index_t out, index_t in, const float* dy, const float* x, float* dw, float* db,
                            bool accumulate) const {
+    if (!db) {  // no bias (linear<In, Out, no_bias>): the GEMM alone
+      gemm(trans::yes, trans::no, out, in, R, 1.f, dy, x, accumulate ? 1.f : 0.f, dw);
+      return;
+    }
     if (gpu_ && !accumulate && ops_->weight_grads && ops_->weight_grads(gpu_, weight_grad_args{R, out, in, dy, x, dw, db}))
       return;
     gemm(trans::yes, trans::no, out, in, R, 1.f, dy, x, accumulate ? 1.f : 0.f, dw);

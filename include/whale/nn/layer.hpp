@@ -411,10 +411,13 @@ template <bool done = false> inline view<float> stored(const step_ctx& c, view<f
 /// (`round`): the product, then the bias added in the pass that stores y
 /// rounded (no rounding pass after). Otherwise: y = b, then the product added.
 /// With `add` (a residual's input, bf16 only): y = x W^T + b + add, each sum
-/// stored rounded, in the same pass.
+/// stored rounded, in the same pass. `b` null: no bias (y = x W^T, rounded
+/// in the pass that adds `add` under bf16).
 inline void affine_forward(const backend_ref& be, const float* x, const float* w, const float* b, float* y, index_t R,
                            index_t Out, index_t In, bool round, const float* add = nullptr) {
-  if (round) {
+  if (!b && !round) {
+    be.gemm(trans::no, trans::yes, R, Out, In, 1.f, x, w, 0.f, y);
+  } else if (round) {
     be.gemm(trans::no, trans::yes, R, Out, In, 1.f, x, w, 0.f, y);
     be.launch(R, kernels::bias_rows{y, b, Out, true, true, add});
   } else {

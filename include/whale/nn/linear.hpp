@@ -1,4 +1,5 @@
-// `linear<In, Out>`: y = x W^T + b with W of shape (Out, In), as in PyTorch.
+// `linear<In, Out>`: y = x W^T + b with W of shape (Out, In), as in PyTorch;
+// `linear<In, Out, no_bias>`: y = x W^T (PyTorch's bias=False).
 // The unsplit layer only; its column- and row-parallel forms are in strategy/.
 #pragma once
 
@@ -6,49 +7,65 @@
 #include <cmath>
 #include <string>
 
+#include "whale/fwd.hpp"
 #include "whale/nn/layer.hpp"
 
 namespace whale {
 
-/// Fully connected layer. Parameters: W (Out, In), then b (Out). Init as
-/// PyTorch: uniform(-1/sqrt(In), 1/sqrt(In)), element i of the flat (W, b)
-/// drawn from the layer's stream at index i, so any slice can be made alone.
-template <index_t In, index_t Out>
+namespace detail {
+/// ", no_bias" in a layer's name when it has no bias, nothing otherwise.
+constexpr const char* bias_suffix(bias_mode b) { return b == bias_mode::none ? ", no_bias" : ""; }
+}  // namespace detail
+
+/// Fully connected layer. Parameters: W (Out, In), then b (Out) unless
+/// Bias is no_bias. Init as PyTorch: uniform(-1/sqrt(In), 1/sqrt(In)),
+/// element i of the flat (W, b) drawn from the layer's stream at index i, so
+/// any slice can be made alone (W's values do not depend on Bias).
+template <index_t In, index_t Out, bias_mode Bias>  // Bias defaults to with_bias (whale/fwd.hpp)
 struct linear {
   static_assert(In > 0 && Out > 0, "whale::linear: In and Out must be positive feature counts");
   using input_type = float;
   static constexpr index_t in_features = In;
   static constexpr index_t out_features = Out;
+  static constexpr bool has_bias = Bias == bias_mode::added;
   static constexpr bool rounds_output = true;  // under bf16 the bias pass stores y rounded (d(input) is a GEMM's)
   static constexpr bool accepts_residual_add = true;  // last in a residual branch: under bf16 the bias pass adds x
 
-  static std::string name() { return "linear<" + std::to_string(In) + ", " + std::to_string(Out) + ">"; }
+  static std::string name() {
+    return "linear<" + std::to_string(In) + ", " + std::to_string(Out) + detail::bias_suffix(Bias) + ">";
+  }
   static constexpr cost_info cost() {
     cost_info c;
     c.fwd_flops = 2.0 * In * Out;
     c.bwd_flops = 4.0 * In * Out;
-    c.params = In * Out + Out;
+    c.params = param_count();
     c.act_bytes = 4.0 * (In + Out);  // saved input and the output buffer
     return c;
   }
-  static constexpr index_t param_count() noexcept { return In * Out + Out; }
-  static constexpr std::array<param_tensor, 2> param_tensors() {
-    return {{{"weight", param_role::weight, In * Out, In}, {"bias", param_role::bias, Out, In}}};
+  static constexpr index_t param_count() noexcept { return In * Out + (has_bias ? Out : 0); }
+  static constexpr std::array<param_tensor, has_bias ? 2 : 1> param_tensors() {
+    if constexpr (has_bias)
+      return {{{"weight", param_role::weight, In * Out, In}, {"bias", param_role::bias, Out, In}}};
+    else
+      return {{{"weight", param_role::weight, In * Out, In}}};
   }
 
   void bind(param_binder& b) {
     auto w = b.take({Out, In});
-    auto bias = b.take({Out});
     w_ = w.value;
     dw_ = w.grad;
-    b_ = bias.value;
-    db_ = bias.grad;
+    if constexpr (has_bias) {
+      auto bias = b.take({Out});
+      b_ = bias.value;
+      db_ = bias.grad;
+    }
   }
   void init(const counter_rng& r) {
     const double k = 1.0 / std::sqrt(static_cast<double>(In));
     for (index_t i = 0; i < In * Out; ++i) w_[i] = static_cast<float>((2 * r.uniform(i) - 1) * k);
-    for (index_t o = 0; o < Out; ++o)
-      b_[o] = static_cast<float>((2 * r.uniform(In * Out + o) - 1) * k);
+    if constexpr (has_bias)
+      for (index_t o = 0; o < Out; ++o)
+        b_[o] = static_cast<float>((2 * r.uniform(In * Out + o) - 1) * k);
   }
 
   // x: (R, In) -> y: (R, Out)
@@ -73,21 +90,21 @@ struct linear {
     return dx;
   }
 
-  /// dW = dy^T x and db = column sums of dy, from slot `slot`'s saved x and dy.
+  /// dW = dy^T x and db = column sums of dy (with a bias), from slot `slot`'s saved x and dy.
   void weight_grads(const backend_ref& be, int slot, bool accumulate) {
     auto& s = st_(slot);
     be.linear_weight_grads(s.dy.numel() / Out, Out, In, s.dy.data(), s.x.data(), dw_.data(), db_.data(), accumulate);
   }
 
   view<float> weight() const noexcept { return w_; }
-  view<float> bias() const noexcept { return b_; }
+  view<float> bias() const noexcept { return b_; }  ///< empty without a bias
 
  private:
   struct state {
     cview<float> x, dy;
     tensor<float> y, dx;
   };
-  view<float> w_, dw_, b_, db_;
+  view<float> w_, dw_, b_, db_;  // b_ and db_ stay empty (null) without a bias
   slots<state> st_;
 };
 

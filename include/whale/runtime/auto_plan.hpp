@@ -102,8 +102,8 @@ template <class E> struct tp_element {
 template <index_t V, index_t D> struct tp_element<embedding<V, D>> {
   using type = split<embedding<V, D>, axis::model>;
 };
-template <index_t I, index_t O> struct tp_element<linear<I, O>> {
-  using type = split<linear<I, O>, axis::model>;
+template <index_t I, index_t O, bias_mode B> struct tp_element<linear<I, O, B>> {
+  using type = split<linear<I, O, B>, axis::model>;
 };
 template <std::size_t N, class B> struct tp_element<repeat<N, B>> {
   using type = std::conditional_t<splittable<B, axis::model>, repeat<N, split<B, axis::model>>, repeat<N, B>>;

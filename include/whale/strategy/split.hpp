@@ -316,11 +316,12 @@ template <class T, index_t Deg> constexpr bool degree_ok() {
 
 namespace detail {
 /// Whether T is or holds a layer that the model axis shards (a linear, an
-/// embedding, an attention layer); the others (LayerNorm, activations, a loss
+/// embedding, an attention layer, a SwiGLU MLP); the others (LayerNorm, activations, a loss
 /// alone) work on whole rows and would be computed whole on every rank.
-template <index_t I, index_t O> constexpr bool shards_on_model(const linear<I, O>*) { return true; }
+template <index_t I, index_t O, bias_mode B> constexpr bool shards_on_model(const linear<I, O, B>*) { return true; }
 template <index_t V, index_t D> constexpr bool shards_on_model(const embedding<V, D>*) { return true; }
 template <index_t D, index_t H> constexpr bool shards_on_model(const causal_self_attention<D, H>*) { return true; }
+template <index_t D, index_t H> constexpr bool shards_on_model(const swiglu_mlp<D, H>*) { return true; }
 template <class L> constexpr bool shards_on_model(const column_tag<L>*) { return true; }
 template <class L> constexpr bool shards_on_model(const row_tag<L>*) { return true; }
 constexpr bool shards_on_model(const void*) { return false; }

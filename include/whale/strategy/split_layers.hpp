@@ -1,7 +1,8 @@
 // The sharded forms of whale's layers, each holding its slice of the unsplit
 // layer's parameters along one mesh axis (same initial values, element by
 // element): column- and row-parallel linear (split_linear.hpp), class-split
-// softmax cross-entropy, vocabulary-split embedding, head-split attention.
+// softmax cross-entropy, vocabulary-split embedding, head-split attention,
+// the hidden-split SwiGLU MLP.
 // Which one a layer becomes is decided by the split region (split.hpp) from
 // the layout it receives.
 #pragma once
@@ -17,6 +18,7 @@
 #include "whale/nn/embedding.hpp"
 #include "whale/nn/linear.hpp"
 #include "whale/nn/softmax_cross_entropy.hpp"
+#include "whale/nn/swiglu_mlp.hpp"
 #include "whale/strategy/layout.hpp"
 #include "whale/strategy/split_linear.hpp"
 
@@ -323,6 +325,87 @@ class head_attention {
   index_t h_ = Heads, w_ = D;
   view<float> wqkv_, dwqkv_, bqkv_, dbqkv_, wo_, dwo_, bo_, dbo_;
   slots<state> st_;
+};
+
+/// swiglu_mlp<D, Hidden> split by hidden features, Megatron's way: rank r
+/// holds hidden features [r n, r n + n), n = Hidden / p: those rows of gate
+/// and of up (column-parallel, together, so that each rank's SiLU(g) * u is
+/// local) and those columns of down (row-parallel). Replicated in, partial out.
+template <index_t D, index_t Hidden, axis A>
+class hidden_swiglu_mlp : detail::swiglu_body<D> {
+ public:
+  static constexpr index_t split_extent = Hidden;
+  using input_type = float;
+  static constexpr index_t in_features = D;
+  static constexpr index_t out_features = D;
+  using unsplit_type = swiglu_mlp<D, Hidden>;  ///< the layer it is a shard of
+  static std::string name() {
+    return "hidden_swiglu_mlp<" + std::to_string(D) + ", " + std::to_string(Hidden) + ">/" + axis_name(A);
+  }
+  static constexpr cost_info cost() { return unsplit_type::cost(); }
+  /// Parameters divided among the ranks of the axis, and those every rank holds whole.
+  static constexpr index_t split_params = 3 * D * Hidden, replicated_params = 0;
+  /// What one of `degree` ranks holds and computes per row.
+  static constexpr cost_info shard_cost(index_t degree) {
+    auto c = detail::shard_of(cost(), degree, split_params, replicated_params);
+    c.act_bytes = 4.0 * static_cast<double>(6 * Hidden / (degree < 1 ? 1 : degree) + 2 * D);  // y and d(input) whole
+    return c;
+  }
+
+  hidden_swiglu_mlp() : detail::swiglu_body<D>(Hidden) {}
+  void configure(const split_env& e) {
+    comm_ = &e.comm(A);
+    p_ = comm_->size();
+    r_ = comm_->rank();
+    detail::check_divides(unsplit_type::name(), "Hidden", Hidden, p_, A);
+    this->n_ = Hidden / p_;
+  }
+  index_t param_count() const { return this->param_count_(); }
+  void bind(param_binder& b) { this->bind_(b); }
+  /// Rank r of p holds rows [r n, r n + n) of gate (Hidden, D) and of up
+  /// (Hidden, D), and those columns of each row of down (D, Hidden).
+  static void param_runs(int r, int p, std::vector<param_run>& out) {
+    const index_t n = Hidden / p;
+    out.push_back({0, r * n * D, n * D});
+    out.push_back({n * D, Hidden * D + r * n * D, n * D});
+    for (index_t o = 0; o < D; ++o) out.push_back({2 * n * D + o * n, 2 * Hidden * D + o * Hidden + r * n, n});
+  }
+  // The unsplit layer's values at the same flat indices (swiglu_mlp::init).
+  void init(const counter_rng& rng) {
+    std::vector<param_run> runs;
+    param_runs(r_, p_, runs);
+    const double kin = 1.0 / std::sqrt(static_cast<double>(D)), kh = 1.0 / std::sqrt(static_cast<double>(Hidden));
+    float* local = this->wgu_.data();  // gate, up and down lie one after another
+    for (const auto& run : runs)
+      for (index_t i = 0; i < run.count; ++i) {
+        const index_t f = run.full + i;
+        local[run.local + i] = static_cast<float>((2 * rng.uniform(static_cast<std::uint64_t>(f)) - 1) * (f < 2 * Hidden * D ? kin : kh));
+      }
+  }
+  /// gate, up (row blocks of every rank) and down (column blocks), unsplit.
+  void gather_full(const float* local, float* full) {
+    const index_t n = this->n_;
+    all_gather(*comm_, cview<float>(local, {n * D}), view<float>(full, {Hidden * D}));
+    all_gather(*comm_, cview<float>(local + n * D, {n * D}), view<float>(full + Hidden * D, {Hidden * D}));
+    tensor<float> t({static_cast<index_t>(p_) * D * n}, mem_kind::comm);
+    all_gather(*comm_, cview<float>(local + 2 * n * D, {D * n}), t.v());
+    float* fd = full + 2 * Hidden * D;
+    for (int q = 0; q < p_; ++q)
+      for (index_t o = 0; o < D; ++o)
+        std::memcpy(fd + o * Hidden + q * n, t.data() + (q * D + o) * n, static_cast<std::size_t>(n) * sizeof(float));
+  }
+
+  // x: (R, D) replicated -> y: (R, D) partial
+  view<float> forward(step_ctx& c, cview<float> x) { return this->forward_(c, x, false); }
+  // dy: (R, D) replicated -> dx: (R, D) partial; weight gradients now or in the W pass
+  view<float> backward(step_ctx& c, cview<float> dy) { return this->backward_(c, dy, this); }
+  /// This rank's rows of d(gate), d(up) and columns of d(down) from slot `slot`.
+  void weight_grads(const backend_ref& be, int slot, bool accumulate) { this->weight_grads_(be, slot, accumulate); }
+
+ private:
+  friend class detail::swiglu_body<D>;
+  world_comm* comm_ = nullptr;
+  int p_ = 1, r_ = 0;
 };
 
 }  // namespace whale

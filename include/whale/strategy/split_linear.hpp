@@ -1,4 +1,4 @@
-// The column- and row-parallel forms of linear<In, Out> (Megatron's pair),
+// The column- and row-parallel forms of linear<In, Out, Bias> (Megatron's pair),
 // each holding its slice of the unsplit layer's parameters along one mesh axis
 // (same initial values, element by element), and what every sharded form
 // shares: the run-time degree check and the per-rank cost.
@@ -39,22 +39,24 @@ constexpr cost_info shard_of(cost_info c, index_t degree, index_t split, index_t
 }
 }  // namespace detail
 
-/// linear<In, Out> split by output features (column-parallel): replicated in,
+/// linear<In, Out, Bias> split by output features (column-parallel): replicated in,
 /// split<1> out; d(input) is partial (each rank's slice contributes).
-template <index_t In, index_t Out, axis A>
+template <index_t In, index_t Out, axis A, bias_mode Bias = with_bias>
 class column_linear {
  public:
+  using unsplit_type = linear<In, Out, Bias>;  ///< the layer it is a shard of
+  static constexpr bool has_bias = unsplit_type::has_bias;
   static constexpr index_t split_extent = Out;  ///< the dimension shared among the ranks
   using input_type = float;
   static constexpr index_t in_features = In;
   static constexpr index_t out_features = Out;
   static std::string name() {
-    return "column_linear<" + std::to_string(In) + ", " + std::to_string(Out) + ">/" + axis_name(A);
+    return "column_linear<" + std::to_string(In) + ", " + std::to_string(Out) + detail::bias_suffix(Bias) + ">/" +
+           axis_name(A);
   }
-  static constexpr cost_info cost() { return linear<In, Out>::cost(); }
-  using unsplit_type = linear<In, Out>;  ///< the layer it is a shard of
+  static constexpr cost_info cost() { return unsplit_type::cost(); }
   /// Parameters divided among the ranks of the axis, and those every rank holds whole.
-  static constexpr index_t split_params = (In + 1) * Out, replicated_params = 0;
+  static constexpr index_t split_params = (In + (has_bias ? 1 : 0)) * Out, replicated_params = 0;
   /// What one of `degree` ranks holds and computes per row.
   static constexpr cost_info shard_cost(index_t degree) {
     auto c = detail::shard_of(cost(), degree, split_params, replicated_params);
@@ -66,25 +68,29 @@ class column_linear {
     comm_ = &e.comm(A);
     p_ = comm_->size();
     r_ = comm_->rank();
-    detail::check_divides(linear<In, Out>::name(), "out_features", Out, p_, A);
+    detail::check_divides(unsplit_type::name(), "out_features", Out, p_, A);
     n_ = Out / p_;
   }
   /// Rank r of p holds rows [r n, r n + n) of W (Out, In) and the same entries of b.
   static void param_runs(int r, int p, std::vector<param_run>& out) {
     const index_t n = Out / p;
     out.push_back({0, r * n * In, n * In});
-    out.push_back({n * In, Out * In + r * n, n});
+    if constexpr (has_bias) out.push_back({n * In, Out * In + r * n, n});
   }
   /// W (Out, In) then b (Out), gathered from the row blocks of every rank.
   void gather_full(const float* local, float* full) {
     all_gather(*comm_, cview<float>(local, {n_ * In}), view<float>(full, {Out * In}));
-    all_gather(*comm_, cview<float>(local + n_ * In, {n_}), view<float>(full + Out * In, {Out}));
+    if constexpr (has_bias)
+      all_gather(*comm_, cview<float>(local + n_ * In, {n_}), view<float>(full + Out * In, {Out}));
   }
-  index_t param_count() const { return n_ * In + n_; }
+  index_t param_count() const { return n_ * In + (has_bias ? n_ : 0); }
   void bind(param_binder& b) {
     auto w = b.take({n_, In});
-    auto bias = b.take({n_});
-    w_ = w.value, dw_ = w.grad, b_ = bias.value, db_ = bias.grad;
+    w_ = w.value, dw_ = w.grad;
+    if constexpr (has_bias) {
+      auto bias = b.take({n_});
+      b_ = bias.value, db_ = bias.grad;
+    }
   }
   // Rows o0..o0+n of W (Out, In) and of b: the unsplit layer's values.
   void init(const counter_rng& r) {
@@ -92,8 +98,9 @@ class column_linear {
     const index_t o0 = r_ * n_;
     for (index_t i = 0; i < n_ * In; ++i)
       w_[i] = static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(o0 * In + i)) - 1) * k);
-    for (index_t o = 0; o < n_; ++o)
-      b_[o] = static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(In * Out + o0 + o)) - 1) * k);
+    if constexpr (has_bias)
+      for (index_t o = 0; o < n_; ++o)
+        b_[o] = static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(In * Out + o0 + o)) - 1) * k);
   }
   // x: (R, In) -> y: (R, Out/p)
   view<float> forward(step_ctx& c, cview<float> x) {
@@ -101,8 +108,8 @@ class column_linear {
     const index_t R = x.numel() / In;
     s.x = x;
     auto y = detail::ensure(s.y, {R, n_});
-    c.be.launch(R, kernels::bias_rows{y.data(), b_.data(), n_, false});
-    c.be.gemm(trans::no, trans::yes, R, n_, In, 1.f, x.data(), w_.data(), 1.f, y.data());
+    if constexpr (has_bias) c.be.launch(R, kernels::bias_rows{y.data(), b_.data(), n_, false});
+    c.be.gemm(trans::no, trans::yes, R, n_, In, 1.f, x.data(), w_.data(), has_bias ? 1.f : 0.f, y.data());
     return y;
   }
   // dy: (R, Out/p) -> dx: (R, In), partial
@@ -116,7 +123,7 @@ class column_linear {
     c.be.gemm(trans::no, trans::no, R, In, n_, 1.f, dy.data(), w_.data(), 0.f, dx.data());
     return dx;
   }
-  /// This rank's rows of dW and db from slot `slot`'s saved x and dy.
+  /// This rank's rows of dW and db (with a bias) from slot `slot`'s saved x and dy.
   void weight_grads(const backend_ref& be, int slot, bool accumulate) {
     auto& s = st_(slot);
     be.linear_weight_grads(s.dy.numel() / n_, n_, In, s.dy.data(), s.x.data(), dw_.data(), db_.data(), accumulate);
@@ -134,23 +141,25 @@ class column_linear {
   slots<state> st_;
 };
 
-/// linear<In, Out> split by input features (row-parallel): split<1> in,
+/// linear<In, Out, Bias> split by input features (row-parallel): split<1> in,
 /// partial out. The bias is replicated and added by rank 0 of the axis only,
 /// so the sum of the partials holds it once; its gradient is the same on every rank.
-template <index_t In, index_t Out, axis A>
+template <index_t In, index_t Out, axis A, bias_mode Bias = with_bias>
 class row_linear {
  public:
+  using unsplit_type = linear<In, Out, Bias>;  ///< the layer it is a shard of
+  static constexpr bool has_bias = unsplit_type::has_bias;
   static constexpr index_t split_extent = In;
   using input_type = float;
   static constexpr index_t in_features = In;
   static constexpr index_t out_features = Out;
   static std::string name() {
-    return "row_linear<" + std::to_string(In) + ", " + std::to_string(Out) + ">/" + axis_name(A);
+    return "row_linear<" + std::to_string(In) + ", " + std::to_string(Out) + detail::bias_suffix(Bias) + ">/" +
+           axis_name(A);
   }
-  static constexpr cost_info cost() { return linear<In, Out>::cost(); }
-  using unsplit_type = linear<In, Out>;  ///< the layer it is a shard of
+  static constexpr cost_info cost() { return unsplit_type::cost(); }
   /// Parameters divided among the ranks of the axis, and those every rank holds whole.
-  static constexpr index_t split_params = In * Out, replicated_params = Out;
+  static constexpr index_t split_params = In * Out, replicated_params = has_bias ? Out : 0;
   /// What one of `degree` ranks holds and computes per row.
   static constexpr cost_info shard_cost(index_t degree) {
     auto c = detail::shard_of(cost(), degree, split_params, replicated_params);
@@ -162,14 +171,14 @@ class row_linear {
     comm_ = &e.comm(A);
     p_ = comm_->size();
     r_ = comm_->rank();
-    detail::check_divides(linear<In, Out>::name(), "in_features", In, p_, A);
+    detail::check_divides(unsplit_type::name(), "in_features", In, p_, A);
     k_ = In / p_;
   }
   /// Rank r of p holds columns [r k, r k + k) of each row of W (Out, In), and the whole bias.
   static void param_runs(int r, int p, std::vector<param_run>& out) {
     const index_t k = In / p;
     for (index_t o = 0; o < Out; ++o) out.push_back({o * k, o * In + r * k, k});
-    out.push_back({Out * k, Out * In, Out, true});
+    if constexpr (has_bias) out.push_back({Out * k, Out * In, Out, true});
   }
   /// W (Out, In) from the column blocks of every rank, then the (replicated) bias.
   void gather_full(const float* local, float* full) {
@@ -178,13 +187,17 @@ class row_linear {
     for (int q = 0; q < p_; ++q)
       for (index_t o = 0; o < Out; ++o)
         std::memcpy(full + o * In + q * k_, t.data() + (q * Out + o) * k_, static_cast<std::size_t>(k_) * sizeof(float));
-    std::memcpy(full + Out * In, local + Out * k_, static_cast<std::size_t>(Out) * sizeof(float));
+    if constexpr (has_bias)
+      std::memcpy(full + Out * In, local + Out * k_, static_cast<std::size_t>(Out) * sizeof(float));
   }
-  index_t param_count() const { return Out * k_ + Out; }
+  index_t param_count() const { return Out * k_ + (has_bias ? Out : 0); }
   void bind(param_binder& b) {
     auto w = b.take({Out, k_});
-    auto bias = b.take({Out});
-    w_ = w.value, dw_ = w.grad, b_ = bias.value, db_ = bias.grad;
+    w_ = w.value, dw_ = w.grad;
+    if constexpr (has_bias) {
+      auto bias = b.take({Out});
+      b_ = bias.value, db_ = bias.grad;
+    }
   }
   // Columns i0..i0+k of W (Out, In); the whole bias.
   void init(const counter_rng& r) {
@@ -193,8 +206,9 @@ class row_linear {
     for (index_t o = 0; o < Out; ++o)
       for (index_t j = 0; j < k_; ++j)
         w_[o * k_ + j] = static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(o * In + i0 + j)) - 1) * s);
-    for (index_t o = 0; o < Out; ++o)
-      b_[o] = static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(In * Out + o)) - 1) * s);
+    if constexpr (has_bias)
+      for (index_t o = 0; o < Out; ++o)
+        b_[o] = static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(In * Out + o)) - 1) * s);
   }
   // x: (R, In/p) -> y: (R, Out) partial
   view<float> forward(step_ctx& c, cview<float> x) {
@@ -202,8 +216,9 @@ class row_linear {
     const index_t R = x.numel() / k_;
     s.x = x;
     auto y = detail::ensure(s.y, {R, Out});
-    if (r_ == 0) c.be.launch(R, kernels::bias_rows{y.data(), b_.data(), Out, false});
-    c.be.gemm(trans::no, trans::yes, R, Out, k_, 1.f, x.data(), w_.data(), r_ == 0 ? 1.f : 0.f, y.data());
+    const bool adds_bias = has_bias && r_ == 0;
+    if (adds_bias) c.be.launch(R, kernels::bias_rows{y.data(), b_.data(), Out, false});
+    c.be.gemm(trans::no, trans::yes, R, Out, k_, 1.f, x.data(), w_.data(), adds_bias ? 1.f : 0.f, y.data());
     return y;
   }
   // dy: (R, Out) replicated -> dx: (R, In/p)
@@ -217,7 +232,7 @@ class row_linear {
     c.be.gemm(trans::no, trans::no, R, k_, Out, 1.f, dy.data(), w_.data(), 0.f, dx.data());
     return dx;
   }
-  /// This rank's columns of dW, and the whole db, from slot `slot`'s saved x and dy.
+  /// This rank's columns of dW, and the whole db (with a bias), from slot `slot`'s saved x and dy.
   void weight_grads(const backend_ref& be, int slot, bool accumulate) {
     auto& s = st_(slot);
     be.linear_weight_grads(s.dy.numel() / Out, Out, k_, s.dy.data(), s.x.data(), dw_.data(), db_.data(), accumulate);

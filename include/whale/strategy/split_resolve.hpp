@@ -17,6 +17,7 @@
 #include "whale/nn/residual.hpp"
 #include "whale/nn/sequential.hpp"
 #include "whale/nn/softmax_cross_entropy.hpp"
+#include "whale/nn/swiglu_mlp.hpp"
 #include "whale/strategy/layout.hpp"
 #include "whale/strategy/split_layers.hpp"
 
@@ -44,7 +45,7 @@ template <class... I> struct is_residual<residual<I...>> : std::true_type {};
 template <class M> struct is_repeat : std::false_type {};
 template <std::size_t N, class B> struct is_repeat<repeat<N, B>> : std::true_type {};
 template <class M> struct is_linear : std::false_type {};
-template <index_t I, index_t O> struct is_linear<linear<I, O>> : std::true_type {};
+template <index_t I, index_t O, bias_mode B> struct is_linear<linear<I, O, B>> : std::true_type {};
 template <class M> struct is_embedding : std::false_type {};
 template <index_t V, index_t D> struct is_embedding<embedding<V, D>> : std::true_type {};
 
@@ -86,24 +87,24 @@ struct xform<A, X, E> {  // elementwise: keeps any layout but partial
   static constexpr lay out = need, gin = need, gout = need;
   using type = E;
 };
-template <axis A, lay X, index_t I, index_t O>
-struct xform<A, X, linear<I, O>> {
+template <axis A, lay X, index_t I, index_t O, bias_mode B>
+struct xform<A, X, linear<I, O, B>> {
   static constexpr bool row = X == lay::S1;
   static constexpr lay need = row ? lay::S1 : lay::R;
   static constexpr lay out = row ? lay::P : lay::S1;
   static constexpr lay gin = row ? lay::S1 : lay::P;
   static constexpr lay gout = row ? lay::R : lay::S1;
-  using type = std::conditional_t<row, row_linear<I, O, A>, column_linear<I, O, A>>;
+  using type = std::conditional_t<row, row_linear<I, O, A, B>, column_linear<I, O, A, B>>;
 };
-template <axis A, lay X, index_t I, index_t O>
-struct xform<A, X, column_tag<linear<I, O>>> {  // forced column-parallel: replicated in
+template <axis A, lay X, index_t I, index_t O, bias_mode B>
+struct xform<A, X, column_tag<linear<I, O, B>>> {  // forced column-parallel: replicated in
   static constexpr lay need = lay::R, out = lay::S1, gin = lay::P, gout = lay::S1;
-  using type = column_linear<I, O, A>;
+  using type = column_linear<I, O, A, B>;
 };
-template <axis A, lay X, index_t I, index_t O>
-struct xform<A, X, row_tag<linear<I, O>>> {  // forced row-parallel: features split in
+template <axis A, lay X, index_t I, index_t O, bias_mode B>
+struct xform<A, X, row_tag<linear<I, O, B>>> {  // forced row-parallel: features split in
   static constexpr lay need = lay::S1, out = lay::P, gin = lay::S1, gout = lay::R;
-  using type = row_linear<I, O, A>;
+  using type = row_linear<I, O, A, B>;
 };
 template <axis A, lay X>
 struct xform<A, X, softmax_cross_entropy> {
@@ -123,6 +124,12 @@ template <axis A, lay X, index_t D, index_t H>
 struct xform<A, X, causal_self_attention<D, H>> {  // split by heads (Megatron)
   static constexpr lay need = lay::R, out = lay::P, gin = lay::P, gout = lay::R;
   using type = head_attention<D, H, A>;
+};
+template <axis A, lay X, index_t D, index_t H>
+  requires(A == axis::model)
+struct xform<A, X, swiglu_mlp<D, H>> {  // split by hidden features (Megatron: gate and up by columns, down by rows)
+  static constexpr lay need = lay::R, out = lay::P, gin = lay::P, gout = lay::R;
+  using type = hidden_swiglu_mlp<D, H, A>;
 };
 template <axis A, lay X, class... I>
 struct xform<A, X, residual<I...>> {

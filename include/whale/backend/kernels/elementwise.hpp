@@ -56,6 +56,45 @@ struct gelu_backward {
   std::int64_t bytes(index_t n) const noexcept { return n * 12; }
 };
 
+/// sigmoid(v) = 1 / (1 + e^{-v}); saturates without overflow (vexp's clamps).
+WHALE_HD WHALE_INLINE float vsigmoid(float v) noexcept { return 1.f / (1.f + vexp(-v)); }
+
+/// SwiGLU's gate (Llama's MLP): h = SiLU(g) u, with SiLU(g) = g sigmoid(g),
+/// over rows of width H whose gate and up values lie side by side in `gu`
+/// (rows of 2H: g in columns [0, H), u in [H, 2H), one GEMM's output). Under
+/// bf16 (`round`) g and u are read as bf16 stores them and h is stored rounded.
+struct swiglu_forward {
+  const float* gu;
+  float* h;
+  index_t H;
+  bool round = false;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
+    const index_t r = i / H, c = i - r * H;
+    const float g = stored_as(gu[2 * r * H + c], round), u = stored_as(gu[2 * r * H + H + c], round);
+    h[i] = stored_as(g * vsigmoid(g) * u, round);
+  }
+  std::int64_t bytes(index_t n) const noexcept { return n * 12; }
+};
+/// SwiGLU's backward: dg = dh u SiLU'(g), du = dh SiLU(g), with SiLU'(g) =
+/// s (1 + g (1 - s)), s = sigmoid(g); written side by side into `dgu` as the
+/// forward read them. Under bf16 dh (a GEMM's d(input)), g and u are read as
+/// bf16 holds them, and dg, du are stored rounded.
+struct swiglu_backward {
+  const float* gu;
+  const float* dh;
+  float* dgu;
+  index_t H;
+  bool round = false;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
+    const index_t r = i / H, c = i - r * H;
+    const float g = stored_as(gu[2 * r * H + c], round), u = stored_as(gu[2 * r * H + H + c], round);
+    const float d = stored_as(dh[i], round), s = vsigmoid(g);
+    dgu[2 * r * H + c] = stored_as(d * u * (s * (1.f + g * (1.f - s))), round);
+    dgu[2 * r * H + H + c] = stored_as(d * (g * s), round);
+  }
+  std::int64_t bytes(index_t n) const noexcept { return n * 20; }
+};
+
 /// y = max(x, 0)
 struct relu_forward {
   const float* x;

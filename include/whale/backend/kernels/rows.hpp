@@ -28,7 +28,7 @@ constexpr index_t col_blocks(index_t cols) noexcept { return (cols + col_block -
 /// stored rounded to bf16 (a linear layer's output under bf16, after its GEMM).
 struct bias_rows {
   float* y;
-  const float* b;
+  const float* b;  // null: no bias (the pass only stores y, or y + add)
   index_t C;
   bool accumulate;
   bool round = false;
@@ -38,7 +38,16 @@ struct bias_rows {
   index_t width() const noexcept { return C; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     float* yr = y + r * C;
-    if (add) {
+    if (!b) {  // no bias (linear<In, Out, no_bias>): y stored as `round` says, with `add` if given
+      if (add) {
+        const float* ar = add + r * C;
+        t.for_each(C, [&](index_t c) { yr[c] = stored_as(ar[c] + stored_as(accumulate ? yr[c] : 0.f, round), round); });
+      } else if (accumulate) {
+        t.for_each(C, [&](index_t c) { yr[c] = stored_as(yr[c], round); });
+      } else {
+        t.for_each(C, [&](index_t c) { yr[c] = 0.f; });
+      }
+    } else if (add) {
       const float* ar = add + r * C;
       t.for_each(C, [&](index_t c) {
         yr[c] = stored_as(ar[c] + stored_as((accumulate ? yr[c] : 0.f) + b[c], round), round);
@@ -50,7 +59,7 @@ struct bias_rows {
     }
   }
   std::int64_t bytes(index_t rows) const noexcept {
-    return rows * C * 4 * ((accumulate ? 2 : 1) + (add ? 1 : 0)) + C * 4;
+    return rows * C * 4 * ((accumulate ? 2 : 1) + (add ? 1 : 0)) + (b ? C * 4 : 0);
   }
 };
 
