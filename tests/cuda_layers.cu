@@ -24,6 +24,7 @@
 #include "whale/models/gpt.hpp"
 #include "whale/nn/network.hpp"
 #include "whale/nn/rms_norm.hpp"
+#include "whale/nn/rotary_attention.hpp"
 #include "whale/nn/swiglu_mlp.hpp"
 #include "whale/optim/adamw.hpp"
 #include "whale/optim/sgd.hpp"
@@ -33,9 +34,11 @@ using namespace whale;
 namespace {
 using tiny_gpt = models::gpt_model<32, 8, 16, 2, 32, 2>;
 // Llama's normalization, projections and MLP: RMSNorm first in a residual branch (its dx kernel adds the
-// residual's), linears without bias (the last one's pass adds the residual), a SwiGLU MLP, RMSNorm before the head
+// residual's), linears without bias (the last one's pass adds the residual), rotary grouped-query attention,
+// a SwiGLU MLP, RMSNorm before the head
 using tiny_rms = sequential<embedding<32, 16>, residual<rms_norm<16>, linear<16, 16, no_bias>, gelu, linear<16, 16, no_bias>>,
-                            residual<rms_norm<16>, swiglu_mlp<16, 24>>, rms_norm<16, 1e-5f>, linear<16, 32, no_bias>,
+                            residual<rms_norm<16>, rotary_attention<16, 4, 2>>, residual<rms_norm<16>, swiglu_mlp<16, 24>>,
+                            rms_norm<16, 1e-5f>, linear<16, 32, no_bias>,
                             softmax_cross_entropy>;
 constexpr index_t B = 2, T = 8;
 

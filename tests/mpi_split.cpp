@@ -21,6 +21,7 @@
 #include "whale/nn/layer_norm.hpp"
 #include "whale/nn/relu.hpp"
 #include "whale/nn/rms_norm.hpp"
+#include "whale/nn/rotary_attention.hpp"
 #include "whale/nn/swiglu_mlp.hpp"
 #include "whale/optim/adamw.hpp"
 #include "whale/optim/sgd.hpp"
@@ -110,9 +111,12 @@ using nobias_split = sequential<split<nobias_inner>, linear<16, 8, no_bias>, sof
 using nobias_forced = sequential<split<sequential<row<linear<16, 32, no_bias>>, gelu, column<linear<32, 16, no_bias>>>>,
                                  linear<16, 8, no_bias>, softmax_cross_entropy>;
 
-// Llama's MLP and norms in a decoder: the SwiGLU MLP split by hidden features
-// (gate and up column-split together, down row-split), a head without bias split by class.
-using llama_block = sequential<residual<rms_norm<32>, causal_self_attention<32, 4>>, residual<rms_norm<32>, swiglu_mlp<32, 48>>>;
+// Llama's layers in a decoder: rotary grouped-query attention split by key/value
+// groups (8 query heads reading 4 KV heads), the SwiGLU MLP split by hidden
+// features (gate and up column-split together, down row-split), a head without bias split by class.
+using llama_block = sequential<residual<rms_norm<32>, rotary_attention<32, 8, 4>>, residual<rms_norm<32>, swiglu_mlp<32, 48>>>;
+using llama_kv2 = sequential<embedding<64, 32>, residual<rms_norm<32>, rotary_attention<32, 4, 2>>, rms_norm<32>,
+                             linear<32, 64, no_bias>, softmax_cross_entropy>;
 using llama_like = sequential<embedding<64, 32>, repeat<2, llama_block>, rms_norm<32>, linear<32, 64, no_bias>, softmax_cross_entropy>;
 auto llama_data() { return markov_data(seed{9}, 64, 16, 4); }
 
@@ -180,7 +184,7 @@ TEST_CASE("linears without bias: column then row (and forced row then column) eq
   CHECK(os.str().find("row_linear<32, 16, no_bias>/model") != std::string::npos);
 }
 
-TEST_CASE("swiglu_mlp split by hidden features (Megatron) in a Llama-like decoder equals single-process training") {
+TEST_CASE("Llama's layers split (rotary attention by KV groups, SwiGLU by hidden features) equal single-process training") {
   int world = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   check_split<split<llama_like>, llama_like>(all_on("model", world), llama_data);
@@ -192,6 +196,14 @@ TEST_CASE("swiglu_mlp split by hidden features (Megatron) in a Llama-like decode
   std::ostringstream os;
   split<llama_like>::print_structure(os, 0, 8);
   CHECK(os.str().find("hidden_swiglu_mlp<32, 48>/model") != std::string::npos);
+  CHECK(os.str().find("head_rotary_attention<32, 8, 4>/model") != std::string::npos);
+  // 2 key/value heads: 1 or 2 ranks share them; 4 cannot, and every rank says why
+  if (world <= 2) check_split<split<llama_kv2>, llama_kv2>(all_on("model", world), llama_data);
+  else {
+    auto ctx = on_mesh(all_on("model", world));
+    CHECK_THROWS_WITH_AS(make<split<llama_kv2>>(ctx, seed{42}), doctest::Contains("the number of key/value heads (KVHeads) (2 % 4 != 0)"),
+                         std::invalid_argument);
+  }
 }
 
 TEST_CASE("xc plan: replicated backbone, class-split classifier over the data ranks") {

@@ -24,6 +24,11 @@
 #include "whale/nn/network.hpp"
 #include "whale/nn/recompute.hpp"
 #include "whale/nn/relu.hpp"
+#include "whale/nn/repeat.hpp"
+#include "whale/nn/residual.hpp"
+#include "whale/nn/rms_norm.hpp"
+#include "whale/nn/rotary_attention.hpp"
+#include "whale/nn/swiglu_mlp.hpp"
 #include "whale/nn/sequential.hpp"
 #include "whale/nn/softmax_cross_entropy.hpp"
 #include "whale/optim/adamw.hpp"
@@ -35,6 +40,11 @@ using namespace whale;
 
 namespace {
 using tiny_gpt = models::gpt_model<32, 8, 16, 2, 32, 2>;
+// Llama's layers: RMSNorm, rotary grouped-query attention, SwiGLU, a head without bias
+using tiny_llama = sequential<embedding<32, 16>,
+                              repeat<2, sequential<residual<rms_norm<16>, rotary_attention<16, 4, 2>>,
+                                                   residual<rms_norm<16>, swiglu_mlp<16, 24>>>>,
+                              rms_norm<16>, linear<16, 32, no_bias>, softmax_cross_entropy>;
 using small_mlp = sequential<linear<8, 16>, relu, recompute<sequential<linear<16, 16>, gelu>>, linear<16, 5>,
                              softmax_cross_entropy>;
 
@@ -207,6 +217,11 @@ TEST_CASE("a GPT trained in guarded device memory equals the CPU's, with SGD and
   SUBCASE("adamw, clipped, bias gradients in the weight GEMMs' epilogue") {
     same_as_cpu<tiny_gpt>(adamw{.lr = 1e-2f}, 0.05, true);
   }
+}
+
+TEST_CASE("a Llama-like decoder (RMSNorm, rotary grouped attention, SwiGLU) trained in guarded device memory equals the CPU's") {
+  SUBCASE("sgd with momentum") { same_as_cpu<tiny_llama>(sgd{.lr = 0.2f, .momentum = 0.9f}, 0); }
+  SUBCASE("adamw, clipped to norm 0.05") { same_as_cpu<tiny_llama>(adamw{.lr = 1e-2f}, 0.05); }
 }
 
 TEST_CASE("an MLP with a recomputed block trained in guarded device memory equals the CPU's") {

@@ -24,6 +24,7 @@
 #include "whale/nn/gelu.hpp"
 #include "whale/nn/layer_norm.hpp"
 #include "whale/nn/rms_norm.hpp"
+#include "whale/nn/rotary_attention.hpp"
 #include "whale/nn/swiglu_mlp.hpp"
 #include "whale/nn/linear.hpp"
 #include "whale/nn/relu.hpp"
@@ -370,6 +371,105 @@ TEST_CASE("causal_self_attention: backward matches finite differences") {
   check_layer<causal_self_attention<8, 2>>("causal_self_attention<8, 2>", 2, 5, 8, 8);
   check_layer<causal_self_attention<6, 3>>("causal_self_attention<6, 3>", 3, 4, 6, 6);
   check_layer<causal_self_attention<4, 1>>("causal_self_attention<4, 1>", 1, 1, 4, 4);
+}
+
+TEST_CASE("rotary_attention: backward matches finite differences (grouped, multi-head, multi-query, another base)") {
+  check_layer<rotary_attention<8, 2, 1>>("rotary_attention<8, 2, 1>", 2, 5, 8, 8);
+  check_layer<rotary_attention<8, 2>>("rotary_attention<8, 2>", 2, 5, 8, 8);
+  check_layer<rotary_attention<12, 6, 3>>("rotary_attention<12, 6, 3>", 1, 4, 12, 12);
+  check_layer<rotary_attention<8, 2, 1, 500.f>>("rotary_attention<8, 2, 1, 500>", 2, 5, 8, 8);
+  check_layer<residual<rms_norm<8>, rotary_attention<8, 4, 2>>>("residual<rms_norm, rotary_attention>", 2, 5, 8, 8);
+  static_assert(rotary_attention<8, 4, 2>::param_count() == 8 * 8 + 2 * 4 * 8 + 8 * 8);
+  CHECK(rotary_attention<8, 4, 2>::name() == "rotary_attention<8, 4, 2>");
+  CHECK(rotary_attention<8, 4, 2, 500000.f>::name() == "rotary_attention<8, 4, 2, 500000>");
+}
+
+namespace {
+/// transformers' LlamaAttention written out in double from its formulas: q, k, v
+/// projections; q and k turned by `q * cos + rotate_half(q) * sin` with float
+/// inv_freq = 1 / theta^(arange(0, hd, 2) / hd); key/value head h / (H / KV) for
+/// query head h (repeat_kv); causal softmax of q k^T / sqrt(hd); o_proj.
+std::vector<double> llama_attention_reference(const float* w, const tensor<float>& x, index_t B, index_t T, index_t D,
+                                              index_t H, index_t KV, float theta) {
+  const index_t hd = D / H, R = B * T, kvw = KV * hd;
+  const float* wq = w;
+  const float* wk = wq + D * D;
+  const float* wv = wk + kvw * D;
+  const float* wo = wv + kvw * D;
+  auto proj = [&](const float* m, index_t rows) {
+    std::vector<double> out(static_cast<std::size_t>(R * rows));
+    for (index_t r = 0; r < R; ++r)
+      for (index_t o = 0; o < rows; ++o) {
+        double a = 0;
+        for (index_t i = 0; i < D; ++i) a += double(m[o * D + i]) * x[r * D + i];
+        out[r * rows + o] = a;
+      }
+    return out;
+  };
+  auto q = proj(wq, D), k = proj(wk, kvw), v = proj(wv, kvw);
+  auto rope = [&](std::vector<double>& t, index_t heads) {
+    for (index_t r = 0; r < R; ++r)
+      for (index_t h = 0; h < heads; ++h) {
+        double* p = t.data() + r * heads * hd + h * hd;
+        std::vector<double> rot(static_cast<std::size_t>(hd));
+        for (index_t j = 0; j < hd; ++j) rot[j] = j < hd / 2 ? -p[j + hd / 2] : p[j - hd / 2];  // rotate_half
+        for (index_t j = 0; j < hd; ++j) {
+          const index_t f = j % (hd / 2);  // emb = cat(freqs, freqs)
+          const float inv = 1.f / std::pow(theta, static_cast<float>(2 * f) / static_cast<float>(hd));
+          const double a = static_cast<float>(r % T) * inv;
+          p[j] = p[j] * std::cos(a) + rot[j] * std::sin(a);
+        }
+      }
+  };
+  rope(q, H);
+  rope(k, KV);
+  std::vector<double> o(static_cast<std::size_t>(R * D)), y(static_cast<std::size_t>(R * D));
+  for (index_t b = 0; b < B; ++b)
+    for (index_t h = 0; h < H; ++h) {
+      const index_t g = h / (H / KV);
+      for (index_t i = 0; i < T; ++i) {
+        std::vector<double> sc(static_cast<std::size_t>(i + 1));
+        double m = -1e300, z = 0;
+        for (index_t j = 0; j <= i; ++j) {
+          double a = 0;
+          for (index_t e = 0; e < hd; ++e) a += q[(b * T + i) * D + h * hd + e] * k[(b * T + j) * kvw + g * hd + e];
+          sc[j] = a / std::sqrt(double(hd));
+          m = std::max(m, sc[j]);
+        }
+        for (auto& e : sc) z += (e = std::exp(e - m));
+        for (index_t e = 0; e < hd; ++e) {
+          double a = 0;
+          for (index_t j = 0; j <= i; ++j) a += sc[j] / z * v[(b * T + j) * kvw + g * hd + e];
+          o[(b * T + i) * D + h * hd + e] = a;
+        }
+      }
+    }
+  for (index_t r = 0; r < R; ++r)
+    for (index_t c = 0; c < D; ++c) {
+      double a = 0;
+      for (index_t i = 0; i < D; ++i) a += double(wo[c * D + i]) * o[r * D + i];
+      y[r * D + c] = a;
+    }
+  return y;
+}
+template <index_t D, index_t H, index_t KV, float Theta = 10000.f> double worst_against_reference(index_t B, index_t T) {
+  bound<rotary_attention<D, H, KV, Theta>> m;
+  auto c = ctx(B, T);
+  tensor<float> x({B * T, D});
+  fill_normal(x.v(), 13);
+  const auto y = m.layer.forward(c, x.v());
+  const auto want = llama_attention_reference(m.params.data(), x, B, T, D, H, KV, Theta);
+  double worst = 0;
+  for (index_t i = 0; i < B * T * D; ++i) worst = std::max(worst, std::abs(want[i] - y[i]) / std::max(1.0, std::abs(want[i])));
+  return worst;
+}
+}  // namespace
+
+TEST_CASE("rotary_attention: transformers' LlamaAttention formulas (rotate_half, repeat_kv), in double") {
+  CHECK(worst_against_reference<16, 4, 2>(2, 9) < 1e-5);
+  CHECK(worst_against_reference<16, 4, 1>(1, 12) < 1e-5);
+  CHECK(worst_against_reference<16, 4, 4>(2, 7) < 1e-5);
+  CHECK(worst_against_reference<16, 2, 1, 50.f>(1, 30) < 1e-5);  // a small base: large angles at later positions
 }
 
 TEST_CASE("causal_self_attention: a later token does not change earlier outputs") {

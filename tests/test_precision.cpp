@@ -13,6 +13,7 @@
 #include "whale/models/gpt.hpp"
 #include "whale/nn/repeat.hpp"
 #include "whale/nn/rms_norm.hpp"
+#include "whale/nn/rotary_attention.hpp"
 #include "whale/nn/swiglu_mlp.hpp"
 #include "whale/nn/network.hpp"
 #include "whale/optim/adamw.hpp"
@@ -139,6 +140,8 @@ TEST_CASE("bf16: every layer's output and input gradient is stored rounded, by i
   SUBCASE("residual ending in a linear without bias") { check_stored_bf16<residual<rms_norm<32>, linear<32, 32, no_bias>>>(32, false); }
   SUBCASE("swiglu_mlp (its gate kernels round; the pass after the down projection rounds)") { check_stored_bf16<swiglu_mlp<32, 48>>(32, false); }
   SUBCASE("residual ending in a swiglu_mlp") { check_stored_bf16<residual<rms_norm<32>, swiglu_mlp<32, 48>>>(32, false); }
+  SUBCASE("rotary_attention (grouped)") { check_stored_bf16<rotary_attention<32, 4, 2>>(32, false); }
+  SUBCASE("residual ending in a rotary_attention") { check_stored_bf16<residual<rms_norm<32>, rotary_attention<32, 4, 2>>>(32, false); }
   SUBCASE("causal_self_attention") { check_stored_bf16<causal_self_attention<32, 2>>(32, false); }
   SUBCASE("transformer_block (a sequential: its elements' values)") { check_stored_bf16<transformer_block<32, 2, 64>>(32, false); }
   SUBCASE("repeat") { check_stored_bf16<repeat<2, transformer_block<32, 2, 64>>>(32, false); }

@@ -38,6 +38,8 @@ template <index_t Vocab, index_t D> struct embedding;
 template <index_t MaxSeq, index_t D> struct position_embedding;
 template <index_t D, index_t Heads> struct causal_self_attention;
 template <index_t D, index_t Hidden> struct swiglu_mlp;
+/// KVHeads: grouped-query attention's key/value heads; Theta: the RoPE base (LlamaConfig's rope_theta).
+template <index_t D, index_t Heads, index_t KVHeads = Heads, float Theta = 10000.f> struct rotary_attention;
 struct softmax_cross_entropy;
 template <class... L> class sequential;
 template <class M> class network;

@@ -35,6 +35,7 @@
 #include "whale/nn/layer.hpp"
 #include "whale/nn/layer_norm.hpp"
 #include "whale/nn/rms_norm.hpp"
+#include "whale/nn/rotary_attention.hpp"
 #include "whale/nn/linear.hpp"
 #include "whale/nn/network.hpp"
 #include "whale/nn/recompute.hpp"

@@ -81,6 +81,12 @@ template <class F> void for_each_case(F&& f) {
   f("swiglu_backward", N / 2, [](buffers p) { return k::swiglu_backward{p.a, p.b, p.f, C / 2}; });
   f("swiglu_forward (stored as bf16)", N / 2, [](buffers p) { return k::swiglu_forward{p.a, p.f, C / 2, true}; });
   f("swiglu_backward (stored as bf16)", N / 2, [](buffers p) { return k::swiglu_backward{p.a, p.b, p.f, C / 2, true}; });
+  // RoPE on 12 heads of 20 of rows of 300 (d stands in for the cos | sin table of T positions), both ways
+  f("rotary_rows", R * 12 * 10, [](buffers p) { return k::rotary_rows{p.a, p.d, C, 12, 20, T, false}; });
+  f("rotary_rows (inverse)", R * 12 * 10, [](buffers p) { return k::rotary_rows{p.a, p.d, C, 12, 20, T, true}; });
+  // grouped-query attention: 4 query heads, 2 KV heads of 10; repeated, then summed back
+  f("repeat_kv", R * 120, [](buffers p) { return k::repeat_kv{p.a, p.f, 4, 2, 10}; });
+  f("sum_kv_groups", R * 80, [](buffers p) { return k::sum_kv_groups{p.a, p.f, 4, 2, 10}; });
   f("column_sums", C, [](buffers p) { return k::column_sums{p.a, p.f, R, C, false}; });
   f("column_sums (9 row tiles)", 20, [](buffers p) { return k::column_sums{p.a, p.f, N / 20, 20, true}; });
   f("layer_norm_forward", R,

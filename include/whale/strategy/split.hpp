@@ -322,6 +322,10 @@ template <index_t I, index_t O, bias_mode B> constexpr bool shards_on_model(cons
 template <index_t V, index_t D> constexpr bool shards_on_model(const embedding<V, D>*) { return true; }
 template <index_t D, index_t H> constexpr bool shards_on_model(const causal_self_attention<D, H>*) { return true; }
 template <index_t D, index_t H> constexpr bool shards_on_model(const swiglu_mlp<D, H>*) { return true; }
+template <index_t D, index_t H, index_t KV, float Th>
+constexpr bool shards_on_model(const rotary_attention<D, H, KV, Th>*) {
+  return true;
+}
 template <class L> constexpr bool shards_on_model(const column_tag<L>*) { return true; }
 template <class L> constexpr bool shards_on_model(const row_tag<L>*) { return true; }
 constexpr bool shards_on_model(const void*) { return false; }

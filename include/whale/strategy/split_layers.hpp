@@ -2,7 +2,7 @@
 // layer's parameters along one mesh axis (same initial values, element by
 // element): column- and row-parallel linear (split_linear.hpp), class-split
 // softmax cross-entropy, vocabulary-split embedding, head-split attention,
-// the hidden-split SwiGLU MLP.
+// the hidden-split SwiGLU MLP, rotary attention split by key/value groups.
 // Which one a layer becomes is decided by the split region (split.hpp) from
 // the layout it receives.
 #pragma once
@@ -17,6 +17,7 @@
 #include "whale/nn/causal_self_attention.hpp"
 #include "whale/nn/embedding.hpp"
 #include "whale/nn/linear.hpp"
+#include "whale/nn/rotary_attention.hpp"
 #include "whale/nn/softmax_cross_entropy.hpp"
 #include "whale/nn/swiglu_mlp.hpp"
 #include "whale/strategy/layout.hpp"
@@ -403,7 +404,95 @@ class hidden_swiglu_mlp : detail::swiglu_body<D> {
   void weight_grads(const backend_ref& be, int slot, bool accumulate) { this->weight_grads_(be, slot, accumulate); }
 
  private:
-  friend class detail::swiglu_body<D>;
+  world_comm* comm_ = nullptr;
+  int p_ = 1, r_ = 0;
+};
+
+/// rotary_attention<D, Heads, KVHeads, Theta> split by key/value groups: rank
+/// r of p holds key/value heads [r KV/p, (r+1) KV/p) and the query heads that
+/// read them, [r H/p, (r+1) H/p): those rows of W_q, W_k and W_v
+/// (column-parallel) and those columns of W_o (row-parallel). A degree that
+/// does not divide KVHeads is an error naming it. Replicated in, partial out.
+template <index_t D, index_t Heads, index_t KVHeads, float Theta, axis A>
+class head_rotary_attention : detail::rotary_attention_body<D, D / Heads> {
+  static constexpr index_t hd = D / Heads;
+  using body = detail::rotary_attention_body<D, hd>;
+
+ public:
+  static constexpr index_t split_extent = KVHeads;
+  using input_type = float;
+  static constexpr index_t in_features = D;
+  static constexpr index_t out_features = D;
+  using unsplit_type = rotary_attention<D, Heads, KVHeads, Theta>;  ///< the layer it is a shard of
+  static std::string name() {
+    const auto u = unsplit_type::name();
+    return "head_" + u + "/" + axis_name(A);
+  }
+  static constexpr cost_info cost() { return unsplit_type::cost(); }
+  /// Parameters divided among the ranks of the axis, and those every rank holds whole.
+  static constexpr index_t split_params = unsplit_type::param_count(), replicated_params = 0;
+  /// What one of `degree` ranks holds and computes per row.
+  static constexpr cost_info shard_cost(index_t degree) {
+    auto c = detail::shard_of(cost(), degree, split_params, replicated_params);
+    const double d = degree < 1 ? 1.0 : static_cast<double>(degree);
+    c.act_bytes = unsplit_type::cost().act_bytes / d + 4.0 * 2 * D;  // y and d(input) whole
+    return c;
+  }
+
+  head_rotary_attention() : body(Heads, KVHeads, Theta) {}
+  void configure(const split_env& e) {
+    comm_ = &e.comm(A);
+    p_ = comm_->size();
+    r_ = comm_->rank();
+    detail::check_divides(unsplit_type::name(), "the number of key/value heads (KVHeads)", KVHeads, p_, A);
+    this->h_ = Heads / p_;
+    this->kv_ = KVHeads / p_;
+  }
+  index_t param_count() const { return this->param_count_(); }
+  void bind(param_binder& b) { this->bind_(b); }
+  /// Rank r of p: its query rows of W_q (D, D), its key/value rows of W_k and
+  /// W_v (KVHeads hd, D) each, and its query heads' columns of W_o (D, D).
+  static void param_runs(int r, int p, std::vector<param_run>& out) {
+    const index_t wq = Heads / p * hd, wk = KVHeads / p * hd, kvw = KVHeads * hd;
+    out.push_back({0, r * wq * D, wq * D});
+    out.push_back({wq * D, D * D + r * wk * D, wk * D});
+    out.push_back({(wq + wk) * D, D * D + kvw * D + r * wk * D, wk * D});
+    const index_t lo = (wq + 2 * wk) * D, fo = (D + 2 * kvw) * D;
+    for (index_t o = 0; o < D; ++o) out.push_back({lo + o * wq, fo + o * D + r * wq, wq});
+  }
+  // The unsplit layer's values at the same flat indices (rotary_attention::init).
+  void init(const counter_rng& rng) {
+    std::vector<param_run> runs;
+    param_runs(r_, p_, runs);
+    const double k = 1.0 / std::sqrt(static_cast<double>(D));
+    float* local = this->wqkv_.data();  // W_qkv and W_o lie one after the other
+    for (const auto& run : runs)
+      for (index_t i = 0; i < run.count; ++i)
+        local[run.local + i] =
+            static_cast<float>((2 * rng.uniform(static_cast<std::uint64_t>(run.full + i)) - 1) * k);
+  }
+  /// W_q, W_k, W_v (row blocks of every rank) and W_o (column blocks), unsplit.
+  void gather_full(const float* local, float* full) {
+    const index_t wq = this->h_ * hd, wk = this->kv_ * hd, kvw = KVHeads * hd;
+    all_gather(*comm_, cview<float>(local, {wq * D}), view<float>(full, {D * D}));
+    all_gather(*comm_, cview<float>(local + wq * D, {wk * D}), view<float>(full + D * D, {kvw * D}));
+    all_gather(*comm_, cview<float>(local + (wq + wk) * D, {wk * D}), view<float>(full + (D + kvw) * D, {kvw * D}));
+    tensor<float> t({static_cast<index_t>(p_) * D * wq}, mem_kind::comm);
+    all_gather(*comm_, cview<float>(local + (wq + 2 * wk) * D, {D * wq}), t.v());
+    float* fo = full + (D + 2 * kvw) * D;
+    for (int q = 0; q < p_; ++q)
+      for (index_t o = 0; o < D; ++o)
+        std::memcpy(fo + o * D + q * wq, t.data() + (q * D + o) * wq, static_cast<std::size_t>(wq) * sizeof(float));
+  }
+
+  // x: (B*T, D) replicated -> y: (B*T, D) partial
+  view<float> forward(step_ctx& c, cview<float> x) { return this->forward_(c, x, false, "head_rotary_attention"); }
+  // dy: (B*T, D) replicated -> dx: (B*T, D) partial; weight gradients now or in the W pass
+  view<float> backward(step_ctx& c, cview<float> dy) { return this->backward_(c, dy, this, "head_rotary_attention"); }
+  /// This rank's heads' projection gradients from slot `slot`.
+  void weight_grads(const backend_ref& be, int slot, bool accumulate) { this->weight_grads_(be, slot, accumulate); }
+
+ private:
   world_comm* comm_ = nullptr;
   int p_ = 1, r_ = 0;
 };

@@ -16,6 +16,7 @@
 #include "whale/nn/repeat.hpp"
 #include "whale/nn/residual.hpp"
 #include "whale/nn/sequential.hpp"
+#include "whale/nn/rotary_attention.hpp"
 #include "whale/nn/softmax_cross_entropy.hpp"
 #include "whale/nn/swiglu_mlp.hpp"
 #include "whale/strategy/layout.hpp"
@@ -124,6 +125,12 @@ template <axis A, lay X, index_t D, index_t H>
 struct xform<A, X, causal_self_attention<D, H>> {  // split by heads (Megatron)
   static constexpr lay need = lay::R, out = lay::P, gin = lay::P, gout = lay::R;
   using type = head_attention<D, H, A>;
+};
+template <axis A, lay X, index_t D, index_t H, index_t KV, float Th>
+  requires(A == axis::model)
+struct xform<A, X, rotary_attention<D, H, KV, Th>> {  // split by key/value groups (each rank: its KV heads and their queries)
+  static constexpr lay need = lay::R, out = lay::P, gin = lay::P, gout = lay::R;
+  using type = head_rotary_attention<D, H, KV, Th, A>;
 };
 template <axis A, lay X, index_t D, index_t H>
   requires(A == axis::model)

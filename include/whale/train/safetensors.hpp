@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <sstream>
 #include <stdexcept>
@@ -45,11 +46,14 @@ struct st_entry {
   std::vector<std::int64_t> shape, offsets;
 };
 
-/// The tensors of a safetensors header (its "__metadata__" is skipped). Throws naming the problem.
-inline std::map<std::string, st_entry> parse_st_header(const std::string& h, const std::string& path) {
+/// The tensors of a safetensors header; its "__metadata__" strings go to
+/// `meta` where given. Throws naming the problem, prefixed by `who`.
+inline std::map<std::string, st_entry> parse_st_header(const std::string& h, const std::string& path,
+                                                      std::map<std::string, std::string>* meta = nullptr,
+                                                      const char* who = "whale::import_safetensors") {
   std::size_t i = 0;
   auto bad = [&](const std::string& why) -> void {
-    throw std::runtime_error("whale::import_safetensors: '" + path + "': the header is not valid (" + why + " at byte " + std::to_string(i) + ")");
+    throw std::runtime_error(std::string(who) + ": '" + path + "': the header is not valid (" + why + " at byte " + std::to_string(i) + ")");
   };
   auto ws = [&] { while (i < h.size() && (h[i] == ' ' || h[i] == '\n' || h[i] == '\t' || h[i] == '\r')) ++i; };
   auto expect = [&](char c) {
@@ -108,7 +112,10 @@ inline std::map<std::string, st_entry> parse_st_header(const std::string& h, con
         if (k == "dtype") e.dtype = str();
         else if (k == "shape") e.shape = ints();
         else if (k == "data_offsets") e.offsets = ints();
-        else if (key == "__metadata__") str();
+        else if (key == "__metadata__") {
+          auto v = str();
+          if (meta) (*meta)[k] = std::move(v);
+        }
         else bad("an unknown field '" + k + "'");
         ws();
         if (i < h.size() && h[i] == ',') { ++i; continue; }
@@ -122,6 +129,109 @@ inline std::map<std::string, st_entry> parse_st_header(const std::string& h, con
     return out;
   }
 }
+
+/// A safetensors file open for reading: its header parsed (tensors and
+/// metadata), its data read by byte ranges. Every error names `who` and the path.
+class st_reader {
+ public:
+  st_reader(const std::string& path, const char* who) : path_(path), who_(who) {
+    f_ = std::fopen(path.c_str(), "rb");
+    if (!f_) throw std::runtime_error(who_ + ": '" + path + "' cannot be opened: " + detail::system_reason(errno));
+    unsigned char lb[8];
+    std::error_code ec;
+    size_ = static_cast<std::int64_t>(std::filesystem::file_size(path, ec));
+    if (ec || std::fread(lb, 1, 8, f_) != 8) throw std::runtime_error(who_ + ": '" + path + "' is too short for a safetensors file");
+    std::uint64_t len = 0;
+    for (int b = 0; b < 8; ++b) len |= static_cast<std::uint64_t>(lb[b]) << (8 * b);
+    if (len > static_cast<std::uint64_t>(size_ - 8) || len > (100u << 20))
+      throw std::runtime_error(who_ + ": '" + path + "': a header of " + std::to_string(len) + " bytes in a file of " +
+                               std::to_string(size_) + ": not a safetensors file, or truncated");
+    std::string h(len, '\0');
+    if (std::fread(h.data(), 1, len, f_) != len) throw std::runtime_error(who_ + ": '" + path + "' ends in its header");
+    entries_ = parse_st_header(h, path, &meta_, who);
+    data0_ = 8 + static_cast<std::int64_t>(len);
+  }
+  st_reader(const st_reader&) = delete;
+  st_reader& operator=(const st_reader&) = delete;
+  ~st_reader() { std::fclose(f_); }
+
+  const std::map<std::string, st_entry>& entries() const noexcept { return entries_; }
+  const std::map<std::string, std::string>& metadata() const noexcept { return meta_; }
+  const std::string& path() const noexcept { return path_; }
+  /// The entry of tensor `name`, checked to lie inside the file; throws naming it where absent.
+  const st_entry& entry(const std::string& name) const {
+    const auto it = entries_.find(name);
+    if (it == entries_.end()) throw std::runtime_error(who_ + ": '" + path_ + "': tensor " + name + " is missing");
+    const auto& e = it->second;
+    if (e.offsets.size() != 2 || e.offsets[1] < e.offsets[0] || data0_ + e.offsets[1] > size_)
+      throw std::runtime_error(who_ + ": '" + path_ + "': tensor " + name + " lies past the end of the file (truncated)");
+    return e;
+  }
+  /// `bytes` bytes from byte `at` of tensor `name`'s data.
+  void read(const std::string& name, std::int64_t at, void* dst, std::size_t bytes) const {
+    const auto& e = entry(name);
+    if (std::fseek(f_, static_cast<long>(data0_ + e.offsets[0] + at), SEEK_SET) != 0 || std::fread(dst, 1, bytes, f_) != bytes)
+      throw std::runtime_error(who_ + ": '" + path_ + "': cannot read tensor " + name);
+  }
+  /// Tensor `name` as floats: F32 as it is, BF16 and F16 widened. Other dtypes are refused naming it.
+  std::vector<float> floats(const std::string& name) const {
+    const auto& e = entry(name);
+    const std::int64_t bytes = e.offsets[1] - e.offsets[0];
+    const int w = e.dtype == "F32" ? 4 : (e.dtype == "BF16" || e.dtype == "F16") ? 2 : 0;
+    if (w == 0) throw std::runtime_error(who_ + ": '" + path_ + "': tensor " + name + " is " + e.dtype + "; whale reads F32, BF16 and F16");
+    std::vector<float> out(static_cast<std::size_t>(bytes / w));
+    if (w == 4) {
+      read(name, 0, out.data(), static_cast<std::size_t>(bytes));
+      return out;
+    }
+    std::vector<std::uint16_t> half(out.size());
+    read(name, 0, half.data(), static_cast<std::size_t>(bytes));
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = e.dtype == "BF16" ? from_bf16_bits(half[i]) : from_f16_bits(half[i]);
+    return out;
+  }
+  /// Integer tensor `name` (I64 or I32), e.g. token ids.
+  std::vector<std::int64_t> integers(const std::string& name) const {
+    const auto& e = entry(name);
+    const std::int64_t bytes = e.offsets[1] - e.offsets[0];
+    std::vector<std::int64_t> out;
+    if (e.dtype == "I64") {
+      out.resize(static_cast<std::size_t>(bytes / 8));
+      read(name, 0, out.data(), static_cast<std::size_t>(bytes));
+    } else if (e.dtype == "I32") {
+      std::vector<std::int32_t> v(static_cast<std::size_t>(bytes / 4));
+      read(name, 0, v.data(), static_cast<std::size_t>(bytes));
+      out.assign(v.begin(), v.end());
+    } else {
+      throw std::runtime_error(who_ + ": '" + path_ + "': tensor " + name + " is " + e.dtype + ", not an integer tensor");
+    }
+    return out;
+  }
+  static float from_bf16_bits(std::uint16_t b) {
+    const std::uint32_t u = static_cast<std::uint32_t>(b) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  static float from_f16_bits(std::uint16_t h) {
+    const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16, ex = (h >> 10) & 0x1f, man = h & 0x3ffu;
+    float f;
+    if (ex == 0) {  // zero or subnormal: man * 2^-24
+      f = static_cast<float>(man) * 5.9604644775390625e-8f;
+      if (sign) f = -f;
+      return f;
+    }
+    const std::uint32_t u = ex == 31 ? sign | 0x7f800000u | (man << 13) : sign | ((ex + 112) << 23) | (man << 13);
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+
+ private:
+  std::string path_, who_;
+  std::FILE* f_ = nullptr;
+  std::int64_t size_ = 0, data0_ = 0;
+  std::map<std::string, st_entry> entries_;
+  std::map<std::string, std::string> meta_;
+};
 
 }  // namespace ckpt
 
@@ -164,37 +274,22 @@ template <Checkpointable Net> void export_safetensors(const std::string& path, N
 template <Checkpointable Net> void import_safetensors(const std::string& path, Net& net) {
   using M = typename Net::model_type;
   const std::string err = ckpt::catching([&] {
-    std::FILE* f = std::fopen(path.c_str(), "rb");
-    if (!f) throw std::runtime_error("whale::import_safetensors: '" + path + "' cannot be opened: " + detail::system_reason(errno));
-    struct closer { std::FILE* f; ~closer() { std::fclose(f); } } c{f};
-    unsigned char lb[8];
-    std::error_code ec;
-    const auto size = static_cast<std::int64_t>(std::filesystem::file_size(path, ec));
-    if (ec || std::fread(lb, 1, 8, f) != 8) throw std::runtime_error("whale::import_safetensors: '" + path + "' is too short for a safetensors file");
-    std::uint64_t len = 0;
-    for (int b = 0; b < 8; ++b) len |= static_cast<std::uint64_t>(lb[b]) << (8 * b);
-    if (len > static_cast<std::uint64_t>(size - 8) || len > (100u << 20))
-      throw std::runtime_error("whale::import_safetensors: '" + path + "': a header of " + std::to_string(len) + " bytes in a file of " +
-                               std::to_string(size) + ": not a safetensors file, or truncated");
-    std::string h(len, '\0');
-    if (std::fread(h.data(), 1, len, f) != len) throw std::runtime_error("whale::import_safetensors: '" + path + "' ends in its header");
-    const auto entries = ckpt::parse_st_header(h, path);
+    const ckpt::st_reader r(path, "whale::import_safetensors");
+    const auto& entries = r.entries();
     const auto units = ckpt::units_of<M>();
-    const std::int64_t data0 = 8 + static_cast<std::int64_t>(len);
-    std::vector<std::int64_t> at(units.size());
+    std::vector<std::string> names(units.size());
     for (std::size_t k = 0; k < units.size(); ++k) {
       const auto name = ckpt::tensor_name(k, units[k].name);
       const auto it = entries.find(name);
       auto where = "whale::import_safetensors: '" + path + "': tensor " + name;
       if (it == entries.end()) throw std::runtime_error(where + " is missing (another model?)");
-      const auto& e = it->second;
+      const auto& e = r.entry(name);
       std::int64_t elems = 1;
       for (auto d : e.shape) elems *= d;
       if (e.dtype != "F32") throw std::runtime_error(where + " is " + e.dtype + "; whale reads F32");
-      if (elems != units[k].count || e.offsets.size() != 2 || e.offsets[1] - e.offsets[0] != 4 * elems)
+      if (elems != units[k].count || e.offsets[1] - e.offsets[0] != 4 * elems)
         throw std::runtime_error(where + " holds " + std::to_string(elems) + " elements; this model's has " + std::to_string(units[k].count));
-      if (data0 + e.offsets[1] > size) throw std::runtime_error(where + " lies past the end of the file (truncated)");
-      at[k] = data0 + e.offsets[0];
+      names[k] = name;
     }
     const auto L = ckpt::layout_for(net);
     const auto be = ckpt::backend_of(net);
@@ -207,9 +302,7 @@ template <Checkpointable Net> void import_safetensors(const std::string& path, N
     for (const auto& p : ckpt::clip(L.all, L.resident_first, L.resident_end)) {
       std::size_t k = 0;
       while (k + 1 < units.size() && units[k + 1].offset <= p.full) ++k;
-      if (std::fseek(f, static_cast<long>(at[k] + 4 * (p.full - units[k].offset)), SEEK_SET) != 0 ||
-          std::fread(dst + (p.local - L.resident_first), 4, static_cast<std::size_t>(p.count), f) != static_cast<std::size_t>(p.count))
-        throw std::runtime_error("whale::import_safetensors: '" + path + "': cannot read tensor " + ckpt::tensor_name(k, units[k].name));
+      r.read(names[k], 4 * (p.full - units[k].offset), dst + (p.local - L.resident_first), static_cast<std::size_t>(p.count) * 4);
     }
     if (!be.on_cpu()) {
       be.copy(m.device, m.host.data(), m.host.size() * sizeof(float));

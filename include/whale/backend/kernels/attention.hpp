@@ -132,4 +132,88 @@ struct causal_softmax_backward {
   }
 };
 
+/// Rotary position embeddings (RoPE) in place, in transformers' `rotate_half`
+/// convention: in each of the first `heads` heads of width hd of a row (the
+/// query heads, then the key heads, of a token-major QKV row of `stride`
+/// floats), element j < hd/2 pairs with j + hd/2 and the pair turns by the
+/// angle t theta_j of the row's position t = row % T:
+///   x_j' = x_j cos - x_{j+hd/2} sin,   x_{j+hd/2}' = x_{j+hd/2} cos + x_j sin.
+/// `cs` holds cos then sin, each (T, hd/2) (rotary_table). `inverse` turns
+/// by minus the angle: the backward, as the rotation's transpose is its inverse.
+/// One index per (row, head, pair).
+struct rotary_rows {
+  float* x;
+  const float* cs;
+  index_t stride, heads, hd, T;
+  bool inverse = false;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
+    const index_t half = hd / 2, j = i % half, rh = i / half, h = rh % heads, r = rh / heads, t = r % T;
+    float* p = x + r * stride + h * hd;
+    const float c = cs[t * half + j], sn = inverse ? -cs[T * half + t * half + j] : cs[T * half + t * half + j];
+    const float a = p[j], b = p[j + half];
+    p[j] = a * c - b * sn;
+    p[j + half] = b * c + a * sn;
+  }
+  std::int64_t bytes(index_t n) const noexcept { return n * 24; }
+};
+
+/// The cos and sin of rotary_rows for positions 0..T-1 and a head width hd,
+/// as transformers' LlamaRotaryEmbedding forms them in float: inv_j =
+/// 1 / theta^(2j / hd), the angle t inv_j, then its cos and sin (here in
+/// double, rounded once). `out` holds 2 T (hd/2) floats.
+inline void rotary_table(float* out, index_t T, index_t hd, float theta) {
+  const index_t half = hd / 2;
+  for (index_t j = 0; j < half; ++j) {
+    const float e = static_cast<float>(2 * j) / static_cast<float>(hd);
+    const float inv = 1.f / std::pow(theta, e);
+    for (index_t t = 0; t < T; ++t) {
+      const float a = static_cast<float>(t) * inv;
+      out[t * half + j] = static_cast<float>(std::cos(static_cast<double>(a)));
+      out[T * half + t * half + j] = static_cast<float>(std::sin(static_cast<double>(a)));
+    }
+  }
+}
+
+/// Grouped-query attention's keys and values repeated for every query head:
+/// from rows of [Q (H heads) | K (KV heads) | V (KV heads)] to rows of
+/// [Q | K | V] of H heads each, query head h reading KV head h / (H / KV)
+/// (transformers' repeat_kv). One index per output float.
+struct repeat_kv {
+  const float* src;
+  float* dst;
+  index_t H, KV, hd;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
+    const index_t W = H * hd, in_w = (H + 2 * KV) * hd, row = i / (3 * W), j = i - row * 3 * W;
+    const float* s = src + row * in_w;
+    if (j < W) {
+      dst[i] = s[j];
+      return;
+    }
+    const index_t part = (j - W) / W, jj = j - W - part * W, h = jj / hd, e = jj - h * hd;
+    dst[i] = s[W + part * KV * hd + (h / (H / KV)) * hd + e];
+  }
+  std::int64_t bytes(index_t n) const noexcept { return n * 8; }
+};
+/// The backward of repeat_kv: each KV head's gradient is the sum, in order,
+/// over the H / KV query heads that read it; the queries' is copied.
+struct sum_kv_groups {
+  const float* src;
+  float* dst;
+  index_t H, KV, hd;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
+    const index_t W = H * hd, out_w = (H + 2 * KV) * hd, row = i / out_w, j = i - row * out_w;
+    const float* s = src + row * 3 * W;
+    if (j < W) {
+      dst[i] = s[j];
+      return;
+    }
+    const index_t part = (j - W) / (KV * hd), jj = j - W - part * KV * hd, kv = jj / hd, e = jj - kv * hd, g = H / KV;
+    float acc = 0.f;
+    for (index_t k = 0; k < g; ++k) acc += s[W + part * W + (kv * g + k) * hd + e];
+    dst[i] = acc;
+  }
+  /// each row's 3 H hd floats read, its (H + 2 KV) hd written
+  std::int64_t bytes(index_t n) const noexcept { return n * 4 + n / ((H + 2 * KV) * hd) * 3 * H * hd * 4; }
+};
+
 }  // namespace whale::kernels

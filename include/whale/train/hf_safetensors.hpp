@@ -1,0 +1,253 @@
+// Weights in and out in Hugging Face's names and layouts, for the models
+// whale builds from transformers' architectures (models::llama):
+//   import_hf_safetensors(path, net)   collective; each rank reads the tensors of the layers it holds
+//   export_hf_safetensors(path, net)   collective; rank 0 writes, atomically
+// The tensors are found from the model's layers in flat order, whatever plan
+// holds them (replicate, split, pipeline, shard); a layer sequence that is
+// not a known architecture is refused naming the first layer that does not fit.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "whale/train/safetensors.hpp"
+
+namespace whale {
+
+namespace hf {
+
+/// One tensor of a Hugging Face checkpoint and where whale's unsplit flat
+/// parameters hold it: `count` floats from `offset`, in the same row-major
+/// order as the file's `shape`.
+struct tensor_map {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  index_t offset = 0, count = 0;
+};
+
+/// The kind of a layer's name ("rms_norm<64>" -> "rms_norm") and its leading
+/// integer template arguments ("rotary_attention<64, 4, 2>" -> {64, 4, 2}).
+inline std::string kind_of(const std::string& layer) { return layer.substr(0, layer.find('<')); }
+inline std::vector<std::int64_t> args_of(const std::string& layer) {
+  std::vector<std::int64_t> v;
+  std::size_t i = layer.find('<');
+  while (i != std::string::npos && i + 1 < layer.size()) {
+    ++i;
+    while (i < layer.size() && layer[i] == ' ') ++i;
+    std::size_t j = i;
+    while (j < layer.size() && layer[j] >= '0' && layer[j] <= '9') ++j;
+    if (j == i || j - i > 18) break;
+    v.push_back(std::stoll(layer.substr(i, j - i)));
+    i = layer.find(',', j);
+  }
+  return v;
+}
+
+/// Hugging Face's tensors for a model's parameter units (ckpt::units_of: the
+/// unsplit layers with parameters, in flat order). Known: Llama
+/// (LlamaForCausalLM: embedding, then per layer rms_norm, rotary_attention,
+/// rms_norm, swiglu_mlp; then rms_norm and a linear head without bias).
+inline std::vector<tensor_map> tensors_for(const std::vector<ckpt::unit_rec>& units, const char* who) {
+  std::vector<tensor_map> out;
+  std::size_t k = 0;
+  auto refuse = [&](const std::string& want) -> void {
+    std::string seen = k < units.size() ? "'" + units[k].name + "'" : "the end of the model";
+    throw std::invalid_argument(std::string(who) + ": this model is not one whose Hugging Face names whale knows (Llama): at layer " +
+                                std::to_string(k) + " it has " + seen + " where " + want + " would be");
+  };
+  auto is = [&](const char* kind) { return k < units.size() && kind_of(units[k].name) == kind; };
+  auto add = [&](std::string name, std::vector<std::int64_t> shape, index_t& at) {
+    index_t n = 1;
+    for (auto d : shape) n *= d;
+    out.push_back({std::move(name), std::move(shape), at, n});
+    at += n;
+  };
+  if (!is("embedding")) refuse("a token embedding");
+  const auto emb = args_of(units[k].name);
+  const std::int64_t V = emb.at(0), D = emb.at(1);
+  index_t at = units[k].offset;
+  add("model.embed_tokens.weight", {V, D}, at);
+  ++k;
+  for (int layer = 0; is("rms_norm") && k + 1 < units.size() && kind_of(units[k + 1].name) == "rotary_attention"; ++layer) {
+    const std::string p = "model.layers." + std::to_string(layer) + ".";
+    at = units[k].offset;
+    add(p + "input_layernorm.weight", {D}, at);
+    ++k;
+    const auto a = args_of(units[k].name);  // D, Heads, KVHeads
+    if (a.size() < 3 || a[0] != D) refuse("rotary_attention<" + std::to_string(D) + ", ...>");
+    const std::int64_t hd = D / a[1], kvw = a[2] * hd;
+    at = units[k].offset;
+    add(p + "self_attn.q_proj.weight", {D, D}, at);
+    add(p + "self_attn.k_proj.weight", {kvw, D}, at);
+    add(p + "self_attn.v_proj.weight", {kvw, D}, at);
+    add(p + "self_attn.o_proj.weight", {D, D}, at);
+    ++k;
+    if (!is("rms_norm")) refuse("the post-attention rms_norm");
+    at = units[k].offset;
+    add(p + "post_attention_layernorm.weight", {D}, at);
+    ++k;
+    if (!is("swiglu_mlp")) refuse("a swiglu_mlp");
+    const auto m = args_of(units[k].name);  // D, Hidden
+    at = units[k].offset;
+    add(p + "mlp.gate_proj.weight", {m.at(1), D}, at);
+    add(p + "mlp.up_proj.weight", {m.at(1), D}, at);
+    add(p + "mlp.down_proj.weight", {D, m.at(1)}, at);
+    ++k;
+  }
+  if (!is("rms_norm")) refuse("the final rms_norm");
+  at = units[k].offset;
+  add("model.norm.weight", {D}, at);
+  ++k;
+  if (!is("linear") || units[k].name.find("no_bias") == std::string::npos) refuse("the LM head, a linear without bias");
+  at = units[k].offset;
+  add("lm_head.weight", {V, D}, at);
+  ++k;
+  if (k != units.size()) refuse("nothing more");
+  return out;
+}
+
+/// Whether a tensor of a Hugging Face file is one whale does not need
+/// (buffers older transformers saved: rotary inverse frequencies).
+inline bool ignorable(const std::string& name) { return name.ends_with("rotary_emb.inv_freq"); }
+
+/// Checks that file `r` holds every tensor of `maps` (named `prefix` + name),
+/// with its shape, as F32, BF16 or F16, and nothing else unless `extra_ok`.
+inline void check_file(const ckpt::st_reader& r, const std::vector<tensor_map>& maps, const std::string& prefix,
+                       const char* who, bool extra_ok = false) {
+  auto shape_str = [](const std::vector<std::int64_t>& s) {
+    std::string o = "[";
+    for (std::size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+    return o + "]";
+  };
+  for (const auto& m : maps) {
+    const auto name = prefix + m.name;
+    const auto where = std::string(who) + ": '" + r.path() + "': tensor " + name;
+    const auto it = r.entries().find(name);
+    if (it == r.entries().end()) throw std::runtime_error(where + " is missing (another architecture or size?)");
+    const auto& e = r.entry(name);
+    if (e.shape != m.shape)
+      throw std::runtime_error(where + " has shape " + shape_str(e.shape) + "; this model's is " + shape_str(m.shape));
+    const int w = e.dtype == "F32" ? 4 : (e.dtype == "BF16" || e.dtype == "F16") ? 2 : 0;
+    if (w == 0) throw std::runtime_error(where + " is " + e.dtype + "; whale reads F32, BF16 and F16");
+    if (e.offsets[1] - e.offsets[0] != static_cast<std::int64_t>(w) * m.count)
+      throw std::runtime_error(where + " holds " + std::to_string(e.offsets[1] - e.offsets[0]) + " bytes for " +
+                               std::to_string(m.count) + " elements of " + e.dtype);
+  }
+  if (extra_ok) return;
+  for (const auto& [name, e] : r.entries()) {
+    if (ignorable(name)) continue;
+    const bool known = std::any_of(maps.begin(), maps.end(), [&](const tensor_map& m) { return prefix + m.name == name; });
+    if (!known)
+      throw std::runtime_error(std::string(who) + ": '" + r.path() + "': tensor " + name +
+                               " is not part of this model (another architecture or size?)");
+  }
+}
+
+/// The unsplit flat vector (`n` floats) of file `r`'s tensors `prefix` + name
+/// (a checkpoint's weights, or a reference file's "grad." gradients).
+inline std::vector<float> read_flat(const ckpt::st_reader& r, const std::vector<tensor_map>& maps, index_t n,
+                                    const std::string& prefix = "") {
+  std::vector<float> flat(static_cast<std::size_t>(n), 0.f);
+  for (const auto& m : maps) {
+    const auto v = r.floats(prefix + m.name);
+    std::copy(v.begin(), v.end(), flat.begin() + m.offset);
+  }
+  return flat;
+}
+
+}  // namespace hf
+
+/// Set `net`'s parameters from a Hugging Face safetensors file (as
+/// transformers' save_pretrained(..., safe_serialization=True) writes it:
+/// model.safetensors; F32, BF16 or F16). Every tensor's name, shape and dtype
+/// are checked, and a tensor the model does not have is refused, each with a
+/// message naming it. Each rank reads the tensors of the layers it holds.
+/// The optimizer state is not touched. Collective; throws on every rank.
+template <Checkpointable Net> void import_hf_safetensors(const std::string& path, Net& net) {
+  using M = typename Net::model_type;
+  constexpr const char* who = "whale::import_hf_safetensors";
+  const std::string err = ckpt::catching([&] {
+    const ckpt::st_reader r(path, who);
+    const auto maps = hf::tensors_for(ckpt::units_of<M>(), who);
+    hf::check_file(r, maps, "", who);
+    const auto L = ckpt::layout_for(net);
+    const auto be = ckpt::backend_of(net);
+    ckpt::mirror mr;  // a network on a device: read into a host copy, copied up at the end
+    if (!be.on_cpu()) {
+      mr.device = net.params().data();
+      be.host_readable(cview<float>(net.params()), mr.host);
+    }
+    float* dst = be.on_cpu() ? net.params().data() : mr.host.data();
+    std::map<std::size_t, std::vector<float>> loaded;  // tensor index -> its values (read once, converted)
+    for (const auto& p : ckpt::clip(L.all, L.resident_first, L.resident_end)) {
+      // the tensors overlapping [p.full, p.full + p.count)
+      auto it = std::upper_bound(maps.begin(), maps.end(), p.full,
+                                 [](index_t v, const hf::tensor_map& m) { return v < m.offset; });
+      std::size_t t = static_cast<std::size_t>(it - maps.begin()) - 1;
+      for (; t < maps.size() && maps[t].offset < p.full + p.count; ++t) {
+        const auto& m = maps[t];
+        auto& v = loaded[t];
+        if (v.empty()) v = r.floats(m.name);
+        const index_t lo = std::max(p.full, m.offset), hi = std::min(p.full + p.count, m.offset + m.count);
+        std::memcpy(dst + (p.local - L.resident_first) + (lo - p.full), v.data() + (lo - m.offset),
+                    static_cast<std::size_t>(hi - lo) * sizeof(float));
+      }
+    }
+    if (!be.on_cpu()) {
+      be.copy(mr.device, mr.host.data(), mr.host.size() * sizeof(float));
+      be.synchronize();
+    }
+  });
+  ckpt::agree(net, err);
+}
+
+/// Write `net`'s unsplit parameters to `path` in Hugging Face's names and
+/// shapes, F32, with the metadata {"format": "pt"} that transformers' loader
+/// expects: with the model's config.json beside it, from_pretrained loads the
+/// folder. Collective (a plan gathers its parameters); rank 0 writes, atomically.
+template <Checkpointable Net> void export_hf_safetensors(const std::string& path, Net& net) {
+  using M = typename Net::model_type;
+  constexpr const char* who = "whale::export_hf_safetensors";
+  std::string err = net.rank() == 0 ? detail::output_path_problem(path) : std::string();
+  if (err.empty()) err = ckpt::catching([&] { (void)hf::tensors_for(ckpt::units_of<M>(), who); });
+  else err = std::string(who) + ": '" + path + "': " + err;
+  ckpt::agree(net, err);
+  tensor<float> full;
+  if constexpr (requires { net.full_params(); }) full = net.full_params();
+  if (net.rank() == 0) err = ckpt::catching([&] {
+    std::vector<float> host;
+    const float* p = full.data() ? full.data() : ckpt::backend_of(net).host_readable(cview<float>(net.params()), host).data();
+    const auto maps = hf::tensors_for(ckpt::units_of<M>(), who);
+    std::ostringstream hs;
+    hs << "{\"__metadata__\":{\"format\":\"pt\"}";
+    std::int64_t at = 0;
+    for (const auto& m : maps) {
+      hs << "," << ckpt::json_string(m.name) << ":{\"dtype\":\"F32\",\"shape\":[";
+      for (std::size_t i = 0; i < m.shape.size(); ++i) hs << (i ? "," : "") << m.shape[i];
+      hs << "],\"data_offsets\":[" << at << "," << at + 4 * m.count << "]}";
+      at += 4 * m.count;
+    }
+    hs << "}";
+    std::string h = hs.str();
+    h.append((8 - h.size() % 8) % 8, ' ');
+    std::string bytes(8 + h.size() + static_cast<std::size_t>(at), '\0');
+    const std::uint64_t len = h.size();
+    for (int b = 0; b < 8; ++b) bytes[static_cast<std::size_t>(b)] = static_cast<char>((len >> (8 * b)) & 0xff);
+    std::memcpy(bytes.data() + 8, h.data(), h.size());
+    std::size_t o = 8 + h.size();
+    for (const auto& m : maps) {
+      std::memcpy(bytes.data() + o, p + m.offset, static_cast<std::size_t>(m.count) * 4);
+      o += static_cast<std::size_t>(m.count) * 4;
+    }
+    detail::write_file_atomically(path, bytes, who);
+  });
+  ckpt::agree(net, err);
+}
+
+}  // namespace whale
