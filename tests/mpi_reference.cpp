@@ -28,6 +28,7 @@
 
 #include <mpi.h>
 
+#include "whale/models/gpt.hpp"
 #include "whale/models/llama.hpp"
 #include "whale/optim/adamw.hpp"
 #include "whale/runtime/make.hpp"
@@ -153,4 +154,121 @@ TEST_CASE("llama-tiny in one process: transformers' logits, loss, every gradient
     MESSAGE("llama-tiny against transformers: max |logit diff| " << worst_logit << ", loss rel. " << rel(loss, ref.loss)
             << ", worst gradient tensor " << worst_name << " at " << worst_grad << " of its largest entry"
             << ", 10 AdamW steps + 1: worst loss rel. " << worst_step << " (losses " << losses.front() << " -> " << losses.back() << ")");
+}
+
+namespace {
+// Tensor parallelism inside the model, element by element (as mpi_compose's tp_gpt),
+// so that a pipeline can cut it into stages.
+using block = models::llama_block<64, 4, 2, 176>;
+using tp_llama = sequential<split<embedding<256, 64>>, repeat<2, split<block>>, rms_norm<64>, split<linear<64, 256, no_bias>>,
+                            softmax_cross_entropy>;
+static_assert(std::is_same_v<typename model::base,
+                             sequential<embedding<256, 64>, repeat<2, block>, rms_norm<64>, linear<64, 256, no_bias>, softmax_cross_entropy>>);
+
+/// Plan P on mesh `spec`, from the imported weights: transformers' 10 AdamW
+/// losses and the loss after them, on every rank. Under a plan the sums are
+/// ordered differently again (per-rank rows, reduce-scatters, micro-batches):
+/// relative 2e-6 (measured: 2e-7 at most).
+template <class P> void check_plan(const std::string& spec, const reference& ref, int micro = 0) {
+  auto ctx = on_mesh(spec);
+  try {
+    plan_options o;
+    o.micro_batches = micro;
+    auto net = make<P>(ctx, seed{1}, o);
+    import_hf_safetensors(llama_dir + "/model.safetensors", net);
+    const auto losses = ten_steps(net, ref);
+    REQUIRE(losses.size() == 11);
+    double worst = 0;
+    for (std::size_t s = 0; s < 10; ++s) worst = std::max(worst, rel(losses[s], ref.losses[s]));
+    worst = std::max(worst, rel(losses[10], ref.final_loss));
+    double all = worst;
+    MPI_Allreduce(&worst, &all, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+    if (ctx.rank() == 0) MESSAGE(layer_name<P>() << " on " << spec << ": worst loss rel. to transformers over 11 steps, all ranks: " << all);
+    CHECK(worst <= 2e-6);
+  } catch (const std::exception& e) {
+    FAIL_CHECK(layer_name<P>() << " on " << spec << ": " << std::string(e.what()));
+  }
+}
+}  // namespace
+
+TEST_CASE("llama-tiny under every plan, from transformers' weights: its 10 clipped AdamW steps on every rank") {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  const auto ref = load_reference(llama_dir);
+  const std::string all = std::to_string(n);
+  check_plan<replicate<model>>("data=" + all, ref);
+  // 2 key/value heads: at most 2 tensor-parallel ranks
+  check_plan<split<model>>(n <= 2 ? "model=" + all : "data=" + std::to_string(n / 2) + ",model=2", ref);
+  check_plan<pipeline<one_f_one_b, model>>("pipe=" + all, ref, 4);
+  check_plan<shard<model, 3>>("data=" + all, ref);
+  // 3-D: ZeRO-3 over data, a pipeline of tensor-parallel stages
+  using three_d = shard<replicate<pipeline<one_f_one_b, tp_llama>>, 3>;
+  check_plan<three_d>(n == 4 ? "pipe=2,model=2" : n == 2 ? "data=2" : "data=1", ref, 2);
+}
+
+namespace {
+template <class F> void refused(world_comm& w, const char* what, const std::string& expect, F&& f) {
+  std::string msg;
+  try {
+    f();
+  } catch (const std::exception& e) {
+    msg = e.what();
+  }
+  INFO(what << ": " << msg);
+  int ok = msg.find(expect) != std::string::npos ? 1 : 0;
+  all_reduce(w, view<int>(&ok, {1}), reduce_op::min);
+  CHECK(ok == 1);
+}
+/// Tensor `name` of two files equal value for value (a file's dtype widened to float).
+bool same_tensor(const ckpt::st_reader& a, const ckpt::st_reader& b, const std::string& name) {
+  return a.entry(name).shape == b.entry(name).shape && a.floats(name) == b.floats(name);
+}
+}  // namespace
+
+TEST_CASE("Hugging Face weights out and back: exported under a plan, transformers' names, shapes and values; bad files refused naming the tensor") {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  auto ctx = on_mesh(n <= 2 ? "model=" + std::to_string(n) : "data=2,model=2");
+  const auto dir = test::shared_dir(ctx.world(), "hf");
+  const std::string original = llama_dir + "/model.safetensors", out = dir + "/model.safetensors";
+  auto net = make<split<model>>(ctx, seed{1});
+  import_hf_safetensors(original, net);
+  export_hf_safetensors(out, net);
+  if (ctx.rank() == 0) {
+    // every tensor transformers wrote, under its name and shape, with its values; nothing else
+    const ckpt::st_reader a(original, "test"), b(out, "test");
+    CHECK(a.entries().size() == b.entries().size());
+    for (const auto& [name, e] : a.entries()) {
+      INFO(name);
+      CHECK(b.entries().count(name) == 1);
+      if (b.entries().count(name)) CHECK(same_tensor(a, b, name));
+    }
+    CHECK(b.metadata().at("format") == "pt");
+  }
+  // and back into one process: the same parameters as importing transformers' own file
+  network<model> x(seed{2}), y(seed{3});
+  import_hf_safetensors(out, x);
+  import_hf_safetensors(original, y);
+  index_t differ = 0;
+  for (index_t i = 0; i < x.param_count(); ++i) differ += x.params()[i] != y.params()[i];
+  CHECK(differ == 0);
+
+  // refused on every rank, naming the tensor or the layer
+  auto& w = ctx.world();
+  refused(w, "another KV head count", "tensor model.layers.0.self_attn.k_proj.weight has shape [32, 64]; this model's is [64, 64]",
+          [&] {
+            network<models::llama<2, 64, 4, 4, 176, 256, 32>> other(seed{1});
+            import_hf_safetensors(original, other);
+          });
+  refused(w, "another architecture", "at layer 1 it has 'position_embedding<16, 32>' where", [&] {
+    network<models::gpt_model<64, 16, 32, 4, 64, 2>> gpt(seed{1});
+    import_hf_safetensors(original, gpt);
+  });
+  refused(w, "a reference file, not a model", "tensor model.embed_tokens.weight is missing", [&] {
+    network<model> m(seed{1});
+    import_hf_safetensors(llama_dir + "/reference.safetensors", m);
+  });
+  refused(w, "no file", "cannot be opened", [&] { import_hf_safetensors(dir + "/none.safetensors", net); });
+  refused(w, "unwritable export", "cannot create a file in", [&] { export_hf_safetensors("/nonexistent-whale-dir/m.safetensors", net); });
+  test::remove_dir(w, dir);
 }
