@@ -13,6 +13,7 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -22,6 +23,7 @@
 #include "whale/nn/causal_self_attention.hpp"
 #include "whale/nn/embedding.hpp"
 #include "whale/nn/gelu.hpp"
+#include "whale/nn/gradcheck.hpp"
 #include "whale/nn/layer_norm.hpp"
 #include "whale/nn/rms_norm.hpp"
 #include "whale/nn/rotary_attention.hpp"
@@ -33,6 +35,10 @@
 #include "whale/nn/sequential.hpp"
 #include "whale/nn/softmax_cross_entropy.hpp"
 #include "whale/nn/transformer_block.hpp"
+#include "whale/nn/network.hpp"
+#include "whale/optim/sgd.hpp"
+#include "whale/train/data.hpp"
+#include "whale/train/trainer.hpp"
 
 using namespace whale;
 
@@ -57,16 +63,8 @@ namespace {
 constexpr double fd_step = 1e-2;
 constexpr double fd_tol = 1e-2;
 
-/// Worst |fd - an| relative to the largest |an|; fails the check when above fd_tol
-/// or when the analytic gradient is trivially zero.
-double rel_error(const std::vector<double>& an, const std::vector<double>& fd) {
-  double amax = 0, emax = 0;
-  for (std::size_t i = 0; i < an.size(); ++i) {
-    amax = std::max(amax, std::abs(an[i]));
-    emax = std::max(emax, std::abs(an[i] - fd[i]));
-  }
-  return emax / std::max(amax, 1e-3);
-}
+/// Worst |fd - an| relative to the largest |an| (whale::normalised_error).
+double rel_error(const std::vector<double>& an, const std::vector<double>& fd) { return normalised_error(an, fd); }
 double max_abs(const std::vector<double>& v) {
   double m = 0;
   for (double x : v) m = std::max(m, std::abs(x));
@@ -82,72 +80,11 @@ void check_close(const std::vector<double>& an, const std::vector<double>& fd, c
   CHECK(e < fd_tol);
 }
 
-void fill_normal(view<float> v, std::uint64_t stream, float scale = 1.f) {
-  counter_rng r(seed{1234}, stream);
-  for (index_t i = 0; i < v.numel(); ++i) v[i] = static_cast<float>(scale * r.normal(static_cast<std::uint64_t>(i)));
-}
-
-/// A layer bound to its own parameter and gradient buffers, initialised from a seed.
-template <class L>
-struct bound {
-  L layer;
-  tensor<float> params, grads;
-  explicit bound(std::uint64_t s = 5) {
-    const index_t n = std::max<index_t>(layer.param_count(), 1);
-    params = tensor<float>({n}, mem_kind::params);
-    grads = tensor<float>({n}, mem_kind::grads);
-    param_binder b(params.data(), grads.data(), n);
-    layer.bind(b);
-    layer.init(counter_rng(seed{s}));
-  }
-  index_t count() const { return layer.param_count(); }
-};
-
-struct result {
-  std::vector<double> an_x, fd_x, an_p, fd_p;
-};
-
-/// Gradients of L = sum(w * layer(x)) by backward and by central differences.
-/// `x` is float (checked) or int tokens (only parameters checked). Parameters
-/// are perturbed in place in the flat buffer. Every `stride`-th parameter is checked.
+// The library's gradient checker (whale/nn/gradcheck.hpp), under the names these tests use.
+template <class L> using bound = bound_layer<L>;
 template <class L, class In>
-result gradients(bound<L>& m, step_ctx c, view<In> x, index_t out_width, index_t stride = 1) {
-  const index_t rows = c.rows();
-  tensor<float> w({rows, out_width});
-  fill_normal(w.v(), 99);
-  auto loss = [&] {
-    auto y = m.layer.forward(c, cview<In>(x));
-    REQUIRE(y.numel() == w.numel());
-    double s = 0;
-    for (index_t i = 0; i < y.numel(); ++i) s += static_cast<double>(w[i]) * y[i];
-    return s;
-  };
-  result r;
-  loss();
-  c.accumulate = false;
-  c.need_input_grad = std::is_same_v<In, float>;
-  auto dx = m.layer.backward(c, cview<float>(w.v()));
-  if constexpr (std::is_same_v<In, float>) {
-    REQUIRE(dx.numel() == x.numel());
-    for (index_t i = 0; i < dx.numel(); ++i) r.an_x.push_back(dx[i]);
-  } else {
-    CHECK(dx.empty());
-  }
-  for (index_t i = 0; i < m.count(); i += stride) r.an_p.push_back(m.grads[i]);
-
-  auto central = [&](float& v) {
-    const float saved = v;
-    v = static_cast<float>(saved + fd_step);
-    const double lp = loss();
-    v = static_cast<float>(saved - fd_step);
-    const double lm = loss();
-    v = saved;
-    return (lp - lm) / (2 * fd_step);
-  };
-  if constexpr (std::is_same_v<In, float>)
-    for (index_t i = 0; i < x.numel(); ++i) r.fd_x.push_back(central(x[i]));
-  for (index_t i = 0; i < m.count(); i += stride) r.fd_p.push_back(central(m.params[i]));
-  return r;
+layer_gradients gradients(bound<L>& m, step_ctx c, view<In> x, index_t out_width, index_t stride = 1) {
+  return finite_differences(m, c, x, out_width, fd_step, stride);
 }
 
 step_ctx ctx(index_t batch, index_t seq) {
@@ -158,17 +95,15 @@ step_ctx ctx(index_t batch, index_t seq) {
   return c;
 }
 
-/// Full check of a float layer: inputs (R, in) ~ N(0,1), outputs (R, out).
+/// Full check of a float layer: inputs (R, in) ~ N(0,1), outputs (R, out); the error of the
+/// input gradient and of each parameter tensor, each normalised by its own largest entry.
 template <class L>
 void check_layer(const std::string& what, index_t batch, index_t seq, index_t in, index_t out,
                  index_t stride = 1) {
-  bound<L> m;
-  auto c = ctx(batch, seq);
-  tensor<float> x({c.rows(), in});
-  fill_normal(x.v(), 7);
-  auto r = gradients(m, c, x.v(), out, stride);
-  check_close(r.an_x, r.fd_x, what + ": d(input)");
-  if (m.count() > 0) check_close(r.an_p, r.fd_p, what + ": d(parameters)");
+  const auto r = gradcheck<L>(in, out, {.batch = batch, .seq = seq, .step = fd_step, .tolerance = fd_tol, .stride = stride});
+  INFO(what << ": " << r.str());
+  CHECK(r.ok());
+  CHECK(r.tensors.size() >= 1);
 }
 
 /// A deliberately wrong layer: y = x^2, backward claims 2.2 x. The checker must reject it.
@@ -193,6 +128,93 @@ struct wrong_square : stateless_params {
 };
 
 }  // namespace
+
+// ---- docs/layers.md's layer, as written there (keep the two the same) ----
+/// y = x * gain + shift, per feature: D gains (1 at init) and D shifts (0 at init).
+template <index_t D> struct scale_shift {
+  using input_type = float;                                     // std::int32_t for a layer of token ids
+  static constexpr index_t in_features = D, out_features = D;  // or any_features (elementwise layers)
+  static std::string name() { return "scale_shift<" + std::to_string(D) + ">"; }
+  static constexpr cost_info cost() {  // per row
+    cost_info c;
+    c.fwd_flops = 2.0 * D;
+    c.bwd_flops = 4.0 * D;
+    c.params = 2 * D;
+    c.act_bytes = 4.0 * 2 * D;  // what a row keeps: y, and dx in backward
+    return c;
+  }
+  static constexpr index_t param_count() { return 2 * D; }
+  // the parameter tensors in flat order: name, role, size, fan-in (initialisers and checks read them)
+  static constexpr std::array<param_tensor, 2> param_tensors() {
+    return {{{"gain", param_role::gain, D, D}, {"shift", param_role::bias, D, D}}};
+  }
+  void bind(param_binder& b) {  // consecutive slices of the network's flat buffers
+    auto g = b.take({D});        // a slot: .value, .grad (views) and .offset (flat index)
+    auto s = b.take({D});
+    gain_ = g.value, dgain_ = g.grad, shift_ = s.value, dshift_ = s.grad;
+  }
+  void init(const counter_rng&) {  // value i a pure function of i (r.uniform(i), r.normal(i)); here constants
+    for (index_t i = 0; i < D; ++i) gain_[i] = 1.f, shift_[i] = 0.f;
+  }
+  view<float> forward(step_ctx& c, cview<float> x) {
+    auto& s = st_(c.slot);                 // this micro-batch's state
+    const index_t R = x.numel() / D;       // rows (c.rows() = c.batch * c.seq says the same)
+    s.x = x;                               // a view of the input, valid until backward
+    auto y = detail::ensure(s.y, {R, D});  // allocated at the first step, reused after
+    for (index_t r = 0; r < R; ++r)
+      for (index_t i = 0; i < D; ++i) y[r * D + i] = x[r * D + i] * gain_[i] + shift_[i];
+    return y;
+  }
+  view<float> backward(step_ctx& c, cview<float> dy) {
+    auto& s = st_(c.slot);
+    const index_t R = dy.numel() / D;
+    if (!c.accumulate)  // parameter gradients are overwritten, or added to (micro-batches)
+      for (index_t i = 0; i < D; ++i) dgain_[i] = 0.f, dshift_[i] = 0.f;
+    for (index_t r = 0; r < R; ++r)
+      for (index_t i = 0; i < D; ++i) {
+        dgain_[i] += dy[r * D + i] * s.x[r * D + i];
+        dshift_[i] += dy[r * D + i];
+      }
+    if (!c.need_input_grad) return {};  // the first layer's input gradient is not needed
+    auto dx = detail::ensure(s.dx, {R, D});
+    for (index_t r = 0; r < R; ++r)
+      for (index_t i = 0; i < D; ++i) dx[r * D + i] = dy[r * D + i] * gain_[i];
+    return dx;
+  }
+
+ private:
+  struct state {
+    cview<float> x;
+    tensor<float> y, dx;
+  };
+  view<float> gain_, dgain_, shift_, dshift_;
+  slots<state> st_;
+};
+static_assert(Layer<scale_shift<8>>);
+
+TEST_CASE("gradcheck: the documented layer passes, per tensor; a wrong backward fails, naming the tensor") {
+  const auto r = gradcheck<sequential<linear<8, 8>, scale_shift<8>>>(8, 8);
+  MESSAGE(r.str());
+  CHECK(r.ok());
+  const auto one = gradcheck<scale_shift<8>>(8, 8);
+  CHECK(one.ok());
+  REQUIRE(one.tensors.size() == 3);
+  CHECK(one.tensors[0].tensor == "input");
+  CHECK(one.tensors[1].tensor == "gain");
+  CHECK(one.tensors[2].tensor == "shift");
+  // trained in a network with the trainer, as any layer
+  network<sequential<linear<8, 8>, scale_shift<8>, linear<8, 3>, softmax_cross_entropy>> net(seed{1});
+  auto data = teacher_data(seed{2}, 8, 3, 16);
+  trainer_options quiet;
+  quiet.progress = false;
+  trainer t(net, sgd{.lr = 0.1f}, quiet);
+  const auto res = t.run(data, steps{20});
+  CHECK(res.loss_last() < res.loss_first());
+  const auto wrong = gradcheck<wrong_square>(4, 4);
+  CHECK_FALSE(wrong.ok());
+  CHECK(wrong.str().find("input: error") != std::string::npos);
+  CHECK(wrong.str().find("FAILS") != std::string::npos);
+}
 
 TEST_CASE("the gradient checker detects a wrong backward") {
   bound<wrong_square> m;

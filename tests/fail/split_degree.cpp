@@ -1,6 +1,6 @@
 // Compile-fail pair: a static split degree that does not divide the layer it
 // shards (30 output features over 4 ranks).
-// expect-error: split_degree_check<whale::column_linear<8, 30, whale::axis::model>, 30, 4>.*split degree must divide
+// expect-error: split_degree_check<whale::column_linear<8, 30, whale::axis::model, whale::bias_mode::added>, 30, 4>.*split degree must divide
 #include "whale/nn/linear.hpp"
 #include "whale/nn/relu.hpp"
 #include "whale/nn/sequential.hpp"

@@ -268,12 +268,8 @@ class head_attention {
       all_gather(*comm_, cview<float>(local + 3 * w_ * D + q * w_, {w_}), view<float>(full + 3 * D * D + q * D, {D}));
     }
     const float* wo = local + 3 * w_ * D + 3 * w_;
-    tensor<float> t({static_cast<index_t>(p_) * D * w_}, mem_kind::comm);
-    all_gather(*comm_, cview<float>(wo, {D * w_}), t.v());
     float* fo = full + 3 * D * D + 3 * D;
-    for (int q = 0; q < p_; ++q)
-      for (index_t o = 0; o < D; ++o)
-        std::memcpy(fo + o * D + q * w_, t.data() + (q * D + o) * w_, static_cast<std::size_t>(w_) * sizeof(float));
+    detail::gather_column_blocks(*comm_, wo, D, w_, fo);
     std::memcpy(fo + D * D, wo + D * w_, static_cast<std::size_t>(D) * sizeof(float));
   }
 
@@ -328,6 +324,23 @@ class head_attention {
   slots<state> st_;
 };
 
+namespace detail {
+/// A sharded layer's local parameters (at `local`) as the unsplit layer's
+/// uniform init gives them: flat element f of the unsplit layer is
+/// uniform(-k(f), k(f)) from the layer's stream at index f, for the elements
+/// L::param_runs(rank, degree) says this rank holds.
+template <class L, class Scale>
+void init_runs(float* local, int rank, int degree, const counter_rng& rng, Scale k) {
+  std::vector<param_run> runs;
+  L::param_runs(rank, degree, runs);
+  for (const auto& run : runs)
+    for (index_t i = 0; i < run.count; ++i) {
+      const index_t f = run.full + i;
+      local[run.local + i] = static_cast<float>((2 * rng.uniform(static_cast<std::uint64_t>(f)) - 1) * k(f));
+    }
+}
+}  // namespace detail
+
 /// swiglu_mlp<D, Hidden> split by hidden features, Megatron's way: rank r
 /// holds hidden features [r n, r n + n), n = Hidden / p: those rows of gate
 /// and of up (column-parallel, together, so that each rank's SiLU(g) * u is
@@ -371,29 +384,17 @@ class hidden_swiglu_mlp : detail::swiglu_body<D> {
     out.push_back({n * D, Hidden * D + r * n * D, n * D});
     for (index_t o = 0; o < D; ++o) out.push_back({2 * n * D + o * n, 2 * Hidden * D + o * Hidden + r * n, n});
   }
-  // The unsplit layer's values at the same flat indices (swiglu_mlp::init).
+  // The unsplit layer's values at the same flat indices (swiglu_mlp::init); gate, up and down lie one after another.
   void init(const counter_rng& rng) {
-    std::vector<param_run> runs;
-    param_runs(r_, p_, runs);
     const double kin = 1.0 / std::sqrt(static_cast<double>(D)), kh = 1.0 / std::sqrt(static_cast<double>(Hidden));
-    float* local = this->wgu_.data();  // gate, up and down lie one after another
-    for (const auto& run : runs)
-      for (index_t i = 0; i < run.count; ++i) {
-        const index_t f = run.full + i;
-        local[run.local + i] = static_cast<float>((2 * rng.uniform(static_cast<std::uint64_t>(f)) - 1) * (f < 2 * Hidden * D ? kin : kh));
-      }
+    detail::init_runs<hidden_swiglu_mlp>(this->wgu_.data(), r_, p_, rng, [&](index_t f) { return f < 2 * Hidden * D ? kin : kh; });
   }
   /// gate, up (row blocks of every rank) and down (column blocks), unsplit.
   void gather_full(const float* local, float* full) {
     const index_t n = this->n_;
     all_gather(*comm_, cview<float>(local, {n * D}), view<float>(full, {Hidden * D}));
     all_gather(*comm_, cview<float>(local + n * D, {n * D}), view<float>(full + Hidden * D, {Hidden * D}));
-    tensor<float> t({static_cast<index_t>(p_) * D * n}, mem_kind::comm);
-    all_gather(*comm_, cview<float>(local + 2 * n * D, {D * n}), t.v());
-    float* fd = full + 2 * Hidden * D;
-    for (int q = 0; q < p_; ++q)
-      for (index_t o = 0; o < D; ++o)
-        std::memcpy(fd + o * Hidden + q * n, t.data() + (q * D + o) * n, static_cast<std::size_t>(n) * sizeof(float));
+    detail::gather_column_blocks(*comm_, local + 2 * n * D, D, n, full + 2 * Hidden * D);
   }
 
   // x: (R, D) replicated -> y: (R, D) partial
@@ -460,16 +461,10 @@ class head_rotary_attention : detail::rotary_attention_body<D, D / Heads> {
     const index_t lo = (wq + 2 * wk) * D, fo = (D + 2 * kvw) * D;
     for (index_t o = 0; o < D; ++o) out.push_back({lo + o * wq, fo + o * D + r * wq, wq});
   }
-  // The unsplit layer's values at the same flat indices (rotary_attention::init).
+  // The unsplit layer's values at the same flat indices (rotary_attention::init); W_qkv and W_o lie one after the other.
   void init(const counter_rng& rng) {
-    std::vector<param_run> runs;
-    param_runs(r_, p_, runs);
     const double k = 1.0 / std::sqrt(static_cast<double>(D));
-    float* local = this->wqkv_.data();  // W_qkv and W_o lie one after the other
-    for (const auto& run : runs)
-      for (index_t i = 0; i < run.count; ++i)
-        local[run.local + i] =
-            static_cast<float>((2 * rng.uniform(static_cast<std::uint64_t>(run.full + i)) - 1) * k);
+    detail::init_runs<head_rotary_attention>(this->wqkv_.data(), r_, p_, rng, [&](index_t) { return k; });
   }
   /// W_q, W_k, W_v (row blocks of every rank) and W_o (column blocks), unsplit.
   void gather_full(const float* local, float* full) {
@@ -477,12 +472,7 @@ class head_rotary_attention : detail::rotary_attention_body<D, D / Heads> {
     all_gather(*comm_, cview<float>(local, {wq * D}), view<float>(full, {D * D}));
     all_gather(*comm_, cview<float>(local + wq * D, {wk * D}), view<float>(full + D * D, {kvw * D}));
     all_gather(*comm_, cview<float>(local + (wq + wk) * D, {wk * D}), view<float>(full + (D + kvw) * D, {kvw * D}));
-    tensor<float> t({static_cast<index_t>(p_) * D * wq}, mem_kind::comm);
-    all_gather(*comm_, cview<float>(local + (wq + 2 * wk) * D, {D * wq}), t.v());
-    float* fo = full + (D + 2 * kvw) * D;
-    for (int q = 0; q < p_; ++q)
-      for (index_t o = 0; o < D; ++o)
-        std::memcpy(fo + o * D + q * wq, t.data() + (q * D + o) * wq, static_cast<std::size_t>(wq) * sizeof(float));
+    detail::gather_column_blocks(*comm_, local + (wq + 2 * wk) * D, D, wq, full + (D + 2 * kvw) * D);
   }
 
   // x: (B*T, D) replicated -> y: (B*T, D) partial

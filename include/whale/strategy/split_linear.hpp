@@ -24,6 +24,16 @@ inline void check_divides(const std::string& layer, const char* what, index_t n,
                                 axis_name(a) + " axis; choose a mesh whose " + axis_name(a) +
                                 " size divides it");
 }
+/// A row-parallel weight (rows, p k) gathered whole into `full` from each of the
+/// p ranks' column blocks (rows, k) at `local`: rank q's block is columns [q k, q k + k).
+inline void gather_column_blocks(world_comm& comm, const float* local, index_t rows, index_t k, float* full) {
+  const int p = comm.size();
+  tensor<float> t({static_cast<index_t>(p) * rows * k}, mem_kind::comm);
+  all_gather(comm, cview<float>(local, {rows * k}), t.v());
+  for (int q = 0; q < p; ++q)
+    for (index_t o = 0; o < rows; ++o)
+      std::memcpy(full + o * p * k + q * k, t.data() + (q * rows + o) * k, static_cast<std::size_t>(k) * sizeof(float));
+}
 /// A layer's per-rank cost when `degree` ranks share it: its arithmetic and
 /// activations divided among them, `split` parameters divided, `whole` held by each.
 constexpr cost_info shard_of(cost_info c, index_t degree, index_t split, index_t whole) {
@@ -182,11 +192,7 @@ class row_linear {
   }
   /// W (Out, In) from the column blocks of every rank, then the (replicated) bias.
   void gather_full(const float* local, float* full) {
-    tensor<float> t({static_cast<index_t>(p_) * Out * k_}, mem_kind::comm);
-    all_gather(*comm_, cview<float>(local, {Out * k_}), t.v());
-    for (int q = 0; q < p_; ++q)
-      for (index_t o = 0; o < Out; ++o)
-        std::memcpy(full + o * In + q * k_, t.data() + (q * Out + o) * k_, static_cast<std::size_t>(k_) * sizeof(float));
+    detail::gather_column_blocks(*comm_, local, Out, k_, full);
     if constexpr (has_bias)
       std::memcpy(full + Out * In, local + Out * k_, static_cast<std::size_t>(Out) * sizeof(float));
   }
