@@ -255,10 +255,36 @@ def generate(label, make, B, T, max_grad_norm, out):
     print(f"  {out}: {sizes} ({time.perf_counter() - t0:.1f} s)")
 
 
-USAGE = """usage: scripts/reference [--full gpt2_124m OUTDIR]
+def check_export(folder):
+    """whale's export, loaded by transformers: its logits on the batch whale ran against whale's own."""
+    import numpy as np
+    for name in ("config.json", "model.safetensors", "batch.safetensors", "whale_logits.f32"):
+        if not (folder / name).is_file():
+            print(f"scripts/reference: --check-export: {folder / name} is missing (the test mpi_reference writes "
+                  f"these when WHALE_HF_EXPORT_DIR names the folder)", file=sys.stderr)
+            raise SystemExit(2)
+    config = json.loads((folder / "config.json").read_text())
+    cls = {"LlamaForCausalLM": transformers.LlamaForCausalLM,
+           "GPT2LMHeadModel": transformers.GPT2LMHeadModel}[config["architectures"][0]]
+    model = cls.from_pretrained(folder, attn_implementation="eager").eval()
+    ids = load_file(folder / "batch.safetensors")["input_ids"]
+    with torch.no_grad():
+        logits = model(ids).logits.numpy()
+    mine = np.fromfile(folder / "whale_logits.f32", dtype=np.float32).reshape(logits.shape)
+    diff = float(np.abs(mine - logits).max())
+    print(f"{folder}: {config['architectures'][0]} loaded by transformers {transformers.__version__} from whale's export; "
+          f"max |whale - transformers| over {logits.size} logits: {diff:.2e} (largest logit {float(np.abs(logits).max()):.3f})")
+    if not diff <= 1e-5:
+        raise SystemExit(1)
+
+
+USAGE = """usage: scripts/reference [--full gpt2_124m OUTDIR | --check-export DIR]
 
   (no arguments)             regenerate tests/reference/gpt2-tiny and tests/reference/llama-tiny
   --full gpt2_124m OUTDIR    GPT-2 124M's shape with B=4, T=64, into OUTDIR (large, not committed)
+  --check-export DIR         load a model whale exported (DIR/config.json, DIR/model.safetensors) with
+                             transformers' from_pretrained, run the reference batch (DIR/batch.safetensors)
+                             and compare with whale's logits (DIR/whale_logits.f32); exit 1 past 1e-5
   -h, --help                 this text
 
 Writes config.json, model.safetensors and reference.safetensors into each folder;
@@ -277,7 +303,10 @@ class Parser(argparse.ArgumentParser):
 def main(argv):
     parser = Parser(prog="scripts/reference", add_help=True)
     parser.add_argument("--full", nargs=2, metavar=("SHAPE", "OUTDIR"))
+    parser.add_argument("--check-export", metavar="DIR")
     args = parser.parse_args(argv)
+    if args.full and args.check_export:
+        parser.error("--full and --check-export are separate runs")
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -285,7 +314,9 @@ def main(argv):
     transformers.logging.set_verbosity_error()
 
     t0 = time.perf_counter()
-    if args.full:
+    if args.check_export:
+        check_export(Path(args.check_export))
+    elif args.full:
         shape, outdir = args.full
         if shape not in FULL:
             parser.error(f"--full: unknown shape '{shape}' (have: {', '.join(FULL)})")

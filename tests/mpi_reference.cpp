@@ -23,6 +23,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -252,6 +255,40 @@ TEST_CASE("Hugging Face weights out and back: exported under a plan, transformer
   index_t differ = 0;
   for (index_t i = 0; i < x.param_count(); ++i) differ += x.params()[i] != y.params()[i];
   CHECK(differ == 0);
+
+  // trained under the plan (3 clipped AdamW steps), exported, imported by one process: the plan's parameters
+  const auto ref = load_reference(llama_dir);
+  {
+    auto data = batch_of(ref);
+    auto o = test::quiet();
+    o.max_grad_norm = 1.0;
+    trainer t(net, adamw{.lr = 1e-2f}, o);
+    t.run(data, steps{3});
+  }
+  const std::string trained = dir + "/trained.safetensors";
+  export_hf_safetensors(trained, net);
+  const auto full = net.full_params();
+  network<model> z(seed{4});
+  import_hf_safetensors(trained, z);
+  index_t moved = 0, kept = 0;
+  for (index_t i = 0; i < z.param_count(); ++i) moved += z.params()[i] != y.params()[i], kept += z.params()[i] == full[i];
+  CHECK(moved > z.param_count() / 2);  // training changed them
+  CHECK(kept == z.param_count());     // and the file holds the plan's values exactly
+  // WHALE_HF_EXPORT_DIR=DIR: leave the export, its config, the batch and whale's logits there for
+  // `scripts/reference --check-export DIR` (transformers' from_pretrained against whale)
+  if (const char* keep = std::getenv("WHALE_HF_EXPORT_DIR"); keep && ctx.rank() == 0) {
+    namespace fs = std::filesystem;
+    fs::create_directories(keep);
+    fs::copy_file(trained, fs::path(keep) / "model.safetensors", fs::copy_options::overwrite_existing);
+    fs::copy_file(llama_dir + "/config.json", fs::path(keep) / "config.json", fs::copy_options::overwrite_existing);
+    fs::copy_file(llama_dir + "/reference.safetensors", fs::path(keep) / "batch.safetensors", fs::copy_options::overwrite_existing);
+    step_ctx c;
+    c.batch = ref.B, c.seq = ref.T, c.global_rows = ref.B * ref.T;
+    const auto logits = z.forward(c, cview<std::int32_t>(ref.ids.data(), {ref.B, ref.T}));
+    std::ofstream f(fs::path(keep) / "whale_logits.f32", std::ios::binary);
+    f.write(reinterpret_cast<const char*>(logits.data()), static_cast<std::streamsize>(logits.numel() * 4));
+    MESSAGE("wrote the export of " << layer_name<split<model>>() << " after 3 steps, and whale's logits, to " << std::string(keep));
+  }
 
   // refused on every rank, naming the tensor or the layer
   auto& w = ctx.world();
