@@ -150,18 +150,7 @@ void reshard(const std::string& from, const std::string& to) {
 }
 
 /// `f` throws on every rank with a message holding `expect`.
-template <class F> void refused(world_comm& w, const char* what, const std::string& expect, F&& f) {
-  std::string msg;
-  try {
-    f();
-  } catch (const std::exception& e) {
-    msg = e.what();
-  }
-  INFO(what << ": " << msg);
-  int ok = msg.find(expect) != std::string::npos ? 1 : 0;
-  all_reduce(w, view<int>(&ok, {1}), reduce_op::min);
-  CHECK(ok == 1);
-}
+using test::refused;
 }  // namespace
 
 TEST_CASE("exact resume on every plan: 3 steps, save, a fresh model loads, 3 steps = 6 straight, bit for bit") {

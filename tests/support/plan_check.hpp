@@ -6,6 +6,7 @@
 // arrive out of reading order.
 #pragma once
 
+#include <doctest/doctest.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -33,6 +34,19 @@ inline std::string shared_dir(world_comm& w, const std::string& tag) {
   if (w.rank() == 0) std::filesystem::remove_all(d), std::filesystem::create_directories(d);
   barrier(w);
   return d.string();
+}
+/// `f` throws on every rank with a message containing `expect` (checked on every rank, agreed over `w`).
+template <class F> void refused(world_comm& w, const char* what, const std::string& expect, F&& f) {
+  std::string msg;
+  try {
+    f();
+  } catch (const std::exception& e) {
+    msg = e.what();
+  }
+  INFO(what << ": " << msg);
+  int ok = msg.find(expect) != std::string::npos ? 1 : 0;
+  all_reduce(w, view<int>(&ok, {1}), reduce_op::min);
+  CHECK(ok == 1);
 }
 /// Removes a shared_dir once every rank is done with it.
 inline void remove_dir(world_comm& w, const std::string& d) {

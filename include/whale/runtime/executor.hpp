@@ -190,7 +190,7 @@ template <class P> class executor {
   /// order, the last stage's output broadcast over the pipe axis); collective
   /// over the replica's ranks. The model must end in a plain loss layer.
   tensor<float> forward(step_ctx& c, cview<input_type> x);
-  /// Whether forward() compiles: the model ends in a plain loss layer, not in a split region.
+  /// Whether forward() compiles: the model ends in a plain loss layer (a whole model split as one region included).
   static constexpr bool gives_logits() {
     using flat = std::remove_cvref_t<decltype(std::declval<executor&>().parts_[0].model())>;
     if constexpr (requires { typename flat::tuple_type; }) {

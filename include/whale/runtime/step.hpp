@@ -220,9 +220,9 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
 template <class P> tensor<float> executor<P>::forward(step_ctx& c, cview<input_type> x) {
   static_assert(gives_logits(),
                 "whale::executor::forward: the model does not end in a plain loss layer (its last element is a "
-                "container, e.g. split<sequential<..., Loss>>, whose class-split logits are never gathered, or the "
-                "whole model is one split region); end the model in softmax_cross_entropy after the split region "
-                "(sequential<..., split<linear<D, V>>, softmax_cross_entropy>) to get logits");
+                "container, e.g. split<sequential<..., Loss>>, whose class-split logits are not gathered there); end "
+                "the model in softmax_cross_entropy after the split region (sequential<..., split<linear<D, V>>, "
+                "softmax_cross_entropy>), or split the whole model (split<M>), to get logits");
   tensor<float> out;
   pass(c, x, {}, false, false, &out);
   if (p_ > 1) {  // the last stage holds them

@@ -36,6 +36,10 @@ namespace whale {
 
 /// A chain of sharded elements along axis A entered with layout In. Exit
 /// `forced`: a converter to ExitLay is appended (unless it ends in a loss).
+namespace detail {
+struct no_gather {};
+}  // namespace detail
+
 template <axis A, lay In, detail::exit_kind Exit, lay ExitLay, detail::stream_kind Mode, class... E>
 class split_chain {
   using built = detail::build<detail::tlist<>, A, In, grad_of(In), void, 0, E...>;
@@ -90,6 +94,7 @@ class split_chain {
   void configure(const split_env& e) {
     env_ = e;
     std::apply([&](auto&... l) { (configure_layer(l, e), ...); }, layers_);
+    if constexpr (!std::is_same_v<logits_gather, detail::no_gather>) gather_logits_.configure(e);
   }
   index_t param_count() const {
     return std::apply([](const auto&... l) { return (index_t{0} + ... + l.param_count()); }, layers_);
@@ -108,6 +113,23 @@ class split_chain {
     requires(!ends_in_loss)
   {
     return bwd<size - 1>(c, dy);
+  }
+  /// The output before the loss, unsplit: the layers but the loss, then what
+  /// the loss receives gathered to replicated over A (a class-split loss's
+  /// logits by columns, a row-split one's by rows), on every rank of the axis.
+  /// Forward only (executor::forward); collective over A.
+  view<float> forward(step_ctx& c, cview<input_type> x)
+    requires(ends_in_loss && n_layers > 0)
+  {
+    auto y = fwd<0>(c, x);
+    if constexpr (std::is_same_v<logits_gather, detail::no_gather>) {
+      return y;
+    } else {
+      const index_t batch = c.batch;
+      auto out = gather_logits_.forward(c, cview<float>(y));
+      c.batch = batch;
+      return out;
+    }
   }
   double forward_loss(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels)
     requires ends_in_loss
@@ -220,9 +242,14 @@ class split_chain {
     return detail::backward_through<I>(layers_, offset_, c, dy);
   }
 
+  // forward()'s gather of the loss's input to replicated, where the loss does not receive it replicated
+  static constexpr lay at_loss = ends_in_loss ? in_layout[size - 1] : lay::R;
+  using logits_gather = std::conditional_t<at_loss == lay::R || at_loss == lay::P, detail::no_gather,
+                                           convert<A, at_loss, lay::R, lay::R, at_loss>>;
   tuple_type layers_;
   std::array<index_t, size> offset_{};
   split_env env_{};
+  logits_gather gather_logits_;
   tensor<std::int32_t> all_labels_;
   tensor<std::int32_t> host_labels_;  // on a device: the gather's host copies
   std::vector<index_t> counts_;

@@ -176,33 +176,22 @@ template <Checkpointable Net> void import_hf_safetensors(const std::string& path
     const ckpt::st_reader r(path, who);
     const auto maps = hf::tensors_for(ckpt::units_of<M>(), who);
     hf::check_file(r, maps, "", who);
-    const auto L = ckpt::layout_for(net);
-    const auto be = ckpt::backend_of(net);
-    ckpt::mirror mr;  // a network on a device: read into a host copy, copied up at the end
-    if (!be.on_cpu()) {
-      mr.device = net.params().data();
-      be.host_readable(cview<float>(net.params()), mr.host);
-    }
-    float* dst = be.on_cpu() ? net.params().data() : mr.host.data();
     std::map<std::size_t, std::vector<float>> loaded;  // tensor index -> its values (read once, converted)
-    for (const auto& p : ckpt::clip(L.all, L.resident_first, L.resident_end)) {
-      // the tensors overlapping [p.full, p.full + p.count)
-      auto it = std::upper_bound(maps.begin(), maps.end(), p.full,
-                                 [](index_t v, const hf::tensor_map& m) { return v < m.offset; });
-      std::size_t t = static_cast<std::size_t>(it - maps.begin()) - 1;
-      for (; t < maps.size() && maps[t].offset < p.full + p.count; ++t) {
-        const auto& m = maps[t];
-        auto& v = loaded[t];
-        if (v.empty()) v = r.floats(m.name);
-        const index_t lo = std::max(p.full, m.offset), hi = std::min(p.full + p.count, m.offset + m.count);
-        std::memcpy(dst + (p.local - L.resident_first) + (lo - p.full), v.data() + (lo - m.offset),
-                    static_cast<std::size_t>(hi - lo) * sizeof(float));
+    ckpt::write_resident_params(net, [&](float* dst, const ckpt::layout& L) {
+      for (const auto& p : ckpt::clip(L.all, L.resident_first, L.resident_end)) {
+        // the tensors overlapping [p.full, p.full + p.count)
+        auto it = std::upper_bound(maps.begin(), maps.end(), p.full,
+                                   [](index_t v, const hf::tensor_map& m) { return v < m.offset; });
+        for (auto t = static_cast<std::size_t>(it - maps.begin()) - 1; t < maps.size() && maps[t].offset < p.full + p.count; ++t) {
+          const auto& m = maps[t];
+          auto& v = loaded[t];
+          if (v.empty()) v = r.floats(m.name);
+          const index_t lo = std::max(p.full, m.offset), hi = std::min(p.full + p.count, m.offset + m.count);
+          std::memcpy(dst + (p.local - L.resident_first) + (lo - p.full), v.data() + (lo - m.offset),
+                      static_cast<std::size_t>(hi - lo) * sizeof(float));
+        }
       }
-    }
-    if (!be.on_cpu()) {
-      be.copy(mr.device, mr.host.data(), mr.host.size() * sizeof(float));
-      be.synchronize();
-    }
+    });
   });
   ckpt::agree(net, err);
 }

@@ -233,6 +233,24 @@ class st_reader {
   std::map<std::string, std::string> meta_;
 };
 
+/// Runs f(dst, L) with L = net's layout and dst where this rank's resident
+/// parameters can be written from the host: net's own, or on a device a host
+/// copy that is copied up after f.
+template <class Net, class F> void write_resident_params(Net& net, F&& f) {
+  const auto L = layout_for(net);
+  const auto be = backend_of(net);
+  mirror m;
+  if (!be.on_cpu()) {
+    m.device = net.params().data();
+    be.host_readable(cview<float>(net.params()), m.host);
+  }
+  f(be.on_cpu() ? net.params().data() : m.host.data(), L);
+  if (!be.on_cpu()) {
+    be.copy(m.device, m.host.data(), m.host.size() * sizeof(float));
+    be.synchronize();
+  }
+}
+
 }  // namespace ckpt
 
 /// Write the whole unsplit model to `path` as one safetensors file
@@ -291,23 +309,13 @@ template <Checkpointable Net> void import_safetensors(const std::string& path, N
         throw std::runtime_error(where + " holds " + std::to_string(elems) + " elements; this model's has " + std::to_string(units[k].count));
       names[k] = name;
     }
-    const auto L = ckpt::layout_for(net);
-    const auto be = ckpt::backend_of(net);
-    ckpt::mirror m;  // a network on a device: read into a host copy, copied up at the end
-    if (!be.on_cpu()) {
-      m.device = net.params().data();
-      be.host_readable(cview<float>(net.params()), m.host);
-    }
-    float* dst = be.on_cpu() ? net.params().data() : m.host.data();
-    for (const auto& p : ckpt::clip(L.all, L.resident_first, L.resident_end)) {
-      std::size_t k = 0;
-      while (k + 1 < units.size() && units[k + 1].offset <= p.full) ++k;
-      r.read(names[k], 4 * (p.full - units[k].offset), dst + (p.local - L.resident_first), static_cast<std::size_t>(p.count) * 4);
-    }
-    if (!be.on_cpu()) {
-      be.copy(m.device, m.host.data(), m.host.size() * sizeof(float));
-      be.synchronize();
-    }
+    ckpt::write_resident_params(net, [&](float* dst, const ckpt::layout& L) {
+      for (const auto& p : ckpt::clip(L.all, L.resident_first, L.resident_end)) {
+        std::size_t k = 0;
+        while (k + 1 < units.size() && units[k + 1].offset <= p.full) ++k;
+        r.read(names[k], 4 * (p.full - units[k].offset), dst + (p.local - L.resident_first), static_cast<std::size_t>(p.count) * 4);
+      }
+    });
   });
   ckpt::agree(net, err);
 }
