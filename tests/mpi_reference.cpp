@@ -300,6 +300,20 @@ TEST_CASE("Hugging Face weights out and back: exported under a plan, transformer
     MESSAGE("wrote the export of " << layer_name<split<model>>() << " after 3 steps, and whale's logits, to " << std::string(keep));
   }
 
+  // in bf16: half the bytes, each value rounded to the nearest bf16, read back as such
+  const std::string half = dir + "/bf16.safetensors";
+  export_hf_safetensors(half, net, precision::bf16);
+  network<model> h(seed{5});
+  import_hf_safetensors(half, h);
+  index_t off = 0;
+  for (index_t i = 0; i < h.param_count(); ++i) off += h.params()[i] != kernels::round_bf16(full[i]);
+  CHECK(off == 0);
+  if (ctx.rank() == 0) {
+    const ckpt::st_reader b(half, "test");
+    CHECK(b.entry("lm_head.weight").dtype == "BF16");
+    CHECK(std::filesystem::file_size(half) < std::filesystem::file_size(trained) / 2 + 4096);
+  }
+
   // refused on every rank, naming the tensor or the layer
   auto& w = ctx.world();
   refused(w, "another KV head count", "tensor model.layers.0.self_attn.k_proj.weight has shape [32, 64]; this model's is [64, 64]",

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "whale/train/safetensors.hpp"
+#include "whale/train/trainer_options.hpp"
 
 namespace whale {
 
@@ -197,10 +198,12 @@ template <Checkpointable Net> void import_hf_safetensors(const std::string& path
 }
 
 /// Write `net`'s unsplit parameters to `path` in Hugging Face's names and
-/// shapes, F32, with the metadata {"format": "pt"} that transformers' loader
+/// shapes, with the metadata {"format": "pt"} that transformers' loader
 /// expects: with the model's config.json beside it, from_pretrained loads the
-/// folder. Collective (a plan gathers its parameters); rank 0 writes, atomically.
-template <Checkpointable Net> void export_hf_safetensors(const std::string& path, Net& net) {
+/// folder. `dtype`: precision::fp32 writes F32 (exact); precision::bf16 writes
+/// BF16, each value rounded to the nearest (half the size, as checkpoints are
+/// published). Collective (a plan gathers its parameters); rank 0 writes, atomically.
+template <Checkpointable Net> void export_hf_safetensors(const std::string& path, Net& net, precision dtype = precision::fp32) {
   using M = typename Net::model_type;
   constexpr const char* who = "whale::export_hf_safetensors";
   std::string err = net.rank() == 0 ? detail::output_path_problem(path) : std::string();
@@ -213,14 +216,16 @@ template <Checkpointable Net> void export_hf_safetensors(const std::string& path
     std::vector<float> host;
     const float* p = full.data() ? full.data() : ckpt::backend_of(net).host_readable(cview<float>(net.params()), host).data();
     const auto maps = hf::tensors_for(ckpt::units_of<M>(), who);
+    const bool half = dtype == precision::bf16;
+    const std::int64_t w = half ? 2 : 4;
     std::ostringstream hs;
     hs << "{\"__metadata__\":{\"format\":\"pt\"}";
     std::int64_t at = 0;
     for (const auto& m : maps) {
-      hs << "," << ckpt::json_string(m.name) << ":{\"dtype\":\"F32\",\"shape\":[";
+      hs << "," << ckpt::json_string(m.name) << ":{\"dtype\":\"" << (half ? "BF16" : "F32") << "\",\"shape\":[";
       for (std::size_t i = 0; i < m.shape.size(); ++i) hs << (i ? "," : "") << m.shape[i];
-      hs << "],\"data_offsets\":[" << at << "," << at + 4 * m.count << "]}";
-      at += 4 * m.count;
+      hs << "],\"data_offsets\":[" << at << "," << at + w * m.count << "]}";
+      at += w * m.count;
     }
     hs << "}";
     std::string h = hs.str();
@@ -231,8 +236,15 @@ template <Checkpointable Net> void export_hf_safetensors(const std::string& path
     std::memcpy(bytes.data() + 8, h.data(), h.size());
     std::size_t o = 8 + h.size();
     for (const auto& m : maps) {
-      std::memcpy(bytes.data() + o, p + m.offset, static_cast<std::size_t>(m.count) * 4);
-      o += static_cast<std::size_t>(m.count) * 4;
+      if (half) {
+        for (index_t i = 0; i < m.count; ++i) {
+          const std::uint16_t b = kernels::bf16_bits(p[m.offset + i]);
+          std::memcpy(bytes.data() + o + static_cast<std::size_t>(i) * 2, &b, 2);
+        }
+      } else {
+        std::memcpy(bytes.data() + o, p + m.offset, static_cast<std::size_t>(m.count) * 4);
+      }
+      o += static_cast<std::size_t>(m.count * w);
     }
     detail::write_file_atomically(path, bytes, who);
   });

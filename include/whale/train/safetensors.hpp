@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "whale/backend/kernels/elementwise.hpp"
 #include "whale/train/checkpoint.hpp"
 
 namespace whale {
@@ -186,7 +187,7 @@ class st_reader {
     }
     std::vector<std::uint16_t> half(out.size());
     read(name, 0, half.data(), static_cast<std::size_t>(bytes));
-    for (std::size_t i = 0; i < out.size(); ++i) out[i] = e.dtype == "BF16" ? from_bf16_bits(half[i]) : from_f16_bits(half[i]);
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = e.dtype == "BF16" ? kernels::from_bf16_bits(half[i]) : from_f16_bits(half[i]);
     return out;
   }
   /// Integer tensor `name` (I64 or I32), e.g. token ids.
@@ -205,12 +206,6 @@ class st_reader {
       throw std::runtime_error(who_ + ": '" + path_ + "': tensor " + name + " is " + e.dtype + ", not an integer tensor");
     }
     return out;
-  }
-  static float from_bf16_bits(std::uint16_t b) {
-    const std::uint32_t u = static_cast<std::uint32_t>(b) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
   }
   static float from_f16_bits(std::uint16_t h) {
     const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16, ex = (h >> 10) & 0x1f, man = h & 0x3ffu;
