@@ -232,6 +232,22 @@ TEST_CASE("llama-tiny under every plan, from transformers' weights: its 10 clipp
 
 namespace {
 using test::refused;
+/// A safetensors file of the F32 tensors `names` read from `from` (a shard of a checkpoint).
+void write_shard(const ckpt::st_reader& from, const std::vector<std::string>& names, const std::string& path) {
+  std::string h = "{\"__metadata__\":{\"format\":\"pt\"}", data;
+  for (const auto& n : names) {
+    const auto v = from.floats(n);
+    const auto& e = from.entry(n);
+    h += "," + ckpt::json_string(n) + ":{\"dtype\":\"F32\",\"shape\":[";
+    for (std::size_t i = 0; i < e.shape.size(); ++i) h += (i ? "," : "") + std::to_string(e.shape[i]);
+    h += "],\"data_offsets\":[" + std::to_string(data.size()) + "," + std::to_string(data.size() + v.size() * 4) + "]}";
+    data.append(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+  }
+  h += "}";
+  std::string bytes(8, '\0');
+  for (int b = 0; b < 8; ++b) bytes[static_cast<std::size_t>(b)] = static_cast<char>((h.size() >> (8 * b)) & 0xff);
+  std::ofstream(path, std::ios::binary) << bytes << h << data;
+}
 /// Tensor `name` of two files equal value for value (a file's dtype widened to float).
 bool same_tensor(const ckpt::st_reader& a, const ckpt::st_reader& b, const std::string& name) {
   return a.entry(name).shape == b.entry(name).shape && a.floats(name) == b.floats(name);
@@ -314,8 +330,40 @@ TEST_CASE("Hugging Face weights out and back: exported under a plan, transformer
     CHECK(std::filesystem::file_size(half) < std::filesystem::file_size(trained) / 2 + 4096);
   }
 
+  // a sharded checkpoint (an index and its shards, as save_pretrained writes a large model): the same parameters
+  const std::string shards = dir + "/sharded";
+  if (ctx.rank() == 0) {
+    std::filesystem::create_directories(shards);
+    const ckpt::st_reader a(original, "test");
+    std::vector<std::string> first, second;
+    std::string map;
+    for (const auto& [name, e] : a.entries()) {
+      const bool one = name.find("layers.1.") == std::string::npos && name != "lm_head.weight";
+      (one ? first : second).push_back(name);
+      map += std::string(map.empty() ? "" : ",\n    ") + ckpt::json_string(name) + ": " +
+             ckpt::json_string(one ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors");
+    }
+    write_shard(a, first, shards + "/model-00001-of-00002.safetensors");
+    write_shard(a, second, shards + "/model-00002-of-00002.safetensors");
+    std::ofstream(shards + "/model.safetensors.index.json") << "{\n  \"metadata\": {\"total_size\": 1},\n  \"weight_map\": {\n    " << map << "\n  }\n}\n";
+    std::ofstream(shards + "/broken.index.json") << "{\"weight_map\": {\"lm_head.weight\": \"model-00001-of-00002.safetensors\"}}";
+    std::ofstream(shards + "/lost.index.json") << "{\"weight_map\": {\"lm_head.weight\": \"model-00009-of-00009.safetensors\"}}";
+  }
+  barrier(ctx.world());
+  auto sharded = make<split<model>>(ctx, seed{6});
+  import_hf_safetensors(shards, sharded);
+  const auto from_shards = sharded.full_params();
+  index_t differ_shards = 0;
+  for (index_t i = 0; i < from_shards.numel(); ++i) differ_shards += from_shards[i] != y.params()[i];
+  CHECK(differ_shards == 0);
+
   // refused on every rank, naming the tensor or the layer
   auto& w = ctx.world();
+  refused(w, "a shard without the tensor its index places there",
+          "tensor lm_head.weight, which the index '" + shards + "/broken.index.json' places in this shard, is missing",
+          [&] { import_hf_safetensors(shards + "/broken.index.json", net); });
+  refused(w, "a missing shard", "model-00009-of-00009.safetensors' cannot be opened",
+          [&] { import_hf_safetensors(shards + "/lost.index.json", net); });
   refused(w, "another KV head count", "tensor model.layers.0.self_attn.k_proj.weight has shape [32, 64]; this model's is [64, 64]",
           [&] {
             network<models::llama<2, 64, 4, 4, 176, 256, 32>> other(seed{1});

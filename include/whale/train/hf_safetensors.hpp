@@ -10,6 +10,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <cctype>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <memory>
 #include <map>
 #include <sstream>
 #include <stdexcept>
@@ -30,6 +35,100 @@ struct tensor_map {
   std::string name;
   std::vector<std::int64_t> shape;
   index_t offset = 0, count = 0;
+};
+
+/// A Hugging Face checkpoint to read: one safetensors file, or the shards an
+/// index names (model.safetensors.index.json: {"weight_map": {tensor: file}}),
+/// as one set of tensors. `path`: a .safetensors file, an index .json, or a
+/// folder holding model.safetensors or model.safetensors.index.json.
+class checkpoint {
+ public:
+  checkpoint(const std::string& path, const char* who) : path_(path), who_(who) {
+    namespace fs = std::filesystem;
+    std::string file = path;
+    if (fs::is_directory(path)) {
+      if (fs::exists(fs::path(path) / "model.safetensors")) file = (fs::path(path) / "model.safetensors").string();
+      else if (fs::exists(fs::path(path) / "model.safetensors.index.json")) file = (fs::path(path) / "model.safetensors.index.json").string();
+      else throw std::runtime_error(who_ + ": '" + path + "' is a folder without model.safetensors or model.safetensors.index.json");
+    }
+    if (file.size() >= 5 && file.compare(file.size() - 5, 5, ".json") == 0) {
+      const auto map = weight_map(file);
+      std::map<std::string, std::size_t> opened;
+      for (const auto& [tensor, shard] : map) {
+        if (shard.find('/') != std::string::npos || shard == "..")
+          throw std::runtime_error(who_ + ": '" + file + "': shard '" + shard + "' is not a file name beside the index");
+        auto [it, fresh] = opened.try_emplace(shard, files_.size());
+        if (fresh) files_.push_back(std::make_unique<ckpt::st_reader>((fs::path(file).parent_path() / shard).string(), who));
+        const auto& r = *files_[it->second];
+        if (!r.entries().count(tensor))
+          throw std::runtime_error(who_ + ": '" + r.path() + "': tensor " + tensor + ", which the index '" + file +
+                                   "' places in this shard, is missing");
+        where_[tensor] = it->second;
+        entries_[tensor] = r.entries().at(tensor);
+      }
+    } else {
+      files_.push_back(std::make_unique<ckpt::st_reader>(file, who));
+      for (const auto& [tensor, e] : files_[0]->entries()) where_[tensor] = 0, entries_[tensor] = e;
+    }
+  }
+  const std::map<std::string, ckpt::st_entry>& entries() const noexcept { return entries_; }
+  const std::string& path() const noexcept { return path_; }
+  const ckpt::st_entry& entry(const std::string& name) const { return reader(name).entry(name); }
+  std::vector<float> floats(const std::string& name) const { return reader(name).floats(name); }
+  std::size_t files() const noexcept { return files_.size(); }
+
+ private:
+  const ckpt::st_reader& reader(const std::string& name) const {
+    const auto it = where_.find(name);
+    if (it == where_.end()) throw std::runtime_error(who_ + ": '" + path_ + "': tensor " + name + " is missing");
+    return *files_[it->second];
+  }
+  /// The "weight_map" object of an index file: tensor name -> shard file name.
+  std::map<std::string, std::string> weight_map(const std::string& file) const {
+    std::ifstream in(file, std::ios::binary);
+    if (!in) throw std::runtime_error(who_ + ": '" + file + "' cannot be opened: " + detail::system_reason(errno));
+    const std::string t((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    auto bad = [&](const std::string& why) -> void {
+      throw std::runtime_error(who_ + ": '" + file + "': not a safetensors index (" + why + ")");
+    };
+    std::size_t i = t.find("\"weight_map\"");
+    if (i == std::string::npos) bad("no \"weight_map\"");
+    i = t.find('{', i);
+    if (i == std::string::npos) bad("\"weight_map\" is not an object");
+    ++i;
+    auto ws = [&] { while (i < t.size() && std::isspace(static_cast<unsigned char>(t[i]))) ++i; };
+    auto str = [&] {
+      ws();
+      if (i >= t.size() || t[i] != '"') bad("expected a string at byte " + std::to_string(i));
+      std::string v;
+      for (++i; i < t.size() && t[i] != '"'; ++i) {
+        if (t[i] == '\\' && i + 1 < t.size()) ++i;
+        v += t[i];
+      }
+      if (i >= t.size()) bad("an unterminated string");
+      ++i;
+      return v;
+    };
+    std::map<std::string, std::string> m;
+    ws();
+    if (i < t.size() && t[i] == '}') bad("an empty weight_map");
+    for (;;) {
+      auto k = str();
+      ws();
+      if (i >= t.size() || t[i] != ':') bad("expected ':' at byte " + std::to_string(i));
+      ++i;
+      m[k] = str();
+      ws();
+      if (i < t.size() && t[i] == ',') { ++i; continue; }
+      if (i < t.size() && t[i] == '}') break;
+      bad("expected ',' or '}' at byte " + std::to_string(i));
+    }
+    return m;
+  }
+  std::string path_, who_;
+  std::vector<std::unique_ptr<ckpt::st_reader>> files_;
+  std::map<std::string, std::size_t> where_;
+  std::map<std::string, ckpt::st_entry> entries_;
 };
 
 /// The kind of a layer's name ("rms_norm<64>" -> "rms_norm") and its leading
@@ -119,7 +218,8 @@ inline bool ignorable(const std::string& name) { return name.ends_with("rotary_e
 
 /// Checks that file `r` holds every tensor of `maps` (named `prefix` + name),
 /// with its shape, as F32, BF16 or F16, and nothing else unless `extra_ok`.
-inline void check_file(const ckpt::st_reader& r, const std::vector<tensor_map>& maps, const std::string& prefix,
+template <class Reader>
+void check_file(const Reader& r, const std::vector<tensor_map>& maps, const std::string& prefix,
                        const char* who, bool extra_ok = false) {
   auto shape_str = [](const std::vector<std::int64_t>& s) {
     std::string o = "[";
@@ -152,7 +252,8 @@ inline void check_file(const ckpt::st_reader& r, const std::vector<tensor_map>& 
 
 /// The unsplit flat vector (`n` floats) of file `r`'s tensors `prefix` + name
 /// (a checkpoint's weights, or a reference file's "grad." gradients).
-inline std::vector<float> read_flat(const ckpt::st_reader& r, const std::vector<tensor_map>& maps, index_t n,
+template <class Reader>
+std::vector<float> read_flat(const Reader& r, const std::vector<tensor_map>& maps, index_t n,
                                     const std::string& prefix = "") {
   std::vector<float> flat(static_cast<std::size_t>(n), 0.f);
   for (const auto& m : maps) {
@@ -164,9 +265,10 @@ inline std::vector<float> read_flat(const ckpt::st_reader& r, const std::vector<
 
 }  // namespace hf
 
-/// Set `net`'s parameters from a Hugging Face safetensors file (as
-/// transformers' save_pretrained(..., safe_serialization=True) writes it:
-/// model.safetensors; F32, BF16 or F16). Every tensor's name, shape and dtype
+/// Set `net`'s parameters from a Hugging Face checkpoint, as transformers'
+/// save_pretrained(..., safe_serialization=True) writes it: `path` is
+/// model.safetensors, a folder holding it, or a sharded checkpoint
+/// (model.safetensors.index.json or its folder); F32, BF16 or F16. Every tensor's name, shape and dtype
 /// are checked, and a tensor the model does not have is refused, each with a
 /// message naming it. Each rank reads the tensors of the layers it holds.
 /// The optimizer state is not touched. Collective; throws on every rank.
@@ -174,7 +276,7 @@ template <Checkpointable Net> void import_hf_safetensors(const std::string& path
   using M = typename Net::model_type;
   constexpr const char* who = "whale::import_hf_safetensors";
   const std::string err = ckpt::catching([&] {
-    const ckpt::st_reader r(path, who);
+    const hf::checkpoint r(path, who);
     const auto maps = hf::tensors_for(ckpt::units_of<M>(), who);
     hf::check_file(r, maps, "", who);
     std::map<std::size_t, std::vector<float>> loaded;  // tensor index -> its values (read once, converted)
