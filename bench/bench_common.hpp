@@ -22,6 +22,7 @@
 #include "whale/comm/context.hpp"
 #include "whale/models/deep_mlp.hpp"
 #include "whale/models/gpt.hpp"
+#include "whale/models/llama.hpp"
 #include "whale/models/mlp.hpp"
 #include "whale/models/xc.hpp"
 #include "whale/plan/lower.hpp"
@@ -248,6 +249,19 @@ struct gpt_workload {
   static auto data(whale::index_t global) { return whale::models::gpt_data(whale::seed{7}, global); }
 };
 
+/// A small Llama at gpt's scale (width 256, 4 layers, vocabulary 8192, 128
+/// tokens, 16 sequences): 4 query heads sharing 2 key/value heads, a SwiGLU
+/// MLP of 704 (about gpt's MLP parameters), on gpt's Markov-chain tokens.
+/// Plans single and dp only (the CPU baseline; scripts/reference --bench runs
+/// transformers on the same shape).
+struct llama_small_workload {
+  using model = whale::models::llama<4, 256, 4, 2, 704, 8192, 128>;
+  static constexpr const char* name = "llama-small";
+  static constexpr bool tokens = true, time_to_loss = false, baseline_only = true;
+  static whale::index_t global_batch(int /*data_ranks*/) { return whale::models::gpt_global_batch; }
+  static auto data(whale::index_t global) { return whale::models::gpt_data(whale::seed{7}, global); }
+};
+
 /// For time-to-loss runs (plans hetpipe, and dp with --speeds or --target-loss).
 struct deep_mlp_workload {
   using model = whale::models::deep_mlp;
@@ -399,7 +413,9 @@ const plan_entry* find_plan(const std::string& name);
 template <class P> plan_entry plan() {
   return {P::name, P::help, [](config& c) {
             auto go = [&]<class W>(W) {
-              if constexpr (P::template supports<W>) P::template run<W>(c);
+              constexpr bool baseline = std::string_view(P::name) == "single" || std::string_view(P::name) == "dp";
+              constexpr bool only_baseline = requires { W::baseline_only; };
+              if constexpr (P::template supports<W> && (baseline || !only_baseline)) P::template run<W>(c);
               else
                 throw usage_error(std::string("bench: plan '") + P::name + "' does not support workload '" + W::name +
                                   "'");
@@ -408,7 +424,8 @@ template <class P> plan_entry plan() {
             else if (c.workload == "xc") go(xc_workload{});
             else if (c.workload == "gpt") go(gpt_workload{});
             else if (c.workload == "deep-mlp") go(deep_mlp_workload{});
-            else throw usage_error("bench: unknown workload '" + c.workload + "' (have: mlp, xc, gpt, deep-mlp)");
+            else if (c.workload == "llama-small") go(llama_small_workload{});
+            else throw usage_error("bench: unknown workload '" + c.workload + "' (have: mlp, xc, gpt, deep-mlp, llama-small)");
           }};
 }
 

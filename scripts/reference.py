@@ -255,6 +255,43 @@ def generate(label, make, B, T, max_grad_norm, out):
     print(f"  {out}: {sizes} ({time.perf_counter() - t0:.1f} s)")
 
 
+# bench_workloads' llama-small (bench/bench_common.hpp): the same shape, batch and optimizer.
+BENCH = {
+    "llama-small": dict(config=dict(vocab_size=8192, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
+                        batch=16, seq=128),
+}
+
+
+def bench(name):
+    """transformers' training step (forward, loss, backward, SGD with momentum) on one thread, timed."""
+    w = BENCH[name]
+    cfg = transformers.LlamaConfig(**w["config"], rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                                   attention_bias=False, attention_dropout=0.0, hidden_act="silu")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(7)
+    B, T, V = w["batch"], w["seq"], w["config"]["vocab_size"]
+    ids = torch.randint(0, V, (B, T), generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    secs = []
+    for step in range(7):
+        t0 = time.perf_counter()
+        logits = model(ids).logits
+        loss = F.cross_entropy(logits.view(-1, V), targets.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        secs.append(time.perf_counter() - t0)
+    step_s = sorted(secs[2:])[len(secs[2:]) // 2]
+    print(json.dumps({"workload": name, "implementation": "transformers", "transformers": transformers.__version__,
+                      "torch": torch.__version__, "threads": torch.get_num_threads(), "attn_implementation":
+                      model.config._attn_implementation, "step_s": step_s, "tokens_per_s": B * T / step_s,
+                      "loss_last": float(loss)}))
+
+
 def check_export(folder):
     """whale's export, loaded by transformers: its logits on the batch whale ran against whale's own."""
     import numpy as np
@@ -282,6 +319,8 @@ USAGE = """usage: scripts/reference [--full gpt2_124m OUTDIR | --check-export DI
 
   (no arguments)             regenerate tests/reference/gpt2-tiny and tests/reference/llama-tiny
   --full gpt2_124m OUTDIR    GPT-2 124M's shape with B=4, T=64, into OUTDIR (large, not committed)
+  --bench llama-small        time transformers' training step on bench_workloads' llama-small shape (one
+                             thread, SGD with momentum, 2 warm-up steps then the median of 5), one JSON line
   --check-export DIR         load a model whale exported (DIR/config.json, DIR/model.safetensors) with
                              transformers' from_pretrained, run the reference batch (DIR/batch.safetensors)
                              and compare with whale's logits (DIR/whale_logits.f32); exit 1 past 1e-5
@@ -304,9 +343,12 @@ def main(argv):
     parser = Parser(prog="scripts/reference", add_help=True)
     parser.add_argument("--full", nargs=2, metavar=("SHAPE", "OUTDIR"))
     parser.add_argument("--check-export", metavar="DIR")
+    parser.add_argument("--bench", metavar="WORKLOAD")
     args = parser.parse_args(argv)
-    if args.full and args.check_export:
-        parser.error("--full and --check-export are separate runs")
+    if sum(bool(a) for a in (args.full, args.check_export, args.bench)) > 1:
+        parser.error("--full, --check-export and --bench are separate runs")
+    if args.bench and args.bench not in BENCH:
+        parser.error(f"--bench: unknown workload '{args.bench}' (have: {', '.join(BENCH)})")
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -314,6 +356,9 @@ def main(argv):
     transformers.logging.set_verbosity_error()
 
     t0 = time.perf_counter()
+    if args.bench:
+        bench(args.bench)
+        return
     if args.check_export:
         check_export(Path(args.check_export))
     elif args.full:
