@@ -348,6 +348,10 @@ TEST_CASE("Hugging Face weights out and back: exported under a plan, transformer
     std::ofstream(shards + "/model.safetensors.index.json") << "{\n  \"metadata\": {\"total_size\": 1},\n  \"weight_map\": {\n    " << map << "\n  }\n}\n";
     std::ofstream(shards + "/broken.index.json") << "{\"weight_map\": {\"lm_head.weight\": \"model-00001-of-00002.safetensors\"}}";
     std::ofstream(shards + "/lost.index.json") << "{\"weight_map\": {\"lm_head.weight\": \"model-00009-of-00009.safetensors\"}}";
+    std::vector<std::string> untied;  // a checkpoint whose head is the token table (tie_word_embeddings): no lm_head.weight
+    for (const auto& [name, e] : a.entries())
+      if (name != "lm_head.weight") untied.push_back(name);
+    write_shard(a, untied, shards + "/tied.safetensors");
   }
   barrier(ctx.world());
   auto sharded = make<split<model>>(ctx, seed{6});
@@ -364,6 +368,13 @@ TEST_CASE("Hugging Face weights out and back: exported under a plan, transformer
           [&] { import_hf_safetensors(shards + "/broken.index.json", net); });
   refused(w, "a missing shard", "model-00009-of-00009.safetensors' cannot be opened",
           [&] { import_hf_safetensors(shards + "/lost.index.json", net); });
+  refused(w, "tied embeddings", "lm_head.weight is missing: the checkpoint ties its LM head to the token table",
+          [&] { import_hf_safetensors(shards + "/tied.safetensors", net); });
+  refused(w, "a head of another width", "where the LM head linear<64, 256, no_bias> (width to vocabulary) would be", [&] {
+    using narrow_head = sequential<embedding<256, 64>, repeat<2, block>, rms_norm<64>, linear<64, 128, no_bias>, softmax_cross_entropy>;
+    network<narrow_head> m(seed{1});
+    export_hf_safetensors(dir + "/narrow.safetensors", m);
+  });
   refused(w, "another KV head count", "tensor model.layers.0.self_attn.k_proj.weight has shape [32, 64]; this model's is [64, 64]",
           [&] {
             network<models::llama<2, 64, 4, 4, 176, 256, 32>> other(seed{1});

@@ -137,6 +137,8 @@ struct gradcheck_report {
 /// gradient and of each parameter tensor, each normalised by its own largest
 /// entry. Float-input layers; see finite_differences for token inputs.
 template <class L> gradcheck_report gradcheck(index_t in_width, index_t out_width, gradcheck_options o = {}) {
+  if (o.stride < 1 || o.batch < 1 || o.seq < 1 || !(o.step > 0))
+    throw std::invalid_argument("whale::gradcheck: stride, batch and seq must be at least 1 and step positive");
   bound_layer<L> m(o.seed);
   step_ctx c;
   c.batch = o.batch, c.seq = o.seq, c.global_rows = o.batch * o.seq;
@@ -164,6 +166,7 @@ template <class L> gradcheck_report gradcheck(index_t in_width, index_t out_widt
         if (i >= at && i < at + t.count) an.push_back(g.an_p[k]), fd.push_back(g.fd_p[k]);
       }
       if (!an.empty()) add(t.name, an, fd);
+      else rep.tensors.push_back({std::string(t.name) + " (no element sampled: lower the stride)", 0, 0, false});
       at += t.count;
     }
   } else {

@@ -114,9 +114,9 @@ class split_chain {
   {
     return bwd<size - 1>(c, dy);
   }
-  /// The output before the loss, unsplit: the layers but the loss, then what
-  /// the loss receives gathered to replicated over A (a class-split loss's
-  /// logits by columns, a row-split one's by rows), on every rank of the axis.
+  /// The output before the loss, unsplit: the layers but the loss, then a
+  /// class-split loss's logits gathered by columns over A (rows split over
+  /// the data axis stay this rank's own).
   /// Forward only (executor::forward); collective over A.
   view<float> forward(step_ctx& c, cview<input_type> x)
     requires(ends_in_loss && n_layers > 0)
@@ -244,7 +244,8 @@ class split_chain {
 
   // forward()'s gather of the loss's input to replicated, where the loss does not receive it replicated
   static constexpr lay at_loss = ends_in_loss ? in_layout[size - 1] : lay::R;
-  using logits_gather = std::conditional_t<at_loss == lay::R || at_loss == lay::P, detail::no_gather,
+  // (rows split over the data axis stay this rank's: forward() gives the logits of the rows it was given)
+  using logits_gather = std::conditional_t<at_loss == lay::R || at_loss == lay::P || at_loss == lay::S0, detail::no_gather,
                                            convert<A, at_loss, lay::R, lay::R, at_loss>>;
   tuple_type layers_;
   std::array<index_t, size> offset_{};

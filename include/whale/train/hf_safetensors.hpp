@@ -162,6 +162,13 @@ inline std::vector<tensor_map> tensors_for(const std::vector<ckpt::unit_rec>& un
                                 std::to_string(k) + " it has " + seen + " where " + want + " would be");
   };
   auto is = [&](const char* kind) { return k < units.size() && kind_of(units[k].name) == kind; };
+  // every unit's tensors add up to exactly its parameters
+  auto covers = [&](index_t at) {
+    if (at != units[k].offset + units[k].count)
+      throw std::invalid_argument(std::string(who) + ": layer " + std::to_string(k) + " ('" + units[k].name + "') holds " +
+                                  std::to_string(units[k].count) + " parameters, but its Hugging Face tensors " +
+                                  std::to_string(at - units[k].offset));
+  };
   auto add = [&](std::string name, std::vector<std::int64_t> shape, index_t& at) {
     index_t n = 1;
     for (auto d : shape) n *= d;
@@ -173,11 +180,13 @@ inline std::vector<tensor_map> tensors_for(const std::vector<ckpt::unit_rec>& un
   const std::int64_t V = emb.at(0), D = emb.at(1);
   index_t at = units[k].offset;
   add("model.embed_tokens.weight", {V, D}, at);
+  covers(at);
   ++k;
   for (int layer = 0; is("rms_norm") && k + 1 < units.size() && kind_of(units[k + 1].name) == "rotary_attention"; ++layer) {
     const std::string p = "model.layers." + std::to_string(layer) + ".";
     at = units[k].offset;
     add(p + "input_layernorm.weight", {D}, at);
+    covers(at);
     ++k;
     const auto a = args_of(units[k].name);  // D, Heads, KVHeads
     if (a.size() < 3 || a[0] != D) refuse("rotary_attention<" + std::to_string(D) + ", ...>");
@@ -187,10 +196,12 @@ inline std::vector<tensor_map> tensors_for(const std::vector<ckpt::unit_rec>& un
     add(p + "self_attn.k_proj.weight", {kvw, D}, at);
     add(p + "self_attn.v_proj.weight", {kvw, D}, at);
     add(p + "self_attn.o_proj.weight", {D, D}, at);
+    covers(at);
     ++k;
     if (!is("rms_norm")) refuse("the post-attention rms_norm");
     at = units[k].offset;
     add(p + "post_attention_layernorm.weight", {D}, at);
+    covers(at);
     ++k;
     if (!is("swiglu_mlp")) refuse("a swiglu_mlp");
     const auto m = args_of(units[k].name);  // D, Hidden
@@ -198,15 +209,20 @@ inline std::vector<tensor_map> tensors_for(const std::vector<ckpt::unit_rec>& un
     add(p + "mlp.gate_proj.weight", {m.at(1), D}, at);
     add(p + "mlp.up_proj.weight", {m.at(1), D}, at);
     add(p + "mlp.down_proj.weight", {D, m.at(1)}, at);
+    covers(at);
     ++k;
   }
   if (!is("rms_norm")) refuse("the final rms_norm");
   at = units[k].offset;
   add("model.norm.weight", {D}, at);
+  covers(at);
   ++k;
   if (!is("linear") || units[k].name.find("no_bias") == std::string::npos) refuse("the LM head, a linear without bias");
+  if (const auto h = args_of(units[k].name); h.size() < 2 || h[0] != D || h[1] != V)
+    refuse("the LM head linear<" + std::to_string(D) + ", " + std::to_string(V) + ", no_bias> (width to vocabulary)");
   at = units[k].offset;
   add("lm_head.weight", {V, D}, at);
+  covers(at);
   ++k;
   if (k != units.size()) refuse("nothing more");
   return out;
@@ -230,6 +246,9 @@ void check_file(const Reader& r, const std::vector<tensor_map>& maps, const std:
     const auto name = prefix + m.name;
     const auto where = std::string(who) + ": '" + r.path() + "': tensor " + name;
     const auto it = r.entries().find(name);
+    if (it == r.entries().end() && m.name == "lm_head.weight" && r.entries().count(prefix + "model.embed_tokens.weight"))
+      throw std::runtime_error(where + " is missing: the checkpoint ties its LM head to the token table "
+                               "(tie_word_embeddings), which whale's llama does not support yet");
     if (it == r.entries().end()) throw std::runtime_error(where + " is missing (another architecture or size?)");
     const auto& e = r.entry(name);
     if (e.shape != m.shape)
@@ -282,6 +301,9 @@ template <Checkpointable Net> void import_hf_safetensors(const std::string& path
     std::map<std::size_t, std::vector<float>> loaded;  // tensor index -> its values (read once, converted)
     ckpt::write_resident_params(net, [&](float* dst, const ckpt::layout& L) {
       for (const auto& p : ckpt::clip(L.all, L.resident_first, L.resident_end)) {
+        // a tensor that ends before this piece is done (the pieces go up the flat order): free it
+        for (auto it = loaded.begin(); it != loaded.end();)
+          it = maps[it->first].offset + maps[it->first].count <= p.full ? loaded.erase(it) : std::next(it);
         // the tensors overlapping [p.full, p.full + p.count)
         auto it = std::upper_bound(maps.begin(), maps.end(), p.full,
                                    [](index_t v, const hf::tensor_map& m) { return v < m.offset; });

@@ -8,12 +8,15 @@
 // the layer's parameters in its own flat order (docs/training.md lists them).
 #pragma once
 
+#include <sys/types.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -135,26 +138,24 @@ inline std::map<std::string, st_entry> parse_st_header(const std::string& h, con
 /// metadata), its data read by byte ranges. Every error names `who` and the path.
 class st_reader {
  public:
-  st_reader(const std::string& path, const char* who) : path_(path), who_(who) {
-    f_ = std::fopen(path.c_str(), "rb");
+  st_reader(const std::string& path, const char* who) : path_(path), who_(who), f_(std::fopen(path.c_str(), "rb"), &close_file) {
     if (!f_) throw std::runtime_error(who_ + ": '" + path + "' cannot be opened: " + detail::system_reason(errno));
     unsigned char lb[8];
     std::error_code ec;
     size_ = static_cast<std::int64_t>(std::filesystem::file_size(path, ec));
-    if (ec || std::fread(lb, 1, 8, f_) != 8) throw std::runtime_error(who_ + ": '" + path + "' is too short for a safetensors file");
+    if (ec || std::fread(lb, 1, 8, f_.get()) != 8) throw std::runtime_error(who_ + ": '" + path + "' is too short for a safetensors file");
     std::uint64_t len = 0;
     for (int b = 0; b < 8; ++b) len |= static_cast<std::uint64_t>(lb[b]) << (8 * b);
     if (len > static_cast<std::uint64_t>(size_ - 8) || len > (100u << 20))
       throw std::runtime_error(who_ + ": '" + path + "': a header of " + std::to_string(len) + " bytes in a file of " +
                                std::to_string(size_) + ": not a safetensors file, or truncated");
     std::string h(len, '\0');
-    if (std::fread(h.data(), 1, len, f_) != len) throw std::runtime_error(who_ + ": '" + path + "' ends in its header");
+    if (std::fread(h.data(), 1, len, f_.get()) != len) throw std::runtime_error(who_ + ": '" + path + "' ends in its header");
     entries_ = parse_st_header(h, path, &meta_, who);
     data0_ = 8 + static_cast<std::int64_t>(len);
   }
   st_reader(const st_reader&) = delete;
   st_reader& operator=(const st_reader&) = delete;
-  ~st_reader() { std::fclose(f_); }
 
   const std::map<std::string, st_entry>& entries() const noexcept { return entries_; }
   const std::map<std::string, std::string>& metadata() const noexcept { return meta_; }
@@ -171,7 +172,7 @@ class st_reader {
   /// `bytes` bytes from byte `at` of tensor `name`'s data.
   void read(const std::string& name, std::int64_t at, void* dst, std::size_t bytes) const {
     const auto& e = entry(name);
-    if (std::fseek(f_, static_cast<long>(data0_ + e.offsets[0] + at), SEEK_SET) != 0 || std::fread(dst, 1, bytes, f_) != bytes)
+    if (::fseeko(f_.get(), static_cast<off_t>(data0_ + e.offsets[0] + at), SEEK_SET) != 0 || std::fread(dst, 1, bytes, f_.get()) != bytes)
       throw std::runtime_error(who_ + ": '" + path_ + "': cannot read tensor " + name);
   }
   /// Tensor `name` as floats: F32 as it is, BF16 and F16 widened. Other dtypes are refused naming it.
@@ -207,6 +208,7 @@ class st_reader {
     }
     return out;
   }
+  static int close_file(std::FILE* f) { return std::fclose(f); }
   static float from_f16_bits(std::uint16_t h) {
     const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16, ex = (h >> 10) & 0x1f, man = h & 0x3ffu;
     float f;
@@ -222,7 +224,7 @@ class st_reader {
 
  private:
   std::string path_, who_;
-  std::FILE* f_ = nullptr;
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> f_;  // closed on every way out, the constructor's throws included
   std::int64_t size_ = 0, data0_ = 0;
   std::map<std::string, st_entry> entries_;
   std::map<std::string, std::string> meta_;
