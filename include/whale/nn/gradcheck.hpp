@@ -73,6 +73,9 @@ layer_gradients finite_differences(bound_layer<L>& m, step_ctx c, view<In> x, in
       throw std::invalid_argument("whale::gradcheck: " + layer_name<L>() + "'s backward gave " + std::to_string(dx.numel()) +
                                   " input gradients for " + std::to_string(x.numel()) + " inputs");
     for (index_t i = 0; i < dx.numel(); ++i) r.an_x.push_back(dx[i]);
+  } else if (!dx.empty()) {
+    throw std::invalid_argument("whale::gradcheck: " + layer_name<L>() +
+                                " takes token ids but its backward returned an input gradient (step_ctx::need_input_grad was false)");
   }
   for (index_t i = 0; i < m.count(); i += stride) r.an_p.push_back(m.grads[i]);
   auto central = [&](float& v) {
