@@ -32,6 +32,7 @@
 #include <mpi.h>
 
 #include "whale/models/gpt.hpp"
+#include "whale/models/gpt2.hpp"
 #include "whale/models/llama.hpp"
 #include "whale/optim/adamw.hpp"
 #include "whale/runtime/make.hpp"
@@ -56,7 +57,7 @@ struct reference {
   std::vector<double> losses, norms;
   adamw opt;
 };
-reference load_reference(const std::string& dir) {
+template <class Model = model> reference load_reference(const std::string& dir) {
   ckpt::st_reader r(dir + "/reference.safetensors", "reference");
   reference ref;
   const auto& ids = r.entry("input_ids");
@@ -69,8 +70,8 @@ reference load_reference(const std::string& dir) {
   ref.final_loss = r.floats("adamw_final_loss").at(0);
   for (const float v : r.floats("adamw_losses")) ref.losses.push_back(v);
   for (const float v : r.floats("adamw_grad_norms")) ref.norms.push_back(v);
-  const auto maps = hf::tensors_for(ckpt::units_of<model>(), "reference");
-  ref.grads = hf::read_flat(r, maps, model::cost().params, "grad.");
+  const auto maps = hf::tensors_for(ckpt::units_of<Model>(), "reference");
+  ref.grads = hf::read_flat(r, maps, Model::cost().params, "grad.");
   const auto& m = r.metadata();
   ref.max_grad_norm = std::stod(m.at("max_grad_norm"));
   ref.opt = adamw{.lr = std::stof(m.at("lr")), .beta1 = std::stof(m.at("beta1")), .beta2 = std::stof(m.at("beta2")),
@@ -84,6 +85,18 @@ double worst_loss(const std::vector<double>& losses, const reference& ref) {
   double worst = rel(losses.at(10), ref.final_loss);
   for (std::size_t s = 0; s < 10; ++s) worst = std::max(worst, rel(losses.at(s), ref.losses.at(s)));
   return worst;
+}
+
+/// A GPT-2's tied head equals its token table, bit for bit (whole-model parameters `p`); nothing to check for Llama.
+void check_tied(const tensor<float>& p, const std::string& where) {
+  using g = models::gpt2_tiny;
+  if (p.numel() != g::cost().params) return;
+  const auto units = ckpt::units_of<g>();
+  const index_t table = units.front().offset, head = units.back().offset, n = units.front().count;
+  index_t differ = 0;
+  for (index_t i = 0; i < n; ++i) differ += p[table + i] != p[head + i];
+  INFO(where);
+  CHECK(differ == 0);
 }
 
 /// The reference batch as a data source that gives the whole batch every step, in order.
@@ -177,13 +190,14 @@ static_assert(std::is_same_v<typename model::base,
 /// losses and the loss after them, on every rank. Under a plan the sums are
 /// ordered differently again (per-rank rows, reduce-scatters, micro-batches):
 /// relative 2e-6 (measured: 2e-7 at most).
-template <class P> void check_plan(const std::string& spec, const reference& ref, int micro = 0) {
+template <class P> void check_plan(const std::string& spec, const reference& ref, int micro = 0,
+                                   const std::string& dir = llama_dir) {
   auto ctx = on_mesh(spec);
   try {
     plan_options o;
     o.micro_batches = micro;
     auto net = make<P>(ctx, seed{1}, o);
-    import_hf_safetensors(llama_dir + "/model.safetensors", net);
+    import_hf_safetensors(dir + "/model.safetensors", net);
     // forward(): the unsplit logits of this replica's rows (a class-split head gathered), against transformers'
     const auto [first, n] = net.local_batch(ref.B);
     step_ctx c;
@@ -209,6 +223,7 @@ template <class P> void check_plan(const std::string& spec, const reference& ref
       MESSAGE(layer_name<P>() << " on " << spec << ", all ranks: max |logit diff| " << all_logit
                               << ", worst loss rel. to transformers over 11 steps " << all);
     CHECK(worst <= 2e-6);
+    check_tied(net.full_params(), layer_name<P>() + " on " + spec);
   } catch (const std::exception& e) {
     FAIL_CHECK(layer_name<P>() << " on " << spec << ": " << std::string(e.what()));
   }
@@ -228,6 +243,92 @@ TEST_CASE("llama-tiny under every plan, from transformers' weights: its 10 clipp
   // 3-D: ZeRO-3 over data, a pipeline of tensor-parallel stages
   using three_d = shard<replicate<pipeline<one_f_one_b, tp_llama>>, 3>;
   check_plan<three_d>(n == 4 ? "pipe=2,model=2" : n == 2 ? "data=2" : "data=1", ref, 2);
+}
+
+namespace {
+using gpt2 = models::gpt2_tiny;
+const std::string gpt2_dir = std::string(WHALE_REFERENCE_DIR) + "/gpt2-tiny";
+using gpt2_block = transformer_block<64, 4, 256>;
+// tensor parallelism element by element: the token table and the tied head split by vocabulary alike
+using tp_gpt2 = sequential<split<embedding<256, 64>>, position_embedding<32, 64>, repeat<2, split<gpt2_block>>, layer_norm<64>,
+                           split<tied_head<256, 64>>, softmax_cross_entropy>;
+static_assert(std::is_same_v<typename gpt2::base, sequential<embedding<256, 64>, position_embedding<32, 64>, repeat<2, gpt2_block>,
+                                                             layer_norm<64>, tied_head<256, 64>, softmax_cross_entropy>>);
+}  // namespace
+
+TEST_CASE("gpt2-tiny in one process: transformers' logits, loss, every gradient (the tied table's summed) and 10 clipped AdamW steps") {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  const auto ref = load_reference<gpt2>(gpt2_dir);
+  network<gpt2> net(seed{1});
+  import_hf_safetensors(gpt2_dir + "/model.safetensors", net);
+  step_ctx c;
+  c.batch = ref.B, c.seq = ref.T, c.global_rows = ref.B * ref.T;
+  const cview<std::int32_t> x(ref.ids.data(), {ref.B, ref.T}), y(ref.targets.data(), {ref.B * ref.T});
+  const auto logits = net.forward(c, x);
+  REQUIRE(logits.numel() == static_cast<index_t>(ref.logits.size()));
+  double worst_logit = 0;
+  index_t bad_logits = 0;
+  for (index_t i = 0; i < logits.numel(); ++i) {
+    const double d = std::abs(logits[i] - ref.logits[static_cast<std::size_t>(i)]);
+    worst_logit = std::max(worst_logit, d);
+    bad_logits += d > 2e-6 + 1e-5 * std::abs(ref.logits[static_cast<std::size_t>(i)]);
+  }
+  CHECK(bad_logits == 0);
+  step_ctx ct;
+  ct.batch = ref.B, ct.seq = ref.T, ct.global_rows = ref.B * ref.T;
+  const double loss = net.train_step(ct, x, y);
+  CHECK(rel(loss, ref.loss) <= 1e-6);
+  // every gradient tensor (the tied head's is the table's: both hold the sum), normalised by its largest entry
+  const auto maps = hf::tensors_for(ckpt::units_of<gpt2>(), "test");
+  double worst_grad = 0;
+  std::string worst_name;
+  for (const auto& m : maps) {
+    double num = 0, den = 0;
+    for (index_t i = m.offset; i < m.offset + m.count; ++i) {
+      num = std::max(num, static_cast<double>(std::abs(net.grads()[i] - ref.grads[static_cast<std::size_t>(i)])));
+      den = std::max(den, static_cast<double>(std::abs(ref.grads[static_cast<std::size_t>(i)])));
+    }
+    const double e = num / std::max(den, 1e-30);
+    INFO(m.name << (m.tied ? " (the tied head)" : "") << ": max |g - g_hf| / max |g_hf| = " << e);
+    CHECK(e <= 1e-5);
+    if (e > worst_grad) worst_grad = e, worst_name = m.name;
+  }
+  // the norm counts the table once, as transformers' one tensor
+  CHECK(rel(net.grad_norm(), ref.norms.at(0)) <= 1e-5);
+  network<gpt2> fresh(seed{1});
+  import_hf_safetensors(gpt2_dir + "/model.safetensors", fresh);
+  const auto losses = ten_steps(fresh, ref);
+  REQUIRE(losses.size() == 11);
+  const double worst_step = worst_loss(losses, ref);
+  CHECK(worst_step <= 2e-6);
+  tensor<float> p({fresh.param_count()});
+  for (index_t i = 0; i < p.numel(); ++i) p[i] = fresh.params()[i];
+  check_tied(p, "one process after 11 steps");
+  // the tie from the seed too: a fresh network's head starts as its table
+  network<gpt2> seeded(seed{9});
+  tensor<float> q({seeded.param_count()});
+  for (index_t i = 0; i < q.numel(); ++i) q[i] = seeded.params()[i];
+  check_tied(q, "a seeded network");
+  if (rank == 0)
+    MESSAGE("gpt2-tiny against transformers: max |logit diff| " << worst_logit << ", loss rel. " << rel(loss, ref.loss)
+            << ", worst gradient tensor " << worst_name << " at " << worst_grad << " of its largest entry"
+            << ", 10 AdamW steps + 1: worst loss rel. " << worst_step << " (losses " << losses.front() << " -> " << losses.back() << ")");
+}
+
+TEST_CASE("gpt2-tiny under every plan, from transformers' weights: its 10 clipped AdamW steps on every rank, the tied head equal to its table") {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  const auto ref = load_reference<gpt2>(gpt2_dir);
+  const std::string all = std::to_string(n);
+  check_plan<replicate<gpt2>>("data=" + all, ref, 0, gpt2_dir);
+  check_plan<split<gpt2>>("model=" + all, ref, 0, gpt2_dir);  // table and head split by vocabulary
+  check_plan<pipeline<one_f_one_b, gpt2>>("pipe=" + all, ref, 4, gpt2_dir);  // table on the first stage, head on the last
+  check_plan<shard<gpt2, 3>>("data=" + all, ref, 0, gpt2_dir);
+  // ZeRO-2 over data of a pipeline: each side's owned pieces summed over data, then between the stages
+  check_plan<shard<replicate<pipeline<one_f_one_b, gpt2>>, 2>>(n == 4 ? "data=2,pipe=2" : "pipe=" + all, ref, 2, gpt2_dir);
+  using three_d = shard<replicate<pipeline<one_f_one_b, tp_gpt2>>, 3>;
+  check_plan<three_d>(n == 4 ? "pipe=2,model=2" : n == 2 ? "data=2" : "data=1", ref, 2, gpt2_dir);
 }
 
 namespace {
@@ -380,7 +481,7 @@ TEST_CASE("Hugging Face weights out and back: exported under a plan, transformer
             network<models::llama<2, 64, 4, 4, 176, 256, 32>> other(seed{1});
             import_hf_safetensors(original, other);
           });
-  refused(w, "another architecture", "at layer 1 it has 'position_embedding<16, 32>' where", [&] {
+  refused(w, "another architecture", "(GPT-2): at layer 13 it has 'linear<32, 64>' where the LM head tied to the token table", [&] {
     network<models::gpt_model<64, 16, 32, 4, 64, 2>> gpt(seed{1});
     import_hf_safetensors(original, gpt);
   });

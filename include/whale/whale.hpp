@@ -45,6 +45,7 @@
 #include "whale/nn/sequential.hpp"
 #include "whale/nn/softmax_cross_entropy.hpp"
 #include "whale/nn/swiglu_mlp.hpp"
+#include "whale/nn/tied_head.hpp"
 #include "whale/nn/transformer_block.hpp"
 
 // optim/

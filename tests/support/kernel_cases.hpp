@@ -65,6 +65,7 @@ template <class F> void for_each_case(F&& f) {
   f("relu_backward", N, [](buffers p) { return k::relu_backward{p.a, p.b, p.f}; });
   f("add", N, [](buffers p) { return k::add{p.a, p.b, p.f}; });
   f("to_bf16", N, [](buffers p) { return k::to_bf16{p.a}; });
+  f("tie_sum", N, [](buffers p) { return k::tie_sum{p.a, p.b}; });  // a tied head's and its table's gradients
   // under bf16 the producing kernels store rounded (kernels::stored_as)
   f("gelu_forward (stored as bf16)", N, [](buffers p) { return k::gelu_forward{p.a, p.f, true}; });
   f("add (stored as bf16)", N, [](buffers p) { return k::add{p.a, p.b, p.f, true}; });

@@ -1,6 +1,6 @@
 // `embedding<Vocab, D>` (token lookup, the first layer of a language model)
 // and `position_embedding<MaxSeq, D>` (adds a learned (T, D) table). Tied
-// input/output embeddings and vocabulary-split forms are not here.
+// input/output embeddings are nn/tied_head.hpp; vocabulary-split forms strategy/.
 #pragma once
 
 #include <array>
@@ -41,6 +41,7 @@ struct embedding {
 
   void bind(param_binder& b) {
     auto t = b.take({Vocab, D});
+    b.note_table(t.offset, Vocab * D);  // a tied_head<Vocab, D> after it copies this table
     w_ = t.value;
     dw_ = t.grad;
   }

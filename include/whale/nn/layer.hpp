@@ -191,12 +191,29 @@ class param_binder {
   }
   index_t offset() const noexcept { return offset_; }
 
+  /// Tied parameters (tied_head): a token table of `count` elements bound at
+  /// flat index `at`, and a head bound at `at` whose parameters copy the last
+  /// table of its size bound before it by this binder (table -1: none was).
+  struct tie {
+    index_t table = -1, head = 0, count = 0;
+  };
+  void note_table(index_t at, index_t count) { tables_.push_back({at, at, count}); }
+  void note_tied_head(index_t at, index_t count) {
+    index_t table = -1;
+    for (auto t = tables_.rbegin(); t != tables_.rend() && table < 0; ++t)
+      if (t->count == count) table = t->table;
+    ties_.push_back({table, at, count});
+  }
+  /// The ties of the layers bound so far (one binder over a whole model: all of them).
+  const std::vector<tie>& ties() const noexcept { return ties_; }
+
  private:
   float* params_;
   float* grads_;
   index_t capacity_;
   index_t offset_ = 0;
   index_t start_ = 0;
+  std::vector<tie> tables_, ties_;
 };
 
 namespace detail {

@@ -11,8 +11,12 @@
 #include <cstdint>
 #include <ostream>
 
+#include <algorithm>
 #include <cmath>
 #include <concepts>
+#include <cstring>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -49,6 +53,7 @@ class network {
     param_binder b(params_.data(), grads_.data(), n);
     model_.bind(b);
     model_.init(counter_rng(s));  // on the host: initialisers are host loops
+    tie_heads(b.ties());
     if (!be_.on_cpu()) {          // then into the device's memory, and the layers bound there
       detail::place_params(be_, params_, grads_);
       param_binder d(params_.data(), grads_.data(), n);
@@ -93,10 +98,24 @@ class network {
   // ---- Trainable (single process): the whole batch, no communication ----
   std::pair<index_t, index_t> local_batch(index_t global_batch) const { return {0, global_batch}; }
   double reduce_loss(double share) const noexcept { return share; }
-  double grad_norm() const { return std::sqrt(be_.sum_squares(grads_.numel(), grads_.data())); }
+  /// The gradients' norm, each parameter once (a tied head's copy of its table not counted).
+  double grad_norm() const {
+    if (ties_.empty()) return std::sqrt(be_.sum_squares(grads_.numel(), grads_.data()));
+    double sq = 0;
+    for (auto [b, e] : counted_) sq += be_.sum_squares(e - b, grads_.data() + b);
+    return std::sqrt(sq);
+  }
   /// *out = the gradients' sum of squares, with `out` in the network's memory
-  /// and nothing read back (the square of grad_norm(), to the bit).
-  void grad_sum_squares_into(double* out) const { be_.sum_squares_into(grads_.numel(), grads_.data(), out); }
+  /// and nothing read back (the square of grad_norm(), to the bit, without a tied head).
+  void grad_sum_squares_into(double* out) const {
+    if (ties_.empty()) return be_.sum_squares_into(grads_.numel(), grads_.data(), out);
+    double* parts = part_sums_.data();
+    for (std::size_t k = 0; k < counted_.size(); ++k)
+      be_.sum_squares_into(counted_[k].second - counted_[k].first, grads_.data() + counted_[k].first, parts + k);
+    be_.sum_into(static_cast<index_t>(counted_.size()), parts, 1.0, out, false);
+  }
+  /// The tied heads (tied_head): each one's flat range and its table's.
+  const std::vector<param_binder::tie>& ties() const noexcept { return ties_; }
   int rank() const noexcept { return 0; }
   int world_size() const noexcept { return 1; }
   /// The optimizer's state, in the network's memory (the device's, on one).
@@ -154,10 +173,39 @@ class network {
     return f(dx, dl);
   }
   double train_step_here(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) {
+    if (c.accumulate && !ties_.empty())
+      throw std::invalid_argument("whale::network: accumulating gradients across train_step calls (step_ctx::accumulate) "
+                                  "is not supported with a tied head (tied_head): each call sums its gradients with the table's");
     const double loss = model_.forward_loss(c, x, labels);
     c.need_input_grad = false;
     model_.backward_loss(c);
+    for (const auto& t : ties_)  // the head and its table both take the sum of their gradients
+      be_.launch(t.count, kernels::tie_sum{grads_.data() + t.table, grads_.data() + t.head});
     return loss;
+  }
+  /// After binding and initialising: each tied head starts as its table, and
+  /// the norm counts every range but the heads'.
+  void tie_heads(const std::vector<param_binder::tie>& ties) {
+    for (const auto& t : ties) {
+      if (t.table < 0)
+        throw std::invalid_argument("whale::network: a tied_head (at parameter " + std::to_string(t.head) +
+                                    ") ties its weight to the token table, but no embedding of " + std::to_string(t.count) +
+                                    " parameters comes before it");
+      std::memcpy(params_.data() + t.head, params_.data() + t.table, static_cast<std::size_t>(t.count) * sizeof(float));
+    }
+    ties_ = ties;
+    if (ties_.empty()) return;
+    std::vector<std::pair<index_t, index_t>> heads;
+    for (const auto& t : ties_) heads.push_back({t.head, t.head + t.count});
+    std::sort(heads.begin(), heads.end());
+    index_t at = 0;
+    for (auto [b, e] : heads) {
+      if (b > at) counted_.push_back({at, b});
+      at = e;
+    }
+    if (params_.numel() > at) counted_.push_back({at, params_.numel()});
+    const place_scope on(be_.memory());
+    part_sums_ = tensor<double>({static_cast<index_t>(counted_.size()) + 1}, mem_kind::workspace);
   }
   std::vector<float> to_host(const tensor<float>& t) const {
     std::vector<float> h(static_cast<std::size_t>(t.numel()));
@@ -180,6 +228,9 @@ class network {
   tensor<float> params_, grads_;
   tensor<input_type> in_;       // the step's inputs and labels on a device
   tensor<std::int32_t> labels_;
+  std::vector<param_binder::tie> ties_;              // tied heads and their tables
+  std::vector<std::pair<index_t, index_t>> counted_;  // with ties: the ranges the norm counts
+  mutable tensor<double> part_sums_;                        // with ties: their sums of squares (the network's memory)
 };
 
 }  // namespace whale

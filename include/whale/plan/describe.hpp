@@ -6,11 +6,14 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
 
+#include "whale/nn/embedding.hpp"
 #include "whale/nn/layer.hpp"
+#include "whale/nn/tied_head.hpp"
 #include "whale/nn/recompute.hpp"
 #include "whale/strategy/pipeline.hpp"
 #include "whale/strategy/replicate.hpp"
@@ -55,6 +58,10 @@ struct unit_desc {
   /// The unsplit layer's parameter tensors in flat order (its param_tensors()); null: none listed.
   std::vector<param_tensor> (*tensors)() = nullptr;
   bool residual_out = false;     ///< the last layer with parameters in a residual branch (it writes the stream)
+  bool token_table = false;      ///< an embedding<V, D> (or its vocabulary-split form): a table a head may tie to
+  /// A tied head (tied_head<V, D>): the unit of the token table its weight is a
+  /// copy of (the last embedding<V, D> before it); -1 otherwise.
+  int ties_to = -1;
   /// Bytes per row kept by the containers that end at this unit: a residual's
   /// sum and its input gradient (8 per feature), which no leaf counts.
   double container_act_bytes = 0;
@@ -103,6 +110,8 @@ template <class T> struct is_convert : std::false_type {};
 template <axis A, lay F, lay T, lay GF, lay GT> struct is_convert<convert<A, F, T, GF, GT>> : std::true_type {};
 template <class T> struct is_split_loss : std::false_type {};
 template <axis A> struct is_split_loss<split_softmax_cross_entropy<A>> : std::true_type {};
+template <class L> struct is_token_table : std::false_type {};
+template <index_t V, index_t D> struct is_token_table<embedding<V, D>> : std::true_type {};
 template <class L> struct unsplit_of { using type = L; };
 template <class L> requires requires { typename L::unsplit_type; } struct unsplit_of<L> { using type = typename L::unsplit_type; };
 
@@ -168,6 +177,18 @@ struct describer {
         for (const auto& t : unsplit::param_tensors())
           if (t.role == param_role::weight) u.widest_weight = std::max(u.widest_weight, t.count);
       u.split_loss = is_split_loss<L>::value;
+      u.token_table = is_token_table<unsplit>::value;
+      if constexpr (ties_token_table<L>) {
+        for (auto k = d->units.size(); k-- > 0;)
+          if (d->units[k].token_table && d->units[k].full_params == u.full_params) {
+            u.ties_to = static_cast<int>(k);
+            break;
+          }
+        if (u.ties_to < 0)
+          throw std::invalid_argument("whale: " + u.name + " ties its weight to the token table, but no embedding<" +
+                                      u.name.substr(u.name.find('<') + 1, u.name.find('>') - u.name.find('<') - 1) +
+                                      "> comes before it in the model");
+      }
       u.defers = recompute_group < 0 && requires(L& l, const backend_ref& be) { l.weight_grads(be, 0, false); };
     }
     if constexpr (requires { L::out_features; })

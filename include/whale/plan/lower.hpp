@@ -105,6 +105,7 @@ class lowering {
         h.local_offset = local;
         h.layout_in = u.in;
         h.recompute = u.recompute_group >= 0;
+        h.ties_to = u.ties_to;
         if (u.sharded) h.split_over = axes(static_cast<axis>(u.split_axis)), h.whole_tail = u.replicated_params;
         if (!o_.placement) {
           // pricing only: holding::runs left empty

@@ -33,6 +33,9 @@ struct holding {
   int zero_level = 0;        ///< ZeRO level partitioning its state over the data axis (0: none)
   lay layout_in = lay::R;    ///< layout of its input on its split axis (or replicated)
   bool recompute = false;    ///< its forward runs again during backward
+  /// A tied head: the unit of the token table its parameters copy (its
+  /// gradients are summed with the table's each step; counted once in the norm); -1 otherwise.
+  int ties_to = -1;
   /// Where its local parameters lie in the unsplit layer's (one run unless it is a shard).
   std::vector<param_run> runs;
 };
@@ -147,6 +150,7 @@ struct program {
       if (!h.split_over.empty()) os << "  split over " << h.split_over.name() << " (" << lay_name(h.layout_in) << " in)";
       if (h.full_params && !h.replicated_over.empty()) os << "  replicated over " << h.replicated_over.name();
       if (h.recompute) os << "  recomputed";
+      if (h.ties_to >= 0) os << "  tied to unit " << h.ties_to;
       if (p.chunks > 1) os << "  chunk " << h.chunk;
       os << "\n";
     }

@@ -34,6 +34,7 @@
 #include "whale/runtime/options.hpp"
 #include "whale/runtime/slowdown.hpp"
 #include "whale/runtime/stage.hpp"
+#include "whale/runtime/tie.hpp"
 #include "whale/runtime/zero.hpp"
 
 namespace whale {
@@ -166,6 +167,10 @@ template <class P> class executor {
       executor* e;
       ~reset() { e->in_flight_ = 0, e->micro_done_ = nullptr; }
     } r{this};
+    if (!ties_.empty())
+      throw std::invalid_argument("whale::executor::in_flight_step: the model has a tied head (tied_head), whose "
+                                  "gradients are summed with its table's once a step's backward is done; minibatches in "
+                                  "flight hand over each one's gradients before that; untie the head (linear<D, V, no_bias>)");
     in_flight_ = n;
     micro_done_ = std::move(done);
     micro_shares_.assign(static_cast<std::size_t>(n), 0.0);
@@ -411,6 +416,7 @@ template <class P> class executor {
   std::unique_ptr<device_comm> dev_data_, dev_model_;
   int p_ = 1, d_ = 1, stage_ = 0, replica_ = 0, model_rank_ = 0;
   std::vector<std::pair<index_t, index_t>> no_sync_;  // ranges split over data (filled while binding)
+  std::vector<detail::tie_pair> ties_;               // tied heads and tables this rank holds (runtime/tie.hpp)
   std::array<stage_type, V> parts_;                 // this rank's chunks (one without interleaving)
   std::array<index_t, V + 1> chunk_at_{};           // where each chunk starts in the local flat buffer
   tensor<float> params_, grads_;

@@ -26,7 +26,7 @@ inline double owned_squares(const program& prog, const float* grads, bool within
     return true;
   };
   for (const auto& h : prog.holds) {
-    if (h.local_params == 0 || !first(h.replicated_over)) continue;
+    if (h.local_params == 0 || h.ties_to >= 0 || !first(h.replicated_over)) continue;  // a tied head: its table counts
     const index_t whole = first(h.split_over) ? 0 : h.whole_tail;
     sq += be.sum_squares(h.local_params - whole, grads + h.local_offset);
   }
@@ -44,7 +44,7 @@ inline double owned_range_squares(const program& prog, const float* owned, index
     if (e > b) sq += be.sum_squares(e - b, owned + (b - begin));
   };
   for (const auto& h : prog.holds) {
-    if (h.local_params == 0) continue;
+    if (h.local_params == 0 || h.ties_to >= 0) continue;  // a tied head: its table counts
     const bool copy_over_model = h.replicated_over.contains(axis::model);
     if (copy_over_model && m != 0) continue;
     const index_t whole = h.split_over.contains(axis::model) && m != 0 ? h.whole_tail : 0;

@@ -161,6 +161,12 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
   if (n != held.params_held)
     throw std::logic_error(who + "the runtime holds " + std::to_string(n) + " parameters, the program " +
                            std::to_string(held.params_held));
+  // tied heads: where each one's table lies (this rank, or another pipe rank's program)
+  ties_ = detail::ties_of(prog_, [&](int pipe) {
+    auto c = ctx.mesh().coords();
+    c[static_cast<std::size_t>(axis::pipe)] = pipe;
+    return lower<P>(shape, shape.rank_of(c), lo);
+  });
   check_state_memory(held, n);  // before the parameters are allocated: do they fit on this node?
   if (o_.balance && !o_.memory_caps_mib.empty() && o_.plan_batch > 0 && d_ > 1) fit_rows_to_caps();
   bind(s, n);
@@ -201,6 +207,7 @@ template <class P> void executor<P>::bind(seed s, index_t n) {
     zero_.setup(*data_, level, part_.begin(), n, zopts());
     tensor<float> tmp({n}, mem_kind::workspace);  // init from the whole stage's streams, keep the owned range
     part_.bind_and_init(tmp.data(), nullptr, s, true);
+    detail::tie_params(ties_, tmp.data(), pipe_, stage_);
     copy<float>(cview<float>(tmp.data() + zero_.begin(), {zero_.local_count()}), zero_.shard_params());
     part_.bind_and_init(nullptr, nullptr, s, false);  // leaves point at gathered buffers only while they run
   } else {
@@ -210,6 +217,7 @@ template <class P> void executor<P>::bind(seed s, index_t n) {
       const index_t at = chunk_at_[static_cast<std::size_t>(ch)];
       parts_[static_cast<std::size_t>(ch)].bind_and_init(params_.data() + at, level < 2 ? grads_.data() + at : nullptr, s, true);
     }
+    detail::tie_params(ties_, params_.data(), pipe_, stage_);
     if (level > 0) {
       zero_.setup(*data_, level, parts_[0].begin(), n, zopts());
       zero_.set_full_params(params_.data());

@@ -32,6 +32,11 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
                                 ": accumulating gradients across train_step calls (step_ctx::accumulate) is not "
                                 "supported with a data axis or ZeRO levels 2-3 (each call sums or scatters the "
                                 "gradients over data); accumulate inside one step: plan_options::micro_batches");
+  if (c.accumulate && !ties_.empty())
+    throw std::invalid_argument("whale::" + layer_name<P>() +
+                                ": accumulating gradients across train_step calls (step_ctx::accumulate) is not "
+                                "supported with a tied head (tied_head): each call sums its gradients with the table's; "
+                                "accumulate inside one step: plan_options::micro_batches");
   if (train && sync && d_ > 1 && o_.worker_cuts)
     throw std::invalid_argument("whale::" + layer_name<P>() +
                                 ": plan_options::worker_cuts gave each data replica its own stage cut, so gradients "
@@ -212,6 +217,12 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
     const auto t0 = tr_.now();
     sync_.finish(*data_, grads_.data());  // launch what is left, wait for all
     tr_.add(span_kind::grad_all_reduce, step_, -1, t0, tr_.now());
+  }
+  if (train && sync && !ties_.empty()) {  // tied heads: table and head both take the sum of their gradients
+    if constexpr (level >= 2)
+      detail::tie_owned_grads(ties_, zero_.shard_grads().data(), zero_.begin(), zero_.end(), be_, *data_, pipe_, stage_);
+    else
+      detail::tie_grads(ties_, grads_.data(), be_, pipe_, stage_);
   }
   ++step_;
   return share;

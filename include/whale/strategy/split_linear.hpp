@@ -11,6 +11,7 @@
 #include <string>
 
 #include "whale/nn/linear.hpp"
+#include "whale/nn/tied_head.hpp"
 #include "whale/strategy/layout.hpp"
 
 namespace whale {
@@ -254,6 +255,18 @@ class row_linear {
   index_t k_ = In;
   view<float> w_, dw_, b_, db_;
   slots<state> st_;
+};
+
+/// tied_head<Vocab, D> split by vocabulary (class-parallel logits): rank r of p
+/// holds rows [r V/p, (r + 1) V/p) of the table's copy, the same rows a
+/// vocab_embedding<Vocab, D> holds on that rank, so each rank's copy is tied
+/// to its own slice of the table.
+template <index_t Vocab, index_t D, axis A>
+class tied_column_head : public column_linear<D, Vocab, A, no_bias> {
+ public:
+  using unsplit_type = tied_head<Vocab, D>;
+  static constexpr bool ties_token_table = true;
+  static std::string name() { return unsplit_type::name() + "/" + axis_name(A); }
 };
 
 }  // namespace whale

@@ -19,6 +19,7 @@
 #include "whale/nn/rotary_attention.hpp"
 #include "whale/nn/softmax_cross_entropy.hpp"
 #include "whale/nn/swiglu_mlp.hpp"
+#include "whale/nn/tied_head.hpp"
 #include "whale/strategy/layout.hpp"
 #include "whale/strategy/split_layers.hpp"
 
@@ -96,6 +97,11 @@ struct xform<A, X, linear<I, O, B>> {
   static constexpr lay gin = row ? lay::S1 : lay::P;
   static constexpr lay gout = row ? lay::R : lay::S1;
   using type = std::conditional_t<row, row_linear<I, O, A, B>, column_linear<I, O, A, B>>;
+};
+template <axis A, lay X, index_t V, index_t D>
+struct xform<A, X, tied_head<V, D>> {  // by vocabulary, as the table it is tied to (replicated in)
+  static constexpr lay need = lay::R, out = lay::S1, gin = lay::P, gout = lay::S1;
+  using type = tied_column_head<V, D, A>;
 };
 template <axis A, lay X, index_t I, index_t O, bias_mode B>
 struct xform<A, X, column_tag<linear<I, O, B>>> {  // forced column-parallel: replicated in

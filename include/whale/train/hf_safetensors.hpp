@@ -1,5 +1,5 @@
 // Weights in and out in Hugging Face's names and layouts, for the models
-// whale builds from transformers' architectures (models::llama):
+// whale builds from transformers' architectures (models::gpt2, models::llama):
 //   import_hf_safetensors(path, net)   collective; each rank reads the tensors of the layers it holds
 //   export_hf_safetensors(path, net)   collective; rank 0 writes, atomically
 // The tensors are found from the model's layers in flat order, whatever plan
@@ -35,7 +35,33 @@ struct tensor_map {
   std::string name;
   std::vector<std::int64_t> shape;
   index_t offset = 0, count = 0;
+  /// The file holds the transpose of whale's matrix: shape [in, out] of a
+  /// (out, in) weight (GPT-2's Conv1D, y = x W + b).
+  bool transposed = false;
+  /// A copy of another tensor of the file, `name` (a tied head: the token
+  /// table): read from it, not written again.
+  bool tied = false;
 };
+
+/// Tensor `m`'s values from the file (row-major in the file's shape) in
+/// whale's order: a transposed one turned back into (out, in).
+inline std::vector<float> whale_order(const tensor_map& m, std::vector<float> v) {
+  if (!m.transposed) return v;
+  const auto in = static_cast<std::size_t>(m.shape.at(0)), out = static_cast<std::size_t>(m.shape.at(1));
+  std::vector<float> t(v.size());
+  for (std::size_t i = 0; i < in; ++i)
+    for (std::size_t o = 0; o < out; ++o) t[o * in + i] = v[i * out + o];
+  return t;
+}
+/// Whale's values of tensor `m` (`p`: its first) in the file's order.
+inline std::vector<float> file_order(const tensor_map& m, const float* p) {
+  std::vector<float> v(p, p + m.count);
+  if (!m.transposed) return v;
+  const auto in = static_cast<std::size_t>(m.shape.at(0)), out = static_cast<std::size_t>(m.shape.at(1));
+  for (std::size_t i = 0; i < in; ++i)
+    for (std::size_t o = 0; o < out; ++o) v[i * out + o] = p[o * in + i];
+  return v;
+}
 
 /// A Hugging Face checkpoint to read: one safetensors file, or the shards an
 /// index names (model.safetensors.index.json: {"weight_map": {tensor: file}}),
@@ -149,8 +175,92 @@ inline std::vector<std::int64_t> args_of(const std::string& layer) {
   return v;
 }
 
+/// GPT2LMHeadModel's tensors (save_pretrained's names, "transformer." first):
+/// embedding, position_embedding, per block layer_norm, causal_self_attention,
+/// layer_norm, linear<D, F>, linear<F, D>; then layer_norm and tied_head. The
+/// Conv1D weights are stored [in, out]; the tied head reads the token table.
+inline std::vector<tensor_map> gpt2_tensors(const std::vector<ckpt::unit_rec>& units, const char* who) {
+  std::vector<tensor_map> out;
+  std::size_t k = 0;
+  auto refuse = [&](const std::string& want) -> void {
+    std::string seen = k < units.size() ? "'" + units[k].name + "'" : "the end of the model";
+    throw std::invalid_argument(std::string(who) + ": this model is not one whose Hugging Face names whale knows (GPT-2): at layer " +
+                                std::to_string(k) + " it has " + seen + " where " + want + " would be");
+  };
+  auto is = [&](const char* kind) { return k < units.size() && kind_of(units[k].name) == kind; };
+  index_t at = 0;
+  auto covers = [&] {
+    if (at != units[k].offset + units[k].count)
+      throw std::invalid_argument(std::string(who) + ": layer " + std::to_string(k) + " ('" + units[k].name + "') holds " +
+                                  std::to_string(units[k].count) + " parameters, but its Hugging Face tensors " +
+                                  std::to_string(at - units[k].offset));
+    ++k;
+  };
+  auto add = [&](std::string name, std::vector<std::int64_t> shape, bool transposed = false) {
+    index_t n = 1;
+    for (auto d : shape) n *= d;
+    out.push_back({"transformer." + std::move(name), std::move(shape), at, n, transposed});
+    at += n;
+  };
+  auto layer_norm = [&](const std::string& name, std::int64_t D) {
+    if (!is("layer_norm") || args_of(units[k].name).at(0) != D) refuse("layer_norm<" + std::to_string(D) + "> (" + name + ")");
+    at = units[k].offset;
+    add(name + ".weight", {D});
+    add(name + ".bias", {D});
+    covers();
+  };
+  const auto emb = args_of(units[k].name);
+  const std::int64_t V = emb.at(0), D = emb.at(1);
+  at = units[k].offset;
+  add("wte.weight", {V, D});
+  covers();
+  const auto pos = args_of(units[k].name);
+  if (pos.size() < 2 || pos[1] != D) refuse("position_embedding<T, " + std::to_string(D) + ">");
+  at = units[k].offset;
+  add("wpe.weight", {pos[0], D});
+  covers();
+  for (int layer = 0; is("layer_norm") && k + 1 < units.size() && kind_of(units[k + 1].name) == "causal_self_attention"; ++layer) {
+    const std::string p = "h." + std::to_string(layer) + ".";
+    layer_norm(p + "ln_1", D);
+    if (args_of(units[k].name).at(0) != D) refuse("causal_self_attention<" + std::to_string(D) + ", ...>");
+    at = units[k].offset;
+    add(p + "attn.c_attn.weight", {D, 3 * D}, true);
+    add(p + "attn.c_attn.bias", {3 * D});
+    add(p + "attn.c_proj.weight", {D, D}, true);
+    add(p + "attn.c_proj.bias", {D});
+    covers();
+    layer_norm(p + "ln_2", D);
+    const auto fc = is("linear") ? args_of(units[k].name) : std::vector<std::int64_t>{};
+    if (fc.size() < 2 || fc[0] != D || units[k].name.find("no_bias") != std::string::npos)
+      refuse("the MLP's linear<" + std::to_string(D) + ", F>");
+    const std::int64_t F = fc[1];
+    at = units[k].offset;
+    add(p + "mlp.c_fc.weight", {D, F}, true);
+    add(p + "mlp.c_fc.bias", {F});
+    covers();
+    const auto proj = is("linear") ? args_of(units[k].name) : std::vector<std::int64_t>{};
+    if (proj.size() < 2 || proj[0] != F || proj[1] != D || units[k].name.find("no_bias") != std::string::npos)
+      refuse("the MLP's linear<" + std::to_string(F) + ", " + std::to_string(D) + ">");
+    at = units[k].offset;
+    add(p + "mlp.c_proj.weight", {F, D}, true);
+    add(p + "mlp.c_proj.bias", {D});
+    covers();
+  }
+  layer_norm("ln_f", D);
+  if (!is("tied_head")) refuse("the LM head tied to the token table, tied_head<" + std::to_string(V) + ", " + std::to_string(D) + ">");
+  if (const auto h = args_of(units[k].name); h.size() < 2 || h[0] != V || h[1] != D)
+    refuse("tied_head<" + std::to_string(V) + ", " + std::to_string(D) + ">");
+  at = units[k].offset;
+  add("wte.weight", {V, D});
+  out.back().tied = true;
+  covers();
+  if (k != units.size()) refuse("nothing more");
+  return out;
+}
+
 /// Hugging Face's tensors for a model's parameter units (ckpt::units_of: the
-/// unsplit layers with parameters, in flat order). Known: Llama
+/// unsplit layers with parameters, in flat order). Known: GPT-2 (from
+/// embedding then position_embedding: gpt2_tensors) and Llama
 /// (LlamaForCausalLM: embedding, then per layer rms_norm, rotary_attention,
 /// rms_norm, swiglu_mlp; then rms_norm and a linear head without bias).
 inline std::vector<tensor_map> tensors_for(const std::vector<ckpt::unit_rec>& units, const char* who) {
@@ -178,6 +288,7 @@ inline std::vector<tensor_map> tensors_for(const std::vector<ckpt::unit_rec>& un
   if (!is("embedding")) refuse("a token embedding");
   const auto emb = args_of(units[k].name);
   const std::int64_t V = emb.at(0), D = emb.at(1);
+  if (k + 1 < units.size() && kind_of(units[k + 1].name) == "position_embedding") return gpt2_tensors(units, who);
   index_t at = units[k].offset;
   add("model.embed_tokens.weight", {V, D}, at);
   covers(at);
@@ -230,7 +341,18 @@ inline std::vector<tensor_map> tensors_for(const std::vector<ckpt::unit_rec>& un
 
 /// Whether a tensor of a Hugging Face file is one whale does not need
 /// (buffers older transformers saved: rotary inverse frequencies).
-inline bool ignorable(const std::string& name) { return name.ends_with("rotary_emb.inv_freq"); }
+inline bool ignorable(const std::string& name) {
+  // and GPT-2's causal-mask buffers, and a tied head saved beside its table
+  return name.ends_with("rotary_emb.inv_freq") || name.ends_with(".attn.bias") || name.ends_with(".attn.masked_bias") ||
+         name == "lm_head.weight";
+}
+/// The hub's original GPT-2 files name the tensors without "transformer.":
+/// the names of `maps` as file `r` has them.
+template <class Reader> void match_prefix(const Reader& r, std::vector<tensor_map>& maps) {
+  if (maps.empty() || !maps.front().name.starts_with("transformer.") || r.entries().count(maps.front().name)) return;
+  if (!r.entries().count(maps.front().name.substr(12))) return;
+  for (auto& m : maps) m.name = m.name.substr(12);
+}
 
 /// Checks that file `r` holds every tensor of `maps` (named `prefix` + name),
 /// with its shape, as F32, BF16 or F16, and nothing else unless `extra_ok`.
@@ -276,7 +398,7 @@ std::vector<float> read_flat(const Reader& r, const std::vector<tensor_map>& map
                                     const std::string& prefix = "") {
   std::vector<float> flat(static_cast<std::size_t>(n), 0.f);
   for (const auto& m : maps) {
-    const auto v = r.floats(prefix + m.name);
+    const auto v = whale_order(m, r.floats(prefix + m.name));
     std::copy(v.begin(), v.end(), flat.begin() + m.offset);
   }
   return flat;
@@ -296,7 +418,8 @@ template <Checkpointable Net> void import_hf_safetensors(const std::string& path
   constexpr const char* who = "whale::import_hf_safetensors";
   const std::string err = ckpt::catching([&] {
     const hf::checkpoint r(path, who);
-    const auto maps = hf::tensors_for(ckpt::units_of<M>(), who);
+    auto maps = hf::tensors_for(ckpt::units_of<M>(), who);
+    hf::match_prefix(r, maps);
     hf::check_file(r, maps, "", who);
     std::map<std::size_t, std::vector<float>> loaded;  // tensor index -> its values (read once, converted)
     ckpt::write_resident_params(net, [&](float* dst, const ckpt::layout& L) {
@@ -310,7 +433,7 @@ template <Checkpointable Net> void import_hf_safetensors(const std::string& path
         for (auto t = static_cast<std::size_t>(it - maps.begin()) - 1; t < maps.size() && maps[t].offset < p.full + p.count; ++t) {
           const auto& m = maps[t];
           auto& v = loaded[t];
-          if (v.empty()) v = r.floats(m.name);
+          if (v.empty()) v = hf::whale_order(m, r.floats(m.name));
           const index_t lo = std::max(p.full, m.offset), hi = std::min(p.full + p.count, m.offset + m.count);
           std::memcpy(dst + (p.local - L.resident_first) + (lo - p.full), v.data() + (lo - m.offset),
                       static_cast<std::size_t>(hi - lo) * sizeof(float));
@@ -346,6 +469,7 @@ template <Checkpointable Net> void export_hf_safetensors(const std::string& path
     hs << "{\"__metadata__\":{\"format\":\"pt\"}";
     std::int64_t at = 0;
     for (const auto& m : maps) {
+      if (m.tied) continue;  // a tied head: its table is written once
       hs << "," << ckpt::json_string(m.name) << ":{\"dtype\":\"" << (half ? "BF16" : "F32") << "\",\"shape\":[";
       for (std::size_t i = 0; i < m.shape.size(); ++i) hs << (i ? "," : "") << m.shape[i];
       hs << "],\"data_offsets\":[" << at << "," << at + w * m.count << "]}";
@@ -360,13 +484,15 @@ template <Checkpointable Net> void export_hf_safetensors(const std::string& path
     std::memcpy(bytes.data() + 8, h.data(), h.size());
     std::size_t o = 8 + h.size();
     for (const auto& m : maps) {
+      if (m.tied) continue;
+      const auto v = hf::file_order(m, p + m.offset);
       if (half) {
         for (index_t i = 0; i < m.count; ++i) {
-          const std::uint16_t b = kernels::bf16_bits(p[m.offset + i]);
+          const std::uint16_t b = kernels::bf16_bits(v[static_cast<std::size_t>(i)]);
           std::memcpy(bytes.data() + o + static_cast<std::size_t>(i) * 2, &b, 2);
         }
       } else {
-        std::memcpy(bytes.data() + o, p + m.offset, static_cast<std::size_t>(m.count) * 4);
+        std::memcpy(bytes.data() + o, v.data(), static_cast<std::size_t>(m.count) * 4);
       }
       o += static_cast<std::size_t>(m.count * w);
     }

@@ -129,6 +129,18 @@ struct scale {
   std::int64_t bytes(index_t n) const noexcept { return n * 8; }
 };
 
+/// A tie's gradients (runtime/tie.hpp): a[i] = b[i] = a[i] + b[i] (table, then head).
+struct tie_sum {
+  float* a;
+  float* b;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
+    const float s = a[i] + b[i];
+    a[i] = s;
+    b[i] = s;
+  }
+  std::int64_t bytes(index_t n) const noexcept { return n * 16; }
+};
+
 /// The bits of x rounded to bf16 (what a cast to bfloat16 stores), and back.
 /// A NaN stays a NaN (quieted: its payload may lie only in the bits dropped).
 WHALE_HD WHALE_INLINE std::uint16_t bf16_bits(float x) noexcept {
