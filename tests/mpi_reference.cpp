@@ -349,6 +349,29 @@ void write_shard(const ckpt::st_reader& from, const std::vector<std::string>& na
   for (int b = 0; b < 8; ++b) bytes[static_cast<std::size_t>(b)] = static_cast<char>((h.size() >> (8 * b)) & 0xff);
   std::ofstream(path, std::ios::binary) << bytes << h << data;
 }
+/// The F32 tensors of `from` renamed by `rename` (empty: left out) into a new file `path`, plus `extra` zero tensors.
+template <class F>
+void write_renamed(const ckpt::st_reader& from, F rename, const std::string& path,
+                   const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& extra = {}) {
+  std::string h = "{\"__metadata__\":{\"format\":\"pt\"}", data;
+  auto entry = [&](const std::string& n, const std::vector<std::int64_t>& shape, const std::vector<float>& v) {
+    h += "," + ckpt::json_string(n) + ":{\"dtype\":\"F32\",\"shape\":[";
+    for (std::size_t i = 0; i < shape.size(); ++i) h += (i ? "," : "") + std::to_string(shape[i]);
+    h += "],\"data_offsets\":[" + std::to_string(data.size()) + "," + std::to_string(data.size() + v.size() * 4) + "]}";
+    data.append(reinterpret_cast<const char*>(v.data()), v.size() * 4);
+  };
+  for (const auto& [name, e] : from.entries())
+    if (const std::string n = rename(name); !n.empty()) entry(n, e.shape, from.floats(name));
+  for (const auto& [n, shape] : extra) {
+    std::int64_t c = 1;
+    for (auto d : shape) c *= d;
+    entry(n, shape, std::vector<float>(static_cast<std::size_t>(c), 0.f));
+  }
+  h += "}";
+  std::string bytes(8, '\0');
+  for (int b = 0; b < 8; ++b) bytes[static_cast<std::size_t>(b)] = static_cast<char>((h.size() >> (8 * b)) & 0xff);
+  std::ofstream(path, std::ios::binary) << bytes << h << data;
+}
 /// Tensor `name` of two files equal value for value (a file's dtype widened to float).
 bool same_tensor(const ckpt::st_reader& a, const ckpt::st_reader& b, const std::string& name) {
   return a.entry(name).shape == b.entry(name).shape && a.floats(name) == b.floats(name);
@@ -492,4 +515,108 @@ TEST_CASE("Hugging Face weights out and back: exported under a plan, transformer
   refused(w, "no file", "cannot be opened", [&] { import_hf_safetensors(dir + "/none.safetensors", net); });
   refused(w, "unwritable export", "cannot create a file in", [&] { export_hf_safetensors("/nonexistent-whale-dir/m.safetensors", net); });
   test::remove_dir(w, dir);
+}
+
+TEST_CASE("GPT-2 weights out and back: exported from a pipeline (the tied head on another stage) in transformers' names, Conv1D shapes and values, no lm_head; the hub's names read too") {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  auto ctx = on_mesh("pipe=" + std::to_string(n));
+  const auto dir = test::shared_dir(ctx.world(), "hf-gpt2");
+  const std::string original = gpt2_dir + "/model.safetensors", out = dir + "/model.safetensors";
+  plan_options po;
+  po.micro_batches = 2;
+  auto net = make<pipeline<one_f_one_b, gpt2>>(ctx, seed{1}, po);
+  import_hf_safetensors(original, net);
+  export_hf_safetensors(out, net);
+  if (ctx.rank() == 0) {  // what save_pretrained wrote, tensor for tensor (the Conv1D weights [in, out]); no lm_head.weight
+    const ckpt::st_reader a(original, "test"), b(out, "test");
+    CHECK(a.entries().size() == b.entries().size());
+    CHECK(b.entries().count("lm_head.weight") == 0);
+    for (const auto& [name, e] : a.entries()) {
+      INFO(name);
+      CHECK(b.entries().count(name) == 1);
+      if (b.entries().count(name)) CHECK(same_tensor(a, b, name));
+    }
+  }
+  network<gpt2> y(seed{3});
+  import_hf_safetensors(original, y);
+  // the hub's original files: no "transformer." prefix, the attention's causal-mask buffers, a saved lm_head
+  const std::string hub = dir + "/hub.safetensors";
+  if (ctx.rank() == 0) {
+    const ckpt::st_reader a(original, "test");
+    write_renamed(a, [](const std::string& name) { return name.substr(12); }, hub,
+                  {{"h.0.attn.bias", {1, 1, 32, 32}}, {"h.1.attn.bias", {1, 1, 32, 32}}, {"h.0.attn.masked_bias", {}}});
+    write_renamed(a, [](const std::string& name) { return name == "transformer.wpe.weight" ? std::string() : name; },
+                  dir + "/no-wpe.safetensors");
+  }
+  barrier(ctx.world());
+  network<gpt2> x(seed{2});
+  import_hf_safetensors(hub, x);
+  index_t differ = 0;
+  for (index_t i = 0; i < x.param_count(); ++i) differ += x.params()[i] != y.params()[i];
+  CHECK(differ == 0);
+  // trained under the plan (3 clipped AdamW steps), exported, imported by one process: the plan's parameters
+  const auto ref = load_reference<gpt2>(gpt2_dir);
+  {
+    auto data = batch_of(ref);
+    auto o = test::quiet();
+    o.max_grad_norm = 1.0;
+    trainer t(net, adamw{.lr = 1e-2f}, o);
+    t.run(data, steps{3});
+  }
+  const std::string trained = dir + "/trained.safetensors";
+  export_hf_safetensors(trained, net);
+  const auto full = net.full_params();
+  check_tied(full, "the pipeline after 3 steps");
+  network<gpt2> z(seed{4});
+  import_hf_safetensors(trained, z);
+  index_t moved = 0, kept = 0;
+  for (index_t i = 0; i < z.param_count(); ++i) moved += z.params()[i] != y.params()[i], kept += z.params()[i] == full[i];
+  CHECK(moved > z.param_count() / 2);
+  CHECK(kept == z.param_count());
+  if (const char* keep = std::getenv("WHALE_HF_EXPORT_DIR"); keep && ctx.rank() == 0) {  // scripts/reference --check-export DIR/gpt2
+    namespace fs = std::filesystem;
+    const fs::path to = fs::path(keep) / "gpt2";
+    fs::create_directories(to);
+    fs::copy_file(trained, to / "model.safetensors", fs::copy_options::overwrite_existing);
+    fs::copy_file(gpt2_dir + "/config.json", to / "config.json", fs::copy_options::overwrite_existing);
+    fs::copy_file(gpt2_dir + "/reference.safetensors", to / "batch.safetensors", fs::copy_options::overwrite_existing);
+    step_ctx c;
+    c.batch = ref.B, c.seq = ref.T, c.global_rows = ref.B * ref.T;
+    const auto logits = z.forward(c, cview<std::int32_t>(ref.ids.data(), {ref.B, ref.T}));
+    std::ofstream f(to / "whale_logits.f32", std::ios::binary);
+    f.write(reinterpret_cast<const char*>(logits.data()), static_cast<std::streamsize>(logits.numel() * 4));
+    MESSAGE("wrote the GPT-2 export after 3 pipeline steps, and whale's logits, to " << to.string());
+  }
+  auto& w = ctx.world();
+  refused(w, "a GPT-2 file without its position table", "tensor transformer.wpe.weight is missing",
+          [&] { import_hf_safetensors(dir + "/no-wpe.safetensors", net); });
+  refused(w, "another width", "tensor transformer.wte.weight has shape [256, 64]; this model's is [256, 32]", [&] {
+    network<models::gpt2<2, 32, 4, 256, 32>> other(seed{1});
+    import_hf_safetensors(original, other);
+  });
+  refused(w, "an untied head under GPT-2's names", "where the LM head tied to the token table, tied_head<256, 64> would be", [&] {
+    network<models::gpt_model<256, 32, 64, 4, 256, 2>> untied(seed{1});
+    export_hf_safetensors(dir + "/untied.safetensors", untied);
+  });
+  test::remove_dir(w, dir);
+}
+
+TEST_CASE("a tied head needs its table, one sum of gradients per step, and a step that ends its backward") {
+  int n = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  auto ctx = on_mesh("data=" + std::to_string(n));
+  auto& w = ctx.world();
+  using headless = sequential<position_embedding<32, 64>, layer_norm<64>, tied_head<256, 64>, softmax_cross_entropy>;
+  refused(w, "no embedding before it (one process)", "ties its weight to the token table, but no embedding of 16384 parameters comes before it",
+          [&] { network<sequential<embedding<128, 64>, layer_norm<64>, tied_head<256, 64>, softmax_cross_entropy>> m(seed{1}); });
+  refused(w, "no embedding before it (a plan)", "tied_head<256, 64> ties its weight to the token table, but no embedding<256, 64> comes before it",
+          [&] { auto m = make<replicate<headless>>(ctx, seed{1}); });
+  network<gpt2> net(seed{1});
+  const auto ref = load_reference<gpt2>(gpt2_dir);
+  step_ctx c;
+  c.batch = ref.B, c.seq = ref.T, c.global_rows = ref.B * ref.T, c.accumulate = true;
+  refused(w, "accumulating over train_step calls", "(step_ctx::accumulate) is not supported with a tied head", [&] {
+    net.train_step(c, cview<std::int32_t>(ref.ids.data(), {ref.B, ref.T}), cview<std::int32_t>(ref.targets.data(), {ref.B * ref.T}));
+  });
 }
