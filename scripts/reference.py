@@ -6,7 +6,8 @@ python3-torch, transformers 4.40 from PyPI in .deps/reference-venv) and then
 runs this file with the venv's Python.
 
   scripts/reference                          both tiny configurations, into tests/reference/
-  scripts/reference --full gpt2_124m OUTDIR  GPT-2 124M's shape (B=4, T=64) into OUTDIR
+  scripts/reference --full gpt2_124m OUTDIR  GPT-2 124M's shape (B=4, T=64) into OUTDIR, then whale's
+                                             check against them (build/tests/mpi_reference, or $WHALE_REFERENCE_TEST)
 
 Each output folder gets config.json and model.safetensors (save_pretrained of
 the untrained model) and reference.safetensors (one batch, its logits, loss and
@@ -260,16 +261,25 @@ BENCH = {
     "llama-small": dict(config=dict(vocab_size=8192, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
                         batch=16, seq=128),
+    # gpt's shape with GPT-2's tied head (bench_workloads' gpt2-small)
+    "gpt2-small": dict(gpt2=True, config=dict(vocab_size=8192, n_positions=128, n_embd=256, n_layer=4, n_head=4),
+                       batch=16, seq=128),
 }
 
 
 def bench(name):
     """transformers' training step (forward, loss, backward, SGD with momentum) on one thread, timed."""
     w = BENCH[name]
-    cfg = transformers.LlamaConfig(**w["config"], rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
-                                   attention_bias=False, attention_dropout=0.0, hidden_act="silu")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
+    if w.get("gpt2"):
+        cfg = transformers.GPT2Config(**w["config"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                      layer_norm_epsilon=1e-5, activation_function="gelu_new")
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(cfg)
+    else:
+        cfg = transformers.LlamaConfig(**w["config"], rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+                                       attention_bias=False, attention_dropout=0.0, hidden_act="silu")
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg)
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(7)
@@ -315,11 +325,34 @@ def check_export(folder):
         raise SystemExit(1)
 
 
+def compare_full(outdir):
+    """whale's GPT-2 124M against the files just written: the test mpi_reference's full-size case, in one process."""
+    exe = Path(os.environ.get("WHALE_REFERENCE_TEST", ROOT / "build" / "tests" / "mpi_reference"))
+    case = "-tc=GPT-2 124M*"
+    if not exe.is_file():
+        print(f"scripts/reference: {exe} is not built, so whale was not compared; build it (scripts/test), then run\n"
+              f"  WHALE_REFERENCE_FULL={outdir} {exe} '{case}'")
+        return
+    env = dict(os.environ, WHALE_REFERENCE_FULL=str(outdir.resolve()), OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OPENBLAS_NUM_THREADS=os.environ.get("OPENBLAS_NUM_THREADS", "1"))
+    t0 = time.perf_counter()
+    r = subprocess.run([str(exe), case, "--no-colors"], env=env, capture_output=True, text=True)
+    for line in (r.stdout + r.stderr).splitlines():
+        if "against transformers" in line or "ERROR" in line or "logged" in line or "values" in line:
+            print(line.strip())
+    print(f"scripts/reference: whale's check of {outdir} {'passed' if r.returncode == 0 else 'FAILED'} "
+          f"in {time.perf_counter() - t0:.0f} s")
+    if r.returncode != 0:
+        raise SystemExit(1)
+
+
 USAGE = """usage: scripts/reference [--full gpt2_124m OUTDIR | --check-export DIR]
 
   (no arguments)             regenerate tests/reference/gpt2-tiny and tests/reference/llama-tiny
-  --full gpt2_124m OUTDIR    GPT-2 124M's shape with B=4, T=64, into OUTDIR (large, not committed)
-  --bench llama-small        time transformers' training step on bench_workloads' llama-small shape (one
+  --full gpt2_124m OUTDIR    GPT-2 124M's shape with B=4, T=64, into OUTDIR (large, not committed), then
+                             whale's own check against it (build/tests/mpi_reference, or $WHALE_REFERENCE_TEST)
+  --bench llama-small|gpt2-small
+                             time transformers' training step on bench_workloads' shape of that name (one
                              thread, SGD with momentum, 2 warm-up steps then the median of 5), one JSON line
   --check-export DIR         load a model whale exported (DIR/config.json, DIR/model.safetensors) with
                              transformers' from_pretrained, run the reference batch (DIR/batch.safetensors)
@@ -367,6 +400,7 @@ def main(argv):
             parser.error(f"--full: unknown shape '{shape}' (have: {', '.join(FULL)})")
         make, B, T, max_grad_norm = FULL[shape]
         generate(shape, make, B, T, max_grad_norm, Path(outdir))
+        compare_full(Path(outdir))
     else:
         for label, (make, B, T, max_grad_norm) in TINY.items():
             generate(label, make, B, T, max_grad_norm, ROOT / "tests" / "reference" / label)
