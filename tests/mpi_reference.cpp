@@ -37,6 +37,7 @@
 #include "whale/optim/adamw.hpp"
 #include "whale/runtime/make.hpp"
 #include "whale/train/hf_safetensors.hpp"
+#include "whale/train/init.hpp"
 #include "whale/train/trainer.hpp"
 #include "support/plan_check.hpp"
 
@@ -649,7 +650,7 @@ TEST_CASE("GPT-2 weights out and back: exported from a pipeline (the tied head o
   test::remove_dir(w, dir);
 }
 
-TEST_CASE("a tied head needs its table, one sum of gradients per step, and a step that ends its backward") {
+TEST_CASE("a tied head: drawn as its table by initialize(); refused without its table or with accumulation across calls") {
   int n = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &n);
   auto ctx = on_mesh("data=" + std::to_string(n));
@@ -659,7 +660,22 @@ TEST_CASE("a tied head needs its table, one sum of gradients per step, and a ste
           [&] { network<sequential<embedding<128, 64>, layer_norm<64>, tied_head<256, 64>, softmax_cross_entropy>> m(seed{1}); });
   refused(w, "no embedding before it (a plan)", "tied_head<256, 64> ties its weight to the token table, but no embedding<256, 64> comes before it",
           [&] { auto m = make<replicate<headless>>(ctx, seed{1}); });
+  // initialize() draws the head as its table (one process, and a pipeline whose head is on another stage)
   network<gpt2> net(seed{1});
+  initialize(net, seed{5}, gpt2_init{});
+  tensor<float> p({net.param_count()});
+  for (index_t i = 0; i < p.numel(); ++i) p[i] = net.params()[i];
+  check_tied(p, "initialize() in one process");
+  {
+    auto piped = on_mesh("pipe=" + std::to_string(n));
+    auto m = make<pipeline<one_f_one_b, gpt2>>(piped, seed{1});
+    initialize(m, seed{5}, gpt2_init{});
+    const auto full = m.full_params();
+    check_tied(full, "initialize() under a pipeline");
+    index_t differ = 0;
+    for (index_t i = 0; i < full.numel(); ++i) differ += full[i] != p[i];
+    CHECK(differ == 0);  // and the values are the plan-independent ones
+  }
   const auto ref = load_reference<gpt2>(gpt2_dir);
   step_ctx c;
   c.batch = ref.B, c.seq = ref.T, c.global_rows = ref.B * ref.T, c.accumulate = true;

@@ -207,7 +207,7 @@ template <class P> void executor<P>::bind(seed s, index_t n) {
     zero_.setup(*data_, level, part_.begin(), n, zopts());
     tensor<float> tmp({n}, mem_kind::workspace);  // init from the whole stage's streams, keep the owned range
     part_.bind_and_init(tmp.data(), nullptr, s, true);
-    detail::tie_params(ties_, tmp.data(), pipe_, stage_);
+    detail::tie_params(ties_, tmp.data(), pipe_);
     copy<float>(cview<float>(tmp.data() + zero_.begin(), {zero_.local_count()}), zero_.shard_params());
     part_.bind_and_init(nullptr, nullptr, s, false);  // leaves point at gathered buffers only while they run
   } else {
@@ -217,7 +217,7 @@ template <class P> void executor<P>::bind(seed s, index_t n) {
       const index_t at = chunk_at_[static_cast<std::size_t>(ch)];
       parts_[static_cast<std::size_t>(ch)].bind_and_init(params_.data() + at, level < 2 ? grads_.data() + at : nullptr, s, true);
     }
-    detail::tie_params(ties_, params_.data(), pipe_, stage_);
+    detail::tie_params(ties_, params_.data(), pipe_);
     if (level > 0) {
       zero_.setup(*data_, level, parts_[0].begin(), n, zopts());
       zero_.set_full_params(params_.data());

@@ -119,8 +119,9 @@ inline std::vector<float> exchange_with_peer(world_comm& pipe, int stage, const 
 }
 
 /// At start-up: every tied head's parameters := its table's. `params`: this
-/// rank's whole flat buffer, in host memory. Collective over the pipe ranks of a split tie.
-inline void tie_params(const std::vector<tie_pair>& ties, float* params, world_comm* pipe, int stage) {
+/// rank's whole flat buffer, in host memory. Collective over the pipe ranks of
+/// a split tie (the table's side sends, the head's receives).
+inline void tie_params(const std::vector<tie_pair>& ties, float* params, world_comm* pipe) {
   for (const auto& t : ties) {
     const auto n = static_cast<std::size_t>(t.count);
     if (t.peer < 0) {

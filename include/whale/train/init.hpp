@@ -75,6 +75,10 @@ template <Checkpointable Net> void initialize(Net& net, seed s, const gpt2_init&
       if (sum != u.full_params)
         throw std::invalid_argument("whale::initialize: the param_tensors() of " + u.unsplit + " cover " + std::to_string(sum) +
                                     " of its " + std::to_string(u.full_params) + " parameters");
+      if (u.ties_to >= 0) {  // a tied head: its table's values, drawn as the table draws them
+        const auto& table = units[static_cast<std::size_t>(u.ties_to)];
+        p.rng = table.rng, p.tensors = table.tensors, p.scaled = SIZE_MAX;
+      }
       ++ordinal;
     }
     units.push_back(std::move(p));
