@@ -31,11 +31,7 @@ namespace hf {
 /// One tensor of a Hugging Face checkpoint and where whale's unsplit flat
 /// parameters hold it: `count` floats from `offset`, in the same row-major
 /// order as the file's `shape`.
-struct tensor_map {
-  std::string name;
-  std::vector<std::int64_t> shape;
-  index_t offset = 0, count = 0;
-};
+using tensor_map = ckpt::tensor_map;
 
 /// A Hugging Face checkpoint to read: one safetensors file, or the shards an
 /// index names (model.safetensors.index.json: {"weight_map": {tensor: file}}),
@@ -237,11 +233,6 @@ inline bool ignorable(const std::string& name) { return name.ends_with("rotary_e
 template <class Reader>
 void check_file(const Reader& r, const std::vector<tensor_map>& maps, const std::string& prefix,
                        const char* who, bool extra_ok = false) {
-  auto shape_str = [](const std::vector<std::int64_t>& s) {
-    std::string o = "[";
-    for (std::size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-    return o + "]";
-  };
   for (const auto& m : maps) {
     const auto name = prefix + m.name;
     const auto where = std::string(who) + ": '" + r.path() + "': tensor " + name;
@@ -252,7 +243,7 @@ void check_file(const Reader& r, const std::vector<tensor_map>& maps, const std:
     if (it == r.entries().end()) throw std::runtime_error(where + " is missing (another architecture or size?)");
     const auto& e = r.entry(name);
     if (e.shape != m.shape)
-      throw std::runtime_error(where + " has shape " + shape_str(e.shape) + "; this model's is " + shape_str(m.shape));
+      throw std::runtime_error(where + " has shape " + ckpt::shape_str(e.shape) + "; this model's is " + ckpt::shape_str(m.shape));
     const int w = e.dtype == "F32" ? 4 : (e.dtype == "BF16" || e.dtype == "F16") ? 2 : 0;
     if (w == 0) throw std::runtime_error(where + " is " + e.dtype + "; whale reads F32, BF16 and F16");
     if (e.offsets[1] - e.offsets[0] != static_cast<std::int64_t>(w) * m.count)
