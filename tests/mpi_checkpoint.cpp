@@ -13,6 +13,7 @@
 #include <mpi.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -364,6 +365,35 @@ void edited(world_comm& w, const std::string& from, const std::string& to, const
   }
   barrier(w);
 }
+/// A copy of safetensors file `from` at `to` with its tensors' data in reverse order (on rank 0), as
+/// another writer may place them (Python's safetensors sorts them by name).
+void reversed(world_comm& w, const std::string& from, const std::string& to) {
+  if (w.rank() == 0) {
+    const ckpt::st_reader r(from, "test");
+    std::vector<std::pair<std::int64_t, std::string>> order;
+    for (const auto& [name, e] : r.entries()) order.emplace_back(-e.offsets[0], name);
+    std::sort(order.begin(), order.end());
+    std::ostringstream hs;
+    std::string data;
+    hs << "{";
+    for (const auto& [minus_at, name] : order) {
+      const auto& e = r.entries().at(name);
+      std::string bytes(static_cast<std::size_t>(e.offsets[1] - e.offsets[0]), '\0');
+      r.read(name, 0, bytes.data(), bytes.size());
+      hs << (data.empty() ? "" : ",") << ckpt::json_string(name) << ":{\"dtype\":\"F32\",\"shape\":[";
+      for (std::size_t i = 0; i < e.shape.size(); ++i) hs << (i ? "," : "") << e.shape[i];
+      hs << "],\"data_offsets\":[" << data.size() << "," << data.size() + bytes.size() << "]}";
+      data += bytes;
+    }
+    hs << "}";
+    const std::string h = hs.str();
+    const std::uint64_t len = h.size();
+    std::ofstream out(to, std::ios::binary);
+    out.write(reinterpret_cast<const char*>(&len), 8);
+    out << h << data;
+  }
+  barrier(w);
+}
 /// The file an earlier whale exported: one flat F32 tensor a layer, "<k>.<layer>", shape [n] (on rank 0).
 template <class M> void write_flat_file(world_comm& w, const std::string& path, cview<float> full) {
   if (w.rank() == 0) {
@@ -589,10 +619,12 @@ TEST_CASE("safetensors: every layer kind's tensors with their shapes and fused l
       CHECK(max_diff(forward_from<swiglu_mlp<32, 48>>(r, u, x, R), times_t(hid, r.floats(u + ".down.weight"), R, 48, D)) < 1e-5);
     }
   }
-  // the file imports under ZeRO-3 (ranges that cut tensors anywhere) and under tensor parallelism, bit for bit
-  {
+  // the file imports under ZeRO-3 (ranges that cut tensors anywhere) and under tensor parallelism, bit for bit;
+  // so does a file that places the same tensors in another order
+  reversed(w, file, dir + "/reversed.safetensors");
+  for (const auto& f : {file, dir + "/reversed.safetensors"}) {
     auto z = make<shard<kinds, 3>>(ctx, seed{1});
-    import_safetensors(file, z);
+    import_safetensors(f, z);
     CHECK(bit_diffs(w, z.full_params().v(), one.params()) == 0);
   }
   {
