@@ -145,11 +145,17 @@ inline std::vector<std::int64_t> args_of(const std::string& layer) {
   return v;
 }
 
-/// Hugging Face's tensors for a model's parameter units (ckpt::units_of: the
-/// unsplit layers with parameters, in flat order). Known: Llama
-/// (LlamaForCausalLM: embedding, then per layer rms_norm, rotary_attention,
-/// rms_norm, swiglu_mlp; then rms_norm and a linear head without bias).
-inline std::vector<tensor_map> tensors_for(const std::vector<ckpt::unit_rec>& units, const char* who) {
+/// Hugging Face's tensors for model `d`'s parameter units (its unsplit
+/// layers with parameters, in flat order): each layer's own tensors, with
+/// the shapes it states (ckpt::unit_tensors), under transformers' names.
+/// Known: Llama (LlamaForCausalLM: embedding, then per layer rms_norm,
+/// rotary_attention, rms_norm, swiglu_mlp; then rms_norm and a linear head
+/// without bias).
+inline std::vector<tensor_map> tensors_for(const model_desc& d, const char* who) {
+  const auto units = ckpt::units_of(d);
+  std::vector<const unit_desc*> layers;  // units[k]'s description
+  for (const auto& u : d.units)
+    if (u.full_params > 0) layers.push_back(&u);
   std::vector<tensor_map> out;
   std::size_t k = 0;
   auto refuse = [&](const std::string& want) -> void {
@@ -158,67 +164,40 @@ inline std::vector<tensor_map> tensors_for(const std::vector<ckpt::unit_rec>& un
                                 std::to_string(k) + " it has " + seen + " where " + want + " would be");
   };
   auto is = [&](const char* kind) { return k < units.size() && kind_of(units[k].name) == kind; };
-  // every unit's tensors add up to exactly its parameters
-  auto covers = [&](index_t at) {
-    if (at != units[k].offset + units[k].count)
-      throw std::invalid_argument(std::string(who) + ": layer " + std::to_string(k) + " ('" + units[k].name + "') holds " +
-                                  std::to_string(units[k].count) + " parameters, but its Hugging Face tensors " +
-                                  std::to_string(at - units[k].offset));
-  };
-  auto add = [&](std::string name, std::vector<std::int64_t> shape, index_t& at) {
-    index_t n = 1;
-    for (auto d : shape) n *= d;
-    out.push_back({std::move(name), std::move(shape), at, n});
-    at += n;
+  // layer k's tensors, in its flat order, under Hugging Face's `names`
+  auto add = [&](const std::vector<std::string>& names) {
+    auto mine = ckpt::unit_tensors(*layers[k], k, units[k].offset, who);
+    if (mine.size() != names.size())
+      throw std::invalid_argument(std::string(who) + ": layer " + std::to_string(k) + " ('" + units[k].name + "') has " +
+                                  std::to_string(mine.size()) + " parameter tensors; Hugging Face's has " + std::to_string(names.size()));
+    for (std::size_t t = 0; t < names.size(); ++t) out.push_back({names[t], std::move(mine[t].shape), mine[t].offset, mine[t].count});
   };
   if (!is("embedding")) refuse("a token embedding");
   const auto emb = args_of(units[k].name);
   const std::int64_t V = emb.at(0), D = emb.at(1);
-  index_t at = units[k].offset;
-  add("model.embed_tokens.weight", {V, D}, at);
-  covers(at);
+  add({"model.embed_tokens.weight"});
   ++k;
   for (int layer = 0; is("rms_norm") && k + 1 < units.size() && kind_of(units[k + 1].name) == "rotary_attention"; ++layer) {
     const std::string p = "model.layers." + std::to_string(layer) + ".";
-    at = units[k].offset;
-    add(p + "input_layernorm.weight", {D}, at);
-    covers(at);
+    add({p + "input_layernorm.weight"});
     ++k;
-    const auto a = args_of(units[k].name);  // D, Heads, KVHeads
-    if (a.size() < 3 || a[0] != D) refuse("rotary_attention<" + std::to_string(D) + ", ...>");
-    const std::int64_t hd = D / a[1], kvw = a[2] * hd;
-    at = units[k].offset;
-    add(p + "self_attn.q_proj.weight", {D, D}, at);
-    add(p + "self_attn.k_proj.weight", {kvw, D}, at);
-    add(p + "self_attn.v_proj.weight", {kvw, D}, at);
-    add(p + "self_attn.o_proj.weight", {D, D}, at);
-    covers(at);
+    if (const auto a = args_of(units[k].name); a.size() < 3 || a[0] != D) refuse("rotary_attention<" + std::to_string(D) + ", ...>");
+    add({p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight", p + "self_attn.o_proj.weight"});
     ++k;
     if (!is("rms_norm")) refuse("the post-attention rms_norm");
-    at = units[k].offset;
-    add(p + "post_attention_layernorm.weight", {D}, at);
-    covers(at);
+    add({p + "post_attention_layernorm.weight"});
     ++k;
     if (!is("swiglu_mlp")) refuse("a swiglu_mlp");
-    const auto m = args_of(units[k].name);  // D, Hidden
-    at = units[k].offset;
-    add(p + "mlp.gate_proj.weight", {m.at(1), D}, at);
-    add(p + "mlp.up_proj.weight", {m.at(1), D}, at);
-    add(p + "mlp.down_proj.weight", {D, m.at(1)}, at);
-    covers(at);
+    add({p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"});
     ++k;
   }
   if (!is("rms_norm")) refuse("the final rms_norm");
-  at = units[k].offset;
-  add("model.norm.weight", {D}, at);
-  covers(at);
+  add({"model.norm.weight"});
   ++k;
   if (!is("linear") || units[k].name.find("no_bias") == std::string::npos) refuse("the LM head, a linear without bias");
   if (const auto h = args_of(units[k].name); h.size() < 2 || h[0] != D || h[1] != V)
     refuse("the LM head linear<" + std::to_string(D) + ", " + std::to_string(V) + ", no_bias> (width to vocabulary)");
-  at = units[k].offset;
-  add("lm_head.weight", {V, D}, at);
-  covers(at);
+  add({"lm_head.weight"});
   ++k;
   if (k != units.size()) refuse("nothing more");
   return out;
@@ -287,7 +266,7 @@ template <Checkpointable Net> void import_hf_safetensors(const std::string& path
   constexpr const char* who = "whale::import_hf_safetensors";
   const std::string err = ckpt::catching([&] {
     const hf::checkpoint r(path, who);
-    const auto maps = hf::tensors_for(ckpt::units_of<M>(), who);
+    const auto maps = hf::tensors_for(describe<M>(), who);
     hf::check_file(r, maps, "", who);
     std::map<std::size_t, std::vector<float>> loaded;  // tensor index -> its values (read once, converted)
     ckpt::write_resident_params(net, [&](float* dst, const ckpt::layout& L) {
@@ -322,7 +301,7 @@ template <Checkpointable Net> void export_hf_safetensors(const std::string& path
   using M = typename Net::model_type;
   constexpr const char* who = "whale::export_hf_safetensors";
   std::string err = net.rank() == 0 ? detail::output_path_problem(path) : std::string();
-  if (err.empty()) err = ckpt::catching([&] { (void)hf::tensors_for(ckpt::units_of<M>(), who); });
+  if (err.empty()) err = ckpt::catching([&] { (void)hf::tensors_for(describe<M>(), who); });
   else err = std::string(who) + ": '" + path + "': " + err;
   ckpt::agree(net, err);
   tensor<float> full;
@@ -330,7 +309,7 @@ template <Checkpointable Net> void export_hf_safetensors(const std::string& path
   if (net.rank() == 0) err = ckpt::catching([&] {
     std::vector<float> host;
     const float* p = full.data() ? full.data() : ckpt::backend_of(net).host_readable(cview<float>(net.params()), host).data();
-    const auto maps = hf::tensors_for(ckpt::units_of<M>(), who);
+    const auto maps = hf::tensors_for(describe<M>(), who);
     const bool half = dtype == precision::bf16;
     const std::int64_t w = half ? 2 : 4;
     std::ostringstream hs;

@@ -252,40 +252,47 @@ inline std::string shape_str(const std::vector<std::int64_t>& s) {
   return o + "]";
 }
 
-/// The tensors of whale's own file for model `d`, in flat order: tensor t of
-/// unit k named "<k, 3 digits>.<layer>.<t's name>", with the shape its layer
-/// states. Throws naming a layer with parameters whose param_tensors() are
-/// missing, state no shape, or do not cover its parameters.
+/// The tensors of unit k, layer `u` (with parameters) from flat index `at`,
+/// in its flat order: tensor t named "<k, 3 digits>.<layer>.<t's name>", with
+/// the shape the layer states. Throws naming the layer where its
+/// param_tensors() are missing, state no shape, or do not cover its parameters.
+inline std::vector<tensor_map> unit_tensors(const unit_desc& u, std::size_t k, index_t at, const char* who) {
+  const auto layer = "layer " + std::to_string(k) + " ('" + u.unsplit + "')";
+  if (!u.tensors)
+    throw std::invalid_argument(std::string(who) + ": " + layer + " has " + std::to_string(u.full_params) +
+                                " parameters but lists no param_tensors(); give it one, each tensor with its shape "
+                                "(param_tensor::shape)");
+  std::vector<tensor_map> out;
+  index_t o = at;
+  for (const auto& t : u.tensors()) {
+    const auto where = std::string(who) + ": tensor '" + t.name + "' of " + layer;
+    if (t.shape.rank() == 0)
+      throw std::invalid_argument(where + " states no shape; give its param_tensor the shape it is stored in, "
+                                  "row-major (e.g. {Out, In} for a linear's weight)");
+    std::vector<std::int64_t> shape;
+    for (int i = 0; i < t.shape.rank(); ++i) shape.push_back(t.shape[i]);
+    if (t.shape.numel() != t.count)
+      throw std::invalid_argument(where + " has shape " + shape_str(shape) + " of " + std::to_string(t.shape.numel()) +
+                                  " elements, but a count of " + std::to_string(t.count));
+    out.push_back({tensor_name(k, u.unsplit) + "." + t.name, std::move(shape), o, t.count});
+    o += t.count;
+  }
+  if (o - at != u.full_params)
+    throw std::invalid_argument(std::string(who) + ": the param_tensors() of " + layer + " cover " + std::to_string(o - at) +
+                                " of its " + std::to_string(u.full_params) + " parameters");
+  return out;
+}
+
+/// The tensors of whale's own file for model `d`, in flat order: every
+/// unit's (unit_tensors), unit k being its k-th layer with parameters.
 inline std::vector<tensor_map> file_tensors(const model_desc& d, const char* who) {
   std::vector<tensor_map> out;
   index_t at = 0;
   std::size_t k = 0;
   for (const auto& u : d.units) {
     if (u.full_params == 0) continue;
-    const auto layer = "layer " + std::to_string(k) + " ('" + u.unsplit + "')";
-    if (!u.tensors)
-      throw std::invalid_argument(std::string(who) + ": " + layer + " has " + std::to_string(u.full_params) +
-                                  " parameters but lists no param_tensors(); give it one, each tensor with its shape "
-                                  "(param_tensor::shape), to write or read it in this file");
-    index_t o = at;
-    for (const auto& t : u.tensors()) {
-      const auto where = std::string(who) + ": tensor '" + t.name + "' of " + layer;
-      if (t.shape.rank() == 0)
-        throw std::invalid_argument(where + " states no shape; give its param_tensor the shape it is stored in, "
-                                    "row-major (e.g. {Out, In} for a linear's weight)");
-      std::vector<std::int64_t> shape;
-      for (int i = 0; i < t.shape.rank(); ++i) shape.push_back(t.shape[i]);
-      if (t.shape.numel() != t.count)
-        throw std::invalid_argument(where + " has shape " + shape_str(shape) + " of " + std::to_string(t.shape.numel()) +
-                                    " elements, but a count of " + std::to_string(t.count));
-      out.push_back({tensor_name(k, u.unsplit) + "." + t.name, std::move(shape), o, t.count});
-      o += t.count;
-    }
-    if (o - at != u.full_params)
-      throw std::invalid_argument(std::string(who) + ": the param_tensors() of " + layer + " cover " + std::to_string(o - at) +
-                                  " of its " + std::to_string(u.full_params) + " parameters");
+    for (auto& t : unit_tensors(u, k++, at, who)) out.push_back(std::move(t));
     at += u.full_params;
-    ++k;
   }
   return out;
 }
