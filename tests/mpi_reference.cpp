@@ -71,7 +71,7 @@ template <class Model = model> reference load_reference(const std::string& dir) 
   ref.final_loss = r.floats("adamw_final_loss").at(0);
   for (const float v : r.floats("adamw_losses")) ref.losses.push_back(v);
   for (const float v : r.floats("adamw_grad_norms")) ref.norms.push_back(v);
-  const auto maps = hf::tensors_for(ckpt::units_of<Model>(), "reference");
+  const auto maps = hf::tensors_for(describe<Model>(), "reference");
   ref.grads = hf::read_flat(r, maps, Model::cost().params, "grad.");
   const auto& m = r.metadata();
   ref.max_grad_norm = std::stod(m.at("max_grad_norm"));
@@ -148,7 +148,7 @@ TEST_CASE("llama-tiny in one process: transformers' logits, loss, every gradient
   const double loss = net.train_step(ct, x, y);
   CHECK(rel(loss, ref.loss) <= 1e-6);
   // every gradient tensor, normalised by its own largest entry
-  const auto maps = hf::tensors_for(ckpt::units_of<model>(), "test");
+  const auto maps = hf::tensors_for(describe<model>(), "test");
   double worst_grad = 0;
   std::string worst_name;
   for (const auto& m : maps) {
@@ -291,7 +291,7 @@ template <class Model> void gpt2_one_process(const std::string& gpt2_dir, const 
   const double loss = net.train_step(ct, x, y);
   CHECK(rel(loss, ref.loss) <= 1e-6);
   // every gradient tensor (the tied head's is the table's: both hold the sum), normalised by its largest entry
-  const auto maps = hf::tensors_for(ckpt::units_of<gpt2>(), "test");
+  const auto maps = hf::tensors_for(describe<gpt2>(), "test");
   double worst_grad = 0;
   std::string worst_name;
   for (const auto& m : maps) {

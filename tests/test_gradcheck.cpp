@@ -144,9 +144,10 @@ template <index_t D> struct scale_shift {
     return c;
   }
   static constexpr index_t param_count() { return 2 * D; }
-  // the parameter tensors in flat order: name, role, size, fan-in (initialisers and checks read them)
+  // the parameter tensors in flat order: name, role, size, fan-in, shape as stored (initialisers,
+  // checks and the safetensors export read them)
   static constexpr std::array<param_tensor, 2> param_tensors() {
-    return {{{"gain", param_role::gain, D, D}, {"shift", param_role::bias, D, D}}};
+    return {{{"gain", param_role::gain, D, D, {D}}, {"shift", param_role::bias, D, D, {D}}}};
   }
   void bind(param_binder& b) {  // consecutive slices of the network's flat buffers
     auto g = b.take({D});        // a slot: .value, .grad (views) and .offset (flat index)
@@ -190,7 +191,7 @@ template <index_t D> struct scale_shift {
   view<float> gain_, dgain_, shift_, dshift_;
   slots<state> st_;
 };
-static_assert(Layer<scale_shift<8>>);
+static_assert(Layer<scale_shift<8>> && param_shapes_stated<scale_shift<8>>());
 
 TEST_CASE("gradcheck: the documented layer passes, per tensor; a wrong backward fails, naming the tensor") {
   const auto r = gradcheck<sequential<linear<8, 8>, scale_shift<8>>>(8, 8);

@@ -65,8 +65,10 @@ struct causal_self_attention {
   static constexpr index_t param_count() noexcept { return 4 * D * D + 4 * D; }
   /// W_qkv (3D, D), b_qkv, then the output projection W_o (D, D), b_o.
   static constexpr std::array<param_tensor, 4> param_tensors() {
-    return {{{"qkv.weight", param_role::weight, 3 * D * D, D}, {"qkv.bias", param_role::bias, 3 * D, D},
-             {"out.weight", param_role::weight, D * D, D}, {"out.bias", param_role::bias, D, D}}};
+    return {{{"qkv.weight", param_role::weight, 3 * D * D, D, {3 * D, D}},
+             {"qkv.bias", param_role::bias, 3 * D, D, {3 * D}},
+             {"out.weight", param_role::weight, D * D, D, {D, D}},
+             {"out.bias", param_role::bias, D, D, {D}}}};
   }
 
   void bind(param_binder& b) {

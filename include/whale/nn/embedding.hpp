@@ -37,7 +37,7 @@ struct embedding {
     return c;
   }
   static constexpr index_t param_count() noexcept { return Vocab * D; }
-  static constexpr std::array<param_tensor, 1> param_tensors() { return {{{"table", param_role::table, Vocab * D, D}}}; }
+  static constexpr std::array<param_tensor, 1> param_tensors() { return {{{"table", param_role::table, Vocab * D, D, {Vocab, D}}}}; }
 
   void bind(param_binder& b) {
     auto t = b.take({Vocab, D});
@@ -115,7 +115,7 @@ struct position_embedding {
     return c;
   }
   static constexpr index_t param_count() noexcept { return MaxSeq * D; }
-  static constexpr std::array<param_tensor, 1> param_tensors() { return {{{"table", param_role::table, MaxSeq * D, D}}}; }
+  static constexpr std::array<param_tensor, 1> param_tensors() { return {{{"table", param_role::table, MaxSeq * D, D, {MaxSeq, D}}}}; }
 
   void bind(param_binder& b) {
     auto t = b.take({MaxSeq, D});

@@ -520,12 +520,26 @@ enum class param_role : std::uint8_t {
 };
 /// One tensor of a layer's parameters; a layer with parameters lists them in
 /// flat order with a static `param_tensors()` (their counts add up to its params).
+/// `shape` describes its `count` floats as stored, row-major (a linear's
+/// weight (Out, In)); whale's safetensors export writes each tensor with it
+/// and refuses a layer whose tensors state none (rank 0).
 struct param_tensor {
   const char* name = "";
   param_role role = param_role::weight;
   index_t count = 0;
   index_t fan_in = 0;
+  whale::shape shape{};
 };
+/// Whether every tensor `L::param_tensors()` lists states a shape of its count.
+template <class L> constexpr bool param_shapes_stated() {
+  if constexpr (requires { L::param_tensors(); }) {
+    for (const auto& t : L::param_tensors())
+      if (t.shape.rank() == 0 || t.shape.numel() != t.count) return false;
+    return true;
+  } else {
+    return false;
+  }
+}
 
 /// Where a sharded layer's local parameters lie in the unsplit layer's: `count`
 /// floats from `local` (its local flat order) are those at `full` (the unsplit

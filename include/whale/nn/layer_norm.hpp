@@ -38,7 +38,7 @@ struct layer_norm {
   }
   static constexpr index_t param_count() noexcept { return 2 * D; }
   static constexpr std::array<param_tensor, 2> param_tensors() {
-    return {{{"gain", param_role::gain, D, D}, {"bias", param_role::bias, D, D}}};
+    return {{{"gain", param_role::gain, D, D, {D}}, {"bias", param_role::bias, D, D, {D}}}};
   }
 
   void bind(param_binder& b) {

@@ -45,9 +45,9 @@ struct linear {
   static constexpr index_t param_count() noexcept { return In * Out + (has_bias ? Out : 0); }
   static constexpr std::array<param_tensor, has_bias ? 2 : 1> param_tensors() {
     if constexpr (has_bias)
-      return {{{"weight", param_role::weight, In * Out, In}, {"bias", param_role::bias, Out, In}}};
+      return {{{"weight", param_role::weight, In * Out, In, {Out, In}}, {"bias", param_role::bias, Out, In, {Out}}}};
     else
-      return {{{"weight", param_role::weight, In * Out, In}}};
+      return {{{"weight", param_role::weight, In * Out, In, {Out, In}}}};
   }
 
   void bind(param_binder& b) {

@@ -46,7 +46,7 @@ struct rms_norm {
     return c;
   }
   static constexpr index_t param_count() noexcept { return D; }
-  static constexpr std::array<param_tensor, 1> param_tensors() { return {{{"gain", param_role::gain, D, D}}}; }
+  static constexpr std::array<param_tensor, 1> param_tensors() { return {{{"gain", param_role::gain, D, D, {D}}}}; }
 
   void bind(param_binder& b) {
     auto g = b.take({D});

@@ -200,10 +200,10 @@ struct rotary_attention : detail::rotary_attention_body<D, (Heads > 0 && D % Hea
   }
   static constexpr index_t param_count() noexcept { return (D + 2 * KVHeads * head_dim) * D + D * D; }
   static constexpr std::array<param_tensor, 4> param_tensors() {
-    return {{{"q.weight", param_role::weight, D * D, D},
-             {"k.weight", param_role::weight, KVHeads * head_dim * D, D},
-             {"v.weight", param_role::weight, KVHeads * head_dim * D, D},
-             {"o.weight", param_role::weight, D * D, D}}};
+    return {{{"q.weight", param_role::weight, D * D, D, {D, D}},
+             {"k.weight", param_role::weight, KVHeads * head_dim * D, D, {KVHeads * head_dim, D}},
+             {"v.weight", param_role::weight, KVHeads * head_dim * D, D, {KVHeads * head_dim, D}},
+             {"o.weight", param_role::weight, D * D, D, {D, D}}}};
   }
 
   void bind(param_binder& b) { this->bind_(b); }

@@ -113,9 +113,9 @@ struct swiglu_mlp : detail::swiglu_body<D> {
   }
   static constexpr index_t param_count() noexcept { return 3 * D * Hidden; }
   static constexpr std::array<param_tensor, 3> param_tensors() {
-    return {{{"gate.weight", param_role::weight, Hidden * D, D},
-             {"up.weight", param_role::weight, Hidden * D, D},
-             {"down.weight", param_role::weight, D * Hidden, Hidden}}};
+    return {{{"gate.weight", param_role::weight, Hidden * D, D, {Hidden, D}},
+             {"up.weight", param_role::weight, Hidden * D, D, {Hidden, D}},
+             {"down.weight", param_role::weight, D * Hidden, Hidden, {D, Hidden}}}};
   }
 
   void bind(param_binder& b) { this->bind_(b); }

@@ -24,7 +24,7 @@ struct tied_head : linear<D, Vocab, no_bias> {
   static constexpr bool ties_token_table = true;
   static std::string name() { return "tied_head<" + std::to_string(Vocab) + ", " + std::to_string(D) + ">"; }
   static constexpr std::array<param_tensor, 1> param_tensors() {
-    return {{{"weight", param_role::weight, Vocab * D, D}}};
+    return {{{"weight", param_role::weight, Vocab * D, D, {Vocab, D}}}};
   }
   void bind(param_binder& b) {
     const index_t at = b.offset();

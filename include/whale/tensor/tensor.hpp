@@ -64,7 +64,7 @@ class shape {
  public:
   static constexpr int max_rank = 4;
   constexpr shape() = default;
-  shape(std::initializer_list<index_t> dims) {
+  constexpr shape(std::initializer_list<index_t> dims) {
     if (dims.size() > max_rank)
       throw std::invalid_argument("whale::shape: rank " + std::to_string(dims.size()) +
                                   " exceeds the maximum rank 4");
@@ -75,7 +75,7 @@ class shape {
     }
   }
   constexpr int rank() const noexcept { return rank_; }
-  index_t operator[](int i) const {
+  constexpr index_t operator[](int i) const {
     if (i < 0 || i >= rank_)
       throw std::out_of_range("whale::shape: dimension " + std::to_string(i) +
                               " out of range for rank " + std::to_string(rank_));

@@ -31,17 +31,7 @@ namespace hf {
 /// One tensor of a Hugging Face checkpoint and where whale's unsplit flat
 /// parameters hold it: `count` floats from `offset`, in the same row-major
 /// order as the file's `shape`.
-struct tensor_map {
-  std::string name;
-  std::vector<std::int64_t> shape;
-  index_t offset = 0, count = 0;
-  /// The file holds the transpose of whale's matrix: shape [in, out] of a
-  /// (out, in) weight (GPT-2's Conv1D, y = x W + b).
-  bool transposed = false;
-  /// A copy of another tensor of the file, `name` (a tied head: the token
-  /// table): read from it, not written again.
-  bool tied = false;
-};
+using tensor_map = ckpt::tensor_map;
 
 /// Tensor `m`'s values from the file (row-major in the file's shape) in
 /// whale's order: a transposed one turned back into (out, in).
@@ -175,11 +165,16 @@ inline std::vector<std::int64_t> args_of(const std::string& layer) {
   return v;
 }
 
-/// GPT2LMHeadModel's tensors (save_pretrained's names, "transformer." first):
-/// embedding, position_embedding, per block layer_norm, causal_self_attention,
-/// layer_norm, linear<D, F>, linear<F, D>; then layer_norm and tied_head. The
-/// Conv1D weights are stored [in, out]; the tied head reads the token table.
-inline std::vector<tensor_map> gpt2_tensors(const std::vector<ckpt::unit_rec>& units, const char* who) {
+/// GPT2LMHeadModel's tensors (save_pretrained's names, "transformer." first)
+/// for model `d`: embedding, position_embedding, per block layer_norm,
+/// causal_self_attention, layer_norm, linear<D, F>, linear<F, D>; then
+/// layer_norm and tied_head. The Conv1D weights are stored [in, out], the
+/// transpose of the (out, in) the layers state; the tied head reads the token table.
+inline std::vector<tensor_map> gpt2_tensors(const model_desc& d, const char* who) {
+  const auto units = ckpt::units_of(d);
+  std::vector<const unit_desc*> layers;
+  for (const auto& u : d.units)
+    if (u.full_params > 0) layers.push_back(&u);
   std::vector<tensor_map> out;
   std::size_t k = 0;
   auto refuse = [&](const std::string& want) -> void {
@@ -188,82 +183,66 @@ inline std::vector<tensor_map> gpt2_tensors(const std::vector<ckpt::unit_rec>& u
                                 std::to_string(k) + " it has " + seen + " where " + want + " would be");
   };
   auto is = [&](const char* kind) { return k < units.size() && kind_of(units[k].name) == kind; };
-  index_t at = 0;
-  auto covers = [&] {
-    if (at != units[k].offset + units[k].count)
-      throw std::invalid_argument(std::string(who) + ": layer " + std::to_string(k) + " ('" + units[k].name + "') holds " +
-                                  std::to_string(units[k].count) + " parameters, but its Hugging Face tensors " +
-                                  std::to_string(at - units[k].offset));
+  // layer k's tensors under transformers' `names` ("transformer." added); `conv1d`: its weights transposed
+  auto add = [&](const std::vector<std::string>& names, bool conv1d = false) {
+    auto mine = ckpt::unit_tensors(*layers[k], k, units[k].offset, who);
+    if (mine.size() != names.size())
+      throw std::invalid_argument(std::string(who) + ": layer " + std::to_string(k) + " ('" + units[k].name + "') has " +
+                                  std::to_string(mine.size()) + " parameter tensors; Hugging Face's has " + std::to_string(names.size()));
+    for (std::size_t t = 0; t < names.size(); ++t) {
+      tensor_map m{"transformer." + names[t], std::move(mine[t].shape), mine[t].offset, mine[t].count};
+      if (conv1d && m.shape.size() == 2) std::swap(m.shape[0], m.shape[1]), m.transposed = true;
+      out.push_back(std::move(m));
+    }
     ++k;
-  };
-  auto add = [&](std::string name, std::vector<std::int64_t> shape, bool transposed = false) {
-    index_t n = 1;
-    for (auto d : shape) n *= d;
-    out.push_back({"transformer." + std::move(name), std::move(shape), at, n, transposed});
-    at += n;
   };
   auto layer_norm = [&](const std::string& name, std::int64_t D) {
     if (!is("layer_norm") || args_of(units[k].name).at(0) != D) refuse("layer_norm<" + std::to_string(D) + "> (" + name + ")");
-    at = units[k].offset;
-    add(name + ".weight", {D});
-    add(name + ".bias", {D});
-    covers();
+    add({name + ".weight", name + ".bias"});
   };
   const auto emb = args_of(units[k].name);
   const std::int64_t V = emb.at(0), D = emb.at(1);
-  at = units[k].offset;
-  add("wte.weight", {V, D});
-  covers();
-  const auto pos = args_of(units[k].name);
-  if (pos.size() < 2 || pos[1] != D) refuse("position_embedding<T, " + std::to_string(D) + ">");
-  at = units[k].offset;
-  add("wpe.weight", {pos[0], D});
-  covers();
+  add({"wte.weight"});
+  if (const auto pos = args_of(units[k].name); pos.size() < 2 || pos[1] != D) refuse("position_embedding<T, " + std::to_string(D) + ">");
+  add({"wpe.weight"});
   for (int layer = 0; is("layer_norm") && k + 1 < units.size() && kind_of(units[k + 1].name) == "causal_self_attention"; ++layer) {
     const std::string p = "h." + std::to_string(layer) + ".";
     layer_norm(p + "ln_1", D);
     if (args_of(units[k].name).at(0) != D) refuse("causal_self_attention<" + std::to_string(D) + ", ...>");
-    at = units[k].offset;
-    add(p + "attn.c_attn.weight", {D, 3 * D}, true);
-    add(p + "attn.c_attn.bias", {3 * D});
-    add(p + "attn.c_proj.weight", {D, D}, true);
-    add(p + "attn.c_proj.bias", {D});
-    covers();
+    add({p + "attn.c_attn.weight", p + "attn.c_attn.bias", p + "attn.c_proj.weight", p + "attn.c_proj.bias"}, true);
     layer_norm(p + "ln_2", D);
     const auto fc = is("linear") ? args_of(units[k].name) : std::vector<std::int64_t>{};
     if (fc.size() < 2 || fc[0] != D || units[k].name.find("no_bias") != std::string::npos)
       refuse("the MLP's linear<" + std::to_string(D) + ", F>");
     const std::int64_t F = fc[1];
-    at = units[k].offset;
-    add(p + "mlp.c_fc.weight", {D, F}, true);
-    add(p + "mlp.c_fc.bias", {F});
-    covers();
+    add({p + "mlp.c_fc.weight", p + "mlp.c_fc.bias"}, true);
     const auto proj = is("linear") ? args_of(units[k].name) : std::vector<std::int64_t>{};
     if (proj.size() < 2 || proj[0] != F || proj[1] != D || units[k].name.find("no_bias") != std::string::npos)
       refuse("the MLP's linear<" + std::to_string(F) + ", " + std::to_string(D) + ">");
-    at = units[k].offset;
-    add(p + "mlp.c_proj.weight", {F, D}, true);
-    add(p + "mlp.c_proj.bias", {D});
-    covers();
+    add({p + "mlp.c_proj.weight", p + "mlp.c_proj.bias"}, true);
   }
   layer_norm("ln_f", D);
   if (!is("tied_head")) refuse("the LM head tied to the token table, tied_head<" + std::to_string(V) + ", " + std::to_string(D) + ">");
   if (const auto h = args_of(units[k].name); h.size() < 2 || h[0] != V || h[1] != D)
     refuse("tied_head<" + std::to_string(V) + ", " + std::to_string(D) + ">");
-  at = units[k].offset;
-  add("wte.weight", {V, D});
+  add({"wte.weight"});
   out.back().tied = true;
-  covers();
   if (k != units.size()) refuse("nothing more");
   return out;
 }
 
-/// Hugging Face's tensors for a model's parameter units (ckpt::units_of: the
-/// unsplit layers with parameters, in flat order). Known: GPT-2 (from
-/// embedding then position_embedding: gpt2_tensors) and Llama
-/// (LlamaForCausalLM: embedding, then per layer rms_norm, rotary_attention,
-/// rms_norm, swiglu_mlp; then rms_norm and a linear head without bias).
-inline std::vector<tensor_map> tensors_for(const std::vector<ckpt::unit_rec>& units, const char* who) {
+/// Hugging Face's tensors for model `d`'s parameter units (its unsplit
+/// layers with parameters, in flat order): each layer's own tensors, with
+/// the shapes it states (ckpt::unit_tensors), under transformers' names.
+/// Known: GPT-2 (an embedding then a position_embedding: gpt2_tensors) and
+/// Llama (LlamaForCausalLM: embedding, then per layer rms_norm,
+/// rotary_attention, rms_norm, swiglu_mlp; then rms_norm and a linear head
+/// without bias).
+inline std::vector<tensor_map> tensors_for(const model_desc& d, const char* who) {
+  const auto units = ckpt::units_of(d);
+  std::vector<const unit_desc*> layers;  // units[k]'s description
+  for (const auto& u : d.units)
+    if (u.full_params > 0) layers.push_back(&u);
   std::vector<tensor_map> out;
   std::size_t k = 0;
   auto refuse = [&](const std::string& want) -> void {
@@ -272,68 +251,41 @@ inline std::vector<tensor_map> tensors_for(const std::vector<ckpt::unit_rec>& un
                                 std::to_string(k) + " it has " + seen + " where " + want + " would be");
   };
   auto is = [&](const char* kind) { return k < units.size() && kind_of(units[k].name) == kind; };
-  // every unit's tensors add up to exactly its parameters
-  auto covers = [&](index_t at) {
-    if (at != units[k].offset + units[k].count)
-      throw std::invalid_argument(std::string(who) + ": layer " + std::to_string(k) + " ('" + units[k].name + "') holds " +
-                                  std::to_string(units[k].count) + " parameters, but its Hugging Face tensors " +
-                                  std::to_string(at - units[k].offset));
-  };
-  auto add = [&](std::string name, std::vector<std::int64_t> shape, index_t& at) {
-    index_t n = 1;
-    for (auto d : shape) n *= d;
-    out.push_back({std::move(name), std::move(shape), at, n});
-    at += n;
+  // layer k's tensors, in its flat order, under Hugging Face's `names`
+  auto add = [&](const std::vector<std::string>& names) {
+    auto mine = ckpt::unit_tensors(*layers[k], k, units[k].offset, who);
+    if (mine.size() != names.size())
+      throw std::invalid_argument(std::string(who) + ": layer " + std::to_string(k) + " ('" + units[k].name + "') has " +
+                                  std::to_string(mine.size()) + " parameter tensors; Hugging Face's has " + std::to_string(names.size()));
+    for (std::size_t t = 0; t < names.size(); ++t) out.push_back({names[t], std::move(mine[t].shape), mine[t].offset, mine[t].count});
   };
   if (!is("embedding")) refuse("a token embedding");
+  if (units.size() > 1 && kind_of(units[1].name) == "position_embedding") return gpt2_tensors(d, who);
   const auto emb = args_of(units[k].name);
   const std::int64_t V = emb.at(0), D = emb.at(1);
-  if (k + 1 < units.size() && kind_of(units[k + 1].name) == "position_embedding") return gpt2_tensors(units, who);
-  index_t at = units[k].offset;
-  add("model.embed_tokens.weight", {V, D}, at);
-  covers(at);
+  add({"model.embed_tokens.weight"});
   ++k;
   for (int layer = 0; is("rms_norm") && k + 1 < units.size() && kind_of(units[k + 1].name) == "rotary_attention"; ++layer) {
     const std::string p = "model.layers." + std::to_string(layer) + ".";
-    at = units[k].offset;
-    add(p + "input_layernorm.weight", {D}, at);
-    covers(at);
+    add({p + "input_layernorm.weight"});
     ++k;
-    const auto a = args_of(units[k].name);  // D, Heads, KVHeads
-    if (a.size() < 3 || a[0] != D) refuse("rotary_attention<" + std::to_string(D) + ", ...>");
-    const std::int64_t hd = D / a[1], kvw = a[2] * hd;
-    at = units[k].offset;
-    add(p + "self_attn.q_proj.weight", {D, D}, at);
-    add(p + "self_attn.k_proj.weight", {kvw, D}, at);
-    add(p + "self_attn.v_proj.weight", {kvw, D}, at);
-    add(p + "self_attn.o_proj.weight", {D, D}, at);
-    covers(at);
+    if (const auto a = args_of(units[k].name); a.size() < 3 || a[0] != D) refuse("rotary_attention<" + std::to_string(D) + ", ...>");
+    add({p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight", p + "self_attn.v_proj.weight", p + "self_attn.o_proj.weight"});
     ++k;
     if (!is("rms_norm")) refuse("the post-attention rms_norm");
-    at = units[k].offset;
-    add(p + "post_attention_layernorm.weight", {D}, at);
-    covers(at);
+    add({p + "post_attention_layernorm.weight"});
     ++k;
     if (!is("swiglu_mlp")) refuse("a swiglu_mlp");
-    const auto m = args_of(units[k].name);  // D, Hidden
-    at = units[k].offset;
-    add(p + "mlp.gate_proj.weight", {m.at(1), D}, at);
-    add(p + "mlp.up_proj.weight", {m.at(1), D}, at);
-    add(p + "mlp.down_proj.weight", {D, m.at(1)}, at);
-    covers(at);
+    add({p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight", p + "mlp.down_proj.weight"});
     ++k;
   }
   if (!is("rms_norm")) refuse("the final rms_norm");
-  at = units[k].offset;
-  add("model.norm.weight", {D}, at);
-  covers(at);
+  add({"model.norm.weight"});
   ++k;
   if (!is("linear") || units[k].name.find("no_bias") == std::string::npos) refuse("the LM head, a linear without bias");
   if (const auto h = args_of(units[k].name); h.size() < 2 || h[0] != D || h[1] != V)
     refuse("the LM head linear<" + std::to_string(D) + ", " + std::to_string(V) + ", no_bias> (width to vocabulary)");
-  at = units[k].offset;
-  add("lm_head.weight", {V, D}, at);
-  covers(at);
+  add({"lm_head.weight"});
   ++k;
   if (k != units.size()) refuse("nothing more");
   return out;
@@ -359,11 +311,6 @@ template <class Reader> void match_prefix(const Reader& r, std::vector<tensor_ma
 template <class Reader>
 void check_file(const Reader& r, const std::vector<tensor_map>& maps, const std::string& prefix,
                        const char* who, bool extra_ok = false) {
-  auto shape_str = [](const std::vector<std::int64_t>& s) {
-    std::string o = "[";
-    for (std::size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-    return o + "]";
-  };
   for (const auto& m : maps) {
     const auto name = prefix + m.name;
     const auto where = std::string(who) + ": '" + r.path() + "': tensor " + name;
@@ -374,7 +321,7 @@ void check_file(const Reader& r, const std::vector<tensor_map>& maps, const std:
     if (it == r.entries().end()) throw std::runtime_error(where + " is missing (another architecture or size?)");
     const auto& e = r.entry(name);
     if (e.shape != m.shape)
-      throw std::runtime_error(where + " has shape " + shape_str(e.shape) + "; this model's is " + shape_str(m.shape));
+      throw std::runtime_error(where + " has shape " + ckpt::shape_str(e.shape) + "; this model's is " + ckpt::shape_str(m.shape));
     const int w = e.dtype == "F32" ? 4 : (e.dtype == "BF16" || e.dtype == "F16") ? 2 : 0;
     if (w == 0) throw std::runtime_error(where + " is " + e.dtype + "; whale reads F32, BF16 and F16");
     if (e.offsets[1] - e.offsets[0] != static_cast<std::int64_t>(w) * m.count)
@@ -418,7 +365,7 @@ template <Checkpointable Net> void import_hf_safetensors(const std::string& path
   constexpr const char* who = "whale::import_hf_safetensors";
   const std::string err = ckpt::catching([&] {
     const hf::checkpoint r(path, who);
-    auto maps = hf::tensors_for(ckpt::units_of<M>(), who);
+    auto maps = hf::tensors_for(describe<M>(), who);
     hf::match_prefix(r, maps);
     hf::check_file(r, maps, "", who);
     std::map<std::size_t, std::vector<float>> loaded;  // tensor index -> its values (read once, converted)
@@ -454,7 +401,7 @@ template <Checkpointable Net> void export_hf_safetensors(const std::string& path
   using M = typename Net::model_type;
   constexpr const char* who = "whale::export_hf_safetensors";
   std::string err = net.rank() == 0 ? detail::output_path_problem(path) : std::string();
-  if (err.empty()) err = ckpt::catching([&] { (void)hf::tensors_for(ckpt::units_of<M>(), who); });
+  if (err.empty()) err = ckpt::catching([&] { (void)hf::tensors_for(describe<M>(), who); });
   else err = std::string(who) + ": '" + path + "': " + err;
   ckpt::agree(net, err);
   tensor<float> full;
@@ -462,7 +409,7 @@ template <Checkpointable Net> void export_hf_safetensors(const std::string& path
   if (net.rank() == 0) err = ckpt::catching([&] {
     std::vector<float> host;
     const float* p = full.data() ? full.data() : ckpt::backend_of(net).host_readable(cview<float>(net.params()), host).data();
-    const auto maps = hf::tensors_for(ckpt::units_of<M>(), who);
+    const auto maps = hf::tensors_for(describe<M>(), who);
     const bool half = dtype == precision::bf16;
     const std::int64_t w = half ? 2 : 4;
     std::ostringstream hs;
