@@ -22,6 +22,7 @@
 #include "whale/comm/context.hpp"
 #include "whale/models/deep_mlp.hpp"
 #include "whale/models/gpt.hpp"
+#include "whale/models/gpt2.hpp"
 #include "whale/models/llama.hpp"
 #include "whale/models/mlp.hpp"
 #include "whale/models/xc.hpp"
@@ -262,6 +263,18 @@ struct llama_small_workload {
   static auto data(whale::index_t global) { return whale::models::gpt_data(whale::seed{7}, global); }
 };
 
+/// GPT-2 at gpt's scale: gpt's shape (width 256, 4 layers, 4 heads, MLP
+/// 1024, vocabulary 8192, 128 tokens, 16 sequences) with GPT-2's tied head, on
+/// gpt's Markov-chain tokens. Plans single and dp only (scripts/reference
+/// --bench gpt2-small runs transformers' GPT2LMHeadModel on the same shape).
+struct gpt2_small_workload {
+  using model = whale::models::gpt2<4, 256, 4, 8192, 128>;
+  static constexpr const char* name = "gpt2-small";
+  static constexpr bool tokens = true, time_to_loss = false, baseline_only = true;
+  static whale::index_t global_batch(int /*data_ranks*/) { return whale::models::gpt_global_batch; }
+  static auto data(whale::index_t global) { return whale::models::gpt_data(whale::seed{7}, global); }
+};
+
 /// For time-to-loss runs (plans hetpipe, and dp with --speeds or --target-loss).
 struct deep_mlp_workload {
   using model = whale::models::deep_mlp;
@@ -425,7 +438,8 @@ template <class P> plan_entry plan() {
             else if (c.workload == "gpt") go(gpt_workload{});
             else if (c.workload == "deep-mlp") go(deep_mlp_workload{});
             else if (c.workload == "llama-small") go(llama_small_workload{});
-            else throw usage_error("bench: unknown workload '" + c.workload + "' (have: mlp, xc, gpt, deep-mlp, llama-small)");
+            else if (c.workload == "gpt2-small") go(gpt2_small_workload{});
+            else throw usage_error("bench: unknown workload '" + c.workload + "' (have: mlp, xc, gpt, deep-mlp, llama-small, gpt2-small)");
           }};
 }
 

@@ -1,6 +1,6 @@
 // The reference-workload benchmark (shared/workloads.md): trains `mlp`, `xc` or
 // `gpt` under a plan and prints one JSON line (rank 0 only) on stdout.
-//   bench_workloads --workload mlp|xc|gpt|deep-mlp|llama-small --plan P [--steps S] [--threads-per-rank T] [plan options]
+//   bench_workloads --workload mlp|xc|gpt|deep-mlp|llama-small|gpt2-small --plan P [--steps S] [--threads-per-rank T] [plan options]
 // scripts/bench builds it and launches mpirun for several ranks; use that.
 //
 // Adding a plan (hybrid, pipeline, zero1/2/3, ...):
@@ -79,7 +79,7 @@ bench::config parse(int argc, char** argv, whale::context& ctx) {
     else if (a == "--threads-per-rank")
       whale::cpu::set_threads(static_cast<int>(whale::detail::parse_int(next(), "--threads-per-rank", 1, 4096)));
     else if (a == "--help" || a == "-h")
-      throw bench::usage_error("usage: bench_workloads --workload mlp|xc|gpt|deep-mlp|llama-small --plan P [--steps S] "
+      throw bench::usage_error("usage: bench_workloads --workload mlp|xc|gpt|deep-mlp|llama-small|gpt2-small --plan P [--steps S] "
                                "[--threads-per-rank T] [plan options]\nplans:" + plan_list());
     else rest.push_back(a);
   }
