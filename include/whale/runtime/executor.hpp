@@ -139,8 +139,9 @@ template <class P> class executor {
   /// rank's gradients are final (summed over the data axis, or reduce-scattered
   /// into its range) when it returns. Returns this rank's share of the loss.
   double train_step(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) { return pass(c, x, labels, true); }
-  /// train_step without the data-axis gradient sum (benchmarks' compute limit;
-  /// split regions, pipeline messages and ZeRO 2-3's per-leaf collectives still communicate).
+  /// train_step without the data-axis gradient sum (benchmarks' compute limit,
+  /// wsp_trainer's local steps; split regions, pipeline messages, ZeRO 2-3's
+  /// per-leaf collectives and a tied head's sum with its table still communicate).
   double compute_only_step(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels) {
     return pass(c, x, labels, true, false);
   }

@@ -218,7 +218,9 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
     sync_.finish(*data_, grads_.data());  // launch what is left, wait for all
     tr_.add(span_kind::grad_all_reduce, step_, -1, t0, tr_.now());
   }
-  if (train && sync && !ties_.empty()) {  // tied heads: table and head both take the sum of their gradients
+  // tied heads: table and head both take the sum of their gradients (a pass without the data-axis sum
+  // too: wsp_trainer pushes those gradients as they are)
+  if (train && !ties_.empty()) {
     if constexpr (level >= 2)
       detail::tie_owned_grads(ties_, zero_.shard_grads().data(), zero_.begin(), zero_.end(), be_, *data_, pipe_, stage_);
     else
