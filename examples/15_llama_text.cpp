@@ -139,8 +139,8 @@ int main(int argc, char** argv) {
     };
     if (plan == "tp" && model == "llama" && n > 2)
       throw std::invalid_argument("example_15: --plan tp: the Llama's 2 key/value heads allow at most 2 ranks");
-    if (plan == "tp" && model == "gpt2" && n > 4)
-      throw std::invalid_argument("example_15: --plan tp: the GPT-2's 4 heads allow at most 4 ranks");
+    if (plan == "tp" && model == "gpt2" && 4 % n != 0)
+      throw std::invalid_argument("example_15: --plan tp: the GPT-2's 4 heads allow 1, 2 or 4 ranks");
     rc = model == "gpt2" ? run(static_cast<gpt2_model*>(nullptr)) : run(static_cast<llama_model*>(nullptr));
     if (!made.empty() && ctx.rank() == 0) std::filesystem::remove(made);
     return rc;

@@ -35,10 +35,12 @@
 #include "whale/models/gpt2.hpp"
 #include "whale/models/llama.hpp"
 #include "whale/optim/adamw.hpp"
+#include "whale/optim/sgd.hpp"
 #include "whale/runtime/make.hpp"
 #include "whale/train/hf_safetensors.hpp"
 #include "whale/train/init.hpp"
 #include "whale/train/trainer.hpp"
+#include "whale/train/wsp_trainer.hpp"
 #include "support/plan_check.hpp"
 
 using namespace whale;
@@ -596,6 +598,8 @@ TEST_CASE("GPT-2 weights out and back: exported from a pipeline (the tied head o
                   {{"h.0.attn.bias", {1, 1, 32, 32}}, {"h.1.attn.bias", {1, 1, 32, 32}}, {"h.0.attn.masked_bias", {}}});
     write_renamed(a, [](const std::string& name) { return name == "transformer.wpe.weight" ? std::string() : name; },
                   dir + "/no-wpe.safetensors");
+    // an untied GPT-2 (tie_word_embeddings false): its own lm_head.weight, here zeros
+    write_renamed(a, [](const std::string& name) { return name; }, dir + "/untied-file.safetensors", {{"lm_head.weight", {256, 64}}});
   }
   barrier(ctx.world());
   network<gpt2> x(seed{2});
@@ -639,6 +643,8 @@ TEST_CASE("GPT-2 weights out and back: exported from a pipeline (the tied head o
   auto& w = ctx.world();
   refused(w, "a GPT-2 file without its position table", "tensor transformer.wpe.weight is missing",
           [&] { import_hf_safetensors(dir + "/no-wpe.safetensors", net); });
+  refused(w, "an untied checkpoint", "tensor lm_head.weight differs from transformer.wte.weight: the checkpoint's LM head is not tied",
+          [&] { import_hf_safetensors(dir + "/untied-file.safetensors", net); });
   refused(w, "another width", "tensor transformer.wte.weight has shape [256, 64]; this model's is [256, 32]", [&] {
     network<models::gpt2<2, 32, 4, 256, 32>> other(seed{1});
     import_hf_safetensors(original, other);
@@ -656,8 +662,23 @@ TEST_CASE("a tied head: drawn as its table by initialize(); refused without its 
   auto ctx = on_mesh("data=" + std::to_string(n));
   auto& w = ctx.world();
   using headless = sequential<position_embedding<32, 64>, layer_norm<64>, tied_head<256, 64>, softmax_cross_entropy>;
-  refused(w, "no embedding before it (one process)", "ties its weight to the token table, but no embedding of 16384 parameters comes before it",
+  refused(w, "no embedding before it (one process)", "tied_head<256, 64> (at parameter 8320) ties its weight to the token table, but no embedding<256, 64> comes before it",
           [&] { network<sequential<embedding<128, 64>, layer_norm<64>, tied_head<256, 64>, softmax_cross_entropy>> m(seed{1}); });
+  // a table of the same size but another shape is not the head's
+  refused(w, "a table of another shape (a plan)", "tied_head<256, 64> ties its weight to the token table, but no embedding<256, 64> comes before it",
+          [&] { auto m = make<replicate<sequential<embedding<512, 32>, linear<32, 64>, tied_head<256, 64>, softmax_cross_entropy>>>(ctx, seed{1}); });
+  refused(w, "two heads on one table", "tied_head<256, 64> ties its weight to the embedding<256, 64> that tied_head<256, 64> before it is tied to already",
+          [&] {
+            auto m = make<replicate<sequential<embedding<256, 64>, tied_head<256, 64>, relu, linear<256, 64>, tied_head<256, 64>,
+                                               softmax_cross_entropy>>>(ctx, seed{1});
+          });
+  refused(w, "Wave Synchronous Parallel", "whale::wsp_trainer: the model has a tied head (tied_head)", [&] {
+    auto m = make<replicate<gpt2>>(ctx, seed{1});
+    wsp_trainer t(ctx, m, sgd{.lr = 0.01f});
+  });
+  refused(w, "two heads on one table (one process)", "comes before it that another tied head does not take", [&] {
+    network<sequential<embedding<256, 64>, tied_head<256, 64>, relu, linear<256, 64>, tied_head<256, 64>, softmax_cross_entropy>> m(seed{1});
+  });
   refused(w, "no embedding before it (a plan)", "tied_head<256, 64> ties its weight to the token table, but no embedding<256, 64> comes before it",
           [&] { auto m = make<replicate<headless>>(ctx, seed{1}); });
   // initialize() draws the head as its table (one process, and a pipeline whose head is on another stage)

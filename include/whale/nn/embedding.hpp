@@ -41,7 +41,7 @@ struct embedding {
 
   void bind(param_binder& b) {
     auto t = b.take({Vocab, D});
-    b.note_table(t.offset, Vocab * D);  // a tied_head<Vocab, D> after it copies this table
+    b.note_table(t.offset, Vocab, D);  // a tied_head<Vocab, D> after it copies this table
     w_ = t.value;
     dw_ = t.grad;
   }

@@ -191,18 +191,22 @@ class param_binder {
   }
   index_t offset() const noexcept { return offset_; }
 
-  /// Tied parameters (tied_head): a token table of `count` elements bound at
-  /// flat index `at`, and a head bound at `at` whose parameters copy the last
-  /// table of its size bound before it by this binder (table -1: none was).
+  /// Tied parameters (tied_head): a token table of (rows, cols) bound at
+  /// flat index `at`, and a head of (rows, cols) bound at `at` whose
+  /// parameters copy the last such table bound before it by this binder
+  /// (table -1: none was, or another head took it).
   struct tie {
     index_t table = -1, head = 0, count = 0;
+    index_t rows = 0, cols = 0;
   };
-  void note_table(index_t at, index_t count) { tables_.push_back({at, at, count}); }
-  void note_tied_head(index_t at, index_t count) {
+  void note_table(index_t at, index_t rows, index_t cols) { tables_.push_back({at, at, rows * cols, rows, cols}); }
+  void note_tied_head(index_t at, index_t rows, index_t cols) {
     index_t table = -1;
     for (auto t = tables_.rbegin(); t != tables_.rend() && table < 0; ++t)
-      if (t->count == count) table = t->table;
-    ties_.push_back({table, at, count});
+      if (t->rows == rows && t->cols == cols) table = t->table;
+    for (const auto& t : ties_)
+      if (t.table == table) table = -1;
+    ties_.push_back({table, at, rows * cols, rows, cols});
   }
   /// The ties of the layers bound so far (one binder over a whole model: all of them).
   const std::vector<tie>& ties() const noexcept { return ties_; }

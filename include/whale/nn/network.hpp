@@ -188,9 +188,10 @@ class network {
   void tie_heads(const std::vector<param_binder::tie>& ties) {
     for (const auto& t : ties) {
       if (t.table < 0)
-        throw std::invalid_argument("whale::network: a tied_head (at parameter " + std::to_string(t.head) +
-                                    ") ties its weight to the token table, but no embedding of " + std::to_string(t.count) +
-                                    " parameters comes before it");
+        throw std::invalid_argument("whale::network: tied_head<" + std::to_string(t.rows) + ", " + std::to_string(t.cols) +
+                                    "> (at parameter " + std::to_string(t.head) + ") ties its weight to the token table, but no embedding<" +
+                                    std::to_string(t.rows) + ", " + std::to_string(t.cols) +
+                                    "> comes before it that another tied head does not take");
       std::memcpy(params_.data() + t.head, params_.data() + t.table, static_cast<std::size_t>(t.count) * sizeof(float));
     }
     ties_ = ties;

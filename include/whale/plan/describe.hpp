@@ -59,6 +59,7 @@ struct unit_desc {
   std::vector<param_tensor> (*tensors)() = nullptr;
   bool residual_out = false;     ///< the last layer with parameters in a residual branch (it writes the stream)
   bool token_table = false;      ///< an embedding<V, D> (or its vocabulary-split form): a table a head may tie to
+  index_t table_rows = 0, table_cols = 0;  ///< a token table's or a tied head's (V, D)
   /// A tied head (tied_head<V, D>): the unit of the token table its weight is a
   /// copy of (the last embedding<V, D> before it); -1 otherwise.
   int ties_to = -1;
@@ -111,7 +112,13 @@ template <axis A, lay F, lay T, lay GF, lay GT> struct is_convert<convert<A, F, 
 template <class T> struct is_split_loss : std::false_type {};
 template <axis A> struct is_split_loss<split_softmax_cross_entropy<A>> : std::true_type {};
 template <class L> struct is_token_table : std::false_type {};
-template <index_t V, index_t D> struct is_token_table<embedding<V, D>> : std::true_type {};
+template <index_t V, index_t D> struct is_token_table<embedding<V, D>> : std::true_type {
+  static constexpr index_t rows = V, cols = D;
+};
+template <class L> struct tied_dims {};
+template <index_t V, index_t D> struct tied_dims<tied_head<V, D>> {
+  static constexpr index_t rows = V, cols = D;
+};
 template <class L> struct unsplit_of { using type = L; };
 template <class L> requires requires { typename L::unsplit_type; } struct unsplit_of<L> { using type = typename L::unsplit_type; };
 
@@ -178,16 +185,22 @@ struct describer {
           if (t.role == param_role::weight) u.widest_weight = std::max(u.widest_weight, t.count);
       u.split_loss = is_split_loss<L>::value;
       u.token_table = is_token_table<unsplit>::value;
+      if constexpr (is_token_table<unsplit>::value) u.table_rows = is_token_table<unsplit>::rows, u.table_cols = is_token_table<unsplit>::cols;
       if constexpr (ties_token_table<L>) {
+        u.table_rows = tied_dims<unsplit>::rows, u.table_cols = tied_dims<unsplit>::cols;
+        const std::string table = "embedding<" + std::to_string(u.table_rows) + ", " + std::to_string(u.table_cols) + ">";
         for (auto k = d->units.size(); k-- > 0;)
-          if (d->units[k].token_table && d->units[k].full_params == u.full_params) {
+          if (d->units[k].token_table && d->units[k].table_rows == u.table_rows && d->units[k].table_cols == u.table_cols) {
             u.ties_to = static_cast<int>(k);
             break;
           }
         if (u.ties_to < 0)
-          throw std::invalid_argument("whale: " + u.name + " ties its weight to the token table, but no embedding<" +
-                                      u.name.substr(u.name.find('<') + 1, u.name.find('>') - u.name.find('<') - 1) +
-                                      "> comes before it in the model");
+          throw std::invalid_argument("whale: " + u.unsplit + " ties its weight to the token table, but no " + table +
+                                      " comes before it in the model");
+        for (const auto& other : d->units)
+          if (other.ties_to == u.ties_to)
+            throw std::invalid_argument("whale: " + u.unsplit + " ties its weight to the " + table + " that " + other.unsplit +
+                                        " before it is tied to already; tie one head to a table");
       }
       u.defers = recompute_group < 0 && requires(L& l, const backend_ref& be) { l.weight_grads(be, 0, false); };
     }

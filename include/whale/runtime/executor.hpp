@@ -168,7 +168,7 @@ template <class P> class executor {
       executor* e;
       ~reset() { e->in_flight_ = 0, e->micro_done_ = nullptr; }
     } r{this};
-    if (!ties_.empty())
+    if (tied_model_)
       throw std::invalid_argument("whale::executor::in_flight_step: the model has a tied head (tied_head), whose "
                                   "gradients are summed with its table's once a step's backward is done; minibatches in "
                                   "flight hand over each one's gradients before that; untie the head (linear<D, V, no_bias>)");
@@ -225,6 +225,8 @@ template <class P> class executor {
     return std::sqrt(sq);
   }
   int rank() const noexcept { return ctx_->rank(); }
+  /// Whether the model has a tied head (tied_head; on any rank, not only this one's stage).
+  bool has_tied_head() const { return tied_model_; }
   /// The backend this rank's layers and optimizer run on (every pass sets step_ctx::be to it).
   const backend_ref& backend() const noexcept { return be_; }
   /// On a device: the traffic of its own communicators over the data and model
@@ -418,6 +420,7 @@ template <class P> class executor {
   int p_ = 1, d_ = 1, stage_ = 0, replica_ = 0, model_rank_ = 0;
   std::vector<std::pair<index_t, index_t>> no_sync_;  // ranges split over data (filled while binding)
   std::vector<detail::tie_pair> ties_;               // tied heads and tables this rank holds (runtime/tie.hpp)
+  bool tied_model_ = false;                          // the model has a tied head somewhere
   std::array<stage_type, V> parts_;                 // this rank's chunks (one without interleaving)
   std::array<index_t, V + 1> chunk_at_{};           // where each chunk starts in the local flat buffer
   tensor<float> params_, grads_;

@@ -162,11 +162,12 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
     throw std::logic_error(who + "the runtime holds " + std::to_string(n) + " parameters, the program " +
                            std::to_string(held.params_held));
   // tied heads: where each one's table lies (this rank, or another pipe rank's program)
-  ties_ = detail::ties_of(prog_, [&](int pipe) {
-    auto c = ctx.mesh().coords();
-    c[static_cast<std::size_t>(axis::pipe)] = pipe;
-    return lower<P>(shape, shape.rank_of(c), lo);
-  });
+  if (const auto d = describe<P>(); std::any_of(d.units.begin(), d.units.end(), [](const unit_desc& u) { return u.ties_to >= 0; }))
+    tied_model_ = true, ties_ = detail::ties_of(prog_, [&](int pipe) {
+      auto c = ctx.mesh().coords();
+      c[static_cast<std::size_t>(axis::pipe)] = pipe;
+      return lower<P>(shape, shape.rank_of(c), lo);
+    });
   check_state_memory(held, n);  // before the parameters are allocated: do they fit on this node?
   if (o_.balance && !o_.memory_caps_mib.empty() && o_.plan_batch > 0 && d_ > 1) fit_rows_to_caps();
   bind(s, n);

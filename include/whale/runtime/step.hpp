@@ -32,7 +32,7 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
                                 ": accumulating gradients across train_step calls (step_ctx::accumulate) is not "
                                 "supported with a data axis or ZeRO levels 2-3 (each call sums or scatters the "
                                 "gradients over data); accumulate inside one step: plan_options::micro_batches");
-  if (c.accumulate && !ties_.empty())
+  if (c.accumulate && tied_model_)
     throw std::invalid_argument("whale::" + layer_name<P>() +
                                 ": accumulating gradients across train_step calls (step_ctx::accumulate) is not "
                                 "supported with a tied head (tied_head): each call sums its gradients with the table's; "

@@ -32,23 +32,22 @@ namespace whale::detail {
 
 /// One tie as this rank holds it: local offsets (this rank's flat buffer) of
 /// the table's and the head's slices, -1 for a side another pipe rank holds
-/// (`peer`, its pipe coordinate).
+/// (`peer`, its pipe coordinate). `unit`: the head's unit (ties are kept in its order).
 struct tie_pair {
   index_t table = -1, head = -1, count = 0;
   int peer = -1;
+  int unit = -1;
 };
 
-/// The ties of a rank's program. `program_of(pipe)`: the program of the rank
-/// with this rank's data and model coordinates at pipe coordinate `pipe` (to
-/// find which one holds the other side). Throws where a tie's two sides are
-/// split differently (the head split by vocabulary, the table not, or the reverse).
+/// The ties this rank takes part in. `program_of(pipe)`: the program of the
+/// rank with this rank's data and model coordinates at pipe coordinate
+/// `pipe`. Every tie of the model is checked on every rank, so that all fail
+/// together: its two sides must be split alike (both by vocabulary over the
+/// same axis, or neither). In the head's unit order on every rank, so that
+/// two ranks exchange their ties in one order.
 inline std::vector<tie_pair> ties_of(const program& prog, const std::function<program(int)>& program_of) {
-  std::vector<tie_pair> out;
-  auto holding_of_unit = [](const program& p, int unit) -> const holding* {
-    for (const auto& h : p.holds)
-      if (h.unit == unit) return &h;
-    return nullptr;
-  };
+  std::vector<program> stage(static_cast<std::size_t>(prog.stages));
+  for (int s = 0; s < prog.stages; ++s) stage[static_cast<std::size_t>(s)] = s == prog.stage ? prog : program_of(s);
   auto same_runs = [](const holding& a, const holding& b) {
     if (a.local_params != b.local_params || a.runs.size() != b.runs.size()) return false;
     for (std::size_t i = 0; i < a.runs.size(); ++i)
@@ -56,46 +55,29 @@ inline std::vector<tie_pair> ties_of(const program& prog, const std::function<pr
         return false;
     return true;
   };
-  auto check = [&](const holding& table, const holding& head) {
-    if (!same_runs(table, head))
-      throw std::invalid_argument("whale: " + head.name + " is tied to " + table.name +
-                                  ", but the two are split differently (this rank holds " + std::to_string(head.local_params) +
-                                  " and " + std::to_string(table.local_params) +
-                                  " of their parameters); split both by vocabulary in one split region (split<M>), or neither");
-  };
-  // a head held here: its table here or on another pipe rank
-  for (const auto& h : prog.holds) {
-    if (h.ties_to < 0 || h.local_params == 0) continue;
-    tie_pair t;
-    t.head = h.local_offset, t.count = h.local_params;
-    if (const holding* tb = holding_of_unit(prog, h.ties_to)) {
-      check(*tb, h);
-      t.table = tb->local_offset;
-    } else {
-      for (int s = 0; s < prog.stages && t.peer < 0; ++s)
-        if (s != prog.stage)
-          if (const auto other = program_of(s); const holding* tb = holding_of_unit(other, h.ties_to)) {
-            check(*tb, h);
-            t.peer = s;
-          }
-      if (t.peer < 0) throw std::logic_error("whale: no pipe rank holds the token table " + h.name + " is tied to");
-    }
-    out.push_back(t);
-  }
-  // a table held here whose head another pipe rank holds
-  for (int s = 0; s < prog.stages; ++s) {
-    if (s == prog.stage) continue;
-    const auto other = program_of(s);
-    for (const auto& h : other.holds) {
-      if (h.ties_to < 0 || h.local_params == 0) continue;
-      const holding* tb = holding_of_unit(prog, h.ties_to);
-      if (!tb || holding_of_unit(prog, h.unit)) continue;
-      check(*tb, h);
+  std::vector<tie_pair> out;
+  for (int hs = 0; hs < prog.stages; ++hs)
+    for (const auto& h : stage[static_cast<std::size_t>(hs)].holds) {
+      if (h.ties_to < 0) continue;
+      const holding* table = nullptr;
+      int ts = -1;
+      for (int s = 0; s < prog.stages && !table; ++s)
+        for (const auto& t : stage[static_cast<std::size_t>(s)].holds)
+          if (t.unit == h.ties_to) table = &t, ts = s;
+      if (!table) throw std::logic_error("whale: no pipe rank holds the token table " + h.name + " is tied to");
+      if (!same_runs(*table, h))
+        throw std::invalid_argument("whale: " + h.name + " is tied to " + table->name + ", but the two are split differently (" +
+                                    std::to_string(h.local_params) + " and " + std::to_string(table->local_params) +
+                                    " parameters on a rank); split both by vocabulary over the same axis, or neither");
+      if (h.local_params == 0 || (hs != prog.stage && ts != prog.stage)) continue;
       tie_pair t;
-      t.table = tb->local_offset, t.count = tb->local_params, t.peer = s;
+      t.count = h.local_params, t.unit = h.unit;
+      if (hs == prog.stage) t.head = h.local_offset;
+      if (ts == prog.stage) t.table = table->local_offset;
+      if (hs != ts) t.peer = hs == prog.stage ? ts : hs;
       out.push_back(t);
     }
-  }
+  std::sort(out.begin(), out.end(), [](const tie_pair& a, const tie_pair& b) { return a.unit < b.unit; });
   return out;
 }
 

@@ -368,6 +368,11 @@ template <Checkpointable Net> void import_hf_safetensors(const std::string& path
     auto maps = hf::tensors_for(describe<M>(), who);
     hf::match_prefix(r, maps);
     hf::check_file(r, maps, "", who);
+    for (const auto& m : maps)  // a tied head: a saved lm_head.weight must be the table it is tied to
+      if (m.tied && r.entries().count("lm_head.weight") && r.floats("lm_head.weight") != r.floats(m.name))
+        throw std::runtime_error(std::string(who) + ": '" + r.path() + "': tensor lm_head.weight differs from " + m.name +
+                                 ": the checkpoint's LM head is not tied to its token table (tie_word_embeddings false), "
+                                 "but this model's head is (tied_head)");
     std::map<std::size_t, std::vector<float>> loaded;  // tensor index -> its values (read once, converted)
     ckpt::write_resident_params(net, [&](float* dst, const ckpt::layout& L) {
       for (const auto& p : ckpt::clip(L.all, L.resident_first, L.resident_end)) {

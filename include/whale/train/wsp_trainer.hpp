@@ -91,6 +91,12 @@ template <class Net, class Opt> class wsp_trainer {
       if (!net.backend().on_cpu())
         throw std::invalid_argument(std::string("whale::wsp_trainer: a plan on a device (") + net.backend().name() +
                                     ") is not implemented yet: the parameter holders exchange host memory");
+    if constexpr (requires { net.has_tied_head(); })
+      if (net.has_tied_head())
+        throw std::invalid_argument("whale::wsp_trainer: the model has a tied head (tied_head), whose copy of the token "
+                                    "table the parameter holders would update apart from the table (each holder block "
+                                    "adds the workers' pushes in its own order); not supported yet: untie the head "
+                                    "(linear<D, V, no_bias>) for Wave Synchronous Parallel");
     if (o_.staleness < 0 || o_.staleness > 1000000)
       throw std::invalid_argument("whale::wsp_trainer: the staleness bound D must be from 0 to 1000000 (got " +
                                   std::to_string(o_.staleness) + ")");
