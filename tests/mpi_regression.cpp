@@ -5,7 +5,8 @@
 // the data axis, and in a mixed plan (ZeRO-1 around data x pipe x model, the
 // last stage holding a split head) — each against single-process training on the same global
 // batch, on every rank, with SGD (step losses and parameters) and with AdamW
-// + weight decay + active clipping. Targets are real values, half negative.
+// + weight decay + active clipping; the bytes of a step are the lowered
+// program's. Targets are real values, half negative.
 // Adapts to the world size (1, 2 and 4 ranks).
 #include <doctest/doctest.h>
 #include <mpi.h>
@@ -18,6 +19,7 @@
 #include "whale/nn/regression_loss.hpp"
 #include "whale/optim/adamw.hpp"
 #include "whale/optim/sgd.hpp"
+#include "whale/plan/lower.hpp"
 #include "whale/runtime/make.hpp"
 #include "whale/train/data_source.hpp"
 #include "whale/train/trainer.hpp"
@@ -89,6 +91,17 @@ template <class P, class Single> void check(const std::string& spec, int micro =
       if (ctx.rank() == 0) MESSAGE(what << ", SGD: max |plan - single| = " << d.max_abs << ", loss rel. diff " << loss_rel);
       CHECK(d.bad == 0);
       CHECK(loss_rel <= loss_rtol);
+      // one more step: the bytes it moves are the lowered program's (a data-axis head gathers every row's targets)
+      lower_options lo;
+      lo.global_batch = 8, lo.micro_batches = net.micro_batches();
+      const auto prog = lower<P>(ctx.mesh().shape(), ctx.rank(), lo);
+      auto before = ctx.mesh().stats();
+      before += ctx.world().stats();
+      t.step(data, 5);
+      auto after = ctx.mesh().stats();
+      after += ctx.world().stats();
+      CHECK(prog.totals().bytes_sent == after.bytes_sent - before.bytes_sent);
+      CHECK(prog.totals().bytes_received == after.bytes_received - before.bytes_received);
     }
     auto net = make<P>(ctx, seed{42}, o);
     const auto r = test::run_clipped<Single>(ctx.world(), net, batches, clip, 4, [&](network<Single>& single) {

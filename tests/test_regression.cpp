@@ -270,4 +270,13 @@ TEST_CASE("a regression MLP trains with mse_loss on float targets; a wrong targe
   trainer t2(other, sgd{.lr = 0.05f}, o);
   auto wide = regression_data(8, 4, 3);  // three targets a row for a model of two outputs
   CHECK_THROWS_WITH(t2.step(wide, 0), doctest::Contains("12 float targets (for 4 rows; the model's loss takes 2 a row"));
+
+  // an accuracy-style metric compares logits with class labels: refused before any step
+  trainer_options m = o;
+  m.eval_every = 2;
+  m.eval_metric = accuracy;
+  trainer t3(other, sgd{.lr = 0.05f}, m);
+  auto train = regression_data(16, 4), eval = regression_data(16, 4);
+  CHECK_THROWS_WITH(t3.run(train, steps{2}, eval), doctest::Contains("eval_metric compares logits with class labels"));
+  CHECK(t3.next_step() == 0);
 }

@@ -606,6 +606,10 @@ class trainer {
     train_result r;
     if constexpr (data_ok<Data>) {
       if (n.value < 0) throw std::invalid_argument("whale::trainer::run: steps must be >= 0 (got " + std::to_string(n.value) + ")");
+      if constexpr (!std::is_void_v<Eval>) {
+        if constexpr (std::is_same_v<data_target_t<Eval>, float>)
+          if (o_.eval_metric) metric_of(*eval);  // refuses float targets, saying why, before any step
+      }
       r.losses.reserve(static_cast<std::size_t>(n.value));
       r.step_seconds.reserve(static_cast<std::size_t>(n.value));
       if constexpr (checkpoints) {
