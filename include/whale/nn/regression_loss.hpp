@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -101,7 +102,11 @@ struct l1_loss : detail::regression_loss<kernels::regression::l1, 0.f> {
 template <float Delta>  // Delta defaults to 1 (its declaration in whale/fwd.hpp)
 struct huber_loss : detail::regression_loss<kernels::regression::huber, Delta> {
   static_assert(Delta > 0.f, "whale::huber_loss<Delta>: Delta must be positive (PyTorch's HuberLoss needs delta > 0)");
-  static std::string name() { return "huber_loss<" + std::to_string(Delta) + ">"; }
+  static std::string name() {
+    char b[48];
+    std::snprintf(b, sizeof b, "huber_loss<%g>", static_cast<double>(Delta));
+    return b;
+  }
 };
 
 }  // namespace whale

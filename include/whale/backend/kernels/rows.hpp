@@ -2,7 +2,8 @@
 // body(team, r) (backend/kernels/shapes.hpp): a team of lanes takes row r,
 // reduces across lanes in a fixed tree and writes the row in strided passes
 // -- bias rows, embedding lookups, LayerNorm and RMSNorm forward and backward,
-// cross-entropy, the regression losses, the class-split passes (attention's rows: kernels/attention.hpp).
+// cross-entropy, the regression losses, the class-split passes (attention's
+// rows: kernels/attention.hpp).
 // Column bodies, load/store (the column-reduction shape): the sums over rows
 // of bias and LayerNorm gradients and of position gradients. The embedding's
 // scatter-add by token is still one index per block of columns (below).
