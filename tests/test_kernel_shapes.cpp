@@ -242,7 +242,7 @@ TEST_CASE("the guarded backend runs every kernel in the device's shape, bit-equa
     }
     CHECK(on_cpu.rowd == on_device.rowd);
   });
-  CHECK(cases == 56);
+  CHECK(cases == 59);
 }
 
 TEST_CASE("attention as one call: a plain reference's outputs, log-sum-exps and gradients; the device's bits") {

@@ -41,6 +41,9 @@ template <index_t D, index_t Hidden> struct swiglu_mlp;
 /// KVHeads: grouped-query attention's key/value heads; Theta: the RoPE base (LlamaConfig's rope_theta).
 template <index_t D, index_t Heads, index_t KVHeads = Heads, float Theta = 10000.f> struct rotary_attention;
 struct softmax_cross_entropy;
+struct mse_loss;
+struct l1_loss;
+template <float Delta = 1.f> struct huber_loss;  // Delta: PyTorch HuberLoss's delta
 template <class... L> class sequential;
 template <class M> class network;
 

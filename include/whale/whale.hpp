@@ -43,6 +43,7 @@
 #include "whale/nn/repeat.hpp"
 #include "whale/nn/residual.hpp"
 #include "whale/nn/sequential.hpp"
+#include "whale/nn/regression_loss.hpp"
 #include "whale/nn/softmax_cross_entropy.hpp"
 #include "whale/nn/swiglu_mlp.hpp"
 #include "whale/nn/tied_head.hpp"

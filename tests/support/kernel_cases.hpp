@@ -111,6 +111,14 @@ template <class F> void for_each_case(F&& f) {
     [](buffers p) { return k::cross_entropy_rows{p.a, p.labels, p.f, p.rowd, C, 1.f / R, -100}; });
   f("cross_entropy_rows (gradient stored as bf16)", R,
     [](buffers p) { return k::cross_entropy_rows{p.a, p.labels, p.f, p.rowd, C, 1.f / R, -100, true}; });
+  // the regression losses: predictions a against targets b, differences on both sides of Huber's delta
+  f("regression_rows (mse)", R,
+    [](buffers p) { return k::regression_rows{p.a, p.b, p.f, p.rowd, C, 1.f / (R * C), k::regression::mse}; });
+  f("regression_rows (l1)", R,
+    [](buffers p) { return k::regression_rows{p.a, p.b, p.f, p.rowd, C, 1.f / (R * C), k::regression::l1}; });
+  f("regression_rows (huber, delta 1.5, gradient stored as bf16)", R, [](buffers p) {
+    return k::regression_rows{p.a, p.b, p.f, p.rowd, C, 1.f / (R * C), k::regression::huber, 1.5f, true};
+  });
   f("row_max", R, [](buffers p) { return k::row_max{p.a, p.f, C}; });
   f("exp_rows", R, [](buffers p) { return k::exp_rows{p.a, p.b, p.f, p.e, C}; });
   f("target_logits", R, [](buffers p) { return k::target_logits{p.a, p.labels, p.f, C / 2, 100, -100}; });

@@ -295,11 +295,54 @@ concept Layer = requires(L& l, step_ctx& c, param_binder& b, const counter_rng& 
   { l.backward(c, dy) } -> std::same_as<view<float>>;
 };
 
-/// A loss: consumes logits and integer labels, returns the loss summed over
-/// local rows and divided by `global_rows`, and produces d(logits).
+/// Containers (sequential, repeat, residual, ...) declare `static constexpr
+/// bool is_container = true`; everything else is a leaf layer.
+template <class L> inline constexpr bool is_container = requires { requires L::is_container; };
+
+/// What a loss compares its input with: `L::target_type` where it says
+/// (float: regression targets, one per input feature), else std::int32_t
+/// (class labels, one per row). Containers that end in a loss report their loss's.
+template <class L> struct loss_target { using type = std::int32_t; };
+template <class L>
+  requires requires { typename L::target_type; }
+struct loss_target<L> { using type = typename L::target_type; };
+template <class L> using loss_target_t = typename loss_target<L>::type;
+/// Targets per row a loss takes: `L::target_width` where it says
+/// (any_features: one per feature of its input, whatever the width), else 1.
+template <class L> constexpr index_t loss_target_width() {
+  if constexpr (requires { L::target_width; }) return L::target_width;
+  else return 1;
+}
+
+/// The label buffer: what travels from a data source to the loss, 4 bytes a
+/// label, as class ids (std::int32_t) or as the bits of float targets. Plans
+/// slice, copy and send it without reading it; only the loss reads it, as its
+/// loss_target_t. A leaf loss's forward_loss takes `cview<loss_target_t<L>>`,
+/// a container's the label buffer.
+using label_buffer = cview<std::int32_t>;
+template <class L> using loss_labels_t = std::conditional_t<is_container<L>, std::int32_t, loss_target_t<L>>;
+
+namespace detail {
+/// The label buffer holding `v`'s values (the same memory, the same shape).
+template <class T> label_buffer label_bits(cview<T> v) noexcept {
+  static_assert(sizeof(T) == sizeof(std::int32_t) && alignof(T) == alignof(std::int32_t),
+                "whale: labels and targets are 4-byte values (std::int32_t class ids or float targets)");
+  return label_buffer(reinterpret_cast<const std::int32_t*>(v.data()), v.shape());
+}
+/// The targets of type T a label buffer holds (the inverse of label_bits).
+template <class T> cview<T> targets_of(label_buffer v) noexcept {
+  static_assert(sizeof(T) == sizeof(std::int32_t) && alignof(T) == alignof(std::int32_t),
+                "whale: labels and targets are 4-byte values (std::int32_t class ids or float targets)");
+  return cview<T>(reinterpret_cast<const T*>(v.data()), v.shape());
+}
+}  // namespace detail
+
+/// A loss: consumes logits and its targets (int32 class labels, or float
+/// targets where L::target_type says), returns the loss summed over local rows
+/// and divided by the global count, and produces d(logits).
 template <class L>
 concept Loss = requires(L& l, step_ctx& c, cview<typename L::input_type> x,
-                        cview<std::int32_t> labels) {
+                        cview<loss_labels_t<L>> labels) {
   typename L::input_type;
   { L::in_features } -> std::convertible_to<index_t>;
   { L::cost() } -> std::same_as<cost_info>;
@@ -320,10 +363,6 @@ struct stateless_params {
   static void bind(param_binder&) noexcept {}
   static void init(const counter_rng&) noexcept {}
 };
-
-/// Containers (sequential, repeat, residual, ...) declare `static constexpr
-/// bool is_container = true`; everything else is a leaf layer.
-template <class L> inline constexpr bool is_container = requires { requires L::is_container; };
 
 /// A leaf layer as plan hooks see it: its flat parameter range, and a way to
 /// point its parameters and gradients at other storage (e.g. a ZeRO-3 gather buffer).
@@ -480,16 +519,18 @@ template <bool next_rounds = false, class L> view<float> run_backward(L& l, step
     return dx;
   }
 }
-/// The loss's forward, with hooks when it is a leaf.
+/// The loss's forward, with hooks when it is a leaf. `labels` is the label
+/// buffer; a leaf loss sees it as its loss_target_t (class ids or float targets).
 template <class L, class X>
-double run_forward_loss(L& l, step_ctx& c, X x, cview<std::int32_t> labels, index_t offset) {
+double run_forward_loss(L& l, step_ctx& c, X x, label_buffer labels, index_t offset) {
   if constexpr (is_container<L>) {
     return l.forward_loss(c, x, labels);
   } else {
-    if (!c.hooks) return l.forward_loss(c, x, labels);
+    const auto targets = detail::targets_of<loss_target_t<L>>(labels);
+    if (!c.hooks) return l.forward_loss(c, x, targets);
     const auto ref = make_leaf_ref(l, offset);
     c.hooks->before_forward(ref);
-    const double v = l.forward_loss(c, x, labels);
+    const double v = l.forward_loss(c, x, targets);
     c.hooks->after_forward(ref);
     return v;
   }

@@ -175,6 +175,12 @@ class sequential {
   static constexpr bool accepts_residual_grad = whale::accepts_residual_grad<first>();
   static constexpr index_t in_features = W::in_width[0];
   static constexpr index_t out_features = has_loss ? 1 : W::in_width[size];
+  /// What the loss compares with (loss_target_t): its targets' type, and how
+  /// many a row takes (a loss whose width follows its input: the width it
+  /// receives here, or any_features where no layer before it fixes one).
+  using target_type = loss_target_t<last>;
+  static constexpr index_t target_width =
+      loss_target_width<last>() == any_features ? W::in_width[size - 1] : loss_target_width<last>();
 
   static std::string name() {
     std::string s = "sequential<";
@@ -231,7 +237,7 @@ class sequential {
   }
 
   /// Forward through the layers and the loss; returns this rank's share of the loss.
-  double forward_loss(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels)
+  double forward_loss(step_ctx& c, cview<input_type> x, label_buffer labels)
     requires has_loss
   {
     if constexpr (n_layers == 0) {

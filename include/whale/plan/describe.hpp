@@ -48,6 +48,8 @@ struct unit_desc {
   conv_op fwd = conv_op::none, bwd = conv_op::none;  ///< converts: the collectives
   lay from = lay::R, to = lay::R, grad_from = lay::R, grad_to = lay::R;
   bool split_loss = false;       ///< class-split softmax cross-entropy (two all-reduces of row statistics)
+  /// A loss: the labels it reads per row (1: a class label; a regression loss: its input width of float targets).
+  index_t labels_per_row = 1;
   int recompute_group = -1;      ///< recompute<Block> it lies in (-1: none)
   bool defers = false;           ///< can put its weight gradients off to a W pass (split schedules)
   /// Sharded forms: the dimension the ranks share out (heads, vocabulary, features; its
@@ -167,6 +169,10 @@ struct describer {
       u.in = L::from;
     } else {
       u.kind = Loss<L> && !Layer<L> ? unit_kind::loss : unit_kind::layer;
+      if constexpr (Loss<L> && !Layer<L>) {
+        constexpr index_t tw = loss_target_width<L>();
+        u.labels_per_row = tw != any_features ? tw : (width != any_features ? width : 1);
+      }
       u.cost = L::cost().scaled(width == any_features ? 0.0 : static_cast<double>(width));
       u.full_params = L::cost().params;
       if constexpr (requires { L::split_params; }) {

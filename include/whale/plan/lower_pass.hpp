@@ -62,10 +62,11 @@ inline void lowering::forward_unit(int i, int micro, bool again) {
   zero_gather(i, false, micro);
   if (u.kind == unit_kind::loss && u.split_axis == static_cast<int>(axis::data) && u.in != lay::S0 && D_ > 1) {
     std::vector<index_t> counts(static_cast<std::size_t>(D_));
-    for (int r = 0; r < D_; ++r) counts[static_cast<std::size_t>(r)] = weighted_slice(o_.global_batch, D_, r, o_.replica_weights, std::max(1, o_.micro_batches)).second * o_.seq;
+    const index_t w = u.labels_per_row;  // a label per row, or a row's float targets
+    for (int r = 0; r < D_; ++r) counts[static_cast<std::size_t>(r)] = weighted_slice(o_.global_batch, D_, r, o_.replica_weights, std::max(1, o_.micro_batches)).second * o_.seq * w;
     pending_.push_back(add_coll(coll_kind::all_gather, axes(axis::data), D_,
-                                all_gather_traffic(std::span<const index_t>(counts), dr_, D_, 4), o_.global_batch * o_.seq,
-                                "labels of every row for the loss", micro));
+                                all_gather_traffic(std::span<const index_t>(counts), dr_, D_, 4), o_.global_batch * o_.seq * w,
+                                w > 1 ? "targets of every row for the loss" : "labels of every row for the loss", micro));
   }
   add_compute(again ? op_kind::recompute : op_kind::forward, i, micro, rows_for(u));
   if (u.split_loss) {

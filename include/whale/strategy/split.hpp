@@ -84,6 +84,8 @@ class split_chain {
   static constexpr index_t in_features = sequential<E...>::in_features;
   static constexpr index_t out_features = sequential<E...>::out_features;
   static constexpr std::size_t n_layers = ends_in_loss ? size - 1 : size;
+  using target_type = typename sequential<E...>::target_type;
+  static constexpr index_t target_width = sequential<E...>::target_width;
 
   static std::string name() { return "split<" + sequential<E...>::name() + ", " + axis_name(A) + ">"; }
   static constexpr cost_info cost() { return sequential<E...>::cost(); }
@@ -131,7 +133,7 @@ class split_chain {
       return out;
     }
   }
-  double forward_loss(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels)
+  double forward_loss(step_ctx& c, cview<input_type> x, label_buffer labels)
     requires ends_in_loss
   {
     auto& loss = std::get<size - 1>(layers_);
@@ -181,20 +183,24 @@ class split_chain {
     }
   }
 
-  // Labels of all global rows when the loss sees all rows but the data gave this rank its own.
-  cview<std::int32_t> labels_for(step_ctx& c, cview<std::int32_t> labels) {
+  // Labels of all global rows when the loss sees all rows but the data gave this
+  // rank its own: the label buffer gathered by rows (a row's labels or targets whole).
+  label_buffer labels_for(step_ctx& c, label_buffer labels) {
     if constexpr (A == axis::data && built::out != lay::S0) {
       auto& comm = env_.comm(axis::data);
       const int p = comm.size();
       const index_t gseq = c.global_rows / c.seq;
+      // labels per row: the loss's target width, or (a width that follows the data) the buffer's columns
+      const index_t w = target_width > 0 ? target_width : (labels.shape().rank() == 2 ? labels.shape()[1] : 1);
       counts_.resize(static_cast<std::size_t>(p));
-      for (int i = 0; i < p; ++i) counts_[static_cast<std::size_t>(i)] = detail::rows_of(gseq, c.seq, p, i);
+      for (int i = 0; i < p; ++i) counts_[static_cast<std::size_t>(i)] = detail::rows_of(gseq, c.seq, p, i) * w;
       if (all_labels_.capacity() == 0) all_labels_.set_kind(mem_kind::comm);
-      all_labels_.resize({c.global_rows});
+      const index_t total = c.global_rows * w;
+      all_labels_.resize(w == 1 ? shape{c.global_rows} : shape{c.global_rows, w});
       detail::collective_in(c.be, comm, env_.device(axis::data), host_labels_, labels.data(), labels.numel(),
-                            all_labels_.data(), c.global_rows, [&](auto& cm, const std::int32_t* in, std::int32_t* out) {
+                            all_labels_.data(), total, [&](auto& cm, const std::int32_t* in, std::int32_t* out) {
                               all_gather_v(cm, cview<std::int32_t>(in, {labels.numel()}),
-                                           view<std::int32_t>(out, {c.global_rows}), std::span<const index_t>(counts_));
+                                           view<std::int32_t>(out, {total}), std::span<const index_t>(counts_));
                             });
       return all_labels_.v();
     } else {

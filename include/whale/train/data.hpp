@@ -15,11 +15,12 @@
 
 namespace whale {
 
-/// Rows [begin, begin + count) of one step's global batch.
-template <class In>
+/// Rows [begin, begin + count) of one step's global batch. Target: what the
+/// loss compares with, std::int32_t class labels or float regression targets.
+template <class In, class Target = std::int32_t>
 struct batch_view {
   cview<In> inputs;               // (rows, features) or (sequences, seq) tokens
-  cview<std::int32_t> labels;     // (rows) or (sequences * seq)
+  cview<Target> labels;           // class labels (rows) or (sequences * seq); float targets (rows, width)
   index_t sequences = 0;          // samples or sequences in this slice
   index_t seq = 1;                // tokens per sequence (1 for non-sequence data)
 };

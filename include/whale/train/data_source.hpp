@@ -28,25 +28,34 @@
 
 namespace whale {
 
+/// What data source D's batches hold for the loss: `D::target_type` where it
+/// says (float: regression targets), else std::int32_t class labels.
+template <class D> struct data_target { using type = std::int32_t; };
+template <class D>
+  requires requires { typename D::target_type; }
+struct data_target<D> { using type = typename D::target_type; };
+template <class D> using data_target_t = typename data_target<D>::type;
+
 /// A source of global batches: step s's global batch has global_batch()
 /// samples (or sequences of seq() tokens), and get(s, begin, count) returns
 /// samples [begin, begin + count) of it. Each sample must be a pure function
 /// of (s, index), so every plan (whatever rows each rank asks for) trains on
 /// the same batch. Optional: `labelled(s)`, the labels of step s's global
 /// batch other than ignore_index (the loss is their mean; without it, every
-/// label is counted).
+/// label is counted); `using target_type = float;` for float regression
+/// targets (get() then returns batch_view<input_type, float>).
 template <class D>
 concept DataSource = requires(D& d, const D& cd, std::int64_t step, index_t i) {
   typename D::input_type;
   { cd.global_batch() } -> std::convertible_to<index_t>;
   { cd.seq() } -> std::convertible_to<index_t>;
-  { d.get(step, i, i) } -> std::same_as<batch_view<typename D::input_type>>;
+  { d.get(step, i, i) } -> std::same_as<batch_view<typename D::input_type, data_target_t<D>>>;
 };
 
 namespace detail {
-/// Whether `D` is a data source a model with input element `In` can train on;
-/// a static_assert names the first thing missing.
-template <class D, class In> constexpr bool data_source_for() {
+/// Whether `D` is a data source a model with input element `In` and loss
+/// targets `Target` can train on; a static_assert names the first thing missing.
+template <class D, class In, class Target = std::int32_t> constexpr bool data_source_for() {
   if constexpr (!requires { typename D::input_type; }) {
     static_assert(requires { typename D::input_type; },
                   "whale: a data source names its input element type: `using input_type = float;` (features) or "
@@ -61,13 +70,27 @@ template <class D, class In> constexpr bool data_source_for() {
                   "whale: a data source needs `index_t seq() const`: tokens per sequence (1 for non-sequence data)");
     return false;
   } else if constexpr (!requires(D& d, std::int64_t s, index_t i) {
-                         { d.get(s, i, i) } -> std::same_as<batch_view<typename D::input_type>>;
+                         { d.get(s, i, i) } -> std::same_as<batch_view<typename D::input_type, data_target_t<D>>>;
                        }) {
     static_assert(requires(D& d, std::int64_t s, index_t i) {
-                    { d.get(s, i, i) } -> std::same_as<batch_view<typename D::input_type>>;
+                    { d.get(s, i, i) } -> std::same_as<batch_view<typename D::input_type, data_target_t<D>>>;
                   },
                   "whale: a data source needs `batch_view<input_type> get(std::int64_t step, index_t begin, index_t "
-                  "count)`: samples [begin, begin + count) of that step's global batch");
+                  "count)`: samples [begin, begin + count) of that step's global batch (batch_view<input_type, "
+                  "float> where it declares `using target_type = float;`)");
+    return false;
+  } else if constexpr (!std::is_same_v<data_target_t<D>, Target>) {
+    static_assert(std::is_same_v<data_target_t<D>, Target> || !std::is_same_v<Target, float>,
+                  "whale: the model's loss (mse_loss, l1_loss, huber_loss) takes float targets, but the data source "
+                  "gives std::int32_t class labels; give float targets (tensor_data(x, tensor<float> y, batch), or "
+                  "`using target_type = float;` in your data source), or end the model in softmax_cross_entropy");
+    static_assert(std::is_same_v<data_target_t<D>, Target> || !std::is_same_v<Target, std::int32_t>,
+                  "whale: the model's loss (softmax_cross_entropy) takes std::int32_t class labels, but the data "
+                  "source gives float targets; end the model in a regression loss (mse_loss, l1_loss, huber_loss) "
+                  "or give class labels");
+    static_assert(std::is_same_v<data_target_t<D>, Target> || std::is_same_v<Target, float> ||
+                      std::is_same_v<Target, std::int32_t>,
+                  "whale: the data source's target_type is not the target type of the model's loss");
     return false;
   } else if constexpr (!std::is_same_v<typename D::input_type, In>) {
     static_assert(std::is_same_v<typename D::input_type, In> || !std::is_same_v<In, std::int32_t>,
@@ -114,17 +137,26 @@ inline std::uint64_t epoch_order(std::uint64_t g, std::uint64_t n, bool shuffle,
 /// global batch of `global` in sequences of `seq`, is not those rows for model
 /// `M`; "" if it is. A short batch (a reader at the end of its data) would
 /// train on a wrong loss: the loss is divided by the whole global batch.
-template <class M, class In>
-std::string batch_problem(const batch_view<In>& b, index_t begin, index_t count, index_t global, index_t seq) {
+template <class M, class In, class Target>
+std::string batch_problem(const batch_view<In, Target>& b, index_t begin, index_t count, index_t global, index_t seq) {
   const index_t rows = count * seq;
   index_t width = 0;  // inputs per row, where the model's first layer says
   if constexpr (std::is_same_v<In, std::int32_t>) width = 1;
   else if constexpr (requires { M::in_features; })
     if (M::in_features != any_features) width = M::in_features;
+  // labels (or targets) per row, where the model's loss says; 0: any whole number
+  index_t per_row = 1;
+  if constexpr (requires { M::target_width; }) per_row = M::target_width == any_features ? 0 : M::target_width;
+  constexpr bool targets = std::is_same_v<Target, float>;
+  const char* noun = targets ? " float targets" : " labels";
   std::string why;
   if (b.sequences != count) why = std::to_string(b.sequences) + (seq > 1 ? " sequences" : " rows");
   else if (b.seq != seq) why = "sequences of " + std::to_string(b.seq) + " tokens (its seq() says " + std::to_string(seq) + ")";
-  else if (b.labels.numel() != rows) why = std::to_string(b.labels.numel()) + " labels (for " + std::to_string(rows) + " rows)";
+  else if (per_row > 0 ? b.labels.numel() != rows * per_row : (rows > 0 && b.labels.numel() % rows != 0))
+    why = std::to_string(b.labels.numel()) + noun + " (for " + std::to_string(rows) + " rows" +
+          (per_row > 1 || (targets && per_row > 0)
+               ? "; the model's loss takes " + std::to_string(per_row) + " a row, one per output of the layer before it"
+               : std::string()) + ")";
   else if (width > 0 ? b.inputs.numel() != rows * width : (rows > 0 && b.inputs.numel() % rows != 0))
     why = std::to_string(b.inputs.numel()) + " inputs (for " + std::to_string(rows) + " rows" +
           (width > 0 ? " of " + std::to_string(width) : std::string()) + ")";
@@ -137,7 +169,7 @@ std::string batch_problem(const batch_view<In>& b, index_t begin, index_t count,
 
 /// The bytes data source `d` holds for a batch of `count` rows (or sequences):
 /// its own `memory_bytes(count)` where it says, else its inputs and labels
-/// (rows × seq × the model's input width, and a label per row).
+/// (rows × seq × the model's input width, and a label, or the loss's targets, per row).
 template <class M, class D> std::int64_t data_source_bytes(const D& d, index_t count) {
   if constexpr (requires { { d.memory_bytes(count) } -> std::convertible_to<std::int64_t>; }) {
     return d.memory_bytes(count);
@@ -146,8 +178,11 @@ template <class M, class D> std::int64_t data_source_bytes(const D& d, index_t c
     index_t width = 1;
     if constexpr (!std::is_same_v<In, std::int32_t> && requires { M::in_features; })
       if (M::in_features != any_features) width = M::in_features;
+    index_t labels = 1;  // per row: the loss's target width, where it says
+    if constexpr (requires { M::target_width; })
+      if (M::target_width > 1) labels = M::target_width;
     const std::int64_t rows = static_cast<std::int64_t>(count) * d.seq();
-    return rows * width * static_cast<std::int64_t>(sizeof(In)) + rows * static_cast<std::int64_t>(sizeof(std::int32_t));
+    return rows * width * static_cast<std::int64_t>(sizeof(In)) + rows * labels * static_cast<std::int64_t>(sizeof(std::int32_t));
   }
 }
 
@@ -165,17 +200,28 @@ struct tensor_data_options {
 
 /// Arrays in memory as a DataSource. x: N samples (N, features) of float, or
 /// N sequences (N, T) of token ids; y: N class labels, or (N, T) next-token
-/// labels. Labels may be ignore_index (no loss, no gradient). Step s's batch
-/// holds global samples [s B, s B + B), each sample k of epoch k / N at the
-/// epoch's k % N-th position (shuffled per epoch, the same on every rank).
-template <class In>
+/// labels, or (Target = float) float targets of N samples (N, Out) or (N) for
+/// float features: what a regression loss (mse_loss, l1_loss, huber_loss)
+/// compares with, any finite value. Class labels may be ignore_index (no
+/// loss, no gradient). Step s's batch holds global samples [s B, s B + B),
+/// each sample k of epoch k / N at the epoch's k % N-th position (shuffled
+/// per epoch, the same on every rank). `tensor_data(x, y, batch)` deduces
+/// In and Target from the tensors.
+template <class In, class Target = std::int32_t>
 class tensor_data {
   static_assert(std::is_same_v<In, float> || std::is_same_v<In, std::int32_t>,
                 "whale::tensor_data: inputs are float features or std::int32_t token ids");
+  static_assert(std::is_same_v<Target, std::int32_t> || std::is_same_v<Target, float>,
+                "whale::tensor_data: y holds std::int32_t class labels or float regression targets");
+  static_assert(std::is_same_v<Target, std::int32_t> || std::is_same_v<In, float>,
+                "whale::tensor_data: float targets go with float features (x of shape (N, features)); token "
+                "sequences take class labels");
+  static constexpr bool targets = std::is_same_v<Target, float>;
 
  public:
   using input_type = In;
-  tensor_data(tensor<In> x, tensor<std::int32_t> y, index_t global_batch, tensor_data_options o = {})
+  using target_type = Target;
+  tensor_data(tensor<In> x, tensor<Target> y, index_t global_batch, tensor_data_options o = {})
       : x_(std::move(x)), y_(std::move(y)), batch_(global_batch), o_(o) {
     if (x_.shape().rank() < 1 || x_.shape()[0] < 1)
       throw std::invalid_argument("whale::tensor_data: x needs at least one sample (shape (N, ...))");
@@ -183,38 +229,67 @@ class tensor_data {
     width_ = x_.numel() / n_;
     if (global_batch < 1)
       throw std::invalid_argument("whale::tensor_data: global_batch must be >= 1 (got " + std::to_string(global_batch) + ")");
-    if (y_.numel() == n_) seq_ = 1;
-    else if (std::is_same_v<In, std::int32_t> && y_.numel() == x_.numel()) seq_ = width_;
-    else
-      throw std::invalid_argument("whale::tensor_data: y has " + std::to_string(y_.numel()) + " labels for " +
-                                  std::to_string(n_) + " samples of " + std::to_string(width_) +
-                                  (std::is_same_v<In, float> ? " features; give one label per sample"
-                                                             : " tokens; give one label per sample or one per token"));
-    for (index_t i = 0; i < y_.numel(); ++i) {
-      if (y_[i] == ignore_index) ignored_ = true;
-      else if (y_[i] < 0)
-        throw std::invalid_argument("whale::tensor_data: label " + std::to_string(i) + " is " + std::to_string(y_[i]) +
-                                    "; labels are class ids >= 0, or ignore_index (" + std::to_string(ignore_index) + ")");
+    if constexpr (targets) {
+      if (y_.shape().rank() < 1 || y_.shape()[0] != n_ || y_.numel() % n_ != 0 || y_.numel() == 0)
+        throw std::invalid_argument("whale::tensor_data: y has " + std::to_string(y_.numel()) + " float targets in " +
+                                    std::to_string(y_.shape().rank() ? y_.shape()[0] : 0) + " rows for " +
+                                    std::to_string(n_) + " samples; give (N, outputs) or (N): the same number for every sample");
+      ywidth_ = y_.numel() / n_;
+      for (index_t i = 0; i < y_.numel(); ++i)
+        if (!std::isfinite(y_[i]))
+          throw std::invalid_argument("whale::tensor_data: float target " + std::to_string(i) + " (sample " +
+                                      std::to_string(i / ywidth_) + ") is " + std::to_string(y_[i]) +
+                                      "; targets must be finite");
+    } else {
+      if (y_.numel() == n_) seq_ = 1;
+      else if (std::is_same_v<In, std::int32_t> && y_.numel() == x_.numel()) seq_ = width_;
+      else
+        throw std::invalid_argument("whale::tensor_data: y has " + std::to_string(y_.numel()) + " labels for " +
+                                    std::to_string(n_) + " samples of " + std::to_string(width_) +
+                                    (std::is_same_v<In, float> ? " features; give one label per sample (or float "
+                                                                 "targets, tensor<float>, for a regression loss)"
+                                                               : " tokens; give one label per sample or one per token"));
+      for (index_t i = 0; i < y_.numel(); ++i) {
+        if (y_[i] == ignore_index) ignored_ = true;
+        else if (y_[i] < 0)
+          throw std::invalid_argument("whale::tensor_data: label " + std::to_string(i) + " is " + std::to_string(y_[i]) +
+                                      "; labels are class ids >= 0, or ignore_index (" + std::to_string(ignore_index) +
+                                      "); for real-valued targets give y as tensor<float> and end the model in a "
+                                      "regression loss (mse_loss, l1_loss, huber_loss)");
+      }
     }
+  }
+  /// `tensor_data<In>(x, y, ...)` with y of another element type than Target.
+  template <class Y>
+    requires(!std::is_same_v<Y, Target>)
+  tensor_data(tensor<In>, tensor<Y>, index_t, tensor_data_options = {}) {
+    static_assert(std::is_same_v<Y, Target>,
+                  "whale::tensor_data<In>: y's element type is not the data's Target (std::int32_t unless given); "
+                  "for float targets write tensor_data<float, float>(x, y, batch), or tensor_data(x, y, batch) to "
+                  "deduce both");
   }
   index_t global_batch() const noexcept { return batch_; }
   index_t seq() const noexcept { return seq_; }
   index_t size() const noexcept { return n_; }  ///< samples in the data set
 
   /// Samples [begin, begin + count) of step `step`'s global batch.
-  batch_view<In> get(std::int64_t step, index_t begin, index_t count) {
+  batch_view<In, Target> get(std::int64_t step, index_t begin, index_t count) {
     detail::check_rows("tensor_data", begin, count, batch_);
+    const index_t per = targets ? ywidth_ : seq_;  // labels (or targets) per sample
     bx_.resize({count, width_});
-    by_.resize({count * seq_});
+    if constexpr (targets) by_.resize({count, ywidth_});
+    else by_.resize({count * seq_});
     for (index_t r = 0; r < count; ++r) {
       const auto k = static_cast<index_t>(sample(step, begin + r));
       std::memcpy(bx_.data() + r * width_, x_.data() + k * width_, static_cast<std::size_t>(width_) * sizeof(In));
-      std::memcpy(by_.data() + r * seq_, y_.data() + k * seq_, static_cast<std::size_t>(seq_) * sizeof(std::int32_t));
+      std::memcpy(by_.data() + r * per, y_.data() + k * per, static_cast<std::size_t>(per) * sizeof(Target));
     }
     return {bx_.v(), by_.v(), count, seq_};
   }
-  /// Labels of step `step`'s global batch that count (not ignore_index).
-  std::int64_t labelled(std::int64_t step) const {
+  /// Labels of step `step`'s global batch that count (not ignore_index); class labels only.
+  std::int64_t labelled(std::int64_t step) const
+    requires(!targets)
+  {
     const std::int64_t all = static_cast<std::int64_t>(batch_) * seq_;
     if (!ignored_) return all;
     std::int64_t n = 0;
@@ -232,13 +307,15 @@ class tensor_data {
     return detail::epoch_order(g, static_cast<std::uint64_t>(n_), o_.shuffle, o_.seed.value);
   }
   tensor<In> x_;
-  tensor<std::int32_t> y_;
-  index_t batch_ = 0, n_ = 0, width_ = 0, seq_ = 1;
+  tensor<Target> y_;
+  index_t batch_ = 0, n_ = 0, width_ = 0, seq_ = 1, ywidth_ = 1;
   tensor_data_options o_;
   bool ignored_ = false;
   tensor<In> bx_;
-  tensor<std::int32_t> by_;
+  tensor<Target> by_;
 };
+template <class In, class Target>
+tensor_data(tensor<In>, tensor<Target>, index_t, tensor_data_options = {}) -> tensor_data<In, Target>;
 
 /// Width of the token ids in a token file.
 enum class token_width : std::uint8_t { u16 = 2, u32 = 4 };

@@ -85,6 +85,15 @@ inline void keep_log_before(const std::string& path, std::int64_t from, const st
   f.close();
   write_file_atomically(path, kept, what);
 }
+/// The label buffer of batch `b` (layer.hpp): class labels as they are, float
+/// targets as their bits, shaped (rows, targets per row) so that plans slice it by rows.
+template <class In, class T> label_buffer labels_of(const batch_view<In, T>& b) {
+  const auto l = label_bits(b.labels);
+  const index_t rows = b.sequences * b.seq;
+  if (rows > 0 && l.numel() != rows && l.numel() % rows == 0 && !(l.shape().rank() == 2 && l.shape()[0] == rows))
+    return l.reshape({rows, l.numel() / rows});
+  return l;
+}
 /// A single-process network's first layer (flat order) with a non-finite gradient, named; empty if none.
 template <class Net> std::string first_nonfinite_grad_of(const Net& net) {
   if constexpr (requires { net.grads(); }) {
@@ -215,7 +224,9 @@ class trainer {
 
   /// Whether `Data` is a DataSource this network can train on (a
   /// static_assert names what is missing; train/data_source.hpp).
-  template <class Data> static constexpr bool data_ok = detail::data_source_for<Data, typename Net::input_type>();
+  template <class Data>
+  static constexpr bool data_ok =
+      detail::data_source_for<Data, typename Net::input_type, loss_target_t<typename Net::model_type>>();
 
   /// This rank's rows of data step `step` (no training).
   /// Throws, naming the step, when the batch is not the rows asked for: a
@@ -256,13 +267,13 @@ class trainer {
   /// One step on a fetched batch (this rank's rows of a global batch of
   /// `global_batch` sequences, of which `loss_terms` labels count; -1: all)
   /// and nothing else: no progress line, log or hooks. Returns the global mean loss.
-  template <class In>
-  double step_on(const batch_view<In>& b, index_t global_batch, std::int64_t step, std::int64_t loss_terms = -1) {
+  template <class In, class Target>
+  double step_on(const batch_view<In, Target>& b, index_t global_batch, std::int64_t step, std::int64_t loss_terms = -1) {
     step_ctx c = context_of(b, global_batch, loss_terms);
     double share = 0;
     {
       weights_scope w(bf16(), local_params(), master_, backend());  // bf16: compute with rounded weights, update the master
-      share = net_.train_step(c, b.inputs, b.labels);
+      share = net_.train_step(c, b.inputs, detail::labels_of(b));
       w.restore();
     }
     const double loss = net_.reduce_loss(share);
@@ -305,7 +316,7 @@ class trainer {
         const auto b = fetch(data, first + s);
         step_ctx c = context_of(b, data.global_batch(), labelled(data, first + s));
         weights_scope w(bf16(), local_params(), master_, backend());
-        const double share = net_.evaluate(c, b.inputs, b.labels);
+        const double share = net_.evaluate(c, b.inputs, detail::labels_of(b));
         w.restore();
         sum += net_.reduce_loss(share);
       }
@@ -318,7 +329,8 @@ class trainer {
   typename Opt::state& optimizer_state() noexcept { return state_; }
 
  private:
-  template <class In> step_ctx context_of(const batch_view<In>& b, index_t global_batch, std::int64_t loss_terms) const {
+  template <class In, class Target>
+  step_ctx context_of(const batch_view<In, Target>& b, index_t global_batch, std::int64_t loss_terms) const {
     step_ctx c;
     c.batch = b.sequences;
     c.seq = b.seq;
@@ -488,7 +500,7 @@ class trainer {
       double share = 0;
       {
         weights_scope w(bf16(), local_params(), master_, backend());
-        share = net_.train_step(c, b.inputs, b.labels);
+        share = net_.train_step(c, b.inputs, detail::labels_of(b));
         w.restore();
       }
       const bool norm = o_.max_grad_norm > 0 || o_.check_grad_norm;
@@ -594,6 +606,10 @@ class trainer {
     train_result r;
     if constexpr (data_ok<Data>) {
       if (n.value < 0) throw std::invalid_argument("whale::trainer::run: steps must be >= 0 (got " + std::to_string(n.value) + ")");
+      if constexpr (!std::is_void_v<Eval>) {
+        if constexpr (std::is_same_v<data_target_t<Eval>, float>)
+          if (o_.eval_metric) metric_of(*eval);  // refuses float targets, saying why, before any step
+      }
       r.losses.reserve(static_cast<std::size_t>(n.value));
       r.step_seconds.reserve(static_cast<std::size_t>(n.value));
       if constexpr (checkpoints) {
@@ -656,7 +672,10 @@ class trainer {
 
   /// trainer_options::eval_metric over eval_steps steps of `eval`: the global sum / count.
   template <class Eval> double metric_of(Eval& eval) {
-    if constexpr (!detail::gives_logits_v<Net>) {
+    if constexpr (std::is_same_v<data_target_t<Eval>, float>) {
+      throw std::invalid_argument("whale::trainer: eval_metric compares logits with class labels, and this data gives "
+                                  "float targets; a regression run's evaluation is its loss (leave eval_metric unset)");
+    } else if constexpr (!detail::gives_logits_v<Net>) {
       throw std::invalid_argument("whale::trainer: eval_metric needs the logits, and this plan does not gather them (its model "
                                   "ends in a split region: end it in softmax_cross_entropy after the region)");
     } else {

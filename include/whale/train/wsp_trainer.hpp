@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <limits>
 #include <numeric>
@@ -160,7 +161,7 @@ template <class Net, class Opt> class wsp_trainer {
   /// worker's mean loss on its rows on the ranks that compute the loss (the last
   /// stage), 0 elsewhere; no collective between workers.
   template <class Data> double step(Data& data, std::int64_t step) {
-    static_assert(detail::data_source_for<Data, typename Net::input_type>(),
+    static_assert(detail::data_source_for<Data, typename Net::input_type, loss_target_t<typename Net::model_type>>(),
                   "whale::wsp_trainer::step: the data is not a DataSource for this network (see train/data_source.hpp)");
     if (o_.in_flight)
       throw std::logic_error("whale::wsp_trainer::step: with wsp_options::in_flight a wave's minibatches run "
@@ -179,7 +180,7 @@ template <class Net, class Opt> class wsp_trainer {
     share_ = static_cast<double>(count) / static_cast<double>(global);
     // the loss's rows are the global batch's; the worker trains as if alone on its
     // own rows: its mean loss, and gradients scaled up by global / count
-    const double loss = net_->compute_only_step(c, b.inputs, b.labels) / share_;
+    const double loss = net_->compute_only_step(c, b.inputs, detail::labels_of(b)) / share_;
     check_finite(std::isfinite(loss) ? -1 : step);
     minibatches_.push_back({step, clock_, steps_, least_});
     net_->apply_optimizer(opt_, state_, clip_scale(static_cast<float>(1.0 / share_)));
@@ -197,7 +198,7 @@ template <class Net, class Opt> class wsp_trainer {
   /// the wait and the pull as after any wave. Returns each minibatch's mean
   /// loss on the worker's rows (on the last stage; 0 elsewhere).
   template <class Data> std::vector<double> wave(Data& data, std::int64_t first) {
-    static_assert(detail::data_source_for<Data, typename Net::input_type>(),
+    static_assert(detail::data_source_for<Data, typename Net::input_type, loss_target_t<typename Net::model_type>>(),
                   "whale::wsp_trainer::wave: the data is not a DataSource for this network (see train/data_source.hpp)");
     if (!o_.in_flight)
       throw std::logic_error("whale::wsp_trainer::wave: set wsp_options::in_flight to run a wave's minibatches in "
@@ -216,13 +217,16 @@ template <class Net, class Opt> class wsp_trainer {
         label_row = b.labels.numel() / std::max<index_t>(1, count);
         if (!(x_.shape() == b.inputs.shape().with_rows(count * n)))
           x_ = tensor<typename Net::input_type>(b.inputs.shape().with_rows(count * n), mem_kind::workspace);
-        if (y_.numel() != count * n * label_row) y_ = tensor<std::int32_t>({count * n * label_row}, mem_kind::workspace);
+        // the label buffer (layer.hpp): a label, or a row's float targets' bits, per row
+        const shape ys = label_row == 1 || seq > 1 ? shape{count * n * label_row} : shape{count * n, label_row};
+        if (!(y_.shape() == ys)) y_ = tensor<std::int32_t>(ys, mem_kind::workspace);
       }
       if (b.seq != seq || b.inputs.numel() != count * in_row || b.labels.numel() != count * label_row)
         throw std::invalid_argument("whale::wsp_trainer::wave: the minibatches of one wave differ in shape (step " +
                                     std::to_string(first + k) + ")");
       std::copy_n(b.inputs.data(), count * in_row, x_.data() + k * count * in_row);
-      std::copy_n(b.labels.data(), count * label_row, y_.data() + k * count * label_row);
+      std::memcpy(y_.data() + k * count * label_row, b.labels.data(),
+                  static_cast<std::size_t>(count * label_row) * sizeof(std::int32_t));
     }
     const auto p = net_->params();
     std::copy_n(p.data(), p.numel(), snapshot_.data());

@@ -2,7 +2,8 @@
 // body(team, r) (backend/kernels/shapes.hpp): a team of lanes takes row r,
 // reduces across lanes in a fixed tree and writes the row in strided passes
 // -- bias rows, embedding lookups, LayerNorm and RMSNorm forward and backward,
-// cross-entropy, the class-split passes (attention's rows: kernels/attention.hpp).
+// cross-entropy, the regression losses, the class-split passes (attention's
+// rows: kernels/attention.hpp).
 // Column bodies, load/store (the column-reduction shape): the sums over rows
 // of bias and LayerNorm gradients and of position gradients. The embedding's
 // scatter-add by token is still one index per block of columns (below).
@@ -312,6 +313,57 @@ struct cross_entropy_rows {
     });
   }
   std::int64_t bytes(index_t rows) const noexcept { return rows * (5 * C * 4 + 4 + 8); }
+};
+
+/// The regression losses, elementwise on the difference d = prediction - target.
+enum class regression : std::uint8_t {
+  mse,    ///< d^2
+  l1,     ///< |d|
+  huber,  ///< 0.5 d^2 where |d| < delta, else delta (|d| - 0.5 delta) (PyTorch's HuberLoss)
+};
+/// The loss of one element of difference d.
+WHALE_HD WHALE_INLINE float regression_value(regression k, float d, float delta) noexcept {
+  const float a = d < 0.f ? -d : d;
+  if (k == regression::mse) return d * d;
+  if (k == regression::l1) return a;
+  return a < delta ? 0.5f * d * d : delta * (a - 0.5f * delta);
+}
+/// Its derivative by the prediction: 2 d; sign(d) (0 at d = 0, as PyTorch's
+/// sign); d inside delta, else delta sign(d).
+WHALE_HD WHALE_INLINE float regression_slope(regression k, float d, float delta) noexcept {
+  const float s = d > 0.f ? 1.f : (d < 0.f ? -1.f : 0.f);
+  if (k == regression::mse) return 2.f * d;
+  if (k == regression::l1) return s;
+  return (d < 0.f ? -d : d) < delta ? d : delta * s;
+}
+/// A regression loss of row r (C predictions z against C float targets y):
+/// loss[r] = the sum of the elements' losses, and the gradient q = the
+/// elements' slopes times inv, where inv is 1 / (the global count of target
+/// elements). One pass: each element's loss is summed as its gradient is
+/// written (stored rounded to bf16 under `round`).
+struct regression_rows {
+  const float* z;
+  const float* y;
+  float* q;
+  double* loss;
+  index_t C;
+  float inv;
+  regression kind;
+  float delta = 1.f;   ///< huber's threshold
+  bool round = false;  ///< store the gradient rounded to bf16 (stored_as)
+  index_t width() const noexcept { return C; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
+    const float* zr = z + r * C;
+    const float* yr = y + r * C;
+    float* qr = q + r * C;
+    const float sum = t.sum(C, [&](index_t j) {
+      const float d = zr[j] - yr[j];
+      qr[j] = stored_as(regression_slope(kind, d, delta) * inv, round);
+      return regression_value(kind, d, delta);
+    });
+    if (t.leader()) loss[r] = static_cast<double>(sum);
+  }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * (3 * C * 4 + 8); }
 };
 
 /// dst[r, 0:w] = src[r, 0:w], rows `src_stride` and `dst_stride` floats apart:
