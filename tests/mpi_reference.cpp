@@ -90,15 +90,21 @@ double worst_loss(const std::vector<double>& losses, const reference& ref) {
   return worst;
 }
 
-/// A GPT-2's tied head equals its token table, bit for bit (whole-model parameters `p`); nothing to check for Llama.
+/// Every tied head of model g equals its token table, bit for bit (whole-model
+/// parameters `p`; nothing to check for a model without one, or for parameters of another model).
 template <class g = models::gpt2_tiny> void check_tied(const tensor<float>& p, const std::string& where) {
   if (p.numel() != g::cost().params) return;
-  const auto units = ckpt::units_of<g>();
-  const index_t table = units.front().offset, head = units.back().offset, n = units.front().count;
-  index_t differ = 0;
-  for (index_t i = 0; i < n; ++i) differ += p[table + i] != p[head + i];
-  INFO(where);
-  CHECK(differ == 0);
+  const auto d = describe<g>();
+  std::vector<index_t> at(d.units.size() + 1, 0);
+  for (std::size_t i = 0; i < d.units.size(); ++i) at[i + 1] = at[i] + d.units[i].full_params;
+  for (std::size_t i = 0; i < d.units.size(); ++i) {
+    if (d.units[i].ties_to < 0) continue;
+    const index_t table = at[static_cast<std::size_t>(d.units[i].ties_to)], head = at[i];
+    index_t differ = 0;
+    for (index_t j = 0; j < d.units[i].full_params; ++j) differ += p[table + j] != p[head + j];
+    INFO(where);
+    CHECK(differ == 0);
+  }
 }
 
 /// The reference batch as a data source that gives the whole batch every step, in order.
@@ -124,13 +130,23 @@ template <class Net> std::vector<double> ten_steps(Net& net, const reference& re
 
 }  // namespace
 
-TEST_CASE("llama-tiny in one process: transformers' logits, loss, every gradient and 10 clipped AdamW steps") {
+namespace {
+/// Model (GPT-2 or Llama) against the reference files in `dir` in one
+/// process: logits, loss, every gradient (a tied table's summed over its two
+/// uses), the norm, 10 clipped AdamW steps and the loss after them, a tied
+/// head equal to its table.
+/// `full` (GPT-2 124M's shape): the 10 steps are bounded as llm.c's test_gpt2
+/// bounds them, each loss within 1e-2 of transformers' (absolute). At that
+/// size the first AdamW updates move every parameter by about lr times the
+/// sign of its gradient, and the table's rows of tokens outside the batch get
+/// gradients near Adam's eps, whose updates depend on bits below the other
+/// side's rounding; the losses then drift apart at about 1e-4 per step.
+template <class Model> void one_process(const std::string& dir, const std::string& label, bool full = false) {
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  const auto ref = load_reference(llama_dir);
-  network<model> net(seed{1});
-  import_hf_safetensors(llama_dir + "/model.safetensors", net);
-
+  const auto ref = load_reference<Model>(dir);
+  network<Model> net(seed{1});
+  import_hf_safetensors(dir + "/model.safetensors", net);
   step_ctx c;
   c.batch = ref.B, c.seq = ref.T, c.global_rows = ref.B * ref.T;
   const cview<std::int32_t> x(ref.ids.data(), {ref.B, ref.T}), y(ref.targets.data(), {ref.B * ref.T});
@@ -144,13 +160,12 @@ TEST_CASE("llama-tiny in one process: transformers' logits, loss, every gradient
     bad_logits += d > 2e-6 + 1e-5 * std::abs(ref.logits[static_cast<std::size_t>(i)]);
   }
   CHECK(bad_logits == 0);
-
   step_ctx ct;
   ct.batch = ref.B, ct.seq = ref.T, ct.global_rows = ref.B * ref.T;
   const double loss = net.train_step(ct, x, y);
   CHECK(rel(loss, ref.loss) <= 1e-6);
-  // every gradient tensor, normalised by its own largest entry
-  const auto maps = hf::tensors_for(describe<model>(), "test");
+  // every gradient tensor (the tied head's is the table's: both hold the sum), normalised by its largest entry
+  const auto maps = hf::tensors_for(describe<Model>(), "test");
   double worst_grad = 0;
   std::string worst_name;
   for (const auto& m : maps) {
@@ -160,22 +175,55 @@ TEST_CASE("llama-tiny in one process: transformers' logits, loss, every gradient
       den = std::max(den, static_cast<double>(std::abs(ref.grads[static_cast<std::size_t>(i)])));
     }
     const double e = num / std::max(den, 1e-30);
-    INFO(m.name << ": max |g - g_hf| / max |g_hf| = " << e);
+    INFO(m.name << (m.tied ? " (the tied head)" : "") << ": max |g - g_hf| / max |g_hf| = " << e);
     CHECK(e <= 1e-5);
     if (e > worst_grad) worst_grad = e, worst_name = m.name;
   }
-  CHECK(rel(net.grad_norm(), ref.norms.at(0)) <= 1e-5);
-
-  network<model> fresh(seed{1});
-  import_hf_safetensors(llama_dir + "/model.safetensors", fresh);
+  // the norm counts the table once, as transformers' one tensor: against the norm of its gradients, in
+  // double (at full size the norm torch's clipping recorded, a float32 sum, is 1.4e-4 off that)
+  double ref_sq = 0;
+  for (const auto& m : maps)
+    if (!m.tied)
+      for (index_t i = m.offset; i < m.offset + m.count; ++i)
+        ref_sq += static_cast<double>(ref.grads[static_cast<std::size_t>(i)]) * ref.grads[static_cast<std::size_t>(i)];
+  const double norm_rel = rel(net.grad_norm(), std::sqrt(ref_sq));
+  CHECK(norm_rel <= 1e-5);
+  network<Model> fresh(seed{1});
+  import_hf_safetensors(dir + "/model.safetensors", fresh);
   const auto losses = ten_steps(fresh, ref);
   REQUIRE(losses.size() == 11);
   const double worst_step = worst_loss(losses, ref);
-  CHECK(worst_step <= 2e-6);
+  if (rank == 0 && std::getenv("WHALE_REFERENCE_FULL")) {  // the full-size run: each step's loss and norm beside transformers'
+    std::string steps;
+    for (std::size_t k = 0; k < 10; ++k)
+      steps += "\n  step " + std::to_string(k + 1) + ": loss " + std::to_string(losses[k]) + " (transformers " +
+               std::to_string(ref.losses[k]) + "), transformers' gradient norm " + std::to_string(ref.norms[k]);
+    MESSAGE(label << ", 10 clipped AdamW steps:" << steps);
+  }
+  if (full) {
+    for (std::size_t k = 0; k < 10; ++k) CHECK(std::abs(losses[k] - ref.losses[k]) <= 1e-2);
+    CHECK(std::abs(losses[10] - ref.final_loss) <= 1e-2);
+  } else {
+    CHECK(worst_step <= 2e-6);
+  }
+  tensor<float> p({fresh.param_count()});
+  for (index_t i = 0; i < p.numel(); ++i) p[i] = fresh.params()[i];
+  check_tied<Model>(p, "one process after 11 steps");
+  // the tie from the seed too: a fresh network's head starts as its table
+  network<Model> seeded(seed{9});
+  tensor<float> q({seeded.param_count()});
+  for (index_t i = 0; i < q.numel(); ++i) q[i] = seeded.params()[i];
+  check_tied<Model>(q, "a seeded network");
   if (rank == 0)
-    MESSAGE("llama-tiny against transformers: max |logit diff| " << worst_logit << ", loss rel. " << rel(loss, ref.loss)
+    MESSAGE(label << " against transformers: max |logit diff| " << worst_logit << ", loss rel. " << rel(loss, ref.loss)
             << ", worst gradient tensor " << worst_name << " at " << worst_grad << " of its largest entry"
-            << ", 10 AdamW steps + 1: worst loss rel. " << worst_step << " (losses " << losses.front() << " -> " << losses.back() << ")");
+            << ", gradient norm rel. " << norm_rel << ", 10 AdamW steps + 1: worst loss rel. " << worst_step
+            << " (losses " << losses.front() << " -> " << losses.back() << ")");
+}
+}  // namespace
+
+TEST_CASE("llama-tiny in one process: transformers' logits, loss, every gradient and 10 clipped AdamW steps") {
+  one_process<model>(llama_dir, "llama-tiny");
 }
 
 namespace {
@@ -258,100 +306,9 @@ static_assert(std::is_same_v<typename gpt2::base, sequential<embedding<256, 64>,
                                                              layer_norm<64>, tied_head<256, 64>, softmax_cross_entropy>>);
 }  // namespace
 
-namespace {
-/// GPT-2 of type Model against the reference files in `dir` in one process:
-/// logits, loss, every gradient (the tied table's summed), the norm, 10
-/// clipped AdamW steps and the loss after them, the head equal to its table.
-/// `full` (GPT-2 124M's shape): the 10 steps are bounded as llm.c's test_gpt2
-/// bounds them, each loss within 1e-2 of transformers' (absolute). At that
-/// size the first AdamW updates move every parameter by about lr times the
-/// sign of its gradient, and the table's rows of tokens outside the batch get
-/// gradients near Adam's eps, whose updates depend on bits below the other
-/// side's rounding; the losses then drift apart at about 1e-4 per step.
-template <class Model> void gpt2_one_process(const std::string& gpt2_dir, const std::string& label, bool full = false) {
-  using gpt2 = Model;
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  const auto ref = load_reference<gpt2>(gpt2_dir);
-  network<gpt2> net(seed{1});
-  import_hf_safetensors(gpt2_dir + "/model.safetensors", net);
-  step_ctx c;
-  c.batch = ref.B, c.seq = ref.T, c.global_rows = ref.B * ref.T;
-  const cview<std::int32_t> x(ref.ids.data(), {ref.B, ref.T}), y(ref.targets.data(), {ref.B * ref.T});
-  const auto logits = net.forward(c, x);
-  REQUIRE(logits.numel() == static_cast<index_t>(ref.logits.size()));
-  double worst_logit = 0;
-  index_t bad_logits = 0;
-  for (index_t i = 0; i < logits.numel(); ++i) {
-    const double d = std::abs(logits[i] - ref.logits[static_cast<std::size_t>(i)]);
-    worst_logit = std::max(worst_logit, d);
-    bad_logits += d > 2e-6 + 1e-5 * std::abs(ref.logits[static_cast<std::size_t>(i)]);
-  }
-  CHECK(bad_logits == 0);
-  step_ctx ct;
-  ct.batch = ref.B, ct.seq = ref.T, ct.global_rows = ref.B * ref.T;
-  const double loss = net.train_step(ct, x, y);
-  CHECK(rel(loss, ref.loss) <= 1e-6);
-  // every gradient tensor (the tied head's is the table's: both hold the sum), normalised by its largest entry
-  const auto maps = hf::tensors_for(describe<gpt2>(), "test");
-  double worst_grad = 0;
-  std::string worst_name;
-  for (const auto& m : maps) {
-    double num = 0, den = 0;
-    for (index_t i = m.offset; i < m.offset + m.count; ++i) {
-      num = std::max(num, static_cast<double>(std::abs(net.grads()[i] - ref.grads[static_cast<std::size_t>(i)])));
-      den = std::max(den, static_cast<double>(std::abs(ref.grads[static_cast<std::size_t>(i)])));
-    }
-    const double e = num / std::max(den, 1e-30);
-    INFO(m.name << (m.tied ? " (the tied head)" : "") << ": max |g - g_hf| / max |g_hf| = " << e);
-    CHECK(e <= 1e-5);
-    if (e > worst_grad) worst_grad = e, worst_name = m.name;
-  }
-  // the norm counts the table once, as transformers' one tensor: against the norm of its gradients, in
-  // double (at full size the norm torch's clipping recorded, a float32 sum, is 1.4e-4 off that)
-  double ref_sq = 0;
-  for (const auto& m : maps)
-    if (!m.tied)
-      for (index_t i = m.offset; i < m.offset + m.count; ++i)
-        ref_sq += static_cast<double>(ref.grads[static_cast<std::size_t>(i)]) * ref.grads[static_cast<std::size_t>(i)];
-  const double norm_rel = rel(net.grad_norm(), std::sqrt(ref_sq));
-  CHECK(norm_rel <= 1e-5);
-  network<gpt2> fresh(seed{1});
-  import_hf_safetensors(gpt2_dir + "/model.safetensors", fresh);
-  const auto losses = ten_steps(fresh, ref);
-  REQUIRE(losses.size() == 11);
-  const double worst_step = worst_loss(losses, ref);
-  if (rank == 0 && std::getenv("WHALE_REFERENCE_FULL")) {  // the full-size run: each step's loss and norm beside transformers'
-    std::string steps;
-    for (std::size_t k = 0; k < 10; ++k)
-      steps += "\n  step " + std::to_string(k + 1) + ": loss " + std::to_string(losses[k]) + " (transformers " +
-               std::to_string(ref.losses[k]) + "), transformers' gradient norm " + std::to_string(ref.norms[k]);
-    MESSAGE(label << ", 10 clipped AdamW steps:" << steps);
-  }
-  if (full) {
-    for (std::size_t k = 0; k < 10; ++k) CHECK(std::abs(losses[k] - ref.losses[k]) <= 1e-2);
-    CHECK(std::abs(losses[10] - ref.final_loss) <= 1e-2);
-  } else {
-    CHECK(worst_step <= 2e-6);
-  }
-  tensor<float> p({fresh.param_count()});
-  for (index_t i = 0; i < p.numel(); ++i) p[i] = fresh.params()[i];
-  check_tied<Model>(p, "one process after 11 steps");
-  // the tie from the seed too: a fresh network's head starts as its table
-  network<gpt2> seeded(seed{9});
-  tensor<float> q({seeded.param_count()});
-  for (index_t i = 0; i < q.numel(); ++i) q[i] = seeded.params()[i];
-  check_tied<Model>(q, "a seeded network");
-  if (rank == 0)
-    MESSAGE(label << " against transformers: max |logit diff| " << worst_logit << ", loss rel. " << rel(loss, ref.loss)
-            << ", worst gradient tensor " << worst_name << " at " << worst_grad << " of its largest entry"
-            << ", gradient norm rel. " << norm_rel << ", 10 AdamW steps + 1: worst loss rel. " << worst_step
-            << " (losses " << losses.front() << " -> " << losses.back() << ")");
-}
-}  // namespace
 
 TEST_CASE("gpt2-tiny in one process: transformers' logits, loss, every gradient (the tied table's summed) and 10 clipped AdamW steps") {
-  gpt2_one_process<gpt2>(gpt2_dir, "gpt2-tiny");
+  one_process<gpt2>(gpt2_dir, "gpt2-tiny");
 }
 
 TEST_CASE("GPT-2 124M's shape in one process, from scripts/reference --full gpt2_124m DIR (when WHALE_REFERENCE_FULL=DIR)") {
@@ -363,7 +320,7 @@ TEST_CASE("GPT-2 124M's shape in one process, from scripts/reference --full gpt2
   int n = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &n);
   REQUIRE(n == 1);
-  gpt2_one_process<models::gpt2_124m>(full, "gpt2_124m", true);
+  one_process<models::gpt2_124m>(full, "gpt2_124m", true);
 }
 
 TEST_CASE("gpt2-tiny under every plan, from transformers' weights: its 10 clipped AdamW steps on every rank, the tied head equal to its table") {

@@ -165,35 +165,57 @@ inline std::vector<std::int64_t> args_of(const std::string& layer) {
   return v;
 }
 
+/// A model's layers with parameters in flat order (units[k], layers[k]), as
+/// the Hugging Face maps walk them: each one's tensors (ckpt::unit_tensors)
+/// under transformers' names, into `out`. `arch` names the architecture in refusals.
+struct layer_walk {
+  layer_walk(const model_desc& d, const char* who_, const char* arch_) : units(ckpt::units_of(d)), who(who_), arch(arch_) {
+    for (const auto& u : d.units)
+      if (u.full_params > 0) layers.push_back(&u);
+  }
+  std::vector<ckpt::unit_rec> units;
+  std::vector<const unit_desc*> layers;
+  std::vector<tensor_map> out;
+  std::size_t k = 0;
+  const char* who;
+  const char* arch;
+
+  [[noreturn]] void refuse(const std::string& want) const {
+    const std::string seen = k < units.size() ? "'" + units[k].name + "'" : "the end of the model";
+    throw std::invalid_argument(std::string(who) + ": this model is not one whose Hugging Face names whale knows (" + arch +
+                                "): at layer " + std::to_string(k) + " it has " + seen + " where " + want + " would be");
+  }
+  bool is(const char* kind) const { return k < units.size() && kind_of(units[k].name) == kind; }
+  /// Layer k's tensors, in its flat order, as `prefix` + `names`; `transposed`:
+  /// its matrices stored [in, out] (GPT-2's Conv1D).
+  void add(const std::vector<std::string>& names, const std::string& prefix = "", bool transposed = false) {
+    if (k >= units.size()) refuse("a layer with " + std::to_string(names.size()) + " tensors");
+    auto mine = ckpt::unit_tensors(*layers[k], k, units[k].offset, who);
+    if (mine.size() != names.size())
+      throw std::invalid_argument(std::string(who) + ": layer " + std::to_string(k) + " ('" + units[k].name + "') has " +
+                                  std::to_string(mine.size()) + " parameter tensors; Hugging Face's has " + std::to_string(names.size()));
+    for (std::size_t t = 0; t < names.size(); ++t) {
+      tensor_map m{prefix + names[t], std::move(mine[t].shape), mine[t].offset, mine[t].count};
+      if (transposed && m.shape.size() == 2) std::swap(m.shape[0], m.shape[1]), m.transposed = true;
+      out.push_back(std::move(m));
+    }
+  }
+};
+
 /// GPT2LMHeadModel's tensors (save_pretrained's names, "transformer." first)
 /// for model `d`: embedding, position_embedding, per block layer_norm,
 /// causal_self_attention, layer_norm, linear<D, F>, linear<F, D>; then
 /// layer_norm and tied_head. The Conv1D weights are stored [in, out], the
 /// transpose of the (out, in) the layers state; the tied head reads the token table.
 inline std::vector<tensor_map> gpt2_tensors(const model_desc& d, const char* who) {
-  const auto units = ckpt::units_of(d);
-  std::vector<const unit_desc*> layers;
-  for (const auto& u : d.units)
-    if (u.full_params > 0) layers.push_back(&u);
-  std::vector<tensor_map> out;
-  std::size_t k = 0;
-  auto refuse = [&](const std::string& want) -> void {
-    std::string seen = k < units.size() ? "'" + units[k].name + "'" : "the end of the model";
-    throw std::invalid_argument(std::string(who) + ": this model is not one whose Hugging Face names whale knows (GPT-2): at layer " +
-                                std::to_string(k) + " it has " + seen + " where " + want + " would be");
-  };
-  auto is = [&](const char* kind) { return k < units.size() && kind_of(units[k].name) == kind; };
+  layer_walk w(d, who, "GPT-2");
+  auto& k = w.k;
+  const auto& units = w.units;
+  auto refuse = [&](const std::string& want) { w.refuse(want); };
+  auto is = [&](const char* kind) { return w.is(kind); };
   // layer k's tensors under transformers' `names` ("transformer." added); `conv1d`: its weights transposed
   auto add = [&](const std::vector<std::string>& names, bool conv1d = false) {
-    auto mine = ckpt::unit_tensors(*layers[k], k, units[k].offset, who);
-    if (mine.size() != names.size())
-      throw std::invalid_argument(std::string(who) + ": layer " + std::to_string(k) + " ('" + units[k].name + "') has " +
-                                  std::to_string(mine.size()) + " parameter tensors; Hugging Face's has " + std::to_string(names.size()));
-    for (std::size_t t = 0; t < names.size(); ++t) {
-      tensor_map m{"transformer." + names[t], std::move(mine[t].shape), mine[t].offset, mine[t].count};
-      if (conv1d && m.shape.size() == 2) std::swap(m.shape[0], m.shape[1]), m.transposed = true;
-      out.push_back(std::move(m));
-    }
+    w.add(names, "transformer.", conv1d);
     ++k;
   };
   auto layer_norm = [&](const std::string& name, std::int64_t D) {
@@ -226,9 +248,9 @@ inline std::vector<tensor_map> gpt2_tensors(const model_desc& d, const char* who
   if (const auto h = args_of(units[k].name); h.size() < 2 || h[0] != V || h[1] != D)
     refuse("tied_head<" + std::to_string(V) + ", " + std::to_string(D) + ">");
   add({"wte.weight"});
-  out.back().tied = true;
+  w.out.back().tied = true;
   if (k != units.size()) refuse("nothing more");
-  return out;
+  return w.out;
 }
 
 /// Hugging Face's tensors for model `d`'s parameter units (its unsplit
@@ -239,26 +261,12 @@ inline std::vector<tensor_map> gpt2_tensors(const model_desc& d, const char* who
 /// rotary_attention, rms_norm, swiglu_mlp; then rms_norm and a linear head
 /// without bias).
 inline std::vector<tensor_map> tensors_for(const model_desc& d, const char* who) {
-  const auto units = ckpt::units_of(d);
-  std::vector<const unit_desc*> layers;  // units[k]'s description
-  for (const auto& u : d.units)
-    if (u.full_params > 0) layers.push_back(&u);
-  std::vector<tensor_map> out;
-  std::size_t k = 0;
-  auto refuse = [&](const std::string& want) -> void {
-    std::string seen = k < units.size() ? "'" + units[k].name + "'" : "the end of the model";
-    throw std::invalid_argument(std::string(who) + ": this model is not one whose Hugging Face names whale knows (Llama): at layer " +
-                                std::to_string(k) + " it has " + seen + " where " + want + " would be");
-  };
-  auto is = [&](const char* kind) { return k < units.size() && kind_of(units[k].name) == kind; };
-  // layer k's tensors, in its flat order, under Hugging Face's `names`
-  auto add = [&](const std::vector<std::string>& names) {
-    auto mine = ckpt::unit_tensors(*layers[k], k, units[k].offset, who);
-    if (mine.size() != names.size())
-      throw std::invalid_argument(std::string(who) + ": layer " + std::to_string(k) + " ('" + units[k].name + "') has " +
-                                  std::to_string(mine.size()) + " parameter tensors; Hugging Face's has " + std::to_string(names.size()));
-    for (std::size_t t = 0; t < names.size(); ++t) out.push_back({names[t], std::move(mine[t].shape), mine[t].offset, mine[t].count});
-  };
+  layer_walk w(d, who, "Llama");
+  auto& k = w.k;
+  const auto& units = w.units;
+  auto refuse = [&](const std::string& want) { w.refuse(want); };
+  auto is = [&](const char* kind) { return w.is(kind); };
+  auto add = [&](const std::vector<std::string>& names) { w.add(names); };  // layer k's tensors under Hugging Face's `names`
   if (!is("embedding")) refuse("a token embedding");
   if (units.size() > 1 && kind_of(units[1].name) == "position_embedding") return gpt2_tensors(d, who);
   const auto emb = args_of(units[k].name);
@@ -288,7 +296,7 @@ inline std::vector<tensor_map> tensors_for(const model_desc& d, const char* who)
   add({"lm_head.weight"});
   ++k;
   if (k != units.size()) refuse("nothing more");
-  return out;
+  return w.out;
 }
 
 /// Whether a tensor of a Hugging Face file is one whale does not need
