@@ -339,9 +339,9 @@ TEST_CASE("trainer_options::log_every: steps queue without a host wait, with the
   struct outcome {
     std::vector<double> losses, seen, norms;
     std::vector<float> params;
-    std::int64_t syncs = -1, reads_d2h = -1;
+    std::int64_t syncs = -1, reads_d2h = -1, copies = -1;
   };
-  auto run = [&](backend_ref be, guarded_backend* g, std::int64_t every, bool use_sgd) {
+  auto run = [&](backend_ref be, guarded_backend* g, std::int64_t every, bool use_sgd, precision p) {
     network<tiny_gpt> net(seed{9}, be);
     markov_data data(seed{7}, 32, 8, 4);
     outcome out;
@@ -349,6 +349,7 @@ TEST_CASE("trainer_options::log_every: steps queue without a host wait, with the
     o.progress = false;
     o.max_grad_norm = 0.05;  // clipping acts on most steps
     o.log_every = every;
+    o.precision = p;
     o.on_step = [&](const step_report& r) {
       out.seen.push_back(r.loss);
       out.norms.push_back(r.grad_norm);
@@ -358,7 +359,7 @@ TEST_CASE("trainer_options::log_every: steps queue without a host wait, with the
       t.run(data, steps{2});  // the first steps allocate
       if (g) g->ledger().clear();
       const auto r = t.run(data, steps{6});
-      if (g) out.syncs = g->ledger().host_syncs, out.reads_d2h = g->ledger().device_to_host;
+      if (g) out.syncs = g->ledger().host_syncs, out.reads_d2h = g->ledger().device_to_host, out.copies = g->ledger().copies;
       out.losses = r.losses;
       CHECK(t.next_step() == 8);
     };
@@ -367,39 +368,51 @@ TEST_CASE("trainer_options::log_every: steps queue without a host wait, with the
     out.params = net.params_on_host();
     return out;
   };
-  for (const bool use_sgd : {false, true}) {
-    INFO((use_sgd ? "sgd with momentum" : "adamw"));
-    const auto every_step = run(backend_ref{}, nullptr, 1, use_sgd);
-    REQUIRE(every_step.losses.size() == 6);
-    for (const std::int64_t every : {3, 4}) {
-      INFO("log_every " << every);
-      const auto cpu = run(backend_ref{}, nullptr, every, use_sgd);
-      guarded_backend g;
-      const auto dev = run(backend_ref(g), &g, every, use_sgd);
-      for (const auto* r : {&cpu, &dev}) {
-        CHECK(r->losses == every_step.losses);
-        CHECK(r->seen == every_step.seen);  // on_step saw every step, with its own loss and norm
-        CHECK(r->norms == every_step.norms);
-        CHECK(r->params == every_step.params);
+  // Under bf16 the queued steps keep the master weights apart: the optimizer's
+  // pass writes the rounded weights, and only the first step after each read
+  // copies the master weights aside (the read puts them back). The same bits.
+  for (const precision p : {precision::fp32, precision::bf16})
+    for (const bool use_sgd : {false, true}) {
+      const std::string what = std::string(use_sgd ? "sgd with momentum" : "adamw") + (p == precision::bf16 ? ", bf16" : ", fp32");
+      INFO(what);
+      const auto every_step = run(backend_ref{}, nullptr, 1, use_sgd, p);
+      REQUIRE(every_step.losses.size() == 6);
+      for (const std::int64_t every : {3, 4}) {
+        INFO("log_every " << every);
+        const auto cpu = run(backend_ref{}, nullptr, every, use_sgd, p);
+        std::int64_t fp32_copies = -1;  // the same run's copies in fp32
+        if (p == precision::bf16) {
+          guarded_backend g32;
+          fp32_copies = run(backend_ref(g32), &g32, every, use_sgd, precision::fp32).copies;
+        }
+        guarded_backend g;
+        const auto dev = run(backend_ref(g), &g, every, use_sgd, p);
+        for (const auto* r : {&cpu, &dev}) {
+          CHECK(r->losses == every_step.losses);
+          CHECK(r->seen == every_step.seen);  // on_step saw every step, with its own loss and norm
+          CHECK(r->norms == every_step.norms);
+          CHECK(r->params == every_step.params);
+        }
+        // reads: at every `every` steps and at the end of run(); each is the one host wait
+        const std::int64_t reads = 2;  // every 3: after steps 3 and 6; every 4: after step 4 and at the end
+        CHECK(dev.syncs == reads);
+        CHECK(dev.reads_d2h == reads);
+        if (p == precision::bf16) CHECK(dev.copies - fp32_copies == 2 * reads);  // the master weights aside and back, once a read
       }
-      // reads: at every `every` steps and at the end of run(); each is the one host wait
-      const std::int64_t reads = 2;  // every 3: after steps 3 and 6; every 4: after step 4 and at the end
-      CHECK(dev.syncs == reads);
-      CHECK(dev.reads_d2h == reads);
+      guarded_backend g;
+      const auto dev_every_step = run(backend_ref(g), &g, 1, use_sgd, p);
+      CHECK(dev_every_step.syncs >= 2 * 6);  // the loss and the norm, every step
     }
-    guarded_backend g;
-    const auto dev_every_step = run(backend_ref(g), &g, 1, use_sgd);
-    CHECK(dev_every_step.syncs >= 2 * 6);  // the loss and the norm, every step
-  }
 }
 
 TEST_CASE("trainer_options::log_every: a non-finite step found later is named, and nothing after it was updated") {
-  auto run = [&](backend_ref be, std::int64_t every) {
+  auto run = [&](backend_ref be, std::int64_t every, precision p) {
     network<tiny_gpt> net(seed{9}, be);
     markov_data data(seed{7}, 32, 8, 4);
     trainer_options o;
     o.progress = false;
     o.log_every = every;
+    o.precision = p;
     o.lr_schedule = [](std::int64_t s) { return s == 2 ? 1e30 : 1e-2; };  // step 3 blows the weights up
     trainer t(net, adamw{}, o);
     std::string what;
@@ -410,14 +423,17 @@ TEST_CASE("trainer_options::log_every: a non-finite step found later is named, a
     }
     return std::tuple{what, t.next_step(), t.optimizer_state().steps, net.params_on_host()};
   };
-  const auto every_step = run(backend_ref{}, 1);
-  REQUIRE(!std::get<0>(every_step).empty());
-  CHECK(std::get<0>(every_step).find("whale::trainer: step 4: the loss is") != std::string::npos);
-  guarded_backend g;
-  for (const auto& r : {run(backend_ref{}, 7), run(backend_ref(g), 7), run(backend_ref(g), 2)}) {
-    CHECK(std::get<0>(r) == std::get<0>(every_step));
-    CHECK(std::get<1>(r) == std::get<1>(every_step));
-    CHECK(std::get<2>(r) == std::get<2>(every_step));
-    CHECK(std::get<3>(r) == std::get<3>(every_step));
+  for (const precision p : {precision::fp32, precision::bf16}) {  // bf16: the master weights put back, unchanged by the faulty step
+    INFO((p == precision::bf16 ? "bf16" : "fp32"));
+    const auto every_step = run(backend_ref{}, 1, p);
+    REQUIRE(!std::get<0>(every_step).empty());
+    CHECK(std::get<0>(every_step).find("whale::trainer: step 4: the loss is") != std::string::npos);
+    guarded_backend g;
+    for (const auto& r : {run(backend_ref{}, 7, p), run(backend_ref(g), 7, p), run(backend_ref(g), 2, p)}) {
+      CHECK(std::get<0>(r) == std::get<0>(every_step));
+      CHECK(std::get<1>(r) == std::get<1>(every_step));
+      CHECK(std::get<2>(r) == std::get<2>(every_step));
+      CHECK(std::get<3>(r) == std::get<3>(every_step));
+    }
   }
 }

@@ -134,6 +134,17 @@ class network {
   template <class O> void apply_optimizer(const O& opt, typename O::state& s, kernels::update_gate gate) {
     update_on(be_, opt, s, params_.v(), grads_.v(), gate);
   }
+  /// The same, for bf16 mixed precision with the master weights apart:
+  /// `master` (as many floats as params()) is updated, and its new values
+  /// rounded to bf16 are written into params() in the same pass.
+  template <class O>
+  void apply_optimizer(const O& opt, typename O::state& s, kernels::update_gate gate, view<float> master) {
+    if (master.numel() != params_.numel())
+      throw std::invalid_argument("whale::network::apply_optimizer: the master weights hold " +
+                                  std::to_string(master.numel()) + " values for " + std::to_string(params_.numel()) +
+                                  " parameters");
+    update_on(be_, opt, s, master, grads_.v(), gate, params_.data());
+  }
 
   M& model() noexcept { return model_; }
   const M& model() const noexcept { return model_; }

@@ -78,6 +78,27 @@ void update_on(const backend_ref& be, const O& o, typename O::state& s, view<flo
   o.update(s, p, g, be, gate);
 }
 
+/// Run one update of rule `o` on backend `be` (under `gate` where it is set)
+/// that also writes p's new values rounded to bf16 into `copy`
+/// (RoundingOptimizer): bf16 mixed precision's master weights in p, the
+/// weights the next step computes with in `copy`.
+template <Optimizer O>
+void update_on(const backend_ref& be, const O& o, typename O::state& s, view<float> p, cview<float> g,
+               kernels::update_gate gate, float* copy) {
+  static_assert(requires { o.update(s, p, g, be, gate, copy); },
+                "whale: this optimizer has no update(state, p, g, backend, kernels::update_gate, copy), so it cannot "
+                "write the rounded weights as it updates the master weights; give it one (see sgd, adamw)");
+  o.update(s, p, g, be, gate, copy);
+}
+/// Whether rule O writes the bf16-rounded new values beside the fp32 ones in
+/// its update pass (sgd and adamw do): bf16 mixed precision then keeps the
+/// master weights apart from the weights a step computes with, and no pass
+/// rounds or copies them (trainer_options::precision).
+template <class O>
+concept RoundingOptimizer = Optimizer<O> && requires(const O& o, typename O::state& s, view<float> p, cview<float> g,
+                                                     const backend_ref& be, kernels::update_gate gate, float* copy) {
+  o.update(s, p, g, be, gate, copy);
+};
 /// Whether rule O updates under a gate in device memory (kernels::update_gate:
 /// a clipping scale and a halt flag), as a step that keeps its figures on the
 /// device needs (trainer_options::log_every): sgd and adamw do.

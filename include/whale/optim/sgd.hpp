@@ -33,13 +33,15 @@ struct sgd {
     else be.launch(n, rule);
   }
   /// One step; under `gate` (in the backend's memory) the gradients are scaled
-  /// by *gate.scale, and nothing changes while *gate.halt is non-zero.
-  void update(state& s, view<float> p, cview<float> g, const backend_ref& be = {}, kernels::update_gate gate = {}) const {
+  /// by *gate.scale, and nothing changes while *gate.halt is non-zero. With
+  /// `copy` (as many floats as p): p's new values rounded to bf16 go there too.
+  void update(state& s, view<float> p, cview<float> g, const backend_ref& be = {}, kernels::update_gate gate = {},
+              float* copy = nullptr) const {
     if (momentum == 0.f)
-      run(be, p.numel(), kernels::sgd_plain{p.data(), g.data(), lr, weight_decay}, gate);
+      run(be, p.numel(), kernels::sgd_plain{p.data(), g.data(), lr, weight_decay, copy}, gate);
     else
-      run(be, p.numel(), kernels::sgd_momentum{p.data(), g.data(), s.buf.data(), lr, weight_decay, momentum, s.steps == 0},
-          gate);
+      run(be, p.numel(),
+          kernels::sgd_momentum{p.data(), g.data(), s.buf.data(), lr, weight_decay, momentum, s.steps == 0, copy}, gate);
     ++s.steps;
   }
 };

@@ -328,6 +328,13 @@ class trainer {
 
   typename Opt::state& optimizer_state() noexcept { return state_; }
 
+  ~trainer() {
+    try {
+      put_master_back();  // steps queued under bf16 and never read (an error between them): the fp32 weights back
+    } catch (...) {
+    }
+  }
+
  private:
   template <class In, class Target>
   step_ctx context_of(const batch_view<In, Target>& b, index_t global_batch, std::int64_t loss_terms) const {
@@ -498,7 +505,19 @@ class trainer {
       step_ctx c = context_of(b, data.global_batch(), labelled(data, step));
       c.loss_sum = &rec->loss;
       double share = 0;
-      {
+      const bool keep = keeps_rounded();
+      if (keep) {
+        try {
+          round_weights_once();
+          be.bf16_products(true);  // a GPU's GEMMs on its bf16 tensor cores: the layers' operands are bf16 values
+          share = net_.train_step(c, b.inputs, detail::labels_of(b));
+          be.bf16_products(false);
+        } catch (...) {
+          be.bf16_products(false);
+          put_master_back();
+          throw;
+        }
+      } else {
         weights_scope w(bf16(), local_params(), master_, backend());
         share = net_.train_step(c, b.inputs, detail::labels_of(b));
         w.restore();
@@ -508,7 +527,12 @@ class trainer {
       be.launch(1, kernels::check_step{rec, halt(), o_.max_grad_norm, static_cast<double>(queue_.size() + 1), norm});
       set_lr(step);
       queue_.push_back({step, share, last_lr_});
-      net_.apply_optimizer(opt_, state_, kernels::update_gate{&rec->scale, halt()});
+      if constexpr (requires { net_.apply_optimizer(opt_, state_, kernels::update_gate{}, master_.v()); }) {
+        if (keep) net_.apply_optimizer(opt_, state_, kernels::update_gate{&rec->scale, halt()}, master_.v());
+        else net_.apply_optimizer(opt_, state_, kernels::update_gate{&rec->scale, halt()});
+      } else {
+        net_.apply_optimizer(opt_, state_, kernels::update_gate{&rec->scale, halt()});
+      }
       next_ = step + 1;
     }
   }
@@ -518,6 +542,7 @@ class trainer {
   void read_queued(index_t rows, index_t seq, train_result* r) {
     if constexpr (figures_on_device) {
       if (queue_.empty()) return;
+      put_master_back();  // from here the parameters are the fp32 weights again (a halted step changed neither)
       const auto be = net_.backend();
       const std::size_t k = queue_.size();
       const auto f = be.host_readable(cview<double>(figures_.data(), {static_cast<index_t>(4 * k)}), figures_host_);
@@ -546,6 +571,42 @@ class trainer {
       }
       queue_.clear();
     }
+  }
+
+  /// Under bf16 with log_every > 1 and an optimizer that writes rounded
+  /// copies (RoundingOptimizer): the queued steps keep the fp32 master weights
+  /// in master_ and the parameters rounded to bf16 from one step to the next,
+  /// the optimizer's pass writing both, until the host reads the steps'
+  /// figures; only the first step of each read rounds and copies, and the
+  /// read puts the master weights back (rounded_ says which holds).
+  bool keeps_rounded() const {
+    if constexpr (RoundingOptimizer<Opt> &&
+                  requires(Net& n, const Opt& o, typename Opt::state& st, view<float> m) {
+                    n.apply_optimizer(o, st, kernels::update_gate{}, m);
+                  })
+      return bf16();
+    else
+      return false;
+  }
+  /// The first queued step's rounding: the fp32 weights into master_, the parameters rounded in place.
+  void round_weights_once() {
+    if (rounded_) return;
+    const auto p = local_params();
+    const auto be = backend();
+    {
+      const place_scope where(be.memory());
+      master_.resize(p.shape());
+    }
+    be.copy(master_.data(), p.data(), p.bytes());
+    be.launch(p.numel(), kernels::to_bf16{p.data()});
+    rounded_ = true;
+  }
+  /// The fp32 master weights back into the parameters, where the queued steps left them rounded.
+  void put_master_back() {
+    if (!rounded_) return;
+    rounded_ = false;
+    const auto p = local_params();
+    backend().copy(p.data(), master_.data(), p.bytes());
   }
 
   /// Under bf16, from construction to restore(): this rank's parameters
@@ -705,6 +766,7 @@ class trainer {
   trainer_options o_;
   typename Opt::state state_;
   tensor<float> master_{shape{0}, mem_kind::params};  // bf16: the fp32 master weights during a step
+  bool rounded_ = false;  // the parameters hold the rounded weights and master_ the fp32 ones (keeps_rounded)
   std::int64_t next_ = 0;
   bool resumed_ = false;
   double last_norm_ = 0, last_lr_ = 0, last_dt_ = 0;

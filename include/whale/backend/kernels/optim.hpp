@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "whale/backend/kernel.hpp"
+#include "whale/backend/kernels/elementwise.hpp"
 #include "whale/backend/kernels/math.hpp"
 
 namespace whale::kernels {
@@ -62,19 +63,26 @@ struct check_step {
 // (-ffp-contract=fast, its default) and may choose differently in two loops
 // over the same rule (the plain update and gated_update), which made
 // trainer_options::log_every change the parameters' last bits.
+//
+// Each rule's `copy`, when set, receives every element's new value rounded to
+// bf16 in the same pass: under bf16 mixed precision `p` is then the fp32
+// master weights and `copy` the weights the next step computes with, so no
+// pass rounds them and none copies the master weights aside or back.
 
 /// p -= lr (g + wd p), no momentum: p + (-lr) (wd p + g), two multiply-adds.
 struct sgd_plain {
   float* p;
   const float* g;
   float lr, wd;
+  float* copy = nullptr;  ///< set: the new p rounded to bf16
   WHALE_HD WHALE_INLINE void apply(index_t i, float gi, bool keep) const noexcept {
     const float pi = p[i];
     const float next = madd(-lr, madd(wd, pi, gi), pi);
     p[i] = keep ? pi : next;
+    if (copy) copy[i] = round_bf16(keep ? pi : next);
   }
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { apply(i, g[i], false); }
-  std::int64_t bytes(index_t n) const noexcept { return n * 12; }
+  std::int64_t bytes(index_t n) const noexcept { return n * (copy ? 16 : 12); }
 };
 /// buf = mu buf + (g + wd p) (buf = g + wd p on the first step); p -= lr buf:
 /// buf = wd p + (mu buf + g), p = (-lr) buf + p, each sum a multiply-add.
@@ -84,6 +92,7 @@ struct sgd_momentum {
   float* buf;
   float lr, wd, mu;
   bool first;
+  float* copy = nullptr;  ///< set: the new p rounded to bf16
   WHALE_HD WHALE_INLINE void apply(index_t i, float gi, bool keep) const noexcept {
     const float pi = p[i], bi = first ? 0.f : buf[i];
     const float b = madd(wd, pi, first ? gi : madd(mu, bi, gi));
@@ -91,9 +100,10 @@ struct sgd_momentum {
     if (first) buf[i] = keep ? 0.f : b;  // a halted first step leaves the buffer as make_state made it
     else buf[i] = keep ? bi : b;
     p[i] = keep ? pi : next;
+    if (copy) copy[i] = round_bf16(keep ? pi : next);
   }
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { apply(i, g[i], false); }
-  std::int64_t bytes(index_t n) const noexcept { return n * (first ? 16 : 20); }
+  std::int64_t bytes(index_t n) const noexcept { return n * ((first ? 16 : 20) + (copy ? 4 : 0)); }
 };
 /// AdamW: m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
 /// p = p (1 - lr wd) - (lr / c1) m / (sqrt(v / c2) + eps), c1 and c2 the bias
@@ -104,6 +114,7 @@ struct adamw_step {
   float* m;
   float* v;
   float b1, b2, step, inv_c2, decay, eps;
+  float* copy = nullptr;  ///< set: the new p rounded to bf16
   WHALE_HD WHALE_INLINE void apply(index_t i, float gi, bool keep) const noexcept {
     const float m0 = m[i], v0 = v[i], p0 = p[i];
     const float mi = madd(b1, m0, (1.f - b1) * gi);
@@ -112,9 +123,10 @@ struct adamw_step {
     m[i] = keep ? m0 : mi;
     v[i] = keep ? v0 : vi;
     p[i] = keep ? p0 : pi;
+    if (copy) copy[i] = round_bf16(keep ? p0 : pi);
   }
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { apply(i, g[i], false); }
-  std::int64_t bytes(index_t n) const noexcept { return n * 28; }
+  std::int64_t bytes(index_t n) const noexcept { return n * (copy ? 32 : 28); }
 };
 
 /// Rule K under a gate in device memory (update_gate, both pointers set):
