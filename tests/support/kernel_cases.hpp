@@ -93,6 +93,13 @@ template <class F> void for_each_case(F&& f) {
   f("layer_norm_forward", R,
     [](buffers p) { return k::layer_norm_forward{p.a, p.b, p.c, p.f, p.e, p.d, C, 1e-5f}; });
   f("layer_norm_backward", R, [](buffers p) { return k::layer_norm_backward{p.a, p.b, p.d, p.c, p.f, C}; });
+  f("layer_norm_backward (a residual's gradient added, stored as bf16)", R,
+    [](buffers p) { return k::layer_norm_backward{p.a, p.b, p.d, p.c, p.f, C, true, p.e}; });
+  f("rms_norm_forward", R, [](buffers p) { return k::rms_norm_forward{p.a, p.b, p.f, p.e, p.d, C, 1e-5f}; });
+  f("rms_norm_backward (a residual's gradient added, stored as bf16)", R,
+    [](buffers p) { return k::rms_norm_backward{p.a, p.b, p.d, p.c, p.f, C, true, p.e}; });
+  f("rms_norm_forward (one row of 4,200: a block team)", 1,
+    [](buffers p) { return k::rms_norm_forward{p.a, p.b, p.f, p.e, p.d, 4200, 1e-5f}; });
   f("layer_norm_param_grads", C, [](buffers p) { return k::layer_norm_param_grads{p.a, p.b, p.f, p.e, R, C, true}; });
   f("layer_norm_param_grads (4 row tiles)", 50,
     [](buffers p) { return k::layer_norm_param_grads{p.a, p.b, p.f, p.e, 222, 50, false}; });
@@ -109,6 +116,8 @@ template <class F> void for_each_case(F&& f) {
   f("merge_heads", 3 * 3 * T * 5, [](buffers p) { return k::merge_heads{p.a, p.f, {3, T, 5, 30, 3}}; });
   f("cross_entropy_rows", R,
     [](buffers p) { return k::cross_entropy_rows{p.a, p.labels, p.f, p.rowd, C, 1.f / R, -100}; });
+  f("cross_entropy_rows (gradient in place of the logits)", R,
+    [](buffers p) { return k::cross_entropy_rows{p.a, p.labels, p.a, p.rowd, C, 1.f / R, -100}; });
   f("cross_entropy_rows (gradient stored as bf16)", R,
     [](buffers p) { return k::cross_entropy_rows{p.a, p.labels, p.f, p.rowd, C, 1.f / R, -100, true}; });
   // the regression losses: predictions a against targets b, differences on both sides of Huber's delta

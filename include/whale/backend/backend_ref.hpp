@@ -319,7 +319,8 @@ class backend_ref {
     if (ops_->enter) {
       if (!ops_->note(gpu_, note_of(body, shape, n, threads))) return;
       const opened o(*this);
-      return cpu::launch(n, body);
+      if constexpr (kernels::RowBody<K>) return cpu::launch_staged(n, body);  // with a GPU team's staged rows
+      else return cpu::launch(n, body);
     }
 #if defined(__CUDACC__)
     struct timed {  // a GPU's per-kind timing, ended on every way out

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "whale/backend/kernel.hpp"
 #include "whale/backend/kernels/shapes.hpp"
@@ -174,6 +175,22 @@ template <kernels::RowBody K>
 inline void launch(index_t rows, const K& body) {
   if (kernels::row_warps(body.width()) == 1) return launch(rows, detail::row_runner<1, K>{body});
   launch(rows, detail::row_runner<8, K>{body});
+}
+
+/// The same rows as a GPU team runs them (the guarded backend): a body that
+/// stages rows (kernels::staged_rows) gets staging slots where an H200's
+/// shared memory holds them (kernels::stage_fits), so the device's path,
+/// slots included, runs here. The same values as launch().
+template <kernels::RowBody K>
+inline void launch_staged(index_t rows, const K& body) {
+  constexpr int slots = kernels::staged_rows<K>();
+  if (slots == 0 || !kernels::stage_fits(slots, body.width())) return launch(rows, body);
+  const index_t stride = kernels::stage_stride(body.width());
+  std::vector<float> smem(static_cast<std::size_t>(slots * stride));
+  if (kernels::row_warps(body.width()) == 1)
+    for (index_t r = 0; r < rows; ++r) body(kernels::emulated_team<1>{{}, smem.data(), stride}, r);
+  else
+    for (index_t r = 0; r < rows; ++r) body(kernels::emulated_team<8>{{}, smem.data(), stride}, r);
 }
 
 /// A column reduction over body.rows() x body.cols(): each column's sums stored once.

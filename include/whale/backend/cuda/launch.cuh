@@ -48,6 +48,17 @@ __device__ __forceinline__ kernels::max_sum shfl0(kernels::max_sum v) {
 template <int W> struct cuda_team : kernels::team_reductions<cuda_team<W>> {
   static constexpr int lanes = W * kernels::warp_lanes;
   int lane;
+  float* smem = nullptr;  ///< this team's staging slots in shared memory, `stride` floats apart; null: none
+  index_t stride = 0;
+  /// Row `src` of n floats copied to slot `slot` (each lane its own elements), or src itself without slots.
+  WHALE_HD WHALE_INLINE const float* stage(int slot, const float* src, index_t n) const {
+    if (!smem) return src;
+    float* s = smem + slot * stride;
+    for (index_t j = lane; j < n; j += lanes) s[j] = src[j];
+    return s;
+  }
+  /// Slot `slot` as a row to write and read back, or `fallback` without slots.
+  WHALE_HD WHALE_INLINE float* scratch(int slot, float* fallback) const { return smem ? smem + slot * stride : fallback; }
   template <class S, class Step, class Join>
   WHALE_HD WHALE_INLINE S reduce(index_t n, S init, Step step, Join join) const {
 #if defined(__CUDA_ARCH__)
@@ -90,14 +101,40 @@ template <int W> struct cuda_team : kernels::team_reductions<cuda_team<W>> {
 };
 
 namespace detail {
-template <class K> __global__ void __launch_bounds__(block_threads) run_rows_warp(index_t rows, K body) {
+// Staged rows (kernels::staged_rows): `slots` rows of `stride` floats per team in dynamic shared memory; 0: none.
+template <class K>
+__global__ void __launch_bounds__(block_threads) run_rows_warp(index_t rows, K body, int slots, index_t stride) {
+  extern __shared__ float4 staged_rows_smem[];  // float4: 16-byte aligned
   constexpr int per_block = block_threads / kernels::warp_lanes;
-  const index_t r = static_cast<index_t>(blockIdx.x) * per_block + threadIdx.x / kernels::warp_lanes;
-  if (r < rows) body(cuda_team<1>{{}, static_cast<int>(threadIdx.x % kernels::warp_lanes)}, r);  // warp-uniform
+  const int warp = static_cast<int>(threadIdx.x) / kernels::warp_lanes;
+  const index_t r = static_cast<index_t>(blockIdx.x) * per_block + warp;
+  float* smem = slots > 0 ? reinterpret_cast<float*>(staged_rows_smem) + warp * slots * stride : nullptr;
+  if (r < rows)  // warp-uniform
+    body(cuda_team<1>{{}, static_cast<int>(threadIdx.x % kernels::warp_lanes), smem, stride}, r);
 }
-template <class K> __global__ void __launch_bounds__(block_threads) run_rows_block(index_t rows, K body) {
+template <class K>
+__global__ void __launch_bounds__(block_threads) run_rows_block(index_t rows, K body, int slots, index_t stride) {
+  extern __shared__ float4 staged_rows_smem[];
   constexpr int W = block_threads / kernels::warp_lanes;
-  for (index_t r = blockIdx.x; r < rows; r += gridDim.x) body(cuda_team<W>{{}, static_cast<int>(threadIdx.x)}, r);
+  float* smem = slots > 0 ? reinterpret_cast<float*>(staged_rows_smem) : nullptr;
+  // each lane reads back only what it staged, so the next row may overwrite the slots without a barrier
+  for (index_t r = blockIdx.x; r < rows; r += gridDim.x) body(cuda_team<W>{{}, static_cast<int>(threadIdx.x), smem, stride}, r);
+}
+/// The shared memory one block may opt into on the current device (cudaDevAttrMaxSharedMemoryPerBlockOptin).
+inline std::int64_t smem_optin() {
+  int dev = 0, v = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess)
+    return 48 * 1024;
+  return v;
+}
+/// Let `kernel` take `bytes` of dynamic shared memory (past the default 48 KiB), once per kernel and size.
+template <class F> void allow_smem(F* kernel, std::int64_t bytes) {
+  static std::int64_t allowed = 48 * 1024;  // one static per kernel instantiation
+  if (bytes <= allowed) return;
+  if (const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+      e != cudaSuccess)
+    throw std::runtime_error(std::string("whale::cuda: cudaFuncSetAttribute (dynamic shared memory) failed: ") + cudaGetErrorString(e));
+  allowed = bytes;
 }
 inline void check_launch(const char* what) {
   if (const cudaError_t e = cudaGetLastError(); e != cudaSuccess)
@@ -123,12 +160,25 @@ void launch(index_t rows, const K& body, cudaStream_t stream = nullptr) {
   if (rows <= 0) return;
   constexpr int per_block = block_threads / kernels::warp_lanes;
   static_assert(per_block == 8, "whale::cuda_space: the wide-row team is a block of 8 warps (kernels::row_warps)");
+  // staged rows in shared memory where the device has room for them (unstaged otherwise: the same values)
+  constexpr int slots = kernels::staged_rows<K>();
+  int use = 0;
+  std::int64_t smem = 0;
+  if constexpr (slots > 0) {
+    static const std::int64_t optin = detail::smem_optin();
+    const std::int64_t need = kernels::stage_bytes(slots, body.width());
+    if (need <= optin) use = slots, smem = need;
+  }
+  const index_t stride = kernels::stage_stride(body.width());
   if (kernels::row_warps(body.width()) == 1) {
-    detail::run_rows_warp<<<static_cast<unsigned>((rows + per_block - 1) / per_block), block_threads, 0, stream>>>(
-        rows, body);
+    if (smem > 0) detail::allow_smem(detail::run_rows_warp<K>, smem);
+    detail::run_rows_warp<<<static_cast<unsigned>((rows + per_block - 1) / per_block), block_threads,
+                            static_cast<std::size_t>(smem), stream>>>(rows, body, use, stride);
   } else {
     const index_t blocks = rows < detail::max_blocks ? rows : detail::max_blocks;
-    detail::run_rows_block<<<static_cast<unsigned>(blocks), block_threads, 0, stream>>>(rows, body);
+    if (smem > 0) detail::allow_smem(detail::run_rows_block<K>, smem);
+    detail::run_rows_block<<<static_cast<unsigned>(blocks), block_threads, static_cast<std::size_t>(smem), stream>>>(
+        rows, body, use, stride);
   }
   detail::check_launch(kernels::kernel_name<K>().c_str());
 }

@@ -114,9 +114,10 @@ struct layer_norm_forward {
   index_t D;
   float eps;
   bool round = false;  ///< store y rounded to bf16 (x-hat and rstd stay fp32)
+  static constexpr int staged_rows = 1;  ///< x, read three times
   index_t width() const noexcept { return D; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
-    const float* xr = x + r * D;
+    const float* xr = t.stage(0, x + r * D, D);
     float* hr = xhat + r * D;
     float* yr = y + r * D;
     const float mean = t.sum(D, [&](index_t j) { return xr[j]; }) / static_cast<float>(D);
@@ -132,7 +133,9 @@ struct layer_norm_forward {
       yr[j] = stored_as(h * gain[j] + bias[j], round);
     });
   }
-  std::int64_t bytes(index_t rows) const noexcept { return rows * (5 * D * 4 + 4) + 3 * D * 4; }  // x twice, then x in, x-hat and y out
+  std::int64_t bytes(index_t rows) const noexcept {  // x (three times unstaged), x-hat and y out
+    return rows * ((stage_fits(staged_rows, D) ? 3 : 5) * D * 4 + 4) + 3 * D * 4;
+  }
 };
 /// d(input) of row r: dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy gain.
 struct layer_norm_backward {
@@ -147,10 +150,11 @@ struct layer_norm_backward {
   /// A residual's output gradient (rows of D) added to dx, each stored as
   /// `round` says: dx = add + dx, a residual's sum in the same pass.
   const float* add = nullptr;
+  static constexpr int staged_rows = 2;  ///< dy and x-hat, each read three times
   index_t width() const noexcept { return D; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
-    const float* gr = dy + r * D;
-    const float* hr = xhat + r * D;
+    const float* gr = t.stage(0, dy + r * D, D);
+    const float* hr = t.stage(1, xhat + r * D, D);
     float* dr = dx + r * D;
     const auto g = [&](index_t j) { return stored_as(gr[j], round); };
     const float m1 = t.sum(D, [&](index_t j) { return g(j) * gain[j]; }) / static_cast<float>(D);
@@ -165,8 +169,8 @@ struct layer_norm_backward {
       t.for_each(D, [&](index_t j) { dr[j] = stored_as(s * (g(j) * gain[j] - m1 - hr[j] * m2), round); });
     }
   }
-  std::int64_t bytes(index_t rows) const noexcept {  // dy; dy, x-hat; dy, x-hat in, dx out (and the addend)
-    return rows * ((6 + (add ? 1 : 0)) * D * 4 + 4) + 3 * D * 4;
+  std::int64_t bytes(index_t rows) const noexcept {  // dy and x-hat (dy three times, x-hat twice unstaged), dx out (and the addend)
+    return rows * (((stage_fits(staged_rows, D) ? 3 : 6) + (add ? 1 : 0)) * D * 4 + 4) + 3 * D * 4;
   }
 };
 /// d(gain) and d(bias): the sums over R rows of dy xhat and of dy, a column reduction.
@@ -203,9 +207,10 @@ struct rms_norm_forward {
   index_t D;
   float eps;
   bool round = false;  ///< store y rounded to bf16 (x-hat and rstd stay fp32)
+  static constexpr int staged_rows = 1;  ///< x, read twice
   index_t width() const noexcept { return D; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
-    const float* xr = x + r * D;
+    const float* xr = t.stage(0, x + r * D, D);
     float* hr = xhat + r * D;
     float* yr = y + r * D;
     const float ms = t.sum(D, [&](index_t j) { return xr[j] * xr[j]; }) / static_cast<float>(D);
@@ -217,7 +222,9 @@ struct rms_norm_forward {
       yr[j] = stored_as(gain[j] * h, round);
     });
   }
-  std::int64_t bytes(index_t rows) const noexcept { return rows * (4 * D * 4 + 4) + 2 * D * 4; }  // x twice, then x-hat and y out
+  std::int64_t bytes(index_t rows) const noexcept {  // x (twice unstaged), x-hat and y out
+    return rows * ((stage_fits(staged_rows, D) ? 3 : 4) * D * 4 + 4) + 2 * D * 4;
+  }
 };
 /// d(input) of row r: dx = rstd (g - xhat mean(g xhat)), g = dy gain (RMSNorm has no mean to subtract).
 struct rms_norm_backward {
@@ -231,10 +238,11 @@ struct rms_norm_backward {
   bool round = false;
   /// A residual's output gradient added to dx, each stored as `round` says (as layer_norm_backward).
   const float* add = nullptr;
+  static constexpr int staged_rows = 2;  ///< dy and x-hat, each read twice
   index_t width() const noexcept { return D; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
-    const float* gr = dy + r * D;
-    const float* hr = xhat + r * D;
+    const float* gr = t.stage(0, dy + r * D, D);
+    const float* hr = t.stage(1, xhat + r * D, D);
     float* dr = dx + r * D;
     const auto g = [&](index_t j) { return stored_as(gr[j], round); };
     const float m2 = t.sum(D, [&](index_t j) { return g(j) * gain[j] * hr[j]; }) / static_cast<float>(D);
@@ -246,8 +254,8 @@ struct rms_norm_backward {
       t.for_each(D, [&](index_t j) { dr[j] = stored_as(s * (g(j) * gain[j] - hr[j] * m2), round); });
     }
   }
-  std::int64_t bytes(index_t rows) const noexcept {  // dy, x-hat; dy, x-hat in, dx out (and the addend)
-    return rows * ((5 + (add ? 1 : 0)) * D * 4 + 4) + 2 * D * 4;
+  std::int64_t bytes(index_t rows) const noexcept {  // dy and x-hat (each twice unstaged), dx out (and the addend)
+    return rows * (((stage_fits(staged_rows, D) ? 3 : 5) + (add ? 1 : 0)) * D * 4 + 4) + 2 * D * 4;
   }
 };
 /// d(gain) of RMSNorm: the sums over R rows of dy xhat, a column reduction.
@@ -278,6 +286,8 @@ struct rms_norm_param_grads {
 /// under bf16, stored rounded: `round`, no pass after). The
 /// online softmax (kernels::max_sum) reads the logits once less but costs
 /// two more exponentials per element, which the CPU pays (1.6% of gpt's step).
+/// A GPU team stages the row in shared memory and keeps the exponentials
+/// there, so the logits are read once and the gradient written once.
 struct cross_entropy_rows {
   const float* z;
   const std::int32_t* y;
@@ -287,9 +297,9 @@ struct cross_entropy_rows {
   float inv;
   std::int32_t ignore;
   bool round = false;  ///< store the gradient rounded to bf16 (stored_as)
+  static constexpr int staged_rows = 1;  ///< z, then the exponentials in its place
   index_t width() const noexcept { return C; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
-    const float* zr = z + r * C;
     float* qr = q + r * C;
     const std::int32_t label = y[r];
     if (label == ignore) {
@@ -297,22 +307,26 @@ struct cross_entropy_rows {
       if (t.leader()) loss[r] = 0.0;
       return;
     }
+    const float target = z[r * C + label];
+    const float* zr = t.stage(0, z + r * C, C);
     const float m = t.max(C, [&](index_t j) { return zr[j]; });
-    const float target = zr[label];
     t.sync();  // every lane has read z[label] before q (maybe z) is written
+    float* e = t.scratch(0, qr);  // the exponentials: over the staged z, or in q
     const float sum = t.sum(C, [&](index_t j) {
-      const float e = vexp(zr[j] - m);
-      qr[j] = e;
-      return e;
+      const float v = vexp(zr[j] - m);
+      e[j] = v;
+      return v;
     });
     if (t.leader()) loss[r] = std::log(static_cast<double>(sum)) + m - target;
     const float scale = inv / sum;
     t.for_each(C, [&](index_t j) {  // the label's element less inv, in the same pass
-      const float g = qr[j] * scale;
+      const float g = e[j] * scale;
       qr[j] = stored_as(j == label ? g - inv : g, round);
     });
   }
-  std::int64_t bytes(index_t rows) const noexcept { return rows * (5 * C * 4 + 4 + 8); }
+  std::int64_t bytes(index_t rows) const noexcept {  // z (twice unstaged), q written (and read back unstaged), z[label]
+    return rows * ((stage_fits(staged_rows, C) ? 2 : 5) * C * 4 + 4 + 8);
+  }
 };
 
 /// The regression losses, elementwise on the difference d = prediction - target.

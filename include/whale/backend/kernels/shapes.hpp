@@ -22,6 +22,26 @@ inline constexpr int warp_lanes = 32;
 inline constexpr index_t wide_row = 4096;
 /// Warps of the team that takes a row of `width` elements (1 or 8), the same on every backend.
 constexpr int row_warps(index_t width) noexcept { return width >= wide_row ? 8 : 1; }
+/// Shared memory a block may give to staged rows: sm_90's opt-in limit per
+/// block (227 KiB). A device with less runs the same bodies unstaged.
+inline constexpr std::int64_t stage_bytes_max = 232448;
+/// Floats from one staged row to the next: the width rounded up to 4 (16-byte aligned).
+constexpr index_t stage_stride(index_t width) noexcept { return (width + 3) / 4 * 4; }
+/// Shared memory of a block whose teams each stage `slots` rows of `width`:
+/// 8 teams of one warp, or one team of 8 warps.
+constexpr std::int64_t stage_bytes(int slots, index_t width) noexcept {
+  return static_cast<std::int64_t>(slots) * stage_stride(width) * 4 * (row_warps(width) == 1 ? 8 : 1);
+}
+/// Whether a body that stages `slots` rows of `width` keeps them in shared
+/// memory on an H200 (each body declares its bytes by it).
+constexpr bool stage_fits(int slots, index_t width) noexcept {
+  return slots > 0 && stage_bytes(slots, width) <= stage_bytes_max;
+}
+/// The rows of width() a row body stages per team (K::staged_rows), or 0.
+template <class K> constexpr int staged_rows() noexcept {
+  if constexpr (requires { K::staged_rows; }) return K::staged_rows;
+  else return 0;
+}
 /// Rows per tile of the column-reduction shape: each tile's sum is one partial per column.
 inline constexpr index_t row_tile = 64;
 /// Tiles of `rows` rows.
@@ -84,8 +104,27 @@ template <int W, class S, class Join> WHALE_HD WHALE_INLINE S tree_reduce(S* v, 
 /// A team of W warps emulated by one CPU thread: every lane's accumulator in
 /// an array, then the tree. It sums in the GPU team's order, so the CPU tests
 /// check the order the GPU uses (nvcc may still contract a multiply and an add).
+///
+/// Staged rows: a body that passes over a row more than once reads it from
+/// the team's staging slots (`stage`), which a GPU team keeps in shared
+/// memory, and may write a row it reads back into one (`scratch`). Each lane
+/// copies and later reads only the elements it takes (j = lane, lane +
+/// lanes, ...), so no barrier is needed. The CPU backend's team has no slots
+/// (`smem` null): stage gives the row itself and scratch the fallback, the
+/// same values; the guarded backend gives it slots, as a GPU does.
 template <int W> struct emulated_team : team_reductions<emulated_team<W>> {
   static constexpr int lanes = W * warp_lanes;
+  float* smem = nullptr;  ///< staging slots, `stride` floats apart; null: none
+  index_t stride = 0;
+  /// Row `src` of n floats copied to slot `slot` for the passes that follow, or src itself without slots.
+  WHALE_HD WHALE_INLINE const float* stage(int slot, const float* src, index_t n) const {
+    if (!smem) return src;
+    float* s = smem + slot * stride;
+    for (index_t j = 0; j < n; ++j) s[j] = src[j];
+    return s;
+  }
+  /// Slot `slot` as a row to write and read back, or `fallback` without slots.
+  WHALE_HD WHALE_INLINE float* scratch(int slot, float* fallback) const { return smem ? smem + slot * stride : fallback; }
   template <class S, class Step, class Join>
   WHALE_HD WHALE_INLINE S reduce(index_t n, S init, Step step, Join join) const {
     S acc[lanes];
