@@ -93,7 +93,8 @@ namespace {
 // non-bf16 input and a bf16 output gradient (as gradients are stored), through run_forward /
 // run_backward as the containers run it: under bf16 its output and input gradient are stored as
 // bf16, whether its own kernels round them or a rounding pass follows. `one_op`: a layer of one operation each way, whose bf16 values
-// are its fp32 values rounded, to the bit (a composite rounds its intermediates too).
+// are its fp32 values rounded, to the bit (a composite rounds its intermediates too); of its fp32
+// values on the rounded input where it reads its input as bf16 holds it (rounds_input_on_read).
 template <class L> void check_stored_bf16(index_t width, bool one_op) {
   network<sequential<L, softmax_cross_entropy>> net(seed{3});
   auto& l = net.model().template get<0>();
@@ -105,10 +106,13 @@ template <class L> void check_stored_bf16(index_t width, bool one_op) {
     dy[i] = kernels::round_bf16(std::cos(0.11f * static_cast<float>(i)) * 0.3f + 0.0007f);
   }
   std::vector<float> y[2], dx[2];
+  std::vector<float> x_read = x;  // the input as the layer reads it under bf16
+  if constexpr (rounds_input_on_read<L>())
+    for (auto& v : x_read) v = kernels::round_bf16(v);
   for (const bool bf16 : {false, true}) {
     step_ctx c;
     c.batch = B, c.seq = T, c.global_rows = R, c.bf16 = bf16;
-    const auto out = run_forward(l, c, cview<float>(x.data(), {R, width}), 0);
+    const auto out = run_forward(l, c, cview<float>((bf16 ? x : x_read).data(), {R, width}), 0);
     y[bf16].assign(out.begin(), out.end());
     c.need_input_grad = true;
     const auto din = run_backward(l, c, cview<float>(dy.data(), {R, width}), 0);
@@ -133,7 +137,7 @@ template <class L> void check_stored_bf16(index_t width, bool one_op) {
 TEST_CASE("bf16: every layer's output and input gradient is stored rounded, by its own kernels or by a pass after it") {
   SUBCASE("layer_norm (its kernels round)") { check_stored_bf16<layer_norm<32>>(32, true); }
   SUBCASE("rms_norm (its kernels round)") { check_stored_bf16<rms_norm<32>>(32, true); }
-  SUBCASE("gelu (its kernels round)") { check_stored_bf16<gelu>(32, true); }
+  SUBCASE("gelu (its kernels round, and read x rounded)") { check_stored_bf16<gelu>(32, true); }
   SUBCASE("linear (the bias pass after the product rounds; a pass rounds d(input))") { check_stored_bf16<linear<32, 32>>(32, true); }
   SUBCASE("linear without bias (the pass after the product rounds)") { check_stored_bf16<linear<32, 32, no_bias>>(32, true); }
   SUBCASE("residual (its sums round)") { check_stored_bf16<residual<layer_norm<32>, linear<32, 32>>>(32, false); }
@@ -147,19 +151,21 @@ TEST_CASE("bf16: every layer's output and input gradient is stored rounded, by i
   SUBCASE("repeat") { check_stored_bf16<repeat<2, transformer_block<32, 2, 64>>>(32, false); }
 }
 
-TEST_CASE("bf16: the cross-entropy's kernel stores d(logits) rounded: the fp32 gradient rounded, to the bit, and no pass after") {
+TEST_CASE("bf16: the cross-entropy's kernel reads the logits rounded and stores d(logits) rounded: the fp32 gradient of the rounded logits rounded, to the bit, and no pass after") {
   constexpr index_t R = 12, C = 37;
   std::vector<float> z(static_cast<std::size_t>(R * C));
   for (std::size_t i = 0; i < z.size(); ++i) z[i] = std::sin(0.29f * static_cast<float>(i)) * 3.1f + 0.0173f;
   std::vector<std::int32_t> y(static_cast<std::size_t>(R));
   for (index_t r = 0; r < R; ++r) y[static_cast<std::size_t>(r)] = static_cast<std::int32_t>((r * 7) % C);
   y[5] = -100;  // an ignored row: a zero gradient
+  std::vector<float> z_read = z;  // the logits as the kernel reads them under bf16
+  for (auto& v : z_read) v = kernels::round_bf16(v);
   auto grad = [&](const backend_ref& be, bool bf16) {
     const place_scope on(be.memory());  // the layer's state too, as a network on a device keeps it
     softmax_cross_entropy l;
     tensor<float> dz({R, C});
     tensor<std::int32_t> dy({R});
-    be.copy(dz.data(), z.data(), z.size() * 4);
+    be.copy(dz.data(), (bf16 ? z : z_read).data(), z.size() * 4);
     be.copy(dy.data(), y.data(), y.size() * 4);
     step_ctx c;
     c.be = be, c.global_rows = R, c.bf16 = bf16;
@@ -195,7 +201,7 @@ TEST_CASE("bf16: a residual's sums are stored by its branch's own kernels, and a
   struct nothing : layer_hooks {};
   struct result {
     std::vector<float> y, dx, grads;
-    std::int64_t adds = 0, roundings = 0;
+    std::int64_t adds = 0, roundings = 0, bias_passes = 0, bias_epilogues = 0;
   };
   auto run = [&](backend_ref be, bool hooked, guarded_backend* g) {
     network<sequential<block, softmax_cross_entropy>> net(seed{4}, be);
@@ -223,6 +229,8 @@ TEST_CASE("bf16: a residual's sums are stored by its branch's own kernels, and a
       const auto& k = g->ledger().kernels;
       r.adds = k.count("add") ? k.at("add").launches : 0;
       r.roundings = k.count("to_bf16") ? k.at("to_bf16").launches : 0;
+      r.bias_passes = k.count("bias_rows") ? k.at("bias_rows").launches : 0;
+      r.bias_epilogues = g->ledger().bias_epilogues;
     }
     return r;
   };
@@ -242,4 +250,18 @@ TEST_CASE("bf16: a residual's sums are stored by its branch's own kernels, and a
   const auto dev_unfused = run(backend_ref(g), true, &g);
   CHECK(dev_unfused.adds == 8);
   CHECK(dev_unfused.roundings == 6);
+  // a device whose GEMMs add the bias in their epilogue: Q, K, V's and the first MLP linear's (which
+  // GELU reads rounded) in the GEMM call; the two linears that end a residual keep their bias pass,
+  // which stores the residual's sum rounded. The same bits.
+  g.set_fused_bias_grads(true);
+  const auto epi = run(backend_ref(g), false, &g);
+  CHECK(epi.y == fused.y);
+  CHECK(epi.dx == fused.dx);
+  CHECK(epi.grads == fused.grads);
+  CHECK(epi.bias_epilogues == 4);
+  CHECK(epi.bias_passes == 4);
+  CHECK(dev.bias_passes == 8);  // without the epilogue: the bias written before Q, K, V's and the MLP's GEMMs
+  const auto epi_unfused = run(backend_ref(g), true, &g);  // hooks see the first MLP linear's output: stored rounded
+  CHECK(epi_unfused.y == fused.y);
+  CHECK(epi_unfused.bias_epilogues == 2);
 }

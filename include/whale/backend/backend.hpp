@@ -53,6 +53,18 @@ struct weight_grad_args {
 /// Transpose flag of a GEMM operand (row-major storage).
 enum class trans : bool { no = false, yes = true };
 
+/// A GEMM with its bias added in the same call, for a backend whose GEMM has
+/// a bias epilogue (the CUDA backend's cuBLASLt): C (M, N) = op(A) op(B) +
+/// bias, the bias (N) added to every row, in fp32; contiguous operands.
+struct gemm_bias_args {
+  trans ta, tb;
+  index_t M, N, K;
+  const float* A;
+  const float* B;
+  const float* bias;
+  float* C;
+};
+
 namespace detail {
 /// A kernel body used only to check that a backend can launch bodies.
 struct probe_body {

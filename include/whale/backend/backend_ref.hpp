@@ -295,6 +295,22 @@ class backend_ref {
   void sum_rows(const float* dy, float* db, index_t rows, index_t cols, bool accumulate) const {
     reduce_columns(kernels::column_sums{dy, db, rows, cols, accumulate});
   }
+  /// C (M, N) = op(A) op(B) + bias (N, added to every row; null: none), in
+  /// fp32, contiguous operands. A device whose GEMM has a bias epilogue (the
+  /// CUDA backend's cuBLASLt, or the guarded backend modelling it) adds the
+  /// bias in the GEMM's call; otherwise C = bias, then the product added to
+  /// it (the same values as y + b after the product: the product's sum, then the bias).
+  void gemm_bias(trans ta, trans tb, index_t M, index_t N, index_t K, const float* A, const float* B,
+                 const float* bias, float* C) const {
+    if (!bias || K == 0) {
+      if (bias) launch(M, kernels::bias_rows{C, bias, N, false});
+      else gemm(ta, tb, M, N, K, 1.f, A, B, 0.f, C);
+      return;
+    }
+    if (gpu_ && ops_->bias_gemm && ops_->bias_gemm(gpu_, gemm_bias_args{ta, tb, M, N, K, A, B, bias, C})) return;
+    launch(M, kernels::bias_rows{C, bias, N, false});
+    gemm(ta, tb, M, N, K, 1.f, A, B, 1.f, C);
+  }
   /// A fully connected layer's parameter gradients from R rows: dW (out, in) =
   /// dy^T x and db (out) = the column sums of dy (db null: no bias); `accumulate` adds to them.
   /// A device that fuses the two (the CUDA backend's cuBLASLt epilogue, or
@@ -451,6 +467,8 @@ class backend_ref {
     bool (*attention)(void*, const attention_args&, bool);
     // a layer's weight and bias gradients in one call; false: not taken, run the GEMM and the reduction
     bool (*weight_grads)(void*, const weight_grad_args&);
+    // a GEMM with its bias added in the call; false: not taken, fill the bias and add the product
+    bool (*bias_gemm)(void*, const gemm_bias_args&);
     bool (*attention_fused)(void*);  // whether bf16 attention calls are fused; null: never
     void (*products)(void*, bool);  // bf16 products on or off; null: nothing to set
     int (*time_begin)(void*, const char*);  // a timed launch's start (-1: not timing); null: no timing
@@ -486,6 +504,14 @@ class backend_ref {
   };
   template <class G> static bool weight_grads_of(void* g, const weight_grad_args& a) {
     if constexpr (fuses_weight_grads_v<G>) return static_cast<G*>(g)->linear_weight_grads(a);
+    else return (void)g, (void)a, false;
+  }
+  template <class G>
+  static constexpr bool fuses_bias_v = requires(G& g, const gemm_bias_args& a) {
+    { g.gemm_bias(a) } -> std::same_as<bool>;
+  };
+  template <class G> static bool bias_gemm_of(void* g, const gemm_bias_args& a) {
+    if constexpr (fuses_bias_v<G>) return static_cast<G*>(g)->gemm_bias(a);
     else return (void)g, (void)a, false;
   }
   template <class G> static constexpr bool sets_products_v = requires(G& g) { g.set_bf16_products(true); };
@@ -536,6 +562,7 @@ class backend_ref {
       host_executed_v<G> ? &note_to<G> : nullptr,
       fuses_attention_v<G> ? &attention_of<G> : nullptr,
       fuses_weight_grads_v<G> ? &weight_grads_of<G> : nullptr,
+      fuses_bias_v<G> ? &bias_gemm_of<G> : nullptr,
       fuses_attention_v<G> ? &attention_fused_of<G> : nullptr,
       sets_products_v<G> ? &products_of<G> : nullptr,
       times_v<G> ? &time_begin_of<G> : nullptr,

@@ -154,7 +154,7 @@ class cuda_backend {
             const float* B, index_t ldb, float beta, float* C, index_t ldc) {
     if (M == 0 || N == 0) return;
     const timed t(*this, "gemm");
-    if (lt_gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, nullptr)) return;
+    if (lt_gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, detail::lt::epilogue::none, nullptr)) return;
     if (products() == gemm_math::bf16) {
       detail::cublas_check(cublasGemmEx(blas_, op(tb), op(ta), i32(N), i32(M), i32(K), &alpha, B, CUDA_R_32F,
                                         i32(ldb), A, CUDA_R_32F, i32(lda), &beta, C, CUDA_R_32F, i32(ldc),
@@ -175,7 +175,8 @@ class cuda_backend {
     if (a.R == 0 || a.out == 0 || a.in == 0 || a.db == nullptr) return false;
     // row-major dW (out x in) = dy^T (out x R) x (R x in): column-major dW^T = x^T dy, reduced over R
     timed t(*this, "gemm");
-    if (lt_gemm(trans::yes, trans::no, a.out, a.in, a.R, 1.f, a.dy, a.out, a.x, a.in, 0.f, a.dw, a.in, a.db)) {
+    if (lt_gemm(trans::yes, trans::no, a.out, a.in, a.R, 1.f, a.dy, a.out, a.x, a.in, 0.f, a.dw, a.in,
+                detail::lt::epilogue::bias_grad, a.db)) {
       ++fused_bias_grads_;
       return true;
     }
@@ -187,6 +188,27 @@ class cuda_backend {
     bias_grad_refused_ = true;
     return false;
   }
+  /// C = op(A) op(B) + bias in one cuBLASLt call (the BIAS epilogue). False,
+  /// with nothing queued, where cuBLASLt has no algorithm for it (said once on
+  /// stderr): the caller then writes the bias and adds the product to it.
+  bool gemm_bias(const gemm_bias_args& a) {
+    if (a.M == 0 || a.N == 0 || a.K == 0 || a.bias == nullptr) return false;
+    timed t(*this, "gemm");
+    const index_t lda = a.ta == trans::yes ? a.M : a.K, ldb = a.tb == trans::yes ? a.K : a.N;
+    if (lt_gemm(a.ta, a.tb, a.M, a.N, a.K, 1.f, a.A, lda, a.B, ldb, 0.f, a.C, a.N, detail::lt::epilogue::bias, a.bias)) {
+      ++fused_biases_;
+      return true;
+    }
+    t.cancel();
+    if (!bias_refused_)
+      std::fprintf(stderr, "whale::cuda_backend: cuBLASLt has no bias epilogue for M %lld, N %lld, K %lld; the bias is "
+                   "written before the GEMM\n", static_cast<long long>(a.M), static_cast<long long>(a.N),
+                   static_cast<long long>(a.K));
+    bias_refused_ = true;
+    return false;
+  }
+  /// How many biases the BIAS epilogue added so far.
+  std::int64_t fused_biases() const noexcept { return fused_biases_; }
   /// How many bias gradients the BGRADB epilogue computed so far, and how
   /// many GEMM plans cuBLASLt had no algorithm for (cuBLAS ran those).
   std::int64_t fused_bias_grads() const noexcept { return fused_bias_grads_; }
@@ -420,12 +442,13 @@ class cuda_backend {
   /// Row-major C (M x N) = op(A) op(B) through cuBLASLt; with `bias_grad`,
   /// also bias_grad (M) = the sums of op(A) (M x K) over K, the BGRADB epilogue.
   bool lt_gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
-               const float* B, index_t ldb, float beta, float* C, index_t ldc, float* bias_grad) {
+               const float* B, index_t ldb, float beta, float* C, index_t ldc, detail::lt::epilogue e,
+               const void* bias) {
     if (!lt_) lt_ = std::make_unique<detail::lt::gemms>();
     if (!lt_workspace_) lt_workspace_ = allocate(detail::lt::gemms::workspace_bytes);
     // column-major: C^T (N x M) = op(B)^T op(A)^T, and op(A)^T is the second operand, reduced over K
-    return lt_->run(products(), tb == trans::yes, ta == trans::yes, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc,
-                    bias_grad, lt_workspace_, compute_);
+    return lt_->run(products(), tb == trans::yes, ta == trans::yes, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc, e,
+                    bias, lt_workspace_, compute_);
   }
   void destroy() noexcept {
     if (compute_) cudaStreamSynchronize(compute_);
@@ -461,7 +484,8 @@ class cuda_backend {
   };
   std::vector<mark> marks_;                                    // timed calls since the last kernel_times()
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> events_;   // their events, reused
-  std::int64_t fused_bias_grads_ = 0;
+  std::int64_t fused_bias_grads_ = 0, fused_biases_ = 0;
+  bool bias_refused_ = false;
   bool attention_refused_ = false;
   std::int64_t fused_attention_calls_ = 0;
   caching_allocator<detail::cuda_device_upstream> alloc_;

@@ -71,6 +71,8 @@ struct device_ledger {
   double attention_flops = 0;
   /// GEMMs that computed a bias gradient in their epilogue (guarded_backend::set_fused_bias_grads; counted in gemms).
   std::int64_t bias_grad_epilogues = 0;
+  /// GEMMs that added a bias in their epilogue (gemm_bias, under the same setting; counted in gemms).
+  std::int64_t bias_epilogues = 0;
 
   /// Every call a GPU queues: kernels, GEMMs (batched ones count once), fused attention, copies and fills.
   std::int64_t launches() const noexcept {
@@ -99,6 +101,7 @@ struct device_ledger {
     d.attention_calls -= before.attention_calls, d.attention_bytes -= before.attention_bytes;
     d.attention_flops -= before.attention_flops;
     d.bias_grad_epilogues -= before.bias_grad_epilogues;
+    d.bias_epilogues -= before.bias_epilogues;
     return d;
   }
   void add(const launch_note& n) {
@@ -246,7 +249,23 @@ class guarded_backend {
   /// linear_weight_grads that overwrite are then one GEMM in the ledger, with
   /// no column reduction launched, and computed as the CPU computes them (its
   /// GEMM, its column sums in their order), so the values stay the CPU's bits.
+  /// The same setting models the forward's bias epilogue (cuBLASLt's BIAS):
+  /// backend_ref::gemm_bias is one GEMM, computed as the CPU computes it
+  /// (the bias, then the product added), with no launch.
   void set_fused_bias_grads(bool on) noexcept { fused_bias_grads_ = on; }
+  bool gemm_bias(const gemm_bias_args& a) {
+    if (!fused_bias_grads_) return false;
+    mine(a.A, "a GEMM's A"), mine(a.B, "a GEMM's B"), mine(a.C, "a GEMM's C"), mine(a.bias, "a GEMM's bias");
+    if (a.M == 0 || a.N == 0 || a.K == 0) return false;
+    ++ledger_.gemms, ++ledger_.bias_epilogues;
+    ledger_.gemm_flops += 2.0 * static_cast<double>(a.M) * static_cast<double>(a.N) * static_cast<double>(a.K);
+    if (count_only_) return true;
+    const window w(*this);
+    cpu::launch(a.M, kernels::bias_rows{a.C, a.bias, a.N, false});
+    cpu::gemm(a.ta, a.tb, a.M, a.N, a.K, 1.f, a.A, a.ta == trans::yes ? a.M : a.K, a.B, a.tb == trans::yes ? a.K : a.N,
+              1.f, a.C, a.N);
+    return true;
+  }
   bool linear_weight_grads(const weight_grad_args& a) {
     if (!fused_bias_grads_ || a.db == nullptr) return false;
     mine(a.dy, "a GEMM's A"), mine(a.x, "a GEMM's B"), mine(a.dw, "a GEMM's C"), mine(a.db, "a GEMM's bias gradient");

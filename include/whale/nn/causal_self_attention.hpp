@@ -106,9 +106,8 @@ struct causal_self_attention {
     auto lse = detail::ensure(s.lse, {B, Heads, T});     // (B, H, T) each query's log-sum-exp
     auto att = detail::ensure(s.att, {R, D});            // (B*T, D): heads' outputs side by side
     auto y = detail::ensure(s.y, {R, D});                // (B*T, D)
-    fill_rows(c.be, qkv.data(), bqkv_.data(), R, 3 * D);
-    c.be.gemm(trans::no, trans::yes, R, 3 * D, D, 1.f, x.data(), wqkv_.data(), 1.f,
-              qkv.data());
+    // Q, K and V with their bias in one GEMM call where the device can (the attention reads them rounded under bf16)
+    c.be.gemm_bias(trans::no, trans::yes, R, 3 * D, D, x.data(), wqkv_.data(), bqkv_.data(), qkv.data());
     c.be.attention_forward(B, T, Heads, hd, qkv.data(), att.data(), lse.data(), c.bf16, packed(c, s, R));
     const float* add = c.bf16 ? detail::take_residual(c.residual_add, R * D) : nullptr;
     detail::affine_forward(c.be, att.data(), wo_.data(), bo_.data(), y.data(), R, D, D, c.bf16, add);
@@ -154,9 +153,6 @@ struct causal_self_attention {
           std::to_string(c.batch) + ") x seq (" + std::to_string(c.seq) + ") rows of " +
           std::to_string(D) + "; set batch and seq in the step context");
     return c.batch * c.seq;
-  }
-  static void fill_rows(const backend_ref& be, float* y, const float* b, index_t rows, index_t cols) {
-    be.launch(rows, kernels::bias_rows{y, b, cols, false});
   }
   struct state {
     cview<float> x, dy;

@@ -18,6 +18,7 @@ struct gelu : stateless_params {
   static constexpr index_t out_features = any_features;
   static constexpr bool rounds_output = true, rounds_input_grad = true;  // under bf16 its kernels store rounded
   static constexpr bool rounds_grad_on_read = true;  // under bf16 its backward reads dy rounded
+  static constexpr bool rounds_input_on_read = true;  // and both passes read x rounded
   static std::string name() { return "gelu"; }
   static constexpr cost_info cost() {
     cost_info c;

@@ -133,6 +133,12 @@ struct step_ctx {
   /// sequential shows them only to the element at that end, where it accepts
   /// them (accepts_residual_add / accepts_residual_grad).
   cview<float> residual_add, residual_grad;
+  /// The element after this one reads its output rounding each value as
+  /// bf16 would hold it (rounds_input_on_read; a sequential sets this for a
+  /// leaf, under bf16 without hooks or --check-finite, and clears it after):
+  /// a layer that can may then leave its output unrounded, as a GEMM writes
+  /// it (a linear layer's product and bias in one GEMM call, its bias epilogue).
+  bool output_read_rounded = false;
   /// Inputs copied up to a device from host memory for this pass (the
   /// network and the executor set them): each device buffer and the host
   /// values it was copied from. A layer that checks values it is given (token
@@ -440,6 +446,13 @@ template <class L> constexpr bool rounds_grad_on_read() {
   if constexpr (requires { L::rounds_grad_on_read; }) return L::rounds_grad_on_read;
   else return false;
 }
+/// Whether layer L's forward reads its input as bf16 would hold it (rounding
+/// each value it reads; a stored value is unchanged): then the element
+/// before it may leave its output unrounded (step_ctx::output_read_rounded).
+template <class L> constexpr bool rounds_input_on_read() {
+  if constexpr (requires { L::rounds_input_on_read; }) return L::rounds_input_on_read;
+  else return false;
+}
 template <class L> constexpr bool accepts_residual_add() {
   if constexpr (requires { L::accepts_residual_add; }) return L::accepts_residual_add;
   else return false;
@@ -469,20 +482,19 @@ template <bool done = false> inline view<float> stored(const step_ctx& c, view<f
 }
 /// y = x W^T + b, with x (R, In), W (Out, In) and y (R, Out). Under bf16
 /// (`round`): the product, then the bias added in the pass that stores y
-/// rounded (no rounding pass after). Otherwise: y = b, then the product added.
+/// rounded (no rounding pass after). Otherwise: the product and the bias in
+/// one GEMM call where the device's GEMM has a bias epilogue, or y = b and
+/// then the product added (backend_ref::gemm_bias: the same values).
 /// With `add` (a residual's input, bf16 only): y = x W^T + b + add, each sum
 /// stored rounded, in the same pass. `b` null: no bias (y = x W^T, rounded
 /// in the pass that adds `add` under bf16).
 inline void affine_forward(const backend_ref& be, const float* x, const float* w, const float* b, float* y, index_t R,
                            index_t Out, index_t In, bool round, const float* add = nullptr) {
-  if (!b && !round) {
-    be.gemm(trans::no, trans::yes, R, Out, In, 1.f, x, w, 0.f, y);
-  } else if (round) {
+  if (round) {
     be.gemm(trans::no, trans::yes, R, Out, In, 1.f, x, w, 0.f, y);
     be.launch(R, kernels::bias_rows{y, b, Out, true, true, add});
   } else {
-    be.launch(R, kernels::bias_rows{y, b, Out, false});
-    be.gemm(trans::no, trans::yes, R, Out, In, 1.f, x, w, 1.f, y);
+    be.gemm_bias(trans::no, trans::yes, R, Out, In, x, w, b, y);
   }
 }
 }  // namespace detail

@@ -30,6 +30,8 @@ struct linear {
   static constexpr bool has_bias = Bias == bias_mode::added;
   static constexpr bool rounds_output = true;  // under bf16 the bias pass stores y rounded (d(input) is a GEMM's)
   static constexpr bool accepts_residual_add = true;  // last in a residual branch: under bf16 the bias pass adds x
+  // (and under bf16, where the next layer rounds its input as it reads it, y is left as the GEMM writes it:
+  // the product and the bias in one call, step_ctx::output_read_rounded)
 
   static std::string name() {
     return "linear<" + std::to_string(In) + ", " + std::to_string(Out) + detail::bias_suffix(Bias) + ">";
@@ -75,7 +77,8 @@ struct linear {
     s.x = x;
     auto y = detail::ensure(s.y, {R, Out});
     const float* add = c.bf16 ? detail::take_residual(c.residual_add, R * Out) : nullptr;
-    detail::affine_forward(c.be, x.data(), w_.data(), b_.data(), y.data(), R, Out, In, c.bf16, add);
+    const bool round = c.bf16 && (add || !c.output_read_rounded);
+    detail::affine_forward(c.be, x.data(), w_.data(), b_.data(), y.data(), R, Out, In, round, add);
     return y;
   }
   // dy: (R, Out) -> dx: (R, In); the weight gradients now or, in a split backward, in the W pass

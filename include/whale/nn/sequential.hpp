@@ -78,13 +78,24 @@ constexpr bool check_features(std::index_sequence<I...>) {
 /// Elements I..N-1 of a tuple of layers forward (hooks around leaves).
 /// A residual's addend (step_ctx::residual_add) is shown to the last element
 /// only, where it accepts it; hidden from the others and put back after.
-template <std::size_t I, std::size_t N, class Tuple, class Offsets, class X>
+/// A leaf whose next element rounds its input as it reads it (or, for the
+/// last, `LastReadRounded`: the loss after it does) is told so under bf16
+/// (step_ctx::output_read_rounded), unless hooks or --check-finite look at
+/// its output.
+template <std::size_t I, std::size_t N, bool LastReadRounded = false, class Tuple, class Offsets, class X>
 view<float> forward_through(Tuple& layers, const Offsets& offset, step_ctx& c, X x) {
-  constexpr bool shown = I + 1 == N && accepts_residual_add<std::tuple_element_t<I, Tuple>>();
+  using E = std::tuple_element_t<I, Tuple>;
+  constexpr bool shown = I + 1 == N && accepts_residual_add<E>();
+  constexpr bool next_reads_rounded = [] {
+    if constexpr (I + 1 < N) return rounds_input_on_read<std::tuple_element_t<I + 1, Tuple>>();
+    else return LastReadRounded;
+  }();
   const cview<float> held = shown ? cview<float>{} : std::exchange(c.residual_add, cview<float>{});
+  c.output_read_rounded = next_reads_rounded && !is_container<E> && c.bf16 && !c.hooks && !c.check_finite;
   auto y = run_forward(std::get<I>(layers), c, x, offset[I]);
+  c.output_read_rounded = false;
   if constexpr (!shown) c.residual_add = held;
-  if constexpr (I + 1 < N) return forward_through<I + 1, N>(layers, offset, c, cview<float>(y));
+  if constexpr (I + 1 < N) return forward_through<I + 1, N, LastReadRounded>(layers, offset, c, cview<float>(y));
   else return y;
 }
 /// Elements I..0 backward, reporting each element's gradients final as it goes;
@@ -243,7 +254,7 @@ class sequential {
     if constexpr (n_layers == 0) {
       return run_forward_loss(std::get<size - 1>(layers_), c, x, labels, offset_[size - 1]);
     } else {
-      auto y = fwd<0>(c, x);
+      auto y = detail::forward_through<0, n_layers, rounds_input_on_read<last>()>(layers_, offset_, c, x);
       return run_forward_loss(std::get<size - 1>(layers_), c, cview<float>(y), labels, offset_[size - 1]);
     }
   }

@@ -23,6 +23,7 @@ struct softmax_cross_entropy : stateless_params {
   static constexpr index_t in_features = any_features;
   static constexpr index_t out_features = 1;
   static constexpr bool rounds_input_grad = true;  // under bf16 the kernel stores d(logits) rounded
+  static constexpr bool rounds_input_on_read = true;  // and reads the logits rounded
   static std::string name() { return "softmax_cross_entropy"; }
   static constexpr cost_info cost() {
     cost_info c;

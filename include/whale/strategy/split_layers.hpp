@@ -282,11 +282,9 @@ class head_attention {
     auto lse = detail::ensure(s.lse, {B, h_, T});
     auto att = detail::ensure(s.att, {R, w_});
     auto y = detail::ensure(s.y, {R, D});
-    c.be.launch(R, kernels::bias_rows{qkv.data(), bqkv_.data(), 3 * w_, false});
-    c.be.gemm(trans::no, trans::yes, R, 3 * w_, D, 1.f, x.data(), wqkv_.data(), 1.f, qkv.data());
+    c.be.gemm_bias(trans::no, trans::yes, R, 3 * w_, D, x.data(), wqkv_.data(), bqkv_.data(), qkv.data());
     c.be.attention_forward(B, T, h_, hd, qkv.data(), att.data(), lse.data(), c.bf16);
-    if (r_ == 0) c.be.launch(R, kernels::bias_rows{y.data(), bo_.data(), D, false});
-    c.be.gemm(trans::no, trans::yes, R, D, w_, 1.f, att.data(), wo_.data(), r_ == 0 ? 1.f : 0.f, y.data());
+    c.be.gemm_bias(trans::no, trans::yes, R, D, w_, att.data(), wo_.data(), r_ == 0 ? bo_.data() : nullptr, y.data());
     return y;
   }
   // dy: (B*T, D) replicated -> dx: (B*T, D) partial; weight gradients now or in the W pass

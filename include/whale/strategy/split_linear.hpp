@@ -119,8 +119,7 @@ class column_linear {
     const index_t R = x.numel() / In;
     s.x = x;
     auto y = detail::ensure(s.y, {R, n_});
-    if constexpr (has_bias) c.be.launch(R, kernels::bias_rows{y.data(), b_.data(), n_, false});
-    c.be.gemm(trans::no, trans::yes, R, n_, In, 1.f, x.data(), w_.data(), has_bias ? 1.f : 0.f, y.data());
+    c.be.gemm_bias(trans::no, trans::yes, R, n_, In, x.data(), w_.data(), has_bias ? b_.data() : nullptr, y.data());
     return y;
   }
   // dy: (R, Out/p) -> dx: (R, In), partial
@@ -224,8 +223,7 @@ class row_linear {
     s.x = x;
     auto y = detail::ensure(s.y, {R, Out});
     const bool adds_bias = has_bias && r_ == 0;
-    if (adds_bias) c.be.launch(R, kernels::bias_rows{y.data(), b_.data(), Out, false});
-    c.be.gemm(trans::no, trans::yes, R, Out, k_, 1.f, x.data(), w_.data(), adds_bias ? 1.f : 0.f, y.data());
+    c.be.gemm_bias(trans::no, trans::yes, R, Out, k_, x.data(), w_.data(), adds_bias ? b_.data() : nullptr, y.data());
     return y;
   }
   // dy: (R, Out) replicated -> dx: (R, In/p)

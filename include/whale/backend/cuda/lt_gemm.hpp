@@ -3,9 +3,10 @@
 // bf16 tensor cores on operands cuBLASLt converts to bf16 (32F_FAST_16BF;
 // exact where the operands are bf16 values already, as every GEMM operand of
 // whale's layers is under bf16 mixed precision). An epilogue may ride on the
-// product; today the bias gradient (BGRADB): a fully connected layer's
-// dW = dy^T x and db = the column sums of dy in one call instead of a GEMM
-// and a column reduction. A plan (descriptors and the algorithm cuBLASLt's
+// product: the bias gradient (BGRADB), a fully connected layer's dW = dy^T x
+// and db = the column sums of dy in one call instead of a GEMM and a column
+// reduction; and the bias (BIAS), y = x W^T + b in one call instead of a
+// pass that writes b and a GEMM that adds to it. A plan (descriptors and the algorithm cuBLASLt's
 // heuristic picked) is made once per shape, mode, epilogue and operand
 // alignment and kept; a shape cuBLASLt has no algorithm for (at the
 // heuristic, or CUBLAS_STATUS_NOT_SUPPORTED at the call) is remembered too,
@@ -47,6 +48,11 @@ inline std::uint32_t alignment(const void* p) noexcept {
   while (al > 4 && (a % al) != 0) al /= 2;
   return al;
 }
+
+/// What rides on a product: nothing, the bias gradient (BGRADB: the sums of
+/// op(B) over k into the bias pointer), or the bias (BIAS: added to every
+/// column-major column, a vector of m).
+enum class epilogue : std::uint8_t { none, bias_grad, bias };
 
 /// Everything a plan depends on, in cuBLAS's column-major terms.
 struct key {
@@ -90,21 +96,25 @@ class gemms {
   }
 
   /// Column-major C (m x n, ldc) = alpha op(A) op(B) + beta C, with A (lda)
-  /// and B (ldb) as stored; with `bias_grad` set, also bias_grad (n) = the
-  /// sums of op(B) over k (the BGRADB epilogue). False, with nothing queued,
-  /// where cuBLASLt has no algorithm for this call.
+  /// and B (ldb) as stored, and epilogue `e` on `bias`: bias_grad, bias (n)
+  /// = the sums of op(B) over k (BGRADB); bias, C + bias (m) on every
+  /// column (BIAS). False, with nothing queued, where cuBLASLt has no
+  /// algorithm for this call.
   bool run(gemm_math math, bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
            const float* A, std::int64_t lda, const float* B, std::int64_t ldb, float beta, float* C, std::int64_t ldc,
-           float* bias_grad, void* workspace, cudaStream_t stream) {
-    const int epi = bias_grad ? static_cast<int>(CUBLASLT_EPILOGUE_BGRADB) : static_cast<int>(CUBLASLT_EPILOGUE_DEFAULT);
+           epilogue e, const void* bias, void* workspace, cudaStream_t stream) {
+    const int epi = e == epilogue::bias_grad ? static_cast<int>(CUBLASLT_EPILOGUE_BGRADB)
+                    : e == epilogue::bias    ? static_cast<int>(CUBLASLT_EPILOGUE_BIAS)
+                                             : static_cast<int>(CUBLASLT_EPILOGUE_DEFAULT);
+    if (e != epilogue::none && bias == nullptr) return false;
     const key kk{m, n, k, lda, ldb, ldc, ta, tb, beta != 0.f, math, epi,
-                 alignment(A), alignment(B), alignment(C), bias_grad ? alignment(bias_grad) : 256u};
+                 alignment(A), alignment(B), alignment(C), bias ? alignment(bias) : 256u};
     auto it = plans_.find(kk);
-    if (it == plans_.end()) it = plans_.emplace(kk, make(kk, bias_grad)).first;
+    if (it == plans_.end()) it = plans_.emplace(kk, make(kk, bias)).first;
     plan& p = *it->second;
     if (!p.ok) return false;
-    if (bias_grad)
-      check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_grad, sizeof bias_grad),
+    if (bias)
+      check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
             "cublasLtMatmulDescSetAttribute (bias pointer)");
     const cublasStatus_t s = cublasLtMatmul(handle_, p.op, &alpha, A, p.a, B, p.b, &beta, C, p.c, C, p.c, &p.algo,
                                             workspace, workspace_bytes, stream);
@@ -124,8 +134,8 @@ class gemms {
   }
 
  private:
-  /// `bias_grad`: the call's bias pointer, set before the heuristic looks (it judges its alignment).
-  std::unique_ptr<plan> make(const key& k, float* bias_grad) const {
+  /// `bias`: the call's bias pointer, set before the heuristic looks (it judges its alignment).
+  std::unique_ptr<plan> make(const key& k, const void* bias) const {
     auto p = std::make_unique<plan>();
     const cublasComputeType_t compute = k.math == gemm_math::bf16   ? CUBLAS_COMPUTE_32F_FAST_16BF
                                         : k.math == gemm_math::tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32
@@ -140,7 +150,7 @@ class gemms {
       const cudaDataType_t bias_type = CUDA_R_32F;
       check(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type),
             "set BIAS_DATA_TYPE");
-      check(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias_grad, sizeof bias_grad),
+      check(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
             "set BIAS_POINTER");
     }
     // stored shapes: op(A) is m x k, op(B) is k x n

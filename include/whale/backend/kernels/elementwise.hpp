@@ -29,9 +29,11 @@ WHALE_HD WHALE_INLINE float stored_as(float v, bool round) noexcept { return rou
 struct gelu_forward {
   const float* x;
   float* y;
-  bool round = false;  ///< store y rounded to bf16 (stored_as)
+  /// read x as bf16 would hold it and store y rounded to bf16 (stored_as; a
+  /// stored x is unchanged, a GEMM's output left unrounded is rounded here)
+  bool round = false;
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
-    const float v = x[i];
+    const float v = stored_as(x[i], round);
     const float t = vtanh(gelu_k0 * (v + gelu_k1 * v * v * v));
     y[i] = stored_as(0.5f * v * (1.f + t), round);
   }
@@ -42,12 +44,12 @@ struct gelu_backward {
   const float* x;
   const float* dy;
   float* dx;
-  /// store dx rounded to bf16 (stored_as), and read dy as bf16 would hold it
-  /// (rounding a stored value again changes nothing; a GEMM's d(input) left
-  /// unrounded is rounded here instead of by a pass before)
+  /// store dx rounded to bf16 (stored_as), and read dy and x as bf16 would
+  /// hold them (rounding a stored value again changes nothing; a GEMM's
+  /// result left unrounded is rounded here instead of by a pass before)
   bool round = false;
   WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
-    const float v = x[i];
+    const float v = stored_as(x[i], round);
     const float v2 = v * v;
     const float t = vtanh(gelu_k0 * (v + gelu_k1 * v2 * v));
     const float du = gelu_k0 * (1.f + 3.f * gelu_k1 * v2);  // d(inner)/dx

@@ -296,7 +296,9 @@ struct cross_entropy_rows {
   index_t C;
   float inv;
   std::int32_t ignore;
-  bool round = false;  ///< store the gradient rounded to bf16 (stored_as)
+  /// read z as bf16 would hold it and store the gradient rounded to bf16
+  /// (stored_as; stored logits are unchanged, a GEMM's left unrounded are rounded here)
+  bool round = false;
   static constexpr int staged_rows = 1;  ///< z, then the exponentials in its place
   index_t width() const noexcept { return C; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
@@ -307,13 +309,13 @@ struct cross_entropy_rows {
       if (t.leader()) loss[r] = 0.0;
       return;
     }
-    const float target = z[r * C + label];
+    const float target = stored_as(z[r * C + label], round);
     const float* zr = t.stage(0, z + r * C, C);
-    const float m = t.max(C, [&](index_t j) { return zr[j]; });
+    const float m = t.max(C, [&](index_t j) { return stored_as(zr[j], round); });
     t.sync();  // every lane has read z[label] before q (maybe z) is written
     float* e = t.scratch(0, qr);  // the exponentials: over the staged z, or in q
     const float sum = t.sum(C, [&](index_t j) {
-      const float v = vexp(zr[j] - m);
+      const float v = vexp(stored_as(zr[j], round) - m);
       e[j] = v;
       return v;
     });
