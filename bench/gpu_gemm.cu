@@ -110,6 +110,7 @@ void train_steps(cuda_backend& gpu, const model_shape& m, const std::string& pre
   const auto fused_before = gpu.fused_attention_calls();
   const auto bias_before = gpu.fused_bias_grads();
   const auto biases_before = gpu.fused_biases();
+  const auto gelus_before = gpu.fused_gelus();
   gpu.synchronize();
   const auto t0 = std::chrono::steady_clock::now();
   const auto r = t.run(data, whale::steps{steps});
@@ -124,18 +125,19 @@ void train_steps(cuda_backend& gpu, const model_shape& m, const std::string& pre
               "\"model_flops_per_step\": %.6g, \"achieved_tflops\": %.3f, \"gemm_tflops\": %.3f, \"mfu_vs_gemm\": %.4f, "
               "\"mfu_vs_dense_bf16_peak\": %.4f, \"loss_first\": %.6g, \"loss_last\": %.6g, \"cuda_mallocs_after_warmup\": %lld, "
               "\"device_bytes_peak\": %lld, \"layers\": \"%s\", \"fused_attention_calls\": %lld, "
-              "\"bias_grad_epilogues\": %lld, \"bias_epilogues\": %lld, \"cublaslt_refused_plans\": %lld}\n",
+              "\"bias_grad_epilogues\": %lld, \"bias_epilogues\": %lld, \"gelu_epilogues\": %lld, \"cublaslt_refused_plans\": %lld}\n",
               m.name, precision.c_str(), static_cast<long long>(B), static_cast<long long>(m.T), static_cast<long long>(steps),
               step, static_cast<double>(B * m.T) / step, model_flops, model_flops / step / 1e12, gemm_rate / 1e12,
               model_flops / step / gemm_rate, model_flops / step / 989e12, warm.loss_first(), r.loss_last(),
               static_cast<long long>(gpu.allocator().upstream_allocations - mallocs_warm),
               static_cast<long long>(gpu.allocator().peak_bytes_in_use),
-              precision == "bf16" ? "bf16 storage emulated by rounding, GEMMs on bf16 tensor cores, biases and bias "
-                                    "gradients in the GEMM epilogue, attention fused by cuDNN where linked"
-                                  : "fp32 storage, GEMMs in the backend's math, biases and bias gradients in the GEMM epilogue",
+              precision == "bf16" ? "bf16 storage emulated by rounding, GEMMs on bf16 tensor cores, biases, GELU and bias "
+                                    "gradients in the GEMM epilogues, attention fused by cuDNN where linked"
+                                  : "fp32 storage, GEMMs in the backend's math, biases, GELU and bias gradients in the GEMM epilogues",
               static_cast<long long>(gpu.fused_attention_calls() - fused_before),
               static_cast<long long>(gpu.fused_bias_grads() - bias_before),
-              static_cast<long long>(gpu.fused_biases() - biases_before), static_cast<long long>(gpu.lt_refused_plans()));
+              static_cast<long long>(gpu.fused_biases() - biases_before),
+              static_cast<long long>(gpu.fused_gelus() - gelus_before), static_cast<long long>(gpu.lt_refused_plans()));
   // where the time goes: CUDA events around every call of a few more steps, summed by kind of work
   constexpr index_t profiled = 3;
   gpu.set_kernel_timing(true);

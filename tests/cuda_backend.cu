@@ -250,6 +250,48 @@ void backend_ref_on_gpu(cuda_backend& gpu) {
     for (void* p : {static_cast<void*>(da), static_cast<void*>(db), static_cast<void*>(dbias), static_cast<void*>(dc)})
       gpu.deallocate(p, 0);
   }
+  // GELU in the GEMM's call (cuBLASLt's GELU_AUX_BIAS forward, DGELU backward) against the CPU's GEMM and
+  // GELU kernels: the epilogue's GELU is the tanh form too (1e-3 of each tensor's largest value: its tanh is not ours)
+  {
+    const index_t M = 64, N = 48, K = 32;
+    std::vector<float> a(M * K), b(N * K), bias(N);
+    for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<float>((i * 31) % 29) / 13.f - 1.f;
+    for (std::size_t i = 0; i < b.size(); ++i) b[i] = static_cast<float>((i * 17) % 23) / 11.f - 1.f;
+    for (std::size_t i = 0; i < bias.size(); ++i) bias[i] = static_cast<float>(i % 7) / 4.f - 0.75f;
+    std::vector<float> pre_c(M * N), out_c(M * N), dx_c(M * N);
+    host.gemm_gelu({trans::no, trans::yes, M, N, K, a.data(), b.data(), bias.data(), pre_c.data(), out_c.data(), false, false});
+    // backward: d(pre) = (dh2 W) GELU'(pre), with dh2 (M, K2) and W (K2, N)
+    const index_t K2 = 40;
+    std::vector<float> dh2(M * K2), w2(K2 * N);
+    for (std::size_t i = 0; i < dh2.size(); ++i) dh2[i] = static_cast<float>((i * 11) % 17) / 8.f - 1.f;
+    for (std::size_t i = 0; i < w2.size(); ++i) w2[i] = static_cast<float>((i * 5) % 19) / 9.f - 1.f;
+    host.gemm_gelu({trans::no, trans::no, M, N, K2, dh2.data(), w2.data(), nullptr, pre_c.data(), dx_c.data(), true, false});
+    auto up = [&](const std::vector<float>& v) {
+      auto* p = static_cast<float*>(gpu.allocate(v.size() * 4));
+      gpu.copy(p, v.data(), v.size() * 4);
+      return p;
+    };
+    float *da = up(a), *db = up(b), *dbias = up(bias), *ddh2 = up(dh2), *dw2 = up(w2);
+    auto* dpre = static_cast<float*>(gpu.allocate(M * N * 4));
+    auto* dout = static_cast<float*>(gpu.allocate(M * N * 4));
+    auto* ddx = static_cast<float*>(gpu.allocate(M * N * 4));
+    const auto fused_before = gpu.fused_gelus();
+    dev.gemm_gelu({trans::no, trans::yes, M, N, K, da, db, dbias, dpre, dout, false, false});
+    dev.gemm_gelu({trans::no, trans::no, M, N, K2, ddh2, dw2, nullptr, dpre, ddx, true, false});
+    std::vector<float> pre_g(M * N), out_g(M * N), dx_g(M * N);
+    dev.copy(pre_g.data(), dpre, pre_g.size() * 4);
+    dev.copy(out_g.data(), dout, out_g.size() * 4);
+    dev.copy(dx_g.data(), ddx, dx_g.size() * 4);
+    dev.synchronize();
+    const std::string how = gpu.fused_gelus() - fused_before == 2 ? " (epilogues)" : " (a kernel after the GEMM, at least once)";
+    check(kc::max_rel_diff(pre_g, pre_c) <= 1e-4, "GELU in the GEMM: its argument against the CPU" + how);
+    check(kc::max_rel_diff(out_g, out_c) <= 1e-3, "GELU in the GEMM: GELU against the CPU" + how);
+    check(kc::max_rel_diff(dx_g, dx_c) <= 1e-3, "GELU's gradient in the GEMM against the CPU" + how);
+    std::printf("backend_ref: GELU and its gradient in the GEMM's call match the CPU%s\n", how.c_str());
+    for (void* p : {static_cast<void*>(da), static_cast<void*>(db), static_cast<void*>(dbias), static_cast<void*>(ddh2),
+                    static_cast<void*>(dw2), static_cast<void*>(dpre), static_cast<void*>(dout), static_cast<void*>(ddx)})
+      gpu.deallocate(p, 0);
+  }
   // per-kind timing: a GEMM and a kernel body, each counted once under its kind
   {
     auto* buf = static_cast<float*>(gpu.allocate(64 * 64 * 4 * 3));

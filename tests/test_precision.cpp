@@ -201,9 +201,9 @@ TEST_CASE("bf16: a residual's sums are stored by its branch's own kernels, and a
   struct nothing : layer_hooks {};
   struct result {
     std::vector<float> y, dx, grads;
-    std::int64_t adds = 0, roundings = 0, bias_passes = 0, bias_epilogues = 0;
+    std::int64_t adds = 0, roundings = 0, bias_passes = 0, bias_epilogues = 0, gelu_epilogues = 0, gelu_kernels = 0;
   };
-  auto run = [&](backend_ref be, bool hooked, guarded_backend* g) {
+  auto run = [&](backend_ref be, bool hooked, guarded_backend* g, bool bf16 = true) {
     network<sequential<block, softmax_cross_entropy>> net(seed{4}, be);
     auto& l = net.model().template get<0>();
     const place_scope on(be.memory());  // the layers' state too, as the network keeps it
@@ -212,7 +212,7 @@ TEST_CASE("bf16: a residual's sums are stored by its branch's own kernels, and a
     be.copy(dy_in.data(), dy.data(), dy.size() * 4);
     nothing h;
     step_ctx c;
-    c.be = be, c.batch = B, c.seq = T, c.global_rows = R, c.bf16 = true;
+    c.be = be, c.batch = B, c.seq = T, c.global_rows = R, c.bf16 = bf16;
     if (hooked) c.hooks = &h;
     if (g) g->ledger().clear();
     result r;
@@ -231,6 +231,9 @@ TEST_CASE("bf16: a residual's sums are stored by its branch's own kernels, and a
       r.roundings = k.count("to_bf16") ? k.at("to_bf16").launches : 0;
       r.bias_passes = k.count("bias_rows") ? k.at("bias_rows").launches : 0;
       r.bias_epilogues = g->ledger().bias_epilogues;
+      r.gelu_epilogues = g->ledger().gelu_epilogues;
+      r.gelu_kernels = (k.count("gelu_forward") ? k.at("gelu_forward").launches : 0) +
+                       (k.count("gelu_backward") ? k.at("gelu_backward").launches : 0);
     }
     return r;
   };
@@ -250,18 +253,30 @@ TEST_CASE("bf16: a residual's sums are stored by its branch's own kernels, and a
   const auto dev_unfused = run(backend_ref(g), true, &g);
   CHECK(dev_unfused.adds == 8);
   CHECK(dev_unfused.roundings == 6);
-  // a device whose GEMMs add the bias in their epilogue: Q, K, V's and the first MLP linear's (which
-  // GELU reads rounded) in the GEMM call; the two linears that end a residual keep their bias pass,
-  // which stores the residual's sum rounded. The same bits.
+  // a device whose GEMMs add the bias in their epilogue: Q, K, V's and the first MLP linear's (with
+  // GELU, and GELU's gradient in the second's d(input) GEMM) in the GEMM call; the two linears that end
+  // a residual keep their bias pass, which stores the residual's sum rounded. The same bits.
   g.set_fused_bias_grads(true);
   const auto epi = run(backend_ref(g), false, &g);
   CHECK(epi.y == fused.y);
   CHECK(epi.dx == fused.dx);
   CHECK(epi.grads == fused.grads);
   CHECK(epi.bias_epilogues == 4);
+  CHECK(epi.gelu_epilogues == 4);  // 2 forward, 2 backward
+  CHECK(epi.gelu_kernels == 0);
   CHECK(epi.bias_passes == 4);
   CHECK(dev.bias_passes == 8);  // without the epilogue: the bias written before Q, K, V's and the MLP's GEMMs
+  CHECK(dev.gelu_kernels == 4);
   const auto epi_unfused = run(backend_ref(g), true, &g);  // hooks see the first MLP linear's output: stored rounded
   CHECK(epi_unfused.y == fused.y);
+  CHECK(epi_unfused.dx == fused.dx);
   CHECK(epi_unfused.bias_epilogues == 2);
+  CHECK(epi_unfused.gelu_epilogues == 0);
+  // fp32: GELU in the GEMMs' calls as well, the values of the layers run one by one
+  const auto f32 = run(backend_ref(g), false, &g, false);
+  const auto f32_cpu_hooked = run(backend_ref{}, true, nullptr, false);
+  CHECK(f32.y == f32_cpu_hooked.y);
+  CHECK(f32.dx == f32_cpu_hooked.dx);
+  CHECK(f32.grads == f32_cpu_hooked.grads);
+  CHECK(f32.gelu_epilogues == 4);
 }

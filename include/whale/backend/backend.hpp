@@ -65,6 +65,25 @@ struct gemm_bias_args {
   float* C;
 };
 
+/// A GEMM with GELU (the tanh form) in the same call, for a backend whose
+/// GEMM has GELU epilogues (cuBLASLt's GELU_AUX_BIAS and DGELU), contiguous
+/// operands, (M, N) results. Forward (`backward` false): pre = op(A) op(B) +
+/// bias (bias may be null) and out = GELU(pre). Backward: out = (op(A)
+/// op(B)) GELU'(pre), pre read. `round` (bf16 mixed precision): out stored
+/// rounded to bf16, and pre and the product read as bf16 would hold them
+/// (kernels::gelu_forward and gelu_backward with their `round`).
+struct gemm_gelu_args {
+  trans ta, tb;
+  index_t M, N, K;
+  const float* A;
+  const float* B;
+  const float* bias;
+  float* pre;
+  float* out;
+  bool backward = false;
+  bool round = false;
+};
+
 namespace detail {
 /// A kernel body used only to check that a backend can launch bodies.
 struct probe_body {

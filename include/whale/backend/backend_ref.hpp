@@ -18,6 +18,8 @@
 #include "whale/backend/backend.hpp"
 #include "whale/backend/cpu.hpp"
 #include "whale/backend/kernels/attention.hpp"
+#include "whale/backend/kernels/elementwise.hpp"
+#include "whale/backend/kernels/rows.hpp"
 #include "whale/backend/kernels/shapes.hpp"
 #if defined(__CUDACC__)
 #include <cuda_runtime.h>
@@ -311,6 +313,28 @@ class backend_ref {
     launch(M, kernels::bias_rows{C, bias, N, false});
     gemm(ta, tb, M, N, K, 1.f, A, B, 1.f, C);
   }
+  /// A GEMM and GELU (gemm_gelu_args): forward, pre = op(A) op(B) + bias and
+  /// out = GELU(pre); backward, out = (op(A) op(B)) GELU'(pre). A device
+  /// whose GEMM has GELU epilogues (the CUDA backend's cuBLASLt, or the
+  /// guarded backend modelling it) does it in the GEMM's call; otherwise the
+  /// GEMM (gemm_bias), then kernels::gelu_forward or gelu_backward (in place
+  /// on the product): the values of a linear layer followed by `gelu`.
+  void gemm_gelu(const gemm_gelu_args& a) const {
+    if (a.M == 0 || a.N == 0) return;
+    if (a.K > 0 && gpu_ && ops_->gelu_gemm && ops_->gelu_gemm(gpu_, a)) return;
+    unfused_gemm_gelu(*this, a);
+  }
+  /// What gemm_gelu computes, as separate calls on `be` (a backend that models
+  /// the epilogue runs them on the CPU).
+  template <class Be> static void unfused_gemm_gelu(Be&& be, const gemm_gelu_args& a) {
+    if (!a.backward) {
+      be.gemm_bias(a.ta, a.tb, a.M, a.N, a.K, a.A, a.B, a.bias, a.pre);
+      be.launch(a.M * a.N, kernels::gelu_forward{a.pre, a.out, a.round});
+    } else {
+      be.gemm(a.ta, a.tb, a.M, a.N, a.K, 1.f, a.A, a.B, 0.f, a.out);
+      be.launch(a.M * a.N, kernels::gelu_backward{a.pre, a.out, a.out, a.round});
+    }
+  }
   /// A fully connected layer's parameter gradients from R rows: dW (out, in) =
   /// dy^T x and db (out) = the column sums of dy (db null: no bias); `accumulate` adds to them.
   /// A device that fuses the two (the CUDA backend's cuBLASLt epilogue, or
@@ -469,6 +493,8 @@ class backend_ref {
     bool (*weight_grads)(void*, const weight_grad_args&);
     // a GEMM with its bias added in the call; false: not taken, fill the bias and add the product
     bool (*bias_gemm)(void*, const gemm_bias_args&);
+    // a GEMM with GELU or its gradient in the call; false: not taken, the GEMM and then the kernel
+    bool (*gelu_gemm)(void*, const gemm_gelu_args&);
     bool (*attention_fused)(void*);  // whether bf16 attention calls are fused; null: never
     void (*products)(void*, bool);  // bf16 products on or off; null: nothing to set
     int (*time_begin)(void*, const char*);  // a timed launch's start (-1: not timing); null: no timing
@@ -512,6 +538,14 @@ class backend_ref {
   };
   template <class G> static bool bias_gemm_of(void* g, const gemm_bias_args& a) {
     if constexpr (fuses_bias_v<G>) return static_cast<G*>(g)->gemm_bias(a);
+    else return (void)g, (void)a, false;
+  }
+  template <class G>
+  static constexpr bool fuses_gelu_v = requires(G& g, const gemm_gelu_args& a) {
+    { g.gemm_gelu(a) } -> std::same_as<bool>;
+  };
+  template <class G> static bool gelu_gemm_of(void* g, const gemm_gelu_args& a) {
+    if constexpr (fuses_gelu_v<G>) return static_cast<G*>(g)->gemm_gelu(a);
     else return (void)g, (void)a, false;
   }
   template <class G> static constexpr bool sets_products_v = requires(G& g) { g.set_bf16_products(true); };
@@ -563,6 +597,7 @@ class backend_ref {
       fuses_attention_v<G> ? &attention_of<G> : nullptr,
       fuses_weight_grads_v<G> ? &weight_grads_of<G> : nullptr,
       fuses_bias_v<G> ? &bias_gemm_of<G> : nullptr,
+      fuses_gelu_v<G> ? &gelu_gemm_of<G> : nullptr,
       fuses_attention_v<G> ? &attention_fused_of<G> : nullptr,
       sets_products_v<G> ? &products_of<G> : nullptr,
       times_v<G> ? &time_begin_of<G> : nullptr,

@@ -207,6 +207,34 @@ class cuda_backend {
     bias_refused_ = true;
     return false;
   }
+  /// A GEMM and GELU in one cuBLASLt call (gemm_gelu_args): forward through
+  /// GELU_AUX_BIAS (GELU_AUX without a bias), pre as its aux matrix;
+  /// backward through DGELU, reading pre. The epilogue computes in fp32 on
+  /// the values it has: under bf16 its output is not rounded (the GEMMs that
+  /// read it take their operands as bf16 on the tensor cores) and it reads
+  /// pre and the product unrounded, where the CPU rounds them (`round`). False,
+  /// with nothing queued, where cuBLASLt has no algorithm for it (said once).
+  bool gemm_gelu(const gemm_gelu_args& a) {
+    if (a.M == 0 || a.N == 0 || a.K == 0) return false;
+    timed t(*this, "gemm");
+    const index_t lda = a.ta == trans::yes ? a.M : a.K, ldb = a.tb == trans::yes ? a.K : a.N;
+    const auto e = a.backward ? detail::lt::epilogue::dgelu
+                   : a.bias   ? detail::lt::epilogue::gelu_aux_bias
+                              : detail::lt::epilogue::gelu_aux;
+    if (lt_gemm(a.ta, a.tb, a.M, a.N, a.K, 1.f, a.A, lda, a.B, ldb, 0.f, a.out, a.N, e, a.bias, a.pre, a.N)) {
+      ++fused_gelus_;
+      return true;
+    }
+    t.cancel();
+    if (!gelu_refused_)
+      std::fprintf(stderr, "whale::cuda_backend: cuBLASLt has no GELU epilogue for M %lld, N %lld, K %lld; GELU runs as a "
+                   "kernel after the GEMM\n", static_cast<long long>(a.M), static_cast<long long>(a.N),
+                   static_cast<long long>(a.K));
+    gelu_refused_ = true;
+    return false;
+  }
+  /// How many GEMMs carried GELU or its gradient so far.
+  std::int64_t fused_gelus() const noexcept { return fused_gelus_; }
   /// How many biases the BIAS epilogue added so far.
   std::int64_t fused_biases() const noexcept { return fused_biases_; }
   /// How many bias gradients the BGRADB epilogue computed so far, and how
@@ -443,12 +471,12 @@ class cuda_backend {
   /// also bias_grad (M) = the sums of op(A) (M x K) over K, the BGRADB epilogue.
   bool lt_gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
                const float* B, index_t ldb, float beta, float* C, index_t ldc, detail::lt::epilogue e,
-               const void* bias) {
+               const void* bias, const void* aux = nullptr, index_t aux_ld = 0) {
     if (!lt_) lt_ = std::make_unique<detail::lt::gemms>();
     if (!lt_workspace_) lt_workspace_ = allocate(detail::lt::gemms::workspace_bytes);
     // column-major: C^T (N x M) = op(B)^T op(A)^T, and op(A)^T is the second operand, reduced over K
     return lt_->run(products(), tb == trans::yes, ta == trans::yes, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc, e,
-                    bias, lt_workspace_, compute_);
+                    bias, lt_workspace_, compute_, aux, aux_ld);
   }
   void destroy() noexcept {
     if (compute_) cudaStreamSynchronize(compute_);
@@ -484,8 +512,8 @@ class cuda_backend {
   };
   std::vector<mark> marks_;                                    // timed calls since the last kernel_times()
   std::vector<std::pair<cudaEvent_t, cudaEvent_t>> events_;   // their events, reused
-  std::int64_t fused_bias_grads_ = 0, fused_biases_ = 0;
-  bool bias_refused_ = false;
+  std::int64_t fused_bias_grads_ = 0, fused_biases_ = 0, fused_gelus_ = 0;
+  bool bias_refused_ = false, gelu_refused_ = false;
   bool attention_refused_ = false;
   std::int64_t fused_attention_calls_ = 0;
   caching_allocator<detail::cuda_device_upstream> alloc_;

@@ -73,6 +73,8 @@ struct device_ledger {
   std::int64_t bias_grad_epilogues = 0;
   /// GEMMs that added a bias in their epilogue (gemm_bias, under the same setting; counted in gemms).
   std::int64_t bias_epilogues = 0;
+  /// GEMMs with GELU or its gradient in their epilogue (gemm_gelu, under the same setting; counted in gemms).
+  std::int64_t gelu_epilogues = 0;
 
   /// Every call a GPU queues: kernels, GEMMs (batched ones count once), fused attention, copies and fills.
   std::int64_t launches() const noexcept {
@@ -102,6 +104,7 @@ struct device_ledger {
     d.attention_flops -= before.attention_flops;
     d.bias_grad_epilogues -= before.bias_grad_epilogues;
     d.bias_epilogues -= before.bias_epilogues;
+    d.gelu_epilogues -= before.gelu_epilogues;
     return d;
   }
   void add(const launch_note& n) {
@@ -253,6 +256,20 @@ class guarded_backend {
   /// backend_ref::gemm_bias is one GEMM, computed as the CPU computes it
   /// (the bias, then the product added), with no launch.
   void set_fused_bias_grads(bool on) noexcept { fused_bias_grads_ = on; }
+  /// And GELU's (cuBLASLt's GELU_AUX_BIAS forward, DGELU backward): backend_ref::gemm_gelu
+  /// is one GEMM, computed as the CPU computes it (the GEMM, then the GELU kernel).
+  bool gemm_gelu(const gemm_gelu_args& a) {
+    if (!fused_bias_grads_) return false;
+    mine(a.A, "a GEMM's A"), mine(a.B, "a GEMM's B"), mine(a.out, "a GEMM's C"), mine(a.pre, "a GELU epilogue's input");
+    if (a.bias) mine(a.bias, "a GEMM's bias");
+    ++ledger_.gemms, ++ledger_.gelu_epilogues;
+    if (a.bias) ++ledger_.bias_epilogues;
+    ledger_.gemm_flops += 2.0 * static_cast<double>(a.M) * static_cast<double>(a.N) * static_cast<double>(a.K);
+    if (count_only_) return true;
+    const window w(*this);
+    backend_ref::unfused_gemm_gelu(backend_ref{}, a);
+    return true;
+  }
   bool gemm_bias(const gemm_bias_args& a) {
     if (!fused_bias_grads_) return false;
     mine(a.A, "a GEMM's A"), mine(a.B, "a GEMM's B"), mine(a.C, "a GEMM's C"), mine(a.bias, "a GEMM's bias");

@@ -19,6 +19,7 @@ struct gelu : stateless_params {
   static constexpr bool rounds_output = true, rounds_input_grad = true;  // under bf16 its kernels store rounded
   static constexpr bool rounds_grad_on_read = true;  // under bf16 its backward reads dy rounded
   static constexpr bool rounds_input_on_read = true;  // and both passes read x rounded
+  static constexpr bool is_gelu = true;  // a linear before it may compute it in its GEMM (step_ctx::gelu_in_gemm)
   static std::string name() { return "gelu"; }
   static constexpr cost_info cost() {
     cost_info c;
@@ -32,15 +33,25 @@ struct gelu : stateless_params {
   // x: (R, F) -> y: (R, F)
   view<float> forward(step_ctx& c, cview<float> x) {
     auto& s = st_(c.slot);
+    if (c.gelu_pre.data()) {  // the layer before computed GELU in its GEMM: x is the result, gelu_pre its argument
+      s.x = std::exchange(c.gelu_pre, cview<float>{});
+      return view<float>(const_cast<float*>(x.data()), x.shape());
+    }
     s.x = x;
     auto y = detail::ensure(s.y, x.shape());
     c.be.launch(x.numel(), kernels::gelu_forward{x.data(), y.data(), c.bf16});
     return y;
   }
+  /// The input the forward of slot `slot` kept (GELU's argument), for a layer after it that computes its gradient.
+  cview<float> kept_input(int slot) { return st_(slot).x; }
   // dy: (R, F) -> dx: (R, F)
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
     if (!c.need_input_grad) return {};
+    if (c.dgelu_done) {  // the layer after computed d(input) through GELU in its GEMM: dy is it
+      c.dgelu_done = false;
+      return view<float>(const_cast<float*>(dy.data()), dy.shape());
+    }
     auto dx = detail::ensure(s.dx, dy.shape());
     c.be.launch(dy.numel(), kernels::gelu_backward{s.x.data(), dy.data(), dx.data(), c.bf16});
     return dx;

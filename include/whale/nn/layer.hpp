@@ -139,6 +139,18 @@ struct step_ctx {
   /// a layer that can may then leave its output unrounded, as a GEMM writes
   /// it (a linear layer's product and bias in one GEMM call, its bias epilogue).
   bool output_read_rounded = false;
+  /// A layer that can fold GELU into its GEMM (fuses_gelu) followed by
+  /// `gelu` in a sequential, without hooks or --check-finite. Forward: the
+  /// sequential sets gelu_in_gemm for the layer, which then returns GELU of
+  /// its output, computed in its GEMM's call (backend_ref::gemm_gelu), and
+  /// leaves its output (GELU's input) in gelu_pre; the gelu keeps that for
+  /// its backward and passes its input on. Backward: the sequential shows the
+  /// layer after a gelu the gelu's kept input (dgelu_pre); the layer's
+  /// d(input) GEMM then gives d(GELU's input), and sets dgelu_done, so the
+  /// gelu passes its dy on. Each field is cleared by the layer that takes it.
+  bool gelu_in_gemm = false;
+  cview<float> gelu_pre, dgelu_pre;
+  bool dgelu_done = false;
   /// Inputs copied up to a device from host memory for this pass (the
   /// network and the executor set them): each device buffer and the host
   /// values it was copied from. A layer that checks values it is given (token
@@ -451,6 +463,17 @@ template <class L> constexpr bool rounds_grad_on_read() {
 /// before it may leave its output unrounded (step_ctx::output_read_rounded).
 template <class L> constexpr bool rounds_input_on_read() {
   if constexpr (requires { L::rounds_input_on_read; }) return L::rounds_input_on_read;
+  else return false;
+}
+/// Whether layer L computes a `gelu` after it in its GEMM's call, and the
+/// gradient of a `gelu` before it in its d(input) GEMM (step_ctx::gelu_in_gemm, dgelu_pre).
+template <class L> constexpr bool fuses_gelu() {
+  if constexpr (requires { L::fuses_gelu; }) return L::fuses_gelu;
+  else return false;
+}
+/// Whether L is `gelu` (it takes what a fuses_gelu layer computed for it).
+template <class L> constexpr bool is_gelu() {
+  if constexpr (requires { L::is_gelu; }) return L::is_gelu;
   else return false;
 }
 template <class L> constexpr bool accepts_residual_add() {

@@ -32,6 +32,7 @@ struct linear {
   static constexpr bool accepts_residual_add = true;  // last in a residual branch: under bf16 the bias pass adds x
   // (and under bf16, where the next layer rounds its input as it reads it, y is left as the GEMM writes it:
   // the product and the bias in one call, step_ctx::output_read_rounded)
+  static constexpr bool fuses_gelu = true;  // a gelu after it in its GEMM, a gelu's gradient before it in its d(input) GEMM
 
   static std::string name() {
     return "linear<" + std::to_string(In) + ", " + std::to_string(Out) + detail::bias_suffix(Bias) + ">";
@@ -77,6 +78,13 @@ struct linear {
     s.x = x;
     auto y = detail::ensure(s.y, {R, Out});
     const float* add = c.bf16 ? detail::take_residual(c.residual_add, R * Out) : nullptr;
+    if (c.gelu_in_gemm && !add) {  // y = x W^T + b kept for the gelu after, which returns GELU(y) computed here
+      c.gelu_in_gemm = false;
+      auto h = detail::ensure(s.h, {R, Out});
+      c.be.gemm_gelu({trans::no, trans::yes, R, Out, In, x.data(), w_.data(), b_.data(), y.data(), h.data(), false, c.bf16});
+      c.gelu_pre = y;
+      return h;
+    }
     const bool round = c.bf16 && (add || !c.output_read_rounded);
     detail::affine_forward(c.be, x.data(), w_.data(), b_.data(), y.data(), R, Out, In, round, add);
     return y;
@@ -89,6 +97,13 @@ struct linear {
     if (!defer_weights(c, this)) weight_grads(c.be, c.slot, c.accumulate);
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, In});
+    if (c.dgelu_pre.data() && c.dgelu_pre.numel() == R * In) {  // d(the gelu before's input), through GELU' in the GEMM
+      c.be.gemm_gelu({trans::no, trans::no, R, In, Out, dy.data(), w_.data(), nullptr,
+                      const_cast<float*>(c.dgelu_pre.data()), dx.data(), true, c.bf16});
+      c.dgelu_pre = {};
+      c.dgelu_done = true;
+      return dx;
+    }
     c.be.gemm(trans::no, trans::no, R, In, Out, 1.f, dy.data(), w_.data(), 0.f, dx.data());
     return dx;
   }
@@ -106,6 +121,7 @@ struct linear {
   struct state {
     cview<float> x, dy;
     tensor<float> y, dx;
+    tensor<float> h;  // GELU(y), where the gelu after it is computed in its GEMM
   };
   view<float> w_, dw_, b_, db_;  // b_ and db_ stay empty (null) without a bias
   slots<state> st_;

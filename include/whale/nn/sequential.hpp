@@ -90,10 +90,17 @@ view<float> forward_through(Tuple& layers, const Offsets& offset, step_ctx& c, X
     if constexpr (I + 1 < N) return rounds_input_on_read<std::tuple_element_t<I + 1, Tuple>>();
     else return LastReadRounded;
   }();
+  constexpr bool gelu_next = [] {  // a gelu after it that its GEMM can compute
+    if constexpr (I + 1 < N) return fuses_gelu<E>() && is_gelu<std::tuple_element_t<I + 1, Tuple>>();
+    else return false;
+  }();
   const cview<float> held = shown ? cview<float>{} : std::exchange(c.residual_add, cview<float>{});
-  c.output_read_rounded = next_reads_rounded && !is_container<E> && c.bf16 && !c.hooks && !c.check_finite;
+  const bool looked_at = c.hooks || c.check_finite;
+  c.output_read_rounded = next_reads_rounded && !is_container<E> && c.bf16 && !looked_at;
+  c.gelu_in_gemm = gelu_next && !looked_at;
   auto y = run_forward(std::get<I>(layers), c, x, offset[I]);
   c.output_read_rounded = false;
+  c.gelu_in_gemm = false;
   if constexpr (!shown) c.residual_add = held;
   if constexpr (I + 1 < N) return forward_through<I + 1, N, LastReadRounded>(layers, offset, c, cview<float>(y));
   else return y;
@@ -112,7 +119,13 @@ view<float> backward_through(Tuple& layers, const Offsets& offset, step_ctx& c, 
   }();
   const bool outer = c.need_input_grad;
   c.need_input_grad = I > 0 || outer;
+  if constexpr (I > 0) {  // a gelu before it: its gradient in this layer's d(input) GEMM
+    using P = std::tuple_element_t<I - 1, Tuple>;
+    if constexpr (fuses_gelu<std::tuple_element_t<I, Tuple>>() && is_gelu<P>())
+      if (!c.hooks && !c.check_finite) c.dgelu_pre = std::get<I - 1>(layers).kept_input(c.slot);
+  }
   auto dx = run_backward<next_rounds>(std::get<I>(layers), c, dy, offset[I]);
+  c.dgelu_pre = {};
   c.need_input_grad = outer;
   if constexpr (!shown) c.residual_grad = held;
   if (c.grads_ready) c.grads_ready(offset[I]);

@@ -5,8 +5,11 @@
 // whale's layers is under bf16 mixed precision). An epilogue may ride on the
 // product: the bias gradient (BGRADB), a fully connected layer's dW = dy^T x
 // and db = the column sums of dy in one call instead of a GEMM and a column
-// reduction; and the bias (BIAS), y = x W^T + b in one call instead of a
-// pass that writes b and a GEMM that adds to it. A plan (descriptors and the algorithm cuBLASLt's
+// reduction; the bias (BIAS), y = x W^T + b in one call instead of a
+// pass that writes b and a GEMM that adds to it; and GELU (GELU_AUX_BIAS:
+// GELU of the biased product, which is also written to an aux matrix) with its
+// gradient (DGELU: the product times GELU' of the aux matrix), instead of a
+// GELU kernel after the GEMM. A plan (descriptors and the algorithm cuBLASLt's
 // heuristic picked) is made once per shape, mode, epilogue and operand
 // alignment and kept; a shape cuBLASLt has no algorithm for (at the
 // heuristic, or CUBLAS_STATUS_NOT_SUPPORTED at the call) is remembered too,
@@ -52,7 +55,25 @@ inline std::uint32_t alignment(const void* p) noexcept {
 /// What rides on a product: nothing, the bias gradient (BGRADB: the sums of
 /// op(B) over k into the bias pointer), or the bias (BIAS: added to every
 /// column-major column, a vector of m).
-enum class epilogue : std::uint8_t { none, bias_grad, bias };
+enum class epilogue : std::uint8_t { none, bias_grad, bias, gelu_aux, gelu_aux_bias, dgelu };
+/// cuBLASLt's value for it.
+inline int lt_value(epilogue e) noexcept {
+  switch (e) {
+    case epilogue::bias_grad: return static_cast<int>(CUBLASLT_EPILOGUE_BGRADB);
+    case epilogue::bias: return static_cast<int>(CUBLASLT_EPILOGUE_BIAS);
+    case epilogue::gelu_aux: return static_cast<int>(CUBLASLT_EPILOGUE_GELU_AUX);
+    case epilogue::gelu_aux_bias: return static_cast<int>(CUBLASLT_EPILOGUE_GELU_AUX_BIAS);
+    case epilogue::dgelu: return static_cast<int>(CUBLASLT_EPILOGUE_DGELU);
+    default: return static_cast<int>(CUBLASLT_EPILOGUE_DEFAULT);
+  }
+}
+/// Whether epilogue e reads or writes the bias pointer, and the aux matrix.
+constexpr bool uses_bias(epilogue e) noexcept {
+  return e == epilogue::bias_grad || e == epilogue::bias || e == epilogue::gelu_aux_bias;
+}
+constexpr bool uses_aux(epilogue e) noexcept {
+  return e == epilogue::gelu_aux || e == epilogue::gelu_aux_bias || e == epilogue::dgelu;
+}
 
 /// Everything a plan depends on, in cuBLAS's column-major terms.
 struct key {
@@ -60,7 +81,8 @@ struct key {
   bool ta, tb, beta;
   gemm_math math;
   int epilogue;
-  std::uint32_t align_a, align_b, align_c, align_bias;
+  std::uint32_t align_a, align_b, align_c, align_bias, align_aux;
+  std::int64_t aux_ld;
   auto operator<=>(const key&) const = default;
 };
 
@@ -96,26 +118,33 @@ class gemms {
   }
 
   /// Column-major C (m x n, ldc) = alpha op(A) op(B) + beta C, with A (lda)
-  /// and B (ldb) as stored, and epilogue `e` on `bias`: bias_grad, bias (n)
-  /// = the sums of op(B) over k (BGRADB); bias, C + bias (m) on every
-  /// column (BIAS). False, with nothing queued, where cuBLASLt has no
-  /// algorithm for this call.
+  /// and B (ldb) as stored, and epilogue `e`: bias_grad, bias (n) = the sums
+  /// of op(B) over k (BGRADB); bias, C + bias (m) on every column (BIAS);
+  /// gelu_aux(_bias), C = GELU(the product (+ bias)) with the argument
+  /// written to `aux` (m x n, aux_ld); dgelu, C = the product times GELU'
+  /// of `aux`. False, with nothing queued, where cuBLASLt has no algorithm
+  /// for this call.
   bool run(gemm_math math, bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
            const float* A, std::int64_t lda, const float* B, std::int64_t ldb, float beta, float* C, std::int64_t ldc,
-           epilogue e, const void* bias, void* workspace, cudaStream_t stream) {
-    const int epi = e == epilogue::bias_grad ? static_cast<int>(CUBLASLT_EPILOGUE_BGRADB)
-                    : e == epilogue::bias    ? static_cast<int>(CUBLASLT_EPILOGUE_BIAS)
-                                             : static_cast<int>(CUBLASLT_EPILOGUE_DEFAULT);
-    if (e != epilogue::none && bias == nullptr) return false;
-    const key kk{m, n, k, lda, ldb, ldc, ta, tb, beta != 0.f, math, epi,
-                 alignment(A), alignment(B), alignment(C), bias ? alignment(bias) : 256u};
+           epilogue e, const void* bias, void* workspace, cudaStream_t stream, const void* aux = nullptr,
+           std::int64_t aux_ld = 0) {
+    if (uses_bias(e) && bias == nullptr) return false;
+    if (uses_aux(e) && aux == nullptr) return false;
+    if (!uses_bias(e)) bias = nullptr;
+    if (!uses_aux(e)) aux = nullptr, aux_ld = 0;
+    const key kk{m, n, k, lda, ldb, ldc, ta, tb, beta != 0.f, math, lt_value(e),
+                 alignment(A), alignment(B), alignment(C), bias ? alignment(bias) : 256u, aux ? alignment(aux) : 256u,
+                 aux_ld};
     auto it = plans_.find(kk);
-    if (it == plans_.end()) it = plans_.emplace(kk, make(kk, bias)).first;
+    if (it == plans_.end()) it = plans_.emplace(kk, make(kk, bias, aux)).first;
     plan& p = *it->second;
     if (!p.ok) return false;
     if (bias)
       check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
             "cublasLtMatmulDescSetAttribute (bias pointer)");
+    if (aux)
+      check(cublasLtMatmulDescSetAttribute(p.op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux),
+            "cublasLtMatmulDescSetAttribute (aux pointer)");
     const cublasStatus_t s = cublasLtMatmul(handle_, p.op, &alpha, A, p.a, B, p.b, &beta, C, p.c, C, p.c, &p.algo,
                                             workspace, workspace_bytes, stream);
     if (s == CUBLAS_STATUS_NOT_SUPPORTED) {  // refused at the call after all: remembered, and the caller's steps run
@@ -134,8 +163,8 @@ class gemms {
   }
 
  private:
-  /// `bias`: the call's bias pointer, set before the heuristic looks (it judges its alignment).
-  std::unique_ptr<plan> make(const key& k, const void* bias) const {
+  /// `bias` and `aux`: the call's pointers, set before the heuristic looks (it judges their alignment).
+  std::unique_ptr<plan> make(const key& k, const void* bias, const void* aux) const {
     auto p = std::make_unique<plan>();
     const cublasComputeType_t compute = k.math == gemm_math::bf16   ? CUBLAS_COMPUTE_32F_FAST_16BF
                                         : k.math == gemm_math::tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32
@@ -146,12 +175,19 @@ class gemms {
     check(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_TRANSB, &ob, sizeof ob), "set TRANSB");
     const auto epi = static_cast<cublasLtEpilogue_t>(k.epilogue);
     check(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof epi), "set EPILOGUE");
-    if (epi != CUBLASLT_EPILOGUE_DEFAULT) {
+    if (bias) {
       const cudaDataType_t bias_type = CUDA_R_32F;
       check(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof bias_type),
             "set BIAS_DATA_TYPE");
       check(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof bias),
             "set BIAS_POINTER");
+    }
+    if (aux) {
+      check(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &aux, sizeof aux),
+            "set EPILOGUE_AUX_POINTER");
+      const std::int64_t ld = k.aux_ld;
+      check(cublasLtMatmulDescSetAttribute(p->op, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof ld),
+            "set EPILOGUE_AUX_LD");
     }
     // stored shapes: op(A) is m x k, op(B) is k x n
     check(cublasLtMatrixLayoutCreate(&p->a, CUDA_R_32F, k.ta ? k.k : k.m, k.ta ? k.m : k.k, k.lda), "layout A");
@@ -172,7 +208,8 @@ class gemms {
         cublasLtMatmulAlgoGetHeuristic(handle_, p->op, p->a, p->b, p->c, p->c, pref, 1, &found, &count);
     cublasLtMatmulPreferenceDestroy(pref);
     p->ok = s == CUBLAS_STATUS_SUCCESS && count > 0 && found.state == CUBLAS_STATUS_SUCCESS &&
-            found.workspaceSize <= workspace_bytes && (k.epilogue == CUBLASLT_EPILOGUE_DEFAULT || k.align_bias >= 16);
+            found.workspaceSize <= workspace_bytes && k.align_bias >= 16 && k.align_aux >= 16 &&
+            (k.aux_ld == 0 || k.aux_ld % 8 == 0);  // the aux matrix: 16-byte aligned, its leading dimension a multiple of 8
     if (p->ok) p->algo = found.algo;
     return p;
   }
