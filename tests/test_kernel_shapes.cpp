@@ -204,6 +204,11 @@ TEST_CASE("staged rows: a GPU team's rows in shared memory give the unstaged row
         for (index_t r = 0; r < R; ++r) rs[r] = 0.5f + static_cast<float>(r);
         return kernels::layer_norm_backward{dy.data(), x.data(), rs, g.data(), dx, D, round, round ? add.data() : nullptr};
       });
+      both([&](float* dx, float*, float*, float* rs) {  // x-hat recomputed from x, the means (b) and rstd
+        for (index_t r = 0; r < R; ++r) rs[r] = 0.5f + static_cast<float>(r);
+        return kernels::layer_norm_backward{dy.data(), nullptr, rs, g.data(), dx, D, round, round ? add.data() : nullptr,
+                                            x.data(), b.data()};
+      });
       both([&](float* y, float* xh, float*, float* rs) {
         return kernels::rms_norm_forward{x.data(), g.data(), y, xh, rs, D, 1e-6f, round};
       });
@@ -308,7 +313,7 @@ TEST_CASE("the guarded backend runs every kernel in the device's shape, bit-equa
     }
     CHECK(on_cpu.rowd == on_device.rowd);
   });
-  CHECK(cases == 64);
+  CHECK(cases == 67);
 }
 
 TEST_CASE("attention as one call: a plain reference's outputs, log-sum-exps and gradients; the device's bits") {

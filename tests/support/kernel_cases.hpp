@@ -100,6 +100,15 @@ template <class F> void for_each_case(F&& f) {
     [](buffers p) { return k::rms_norm_backward{p.a, p.b, p.d, p.c, p.f, C, true, p.e}; });
   f("rms_norm_forward (one row of 4,200: a block team)", 1,
     [](buffers p) { return k::rms_norm_forward{p.a, p.b, p.f, p.e, p.d, 4200, 1e-5f}; });
+  // x-hat not kept: the forward keeps each row's mean, the backward recomputes x-hat from x (a), the mean and rstd (d)
+  f("layer_norm_forward (x-hat not kept, the means kept)", R,
+    [](buffers p) { return k::layer_norm_forward{p.a, p.b, p.c, p.f, nullptr, p.d, C, 1e-5f, true, p.e}; });
+  f("layer_norm_backward (x-hat from x, a residual's gradient added)", R, [](buffers p) {
+    return k::layer_norm_backward{p.b, nullptr, p.d, p.c, p.f, C, true, p.e, p.a, p.d + R};
+  });
+  f("layer_norm_param_grads (x-hat from x)", C, [](buffers p) {
+    return k::layer_norm_param_grads{p.b, nullptr, p.f, p.e, R, C, false, true, p.a, p.d + R, p.d};
+  });
   f("layer_norm_param_grads", C, [](buffers p) { return k::layer_norm_param_grads{p.a, p.b, p.f, p.e, R, C, true}; });
   f("layer_norm_param_grads (4 row tiles)", 50,
     [](buffers p) { return k::layer_norm_param_grads{p.a, p.b, p.f, p.e, 222, 50, false}; });

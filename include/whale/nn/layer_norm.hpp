@@ -33,7 +33,7 @@ struct layer_norm {
     c.fwd_flops = 8.0 * D;   // mean, variance, normalize, scale and shift
     c.bwd_flops = 12.0 * D;  // two row reductions, dx, d(gain), d(bias)
     c.params = 2 * D;
-    c.act_bytes = 4.0 * (3 * D + 1);  // x-hat, output, input gradient, 1/std
+    c.act_bytes = 4.0 * (2 * D + 2);  // output, input gradient, mean and 1/std (x-hat is recomputed from the kept input)
     return c;
   }
   static constexpr index_t param_count() noexcept { return 2 * D; }
@@ -65,9 +65,11 @@ struct layer_norm {
     auto& s = st_(c.slot);
     const index_t R = x.numel() / D;
     auto y = detail::ensure(s.y, {R, D});
-    auto xh = detail::ensure(s.xhat, {R, D});
+    auto mean = detail::ensure(s.mean, {R});
     auto rs = detail::ensure(s.rstd, {R});
-    c.be.launch(R, kernels::layer_norm_forward{x.data(), g_.data(), b_.data(), y.data(), xh.data(), rs.data(), D, eps, c.bf16});
+    s.x = x;  // x-hat is recomputed from x, the mean and 1/std in backward, to the bit
+    c.be.launch(R, kernels::layer_norm_forward{x.data(), g_.data(), b_.data(), y.data(), nullptr, rs.data(), D, eps, c.bf16,
+                                               mean.data()});
     return y;
   }
 
@@ -75,13 +77,13 @@ struct layer_norm {
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
     const index_t R = dy.numel() / D;
-    c.be.reduce_columns(
-        kernels::layer_norm_param_grads{dy.data(), s.xhat.data(), dg_.data(), db_.data(), R, D, c.accumulate, c.bf16});
+    c.be.reduce_columns(kernels::layer_norm_param_grads{dy.data(), nullptr, dg_.data(), db_.data(), R, D, c.accumulate,
+                                                        c.bf16, s.x.data(), s.mean.data(), s.rstd.data()});
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
     const float* add = c.bf16 ? detail::take_residual(c.residual_grad, R * D) : nullptr;
-    c.be.launch(R, kernels::layer_norm_backward{dy.data(), s.xhat.data(), s.rstd.data(), g_.data(), dx.data(), D, c.bf16,
-                                                add});
+    c.be.launch(R, kernels::layer_norm_backward{dy.data(), nullptr, s.rstd.data(), g_.data(), dx.data(), D, c.bf16, add,
+                                                s.x.data(), s.mean.data()});
     return dx;
   }
 
@@ -90,7 +92,8 @@ struct layer_norm {
 
  private:
   struct state {
-    tensor<float> y, xhat, rstd, dx;
+    cview<float> x;  // the input, kept (x-hat is recomputed from it)
+    tensor<float> y, mean, rstd, dx;
   };
   view<float> g_, dg_, b_, db_;
   slots<state> st_;

@@ -104,43 +104,59 @@ struct column_sums {
 };
 
 /// LayerNorm of row r (width D): xhat = (x - mean) rstd, y = xhat gain + bias.
+/// x-hat is written where `xhat` is set; the row's mean where `mean` is set
+/// (a backward then recomputes x-hat from x, the mean and rstd, to the bit).
 struct layer_norm_forward {
   const float* x;
   const float* gain;
   const float* bias;
   float* y;
-  float* xhat;
+  float* xhat;  ///< null: not kept
   float* rstd;
   index_t D;
   float eps;
   bool round = false;  ///< store y rounded to bf16 (x-hat and rstd stay fp32)
+  float* mean = nullptr;  ///< set: each row's mean, for a backward that recomputes x-hat
   static constexpr int staged_rows = 1;  ///< x, read three times
   index_t width() const noexcept { return D; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     const float* xr = t.stage(0, x + r * D, D);
-    float* hr = xhat + r * D;
     float* yr = y + r * D;
-    const float mean = t.sum(D, [&](index_t j) { return xr[j]; }) / static_cast<float>(D);
+    const float mu = t.sum(D, [&](index_t j) { return xr[j]; }) / static_cast<float>(D);
     const float var = t.sum(D, [&](index_t j) {
-      const float d = xr[j] - mean;
+      const float d = xr[j] - mu;
       return d * d;
     }) / static_cast<float>(D);
     const float s = 1.f / std::sqrt(var + eps);
-    if (t.leader()) rstd[r] = s;
-    t.for_each(D, [&](index_t j) {
-      const float h = (xr[j] - mean) * s;
-      hr[j] = h;
-      yr[j] = stored_as(h * gain[j] + bias[j], round);
-    });
+    if (t.leader()) {
+      rstd[r] = s;
+      if (mean) mean[r] = mu;
+    }
+    if (xhat) {
+      float* hr = xhat + r * D;
+      t.for_each(D, [&](index_t j) {
+        const float h = (xr[j] - mu) * s;
+        hr[j] = h;
+        yr[j] = stored_as(h * gain[j] + bias[j], round);
+      });
+    } else {
+      t.for_each(D, [&](index_t j) { yr[j] = stored_as((xr[j] - mu) * s * gain[j] + bias[j], round); });
+    }
   }
-  std::int64_t bytes(index_t rows) const noexcept {  // x (three times unstaged), x-hat and y out
-    return rows * ((stage_fits(staged_rows, D) ? 3 : 5) * D * 4 + 4) + 3 * D * 4;
+  std::int64_t bytes(index_t rows) const noexcept {  // x (three times unstaged), x-hat (if kept) and y out
+    return rows * (((stage_fits(staged_rows, D) ? 1 : 3) + (xhat ? 2 : 1)) * D * 4 + (mean ? 8 : 4)) + 3 * D * 4;
   }
 };
-/// d(input) of row r: dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy gain.
+/// x-hat of row r, element j, as layer_norm_forward computed it: kept, or from x, the mean and rstd.
+WHALE_HD WHALE_INLINE float layer_norm_xhat(const float* hr, const float* xr, float mu, float s, index_t j) noexcept {
+  return hr ? hr[j] : (xr[j] - mu) * s;
+}
+/// d(input) of row r: dx = rstd (g - mean(g) - xhat mean(g xhat)), g = dy gain;
+/// x-hat read (`xhat`) or, where it was not kept, recomputed from x and the
+/// row's mean and rstd (`x`, `mean`), the forward's values to the bit.
 struct layer_norm_backward {
   const float* dy;
-  const float* xhat;
+  const float* xhat;  ///< null: recomputed from x and mean
   const float* rstd;
   const float* gain;
   float* dx;
@@ -150,44 +166,53 @@ struct layer_norm_backward {
   /// A residual's output gradient (rows of D) added to dx, each stored as
   /// `round` says: dx = add + dx, a residual's sum in the same pass.
   const float* add = nullptr;
-  static constexpr int staged_rows = 2;  ///< dy and x-hat, each read three times
+  const float* x = nullptr;     ///< the forward's input, where xhat is null
+  const float* mean = nullptr;  ///< its rows' means, where xhat is null
+  static constexpr int staged_rows = 2;  ///< dy and x-hat (or x), each read three times
   index_t width() const noexcept { return D; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     const float* gr = t.stage(0, dy + r * D, D);
-    const float* hr = t.stage(1, xhat + r * D, D);
+    const float* hr = xhat ? t.stage(1, xhat + r * D, D) : nullptr;
+    const float* xr = xhat ? nullptr : t.stage(1, x + r * D, D);
+    const float mu = xhat ? 0.f : mean[r];
+    const float s = rstd[r];
     float* dr = dx + r * D;
     const auto g = [&](index_t j) { return stored_as(gr[j], round); };
+    const auto h = [&](index_t j) { return layer_norm_xhat(hr, xr, mu, s, j); };
     const float m1 = t.sum(D, [&](index_t j) { return g(j) * gain[j]; }) / static_cast<float>(D);
-    const float m2 = t.sum(D, [&](index_t j) { return g(j) * gain[j] * hr[j]; }) / static_cast<float>(D);
-    const float s = rstd[r];
+    const float m2 = t.sum(D, [&](index_t j) { return g(j) * gain[j] * h(j); }) / static_cast<float>(D);
     if (add) {
       const float* ar = add + r * D;
       t.for_each(D, [&](index_t j) {
-        dr[j] = stored_as(ar[j] + stored_as(s * (g(j) * gain[j] - m1 - hr[j] * m2), round), round);
+        dr[j] = stored_as(ar[j] + stored_as(s * (g(j) * gain[j] - m1 - h(j) * m2), round), round);
       });
     } else {
-      t.for_each(D, [&](index_t j) { dr[j] = stored_as(s * (g(j) * gain[j] - m1 - hr[j] * m2), round); });
+      t.for_each(D, [&](index_t j) { dr[j] = stored_as(s * (g(j) * gain[j] - m1 - h(j) * m2), round); });
     }
   }
-  std::int64_t bytes(index_t rows) const noexcept {  // dy and x-hat (dy three times, x-hat twice unstaged), dx out (and the addend)
-    return rows * (((stage_fits(staged_rows, D) ? 3 : 6) + (add ? 1 : 0)) * D * 4 + 4) + 3 * D * 4;
+  std::int64_t bytes(index_t rows) const noexcept {  // dy and x-hat or x (dy three times, x-hat twice unstaged), dx out (and the addend)
+    return rows * (((stage_fits(staged_rows, D) ? 3 : 6) + (add ? 1 : 0)) * D * 4 + (xhat ? 4 : 8)) + 3 * D * 4;
   }
 };
-/// d(gain) and d(bias): the sums over R rows of dy xhat and of dy, a column reduction.
+/// d(gain) and d(bias): the sums over R rows of dy xhat and of dy, a column
+/// reduction; x-hat read, or recomputed from x, the mean and rstd (as layer_norm_backward).
 struct layer_norm_param_grads {
   static constexpr int accumulators = 2;
   const float* dy;
-  const float* xhat;
+  const float* xhat;  ///< null: recomputed from x, mean and rstd
   float* dgain;
   float* dbias;
   index_t R, D;
   bool accumulate;
   bool round = false;  ///< read dy as bf16 would hold it (as layer_norm_backward)
+  const float* x = nullptr;
+  const float* mean = nullptr;
+  const float* rstd = nullptr;
   index_t rows() const noexcept { return R; }
   index_t cols() const noexcept { return D; }
   WHALE_HD WHALE_INLINE void load(index_t r, index_t c, float* v) const noexcept {
     const float g = stored_as(dy[r * D + c], round);
-    v[0] = g * xhat[r * D + c];
+    v[0] = g * (xhat ? xhat[r * D + c] : (x[r * D + c] - mean[r]) * rstd[r]);
     v[1] = g;
   }
   WHALE_HD WHALE_INLINE void store(index_t c, const float* acc) const noexcept {
