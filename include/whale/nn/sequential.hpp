@@ -213,7 +213,9 @@ class sequential {
     return s + ">";
   }
 
-  /// Sum of the layers' costs, elementwise layers scaled by the width they see.
+  /// Sum of the layers' costs, elementwise layers scaled by the width they
+  /// see; a gelu computed in the GEMM of the layer before it (fuses_gelu)
+  /// keeps nothing of its own, and that layer keeps GELU's output beside its own.
   static constexpr cost_info cost() {
     cost_info c;
     std::size_t i = 0;
@@ -221,6 +223,7 @@ class sequential {
                                                            : static_cast<double>(W::in_width[i])),
       ++i),
      ...);
+    c.act_bytes += fused_gelu_bytes(std::make_index_sequence<size - 1>{});
     return c;
   }
   static void print_structure(std::ostream& os, int indent, index_t) {
@@ -284,6 +287,20 @@ class sequential {
   index_t offset(std::size_t i) const noexcept { return offset_[i]; }
 
  private:
+  /// What each (fuses_gelu layer, gelu) pair keeps less than the two alone: the gelu's output and
+  /// input-gradient buffers (8 bytes a feature) gone, GELU's output kept by the layer (4).
+  template <std::size_t... I> static constexpr double fused_gelu_bytes(std::index_sequence<I...>) {
+    double d = 0;
+    auto one = [&]<std::size_t J>(std::integral_constant<std::size_t, J>) {
+      using A = std::tuple_element_t<J, tuple_type>;
+      if constexpr (fuses_gelu<A>() && is_gelu<std::tuple_element_t<J + 1, tuple_type>>()) {
+        const auto g = std::tuple_element_t<J + 1, tuple_type>::cost().scaled(static_cast<double>(A::out_features));
+        d += 4.0 * static_cast<double>(A::out_features) - g.act_bytes;
+      }
+    };
+    (one(std::integral_constant<std::size_t, I>{}), ...);
+    return d;
+  }
   template <std::size_t... I> void bind_each(param_binder& b, std::index_sequence<I...>) {
     ((offset_[I] = b.offset(), std::get<I>(layers_).bind(b)), ...);
   }

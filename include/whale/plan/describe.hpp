@@ -68,6 +68,10 @@ struct unit_desc {
   /// Bytes per row kept by the containers that end at this unit: a residual's
   /// sum and its input gradient (8 per feature), which no leaf counts.
   double container_act_bytes = 0;
+  /// Bytes per row this unit keeps more (or less) where the layers run
+  /// without hooks: a gelu after a layer that computes GELU in its GEMM
+  /// (fuses_gelu) keeps nothing, and that layer keeps GELU's output.
+  double fused_act_bytes = 0;
 
   /// Parameters one of `degree` ranks of its split axis holds.
   index_t local_params(int degree) const {
@@ -267,12 +271,26 @@ struct describer {
       const bool top = depth == 0;
       ++depth;
       [&]<std::size_t... I>(std::index_sequence<I...>) {
-        ((top ? (element = static_cast<int>(I), 0) : 0, walk<std::tuple_element_t<I, typename T::tuple_type>>()), ...);
+        ((top ? (element = static_cast<int>(I), 0) : 0, walk<std::tuple_element_t<I, typename T::tuple_type>>(),
+          fused_gelu<typename T::tuple_type, I>()),
+         ...);
       }(std::make_index_sequence<std::tuple_size_v<typename T::tuple_type>>{});
       --depth;
     } else {
       if (depth == 0) ++depth;  // a single leaf as the whole model
       leaf<T>();
+    }
+  }
+  /// Element I of a sequential just walked: where it is a gelu after a layer that computes GELU in its
+  /// GEMM (fuses_gelu; sequential::cost), the gelu keeps nothing and that layer keeps GELU's output.
+  template <class Tuple, std::size_t I> void fused_gelu() {
+    if constexpr (I > 0) {
+      using A = std::tuple_element_t<I - 1, Tuple>;
+      if constexpr (fuses_gelu<A>() && is_gelu<std::tuple_element_t<I, Tuple>>())
+        if (d->units.size() >= 2) {
+          d->units.back().fused_act_bytes = -d->units.back().cost.act_bytes;
+          d->units[d->units.size() - 2].fused_act_bytes = 4.0 * static_cast<double>(A::out_features);
+        }
     }
   }
   template <class T> void item() {

@@ -187,7 +187,9 @@ inline memory_estimate predict_memory(const model_desc& d, const program& p, con
     const double rows = static_cast<double>(u.all_rows() ? all_rows : e.rows);
     // a row-wise layer on features split over its axis holds its share of the width
     const double share = !u.sharded && u.split_axis >= 0 && u.in == lay::S1 ? 1.0 / degree(u) : 1.0;
-    const double per_row = (c.act_bytes + c.seq_act_bytes * static_cast<double>(p.seq)) * share + u.container_act_bytes;
+    // ZeRO 2-3 run the layers under its hooks, and hooks turn the layers' fusions off
+    const double fused = p.zero_level >= 2 ? 0.0 : u.fused_act_bytes;
+    const double per_row = (c.act_bytes + c.seq_act_bytes * static_cast<double>(p.seq)) * share + u.container_act_bytes + fused;
     (u.recompute_group < 0 ? kept : group[u.recompute_group]) += per_row * rows;
   }
   // a recompute<Block> keeps its output and input-gradient copies (rows × (in + out))

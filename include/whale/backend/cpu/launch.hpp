@@ -136,6 +136,13 @@ template <int W, class K> struct row_runner {
   K body;
   WHALE_INLINE void operator()(index_t i) const noexcept { body(kernels::emulated_team<W>{}, i); }
 };
+/// The same with the team's staging slots (one buffer for every row: the rows run in order).
+template <int W, class K> struct staged_row_runner {
+  K body;
+  float* smem;
+  index_t stride;
+  WHALE_INLINE void operator()(index_t i) const noexcept { body(kernels::emulated_team<W>{{}, smem, stride}, i); }
+};
 /// A column body as an index body over blocks of 256 columns: for each block,
 /// the row tiles' sums (rows in order within a tile), added tile by tile, as
 /// kernels::column_tile_sums and column_tile_finish add them on a device.
@@ -187,10 +194,11 @@ inline void launch_staged(index_t rows, const K& body) {
   if (slots == 0 || !kernels::stage_fits(slots, body.width())) return launch(rows, body);
   const index_t stride = kernels::stage_stride(body.width());
   std::vector<float> smem(static_cast<std::size_t>(slots * stride));
+  // through launch() as the unstaged rows go, so that the same instruction set's loop (and its
+  // contractions of a multiply and an add) runs them: the same bits
   if (kernels::row_warps(body.width()) == 1)
-    for (index_t r = 0; r < rows; ++r) body(kernels::emulated_team<1>{{}, smem.data(), stride}, r);
-  else
-    for (index_t r = 0; r < rows; ++r) body(kernels::emulated_team<8>{{}, smem.data(), stride}, r);
+    return launch(rows, detail::staged_row_runner<1, K>{body, smem.data(), stride});
+  launch(rows, detail::staged_row_runner<8, K>{body, smem.data(), stride});
 }
 
 /// A column reduction over body.rows() x body.cols(): each column's sums stored once.
