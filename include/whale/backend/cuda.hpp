@@ -192,20 +192,9 @@ class cuda_backend {
   /// with nothing queued, where cuBLASLt has no algorithm for it (said once on
   /// stderr): the caller then writes the bias and adds the product to it.
   bool gemm_bias(const gemm_bias_args& a) {
-    if (a.M == 0 || a.N == 0 || a.K == 0 || a.bias == nullptr) return false;
-    timed t(*this, "gemm");
-    const index_t lda = a.ta == trans::yes ? a.M : a.K, ldb = a.tb == trans::yes ? a.K : a.N;
-    if (lt_gemm(a.ta, a.tb, a.M, a.N, a.K, 1.f, a.A, lda, a.B, ldb, 0.f, a.C, a.N, detail::lt::epilogue::bias, a.bias)) {
-      ++fused_biases_;
-      return true;
-    }
-    t.cancel();
-    if (!bias_refused_)
-      std::fprintf(stderr, "whale::cuda_backend: cuBLASLt has no bias epilogue for M %lld, N %lld, K %lld; the bias is "
-                   "written before the GEMM\n", static_cast<long long>(a.M), static_cast<long long>(a.N),
-                   static_cast<long long>(a.K));
-    bias_refused_ = true;
-    return false;
+    if (a.bias == nullptr) return false;
+    return epilogue_gemm(a.ta, a.tb, a.M, a.N, a.K, a.A, a.B, a.C, detail::lt::epilogue::bias, a.bias, nullptr,
+                         fused_biases_, bias_refused_, "bias", "the bias is written before the GEMM");
   }
   /// A GEMM and GELU in one cuBLASLt call (gemm_gelu_args): forward through
   /// GELU_AUX_BIAS (GELU_AUX without a bias), pre as its aux matrix;
@@ -215,23 +204,11 @@ class cuda_backend {
   /// pre and the product unrounded, where the CPU rounds them (`round`). False,
   /// with nothing queued, where cuBLASLt has no algorithm for it (said once).
   bool gemm_gelu(const gemm_gelu_args& a) {
-    if (a.M == 0 || a.N == 0 || a.K == 0) return false;
-    timed t(*this, "gemm");
-    const index_t lda = a.ta == trans::yes ? a.M : a.K, ldb = a.tb == trans::yes ? a.K : a.N;
     const auto e = a.backward ? detail::lt::epilogue::dgelu
                    : a.bias   ? detail::lt::epilogue::gelu_aux_bias
                               : detail::lt::epilogue::gelu_aux;
-    if (lt_gemm(a.ta, a.tb, a.M, a.N, a.K, 1.f, a.A, lda, a.B, ldb, 0.f, a.out, a.N, e, a.bias, a.pre, a.N)) {
-      ++fused_gelus_;
-      return true;
-    }
-    t.cancel();
-    if (!gelu_refused_)
-      std::fprintf(stderr, "whale::cuda_backend: cuBLASLt has no GELU epilogue for M %lld, N %lld, K %lld; GELU runs as a "
-                   "kernel after the GEMM\n", static_cast<long long>(a.M), static_cast<long long>(a.N),
-                   static_cast<long long>(a.K));
-    gelu_refused_ = true;
-    return false;
+    return epilogue_gemm(a.ta, a.tb, a.M, a.N, a.K, a.A, a.B, a.out, e, a.bias, a.pre, fused_gelus_, gelu_refused_, "GELU",
+                         "GELU runs as a kernel after the GEMM");
   }
   /// How many GEMMs carried GELU or its gradient so far.
   std::int64_t fused_gelus() const noexcept { return fused_gelus_; }
@@ -469,6 +446,25 @@ class cuda_backend {
   gemm_math products() const noexcept { return bf16_products_ ? gemm_math::bf16 : math_; }
   /// Row-major C (M x N) = op(A) op(B) through cuBLASLt; with `bias_grad`,
   /// also bias_grad (M) = the sums of op(A) (M x K) over K, the BGRADB epilogue.
+  /// Row-major C (M, N) = op(A) op(B) with epilogue `e` on `bias` and `aux` (an (M, N) matrix) in one
+  /// cuBLASLt call, counted in `count`; false where cuBLASLt has none, said once (`refused`) on stderr.
+  bool epilogue_gemm(trans ta, trans tb, index_t M, index_t N, index_t K, const float* A, const float* B, float* C,
+                     detail::lt::epilogue e, const void* bias, const void* aux, std::int64_t& count, bool& refused,
+                     const char* what, const char* instead) {
+    if (M == 0 || N == 0 || K == 0) return false;
+    timed t(*this, "gemm");
+    const index_t lda = ta == trans::yes ? M : K, ldb = tb == trans::yes ? K : N;
+    if (lt_gemm(ta, tb, M, N, K, 1.f, A, lda, B, ldb, 0.f, C, N, e, bias, aux, aux ? N : 0)) {
+      ++count;
+      return true;
+    }
+    t.cancel();
+    if (!refused)
+      std::fprintf(stderr, "whale::cuda_backend: cuBLASLt has no %s epilogue for M %lld, N %lld, K %lld; %s\n", what,
+                   static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K), instead);
+    refused = true;
+    return false;
+  }
   bool lt_gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
                const float* B, index_t ldb, float beta, float* C, index_t ldc, detail::lt::epilogue e,
                const void* bias, const void* aux = nullptr, index_t aux_ld = 0) {

@@ -299,6 +299,7 @@ class sequential {
       }
     };
     (one(std::integral_constant<std::size_t, I>{}), ...);
+    (void)one;  // a sequential of one element has no pair
     return d;
   }
   template <std::size_t... I> void bind_each(param_binder& b, std::index_sequence<I...>) {
