@@ -15,9 +15,11 @@
 // Under bf16 the attention is the CUDA backend's fused cuDNN call, as a
 // program linked with whale::cudnn runs it (--attention steps: the batched-GEMM
 // steps instead, as without cuDNN; fp32 always takes those). Each fully
-// connected layer's bias gradient comes from its weight GEMM's epilogue, as
-// the CUDA backend's cuBLASLt computes it (--bias-grads reduction: a column
-// reduction after the GEMM instead, as where cuBLASLt has no such algorithm).
+// connected layer's bias gradient comes from its weight GEMM's epilogue, and
+// biases and GELU ride on the GEMMs before them, as the CUDA backend's
+// cuBLASLt computes them (--bias-grads reduction: no epilogue at all, a column
+// reduction, a bias pass and a GELU kernel instead, as where cuBLASLt has no
+// such algorithm).
 //
 //   gpu_ledger [--steps S] [--precision fp32|bf16] [--attention fused|steps] [--bias-grads epilogue|reduction]
 //              [--matmul-tflops X] [--kernels]
