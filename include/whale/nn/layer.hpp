@@ -664,6 +664,20 @@ template <class T> view<T> ensure(tensor<T>& t, shape s, mem_kind k = mem_kind::
   t.resize(s);
   return t.v();
 }
+/// A loss layer's share of the global mean from its R rows' losses (doubles in
+/// the backend's memory) times `inv`: added where they lie, in one order on
+/// every backend, into step_ctx::loss_sum where it is set (returning 0: the
+/// host reads nothing), or into `total` (one double the layer keeps) and read back.
+inline double loss_share(const step_ctx& c, index_t R, const double* row_loss, double inv, tensor<double>& total) {
+  if (c.loss_sum) {
+    c.be.sum_into(R, row_loss, inv, c.loss_sum, true);
+    return 0.0;
+  }
+  auto t = ensure(total, {1});
+  c.be.sum_into(R, row_loss, inv, t.data(), false);
+  std::vector<double> host;
+  return c.be.host_readable(cview<double>(t), host)[0];
+}
 }  // namespace detail
 
 }  // namespace whale

@@ -56,14 +56,7 @@ class regression_loss : public stateless_params {
     auto loss = detail::ensure(s.row_loss, {R});
     c.be.launch(R, kernels::regression_rows{pred.data(), targets.data(), g.data(), loss.data(), C, static_cast<float>(inv),
                                             Kind, Delta, c.bf16});
-    if (c.loss_sum) {
-      c.be.sum_into(R, loss.data(), inv, c.loss_sum, true);
-      return 0.0;
-    }
-    auto total = detail::ensure(s.total, {1});
-    c.be.sum_into(R, loss.data(), inv, total.data(), false);
-    std::vector<double> host;
-    return c.be.host_readable(cview<double>(total), host)[0];
+    return loss_share(c, R, loss.data(), inv, s.total);
   }
   view<float> backward_loss(step_ctx& c) { return st_(c.slot).grad.v(); }
 

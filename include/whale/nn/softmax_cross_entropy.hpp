@@ -58,15 +58,7 @@ struct softmax_cross_entropy : stateless_params {
     auto loss = detail::ensure(s.row_loss, {R});
     c.be.launch(R, kernels::cross_entropy_rows{logits.data(), labels.data(), p.data(), loss.data(), C,
                                                static_cast<float>(inv), ignore_index, c.bf16});
-    // the rows' losses added where they lie, in one order on every backend; read back only without c.loss_sum
-    if (c.loss_sum) {
-      c.be.sum_into(R, loss.data(), inv, c.loss_sum, true);
-      return 0.0;
-    }
-    auto total = detail::ensure(s.total, {1});
-    c.be.sum_into(R, loss.data(), inv, total.data(), false);
-    std::vector<double> host;
-    return c.be.host_readable(cview<double>(total), host)[0];
+    return detail::loss_share(c, R, loss.data(), inv, s.total);
   }
   view<float> backward_loss(step_ctx& c) { return st_(c.slot).grad.v(); }
 
