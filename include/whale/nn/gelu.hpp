@@ -4,6 +4,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 
 #include "whale/backend/kernels/elementwise.hpp"
 #include "whale/nn/layer.hpp"
@@ -47,11 +48,9 @@ struct gelu : stateless_params {
   // dy: (R, F) -> dx: (R, F)
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
+    if (std::exchange(c.dgelu_done, false))  // the layer after computed d(input) through GELU in its GEMM: dy is it
+      return c.need_input_grad ? view<float>(const_cast<float*>(dy.data()), dy.shape()) : view<float>{};
     if (!c.need_input_grad) return {};
-    if (c.dgelu_done) {  // the layer after computed d(input) through GELU in its GEMM: dy is it
-      c.dgelu_done = false;
-      return view<float>(const_cast<float*>(dy.data()), dy.shape());
-    }
     auto dx = detail::ensure(s.dx, dy.shape());
     c.be.launch(dy.numel(), kernels::gelu_backward{s.x.data(), dy.data(), dx.data(), c.bf16});
     return dx;
