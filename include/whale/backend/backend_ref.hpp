@@ -121,7 +121,19 @@ class backend_ref {
     // the partials, in the device's workspace and not zeroed (phase 1 writes every one)
     const scratch partial(*this, tiles * C * K::accumulators);
     launch(tiles * C, kernels::column_tile_sums<K>{body, partial.p, R, C});
-    launch(C, kernels::column_tile_finish<K>{body, partial.p, tiles, C});
+    launch(kernels::column_tile_finish<K>::groups(C), kernels::column_tile_finish<K>{body, partial.p, tiles, C});
+  }
+  /// A row pass that also sums its columns: `body` (with a `partial` field)
+  /// runs one team per tile of kernels::summing_tile rows, each tile writing
+  /// its partial sums, then column_tile_finish adds the tiles with `sums`'s
+  /// store (e.g. layer_norm_backward_sums, then layer_norm_param_grads'
+  /// store). The same passes, and sums, on every backend.
+  template <kernels::RowBody K, kernels::ColumnBody S> void launch_summing(index_t rows, K body, const S& sums) const {
+    const index_t tiles = kernels::summing_tiles(rows), C = sums.cols();
+    const scratch partial(*this, tiles * C * S::accumulators);  // every partial written by the pass
+    body.partial = partial.p;
+    launch(tiles, body);
+    launch(kernels::column_tile_finish<S>::groups(C), kernels::column_tile_finish<S>{sums, partial.p, tiles, C});
   }
   /// Copy within the backend's space (and, on the GPU, between spaces), in its queue's order.
   void copy(void* dst, const void* src, std::size_t bytes) const {

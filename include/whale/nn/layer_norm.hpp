@@ -77,13 +77,19 @@ struct layer_norm {
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
     const index_t R = dy.numel() / D;
-    c.be.reduce_columns(kernels::layer_norm_param_grads{dy.data(), nullptr, dg_.data(), db_.data(), R, D, c.accumulate,
+    view<float> dx;
+    const float* add = nullptr;
+    if (c.need_input_grad) {
+      dx = detail::ensure(s.dx, {R, D});
+      add = c.bf16 ? detail::take_residual(c.residual_grad, R * D) : nullptr;
+    }
+    // d(input) and, in the same pass over dy and x, the tiles' sums of d(gain) and d(bias); then the tiles added
+    const kernels::layer_norm_backward row{dy.data(), nullptr, s.rstd.data(), g_.data(), dx.data(), D, c.bf16, add,
+                                           s.x.data(), s.mean.data()};
+    c.be.launch_summing(R, kernels::layer_norm_backward_sums{row, nullptr, R},
+                        kernels::layer_norm_param_grads{dy.data(), nullptr, dg_.data(), db_.data(), R, D, c.accumulate,
                                                         c.bf16, s.x.data(), s.mean.data(), s.rstd.data()});
     if (!c.need_input_grad) return {};
-    auto dx = detail::ensure(s.dx, {R, D});
-    const float* add = c.bf16 ? detail::take_residual(c.residual_grad, R * D) : nullptr;
-    c.be.launch(R, kernels::layer_norm_backward{dy.data(), nullptr, s.rstd.data(), g_.data(), dx.data(), D, c.bf16, add,
-                                                s.x.data(), s.mean.data()});
     return dx;
   }
 

@@ -144,34 +144,33 @@ template <int W, class K> struct staged_row_runner {
   WHALE_INLINE void operator()(index_t i) const noexcept { body(kernels::emulated_team<W>{{}, smem, stride}, i); }
 };
 /// A column body as an index body over blocks of 256 columns: for each block,
-/// the row tiles' sums (rows in order within a tile), added tile by tile, as
-/// kernels::column_tile_sums and column_tile_finish add them on a device.
+/// the row tiles' sums (rows in order within a tile), as
+/// kernels::column_tile_sums writes them, then each column's tiles added by
+/// kernels::column_tile_finish with an emulated team: the sums a device adds,
+/// in its order.
 template <class K> struct column_runner {
   static constexpr index_t cols_per_block = 256;
   K body;
   index_t R, C;
-  WHALE_INLINE void operator()(index_t blk) const noexcept {
+  WHALE_INLINE void operator()(index_t blk) const {
     constexpr int A = K::accumulators;
     const index_t c0 = blk * cols_per_block;
     const index_t w = C - c0 < cols_per_block ? C - c0 : cols_per_block;
-    float total[A][cols_per_block] = {}, tile[A][cols_per_block], v[A];
-    for (index_t r0 = 0; r0 < R; r0 += kernels::row_tile) {
-      const index_t r1 = r0 + kernels::row_tile < R ? r0 + kernels::row_tile : R;
-      for (int a = 0; a < A; ++a)
-        for (index_t c = 0; c < w; ++c) tile[a][c] = 0.f;
-      for (index_t r = r0; r < r1; ++r)
+    const index_t tiles = kernels::row_tiles(R);
+    thread_local std::vector<float> partial;  // (tiles, A, w), as column_tile_sums lays out (tiles, A, C)
+    partial.assign(static_cast<std::size_t>(tiles * A * w), 0.f);
+    float v[A];
+    for (index_t t = 0; t < tiles; ++t) {
+      float* pt = partial.data() + t * A * w;
+      const index_t r1 = (t + 1) * kernels::row_tile < R ? (t + 1) * kernels::row_tile : R;
+      for (index_t r = t * kernels::row_tile; r < r1; ++r)
         for (index_t c = 0; c < w; ++c) {
           body.load(r, c0 + c, v);
-          for (int a = 0; a < A; ++a) tile[a][c] = kernels::madd(v[a], 1.f, tile[a][c]);  // as column_tile_sums adds
+          for (int a = 0; a < A; ++a) pt[a * w + c] = kernels::madd(v[a], 1.f, pt[a * w + c]);  // as column_tile_sums adds
         }
-      for (int a = 0; a < A; ++a)
-        for (index_t c = 0; c < w; ++c) total[a][c] += tile[a][c];
     }
-    float acc[A];
-    for (index_t c = 0; c < w; ++c) {
-      for (int a = 0; a < A; ++a) acc[a] = total[a][c];
-      body.store(c0 + c, acc);
-    }
+    const kernels::column_tile_finish<K> finish{body, partial.data(), tiles, w, c0};
+    for (index_t g = 0; g < finish.groups(w); ++g) finish(kernels::emulated_team<8>{}, g);
   }
 };
 }  // namespace detail

@@ -171,27 +171,83 @@ struct layer_norm_backward {
   static constexpr int staged_rows = 2;  ///< dy and x-hat (or x), each read three times
   index_t width() const noexcept { return D; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
+    row(t, r, [](index_t, float, float) {});
+  }
+  /// Row r, and each(j, dy_j as read, x-hat_j) for every element, on the lane
+  /// that writes dx_j (layer_norm_backward_sums sums them). dx null: each() only.
+  template <class Team, class Each>
+  WHALE_HD WHALE_INLINE void row(const Team& t, index_t r, Each each) const noexcept {
     const float* gr = t.stage(0, dy + r * D, D);
     const float* hr = xhat ? t.stage(1, xhat + r * D, D) : nullptr;
     const float* xr = xhat ? nullptr : t.stage(1, x + r * D, D);
     const float mu = xhat ? 0.f : mean[r];
     const float s = rstd[r];
-    float* dr = dx + r * D;
     const auto g = [&](index_t j) { return stored_as(gr[j], round); };
     const auto h = [&](index_t j) { return layer_norm_xhat(hr, xr, mu, s, j); };
+    if (!dx) {
+      t.for_each(D, [&](index_t j) { each(j, g(j), h(j)); });
+      return;
+    }
+    float* dr = dx + r * D;
     const float m1 = t.sum(D, [&](index_t j) { return g(j) * gain[j]; }) / static_cast<float>(D);
     const float m2 = t.sum(D, [&](index_t j) { return g(j) * gain[j] * h(j); }) / static_cast<float>(D);
     if (add) {
       const float* ar = add + r * D;
       t.for_each(D, [&](index_t j) {
-        dr[j] = stored_as(ar[j] + stored_as(s * (g(j) * gain[j] - m1 - h(j) * m2), round), round);
+        const float gj = g(j), hj = h(j);
+        dr[j] = stored_as(ar[j] + stored_as(s * (gj * gain[j] - m1 - hj * m2), round), round);
+        each(j, gj, hj);
       });
     } else {
-      t.for_each(D, [&](index_t j) { dr[j] = stored_as(s * (g(j) * gain[j] - m1 - h(j) * m2), round); });
+      t.for_each(D, [&](index_t j) {
+        const float gj = g(j), hj = h(j);
+        dr[j] = stored_as(s * (gj * gain[j] - m1 - hj * m2), round);
+        each(j, gj, hj);
+      });
     }
   }
   std::int64_t bytes(index_t rows) const noexcept {  // dy and x-hat or x (dy three times, x-hat twice unstaged), dx out (and the addend)
     return rows * (((stage_fits(staged_rows, D) ? 3 : 6) + (add ? 1 : 0)) * D * 4 + (xhat ? 4 : 8)) + 3 * D * 4;
+  }
+};
+/// layer_norm_backward with d(gain) and d(bias) in the same pass: one team per
+/// tile of kernels::summing_tile rows, which takes its rows in order and adds
+/// dy x-hat and dy per column (layer_norm_param_grads' values, each added as
+/// column_tile_sums adds) into the tile's partials, partial[(k 2 + a) D + c]
+/// (column_tile_sums' layout, so column_tile_finish adds the tiles). The
+/// running sums stay in two of the team's slots (shared memory on a GPU;
+/// the partials themselves on the CPU). `row.dx` null: the sums only.
+struct layer_norm_backward_sums {
+  layer_norm_backward row;
+  float* partial;
+  index_t R;
+  static constexpr int staged_rows = 4;  ///< the row's dy and x (or x-hat), and the tile's two running sums
+  index_t width() const noexcept { return row.D; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t k) const noexcept {
+    const index_t D = row.D;
+    float* pg = partial + 2 * k * D;
+    float* pb = pg + D;
+    float* sg = t.scratch(2, pg);
+    float* sb = t.scratch(3, pb);
+    t.for_each(D, [&](index_t j) { sg[j] = 0.f, sb[j] = 0.f; });
+    const index_t r1 = (k + 1) * summing_tile < R ? (k + 1) * summing_tile : R;
+    for (index_t r = k * summing_tile; r < r1; ++r)
+      row.row(t, r, [&](index_t j, float g, float h) {
+        const float v = g * h;
+        sg[j] = madd(v, 1.f, sg[j]);
+        sb[j] = madd(g, 1.f, sb[j]);
+      });
+    if (sg != pg) t.for_each(D, [&](index_t j) { pg[j] = sg[j], pb[j] = sb[j]; });
+  }
+  // rows(): tiles. Per row as layer_norm_backward (its rows staged where all four slots fit), the running
+  // sums read and written per row where they are not staged, and each tile's two partial rows written once
+  std::int64_t bytes(index_t tiles) const noexcept {
+    const bool staged = stage_fits(staged_rows, row.D);
+    const index_t rows = tiles * summing_tile < R ? tiles * summing_tile : R;
+    const int reads = !row.dx || staged ? 2 : 5;  // dy and x once a row, or dy thrice and x twice (the sums only: one pass)
+    const std::int64_t per_row = (reads + (row.dx ? 1 : 0) + (row.add ? 1 : 0) + (staged ? 0 : 4)) * row.D * 4 +
+                                 (row.xhat ? 4 : 8);
+    return rows * per_row + tiles * 2 * row.D * 4 + 3 * row.D * 4;
   }
 };
 /// d(gain) and d(bias): the sums over R rows of dy xhat and of dy, a column

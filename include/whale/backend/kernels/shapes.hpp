@@ -46,6 +46,11 @@ template <class K> constexpr int staged_rows() noexcept {
 inline constexpr index_t row_tile = 64;
 /// Tiles of `rows` rows.
 constexpr index_t row_tiles(index_t rows) noexcept { return (rows + row_tile - 1) / row_tile; }
+/// Rows per team of a row pass that also sums its columns (the tiles' partials
+/// of a column reduction, e.g. layer_norm_backward_sums): few, so that a
+/// team per tile still fills a GPU (8,192 rows: 1,024 teams).
+inline constexpr index_t summing_tile = 8;
+constexpr index_t summing_tiles(index_t rows) noexcept { return (rows + summing_tile - 1) / summing_tile; }
 
 /// The running maximum and the sum of exp(x - max) of a softmax, taken in one
 /// pass (the online softmax): each lane pushes its elements, then lanes combine.
@@ -162,7 +167,7 @@ concept ColumnBody = std::is_trivially_copyable_v<K> && requires(const K& k, ind
   k.store(i, cv);
 };
 
-/// Phase 1 of the column shape, one index per (tile, column): partial[(t C + c) A + a]
+/// Phase 1 of the column shape, one index per (tile, column): partial[(t A + a) C + c]
 /// = the sum over the tile's rows, in row order, of accumulator a of (r, c).
 template <ColumnBody K> struct column_tile_sums {
   K body;
@@ -177,23 +182,64 @@ template <ColumnBody K> struct column_tile_sums {
       body.load(r, c, v);
       for (int a = 0; a < A; ++a) acc[a] = madd(v[a], 1.f, acc[a]);  // v + acc: no product left to fuse into it
     }
-    for (int a = 0; a < A; ++a) partial[i * A + a] = acc[a];
+    for (int a = 0; a < A; ++a) partial[(t * A + a) * C + c] = acc[a];
   }
   std::int64_t bytes(index_t n) const noexcept { return n * 4 * K::accumulators * (row_tile + 1); }
 };
-/// Phase 2, one index per column: the tiles' partials added in tile order, then stored.
+/// Phase 2 as a row body: one team of 8 warps per group of
+/// `finish_columns` columns (its "row"), which adds the tiles' partials
+/// (laid out as column_tile_sums writes them). Lane l takes column l mod 8 of
+/// the group and tiles l / 8, l / 8 + 32, ... in order, so each warp reads
+/// whole 32-byte sectors; the 32 lanes of a column then leave their sums in a
+/// slot, and one lane per column adds them in lane order and stores. 8,192
+/// columns' worth of lanes, not one thread a column, keep a GPU busy.
+/// `first`: the body's column of column 0 here (the CPU finishes a block of
+/// columns at a time).
+inline constexpr index_t finish_columns = 8;
 template <ColumnBody K> struct column_tile_finish {
   K body;
   const float* partial;
   index_t tiles, C;
-  WHALE_HD WHALE_INLINE void operator()(index_t c) const noexcept {
+  index_t first = 0;
+  static constexpr int staged_rows = 1;  ///< the lanes' sums, K::accumulators each
+  /// A team of 8 warps (kernels::row_warps), whose slot holds every lane's sums.
+  index_t width() const noexcept { return wide_row; }
+  template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t g) const noexcept {
     constexpr int A = K::accumulators;
-    float acc[A] = {};
-    for (index_t t = 0; t < tiles; ++t)
-      for (int a = 0; a < A; ++a) acc[a] += partial[(t * C + c) * A + a];
-    body.store(c, acc);
+    constexpr int per = Team::lanes / static_cast<int>(finish_columns);  // lanes per column
+    static_assert(Team::lanes * A <= wide_row, "column_tile_finish: the lanes' sums must fit one slot");
+#if defined(__CUDA_ARCH__)
+    float* sums = t.scratch(0, nullptr);  // a GPU launch gives every staged body its slots
+#else
+    float own[Team::lanes * A];  // the slot where a team has none (the CPU backend's)
+    float* sums = t.scratch(0, own);
+#endif
+    const index_t c0 = g * finish_columns;
+    t.for_each(Team::lanes, [&](index_t l) {
+      const index_t c = c0 + l % finish_columns;
+      float acc[A] = {};
+      if (c < C)
+        for (index_t k = l / finish_columns; k < tiles; k += per)
+          for (int a = 0; a < A; ++a) acc[a] += partial[(k * A + a) * C + c];
+      for (int a = 0; a < A; ++a) sums[l * A + a] = acc[a];
+    });
+    t.sync();
+    t.for_each(finish_columns, [&](index_t i) {
+      if (c0 + i >= C) return;
+      float acc[A] = {};
+      for (int s = 0; s < per; ++s)
+        for (int a = 0; a < A; ++a) acc[a] += sums[(s * finish_columns + i) * A + a];
+      body.store(first + c0 + i, acc);
+    });
+    t.sync();  // the slot is free for the team's next group
   }
-  std::int64_t bytes(index_t n) const noexcept { return n * 4 * K::accumulators * (tiles + 2); }
+  /// Teams for C columns.
+  static constexpr index_t groups(index_t C) noexcept { return (C + finish_columns - 1) / finish_columns; }
+  // `n` groups: every partial read once, each column's sums stored (read where added to)
+  std::int64_t bytes(index_t n) const noexcept {
+    const index_t cols = n * finish_columns < C ? n * finish_columns : C;
+    return cols * (tiles * 4 * K::accumulators + 8 * K::accumulators);
+  }
 };
 
 /// The column shape when all rows fit one tile, one index per column: the
