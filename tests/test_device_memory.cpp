@@ -397,7 +397,9 @@ TEST_CASE("trainer_options::log_every: steps queue without a host wait, with the
         const std::int64_t reads = 2;  // every 3: after steps 3 and 6; every 4: after step 4 and at the end
         CHECK(dev.syncs == reads);
         CHECK(dev.reads_d2h == reads);
-        if (p == precision::bf16) CHECK(dev.copies - fp32_copies == 2 * reads);  // the master weights aside and back, once a read
+        // the master weights aside and back, once a read; and one copy fewer a step (6 steps), the position
+        // embedding's d(input) being stored rounded by a kernel under bf16 (a copy under fp32)
+        if (p == precision::bf16) CHECK(dev.copies - fp32_copies == 2 * reads - 6);
       }
       guarded_backend g;
       const auto dev_every_step = run(backend_ref(g), &g, 1, use_sgd, p);

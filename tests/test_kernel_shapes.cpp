@@ -313,7 +313,7 @@ TEST_CASE("the guarded backend runs every kernel in the device's shape, bit-equa
     }
     CHECK(on_cpu.rowd == on_device.rowd);
   });
-  CHECK(cases == 67);
+  CHECK(cases == 72);
 }
 
 TEST_CASE("attention as one call: a plain reference's outputs, log-sum-exps and gradients; the device's bits") {
@@ -710,18 +710,21 @@ TEST_CASE("a GPT step's ledger: launches per block and host waits do not grow") 
   const auto per_block16 = two16.launches() - one16.launches();
   MESSAGE("bf16 with fused attention: launches per block " << per_block16 << ", host waits " << two16.host_syncs);
   CHECK(two16.attention_calls - one16.attention_calls == 2);
-  CHECK(per_block16 <= 26);  // the goal is at most 40 launches a block, forward and backward together
+  CHECK(per_block16 <= 24);  // the goal is at most 40 launches a block, forward and backward together
   // LayerNorm's parameter sums in its backward's pass (no column_tile_sums of their own), the tiles added once
   CHECK(two16.kernels.count("column_tile_sums<layer_norm_param_grads>") == 0);
   CHECK(two16.kernels.at("layer_norm_backward_sums").launches - one16.kernels.at("layer_norm_backward_sums").launches == 2);
   // in the GEMMs' calls: Q, K, V's bias and the first MLP linear's with GELU, GELU's gradient in the second's
-  // d(input); the two linears that end a residual keep the pass that stores its sum
+  // d(input); the two linears that end a residual leave its sum to the layer norm after it
   CHECK(two16.bias_epilogues - one16.bias_epilogues == 2);
   CHECK(two16.gelu_epilogues - one16.gelu_epilogues == 2);
   CHECK(two16.kernels.count("gelu_forward") + two16.kernels.count("gelu_backward") == 0);
-  CHECK(two16.kernels.at("bias_rows").launches - one16.kernels.at("bias_rows").launches == 2);
+  const auto launches_of = [](const device_ledger& l, const char* k) { return l.kernels.count(k) ? l.kernels.at(k).launches : 0; };
+  CHECK(launches_of(two16, "bias_rows") - launches_of(one16, "bias_rows") == 0);
   CHECK(two16.kernels.count("add") == 0);  // the residuals' sums are stored by their branches' kernels
   // a GEMM's d(input) is rounded as layer norm's or GELU's backward reads it: no rounding pass in a block
-  CHECK(two16.kernels.at("to_bf16").launches - one16.kernels.at("to_bf16").launches == 0);
+  CHECK(launches_of(two16, "to_bf16") - launches_of(one16, "to_bf16") == 0);
+  // none at all: the embeddings store their rows rounded, and the position embedding's d(input) too
+  CHECK(launches_of(two16, "to_bf16") == 0);
   CHECK(two16.host_syncs == 0);
 }

@@ -73,6 +73,20 @@ template <class F> void for_each_case(F&& f) {
   f("layer_norm_forward (stored as bf16)", R,
     [](buffers p) { return k::layer_norm_forward{p.a, p.b, p.c, p.f, p.e, p.d, C, 1e-5f, true}; });
   f("layer_norm_backward (stored as bf16)", R, [](buffers p) { return k::layer_norm_backward{p.a, p.b, p.d, p.c, p.f, C, true}; });
+  // a residual's sum left to the layer norm after it: e = b + (e + c), rounded, stored in e and normalised
+  f("layer_norm_forward (a residual's sum stored first, bf16)", R, [](buffers p) {
+    k::layer_norm_forward body{p.e, p.b, p.c, p.f, nullptr, p.d, C, 1e-5f, true, p.d + R};
+    body.sum_y = p.e, body.sum_bias = p.c, body.sum_add = p.b;
+    return body;
+  });
+  f("layer_norm_forward (a residual's sum without bias, bf16)", R, [](buffers p) {
+    k::layer_norm_forward body{p.e, p.b, p.c, p.f, nullptr, p.d, C, 1e-5f, true, p.d + R};
+    body.sum_y = p.e, body.sum_add = p.a;
+    return body;
+  });
+  f("gather_rows (stored as bf16)", R, [](buffers p) { return k::gather_rows{p.a, p.tokens, p.f, C, 0, -1, true}; });
+  f("add_positions (stored as bf16)", R, [](buffers p) { return k::add_positions{p.a, p.b, p.f, T, C, true}; });
+  f("copy_stored (bf16)", N, [](buffers p) { return k::copy_stored{p.a, p.f, true}; });
   f("bias_rows", R, [](buffers p) { return k::bias_rows{p.f, p.a, C, true}; });
   // a linear without bias under bf16: the pass stores the product rounded, adding a residual's input
   f("bias_rows (no bias, residual added, stored as bf16)", R,

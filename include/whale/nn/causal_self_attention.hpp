@@ -110,7 +110,7 @@ struct causal_self_attention {
     c.be.gemm_bias(trans::no, trans::yes, R, 3 * D, D, x.data(), wqkv_.data(), bqkv_.data(), qkv.data());
     c.be.attention_forward(B, T, Heads, hd, qkv.data(), att.data(), lse.data(), c.bf16, packed(c, s, R));
     const float* add = c.bf16 ? detail::take_residual(c.residual_add, R * D) : nullptr;
-    detail::affine_forward(c.be, att.data(), wo_.data(), bo_.data(), y.data(), R, D, D, c.bf16, add);
+    detail::affine_forward(c, att.data(), wo_.data(), bo_.data(), y.data(), R, D, D, c.bf16, add);
     return y;
   }
 

@@ -23,6 +23,7 @@ struct embedding {
   static_assert(Vocab > 0 && D > 0, "whale::embedding: Vocab and D must be positive");
   using input_type = std::int32_t;
   static constexpr index_t in_features = 1;  // one token id per row
+  static constexpr bool rounds_output = true;  // under bf16 the gather stores its rows rounded
   static constexpr index_t out_features = D;
 
   static std::string name() {
@@ -59,7 +60,7 @@ struct embedding {
     for (index_t r = 0; r < R; ++r) check(readable[r]);
     s.tokens = tokens;
     auto y = detail::ensure(s.y, {R, D});
-    c.be.launch(R, kernels::gather_rows{w_.data(), tokens.data(), y.data(), D});
+    c.be.launch(R, kernels::gather_rows{w_.data(), tokens.data(), y.data(), D, 0, -1, c.bf16});
     return y;
   }
   // dy: (B*T, D) -> no input gradient (tokens are not differentiable); returns an empty view.
@@ -102,6 +103,7 @@ struct position_embedding {
   using input_type = float;
   static constexpr index_t in_features = D;
   static constexpr index_t out_features = D;
+  static constexpr bool rounds_output = true, rounds_input_grad = true;  // under bf16 its kernels store rounded
 
   static std::string name() {
     return "position_embedding<" + std::to_string(MaxSeq) + ", " + std::to_string(D) + ">";
@@ -133,7 +135,7 @@ struct position_embedding {
     const index_t T = check(c, x.numel());
     auto& s = st_(c.slot);
     auto y = detail::ensure(s.y, {R, D});
-    c.be.launch(R, kernels::add_positions{x.data(), p_.data(), y.data(), T, D});
+    c.be.launch(R, kernels::add_positions{x.data(), p_.data(), y.data(), T, D, c.bf16});
     return y;
   }
   // dy: (B*T, D) -> dx = dy: (B*T, D)
@@ -147,7 +149,8 @@ struct position_embedding {
     c.be.reduce_columns(kernels::column_sums{dy.data(), dp_.data(), R / T, T * D, c.accumulate});
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
-    c.be.copy(dx.data(), dy.data(), dy.bytes());
+    if (c.bf16) c.be.launch(dy.numel(), kernels::copy_stored{dy.data(), dx.data(), true});
+    else c.be.copy(dx.data(), dy.data(), dy.bytes());
     return dx;
   }
 

@@ -151,6 +151,24 @@ struct step_ctx {
   bool gelu_in_gemm = false;
   cview<float> gelu_pre, dgelu_pre;
   bool dgelu_done = false;
+  /// A residual's sum left to the layer after the residual (under bf16,
+  /// where the branch's last layer takes residual_add). A sequential (or a
+  /// repeat) sets sum_taken_after while it runs an element whose next
+  /// element takes such a sum (takes_residual_sum: a layer_norm, or a
+  /// container that starts with one); the value at a container's start
+  /// holds for its last element. The branch's last layer then computes its
+  /// GEMM's product only and leaves the rest in pending_sum: y = add + (y +
+  /// bias), each sum rounded, as the bias pass would store it. The layer
+  /// after takes it in its own pass over the row (layer_norm's forward
+  /// stores the sum in y and normalises it), and clears it; any other layer
+  /// is preceded by the bias pass (run_forward), so a sum is never lost.
+  bool sum_taken_after = false;
+  struct residual_sum {
+    float* y = nullptr;            ///< the product, (rows, cols); null: no sum pending
+    const float* bias = nullptr;   ///< null: none
+    const float* add = nullptr;    ///< the residual's input, (rows, cols)
+    index_t rows = 0, cols = 0;
+  } pending_sum;
   /// Inputs copied up to a device from host memory for this pass (the
   /// network and the executor set them): each device buffer and the host
   /// values it was copied from. A layer that checks values it is given (token
@@ -476,6 +494,12 @@ template <class L> constexpr bool is_gelu() {
   if constexpr (requires { L::is_gelu; }) return L::is_gelu;
   else return false;
 }
+/// Whether layer L's forward takes a residual's sum left pending by the
+/// element before it (step_ctx::pending_sum) and stores it in its own pass.
+template <class L> constexpr bool takes_residual_sum() {
+  if constexpr (requires { L::takes_residual_sum; }) return L::takes_residual_sum;
+  else return false;
+}
 template <class L> constexpr bool accepts_residual_add() {
   if constexpr (requires { L::accepts_residual_add; }) return L::accepts_residual_add;
   else return false;
@@ -495,6 +519,14 @@ inline const float* take_residual(cview<float>& slot, index_t n) noexcept {
   const float* p = slot.data();
   slot = {};
   return p;
+}
+/// A residual's sum left pending (step_ctx::pending_sum) stored by the bias
+/// pass: for a layer that does not take it, before it runs.
+inline void finish_residual_sum(step_ctx& c) {
+  auto& p = c.pending_sum;
+  if (!p.y) return;
+  c.be.launch(p.rows, kernels::bias_rows{p.y, p.bias, p.cols, true, true, p.add});
+  p = {};
 }
 /// Under bf16 mixed precision, a tensor as it would be stored: rounded to bf16
 /// in place, unless what produced it rounded it already (`done`).
@@ -520,10 +552,24 @@ inline void affine_forward(const backend_ref& be, const float* x, const float* w
     be.gemm_bias(trans::no, trans::yes, R, Out, In, x, w, b, y);
   }
 }
+/// The same at a residual branch's end: with `add` (the residual's input,
+/// under bf16) where the element after the residual takes the sum
+/// (step_ctx::sum_taken_after), the product only, the bias and `add` left
+/// to it (step_ctx::pending_sum): the values the bias pass would store.
+inline void affine_forward(step_ctx& c, const float* x, const float* w, const float* b, float* y, index_t R, index_t Out,
+                           index_t In, bool round, const float* add) {
+  if (add && round && c.sum_taken_after) {
+    c.be.gemm(trans::no, trans::yes, R, Out, In, 1.f, x, w, 0.f, y);
+    c.pending_sum = {y, b, add, R, Out};
+    return;
+  }
+  affine_forward(c.be, x, w, b, y, R, Out, In, round, add);
+}
 }  // namespace detail
 
 /// Run element `l` (at flat offset `offset`) forward, with hooks around leaves.
 template <class L, class X> view<float> run_forward(L& l, step_ctx& c, X x, index_t offset) {
+  if constexpr (!takes_residual_sum<L>()) detail::finish_residual_sum(c);
   if constexpr (is_container<L>) {
     return detail::stored<rounds_output<L>()>(c, l.forward(c, x));
   } else {
@@ -558,6 +604,7 @@ template <bool next_rounds = false, class L> view<float> run_backward(L& l, step
 /// buffer; a leaf loss sees it as its loss_target_t (class ids or float targets).
 template <class L, class X>
 double run_forward_loss(L& l, step_ctx& c, X x, label_buffer labels, index_t offset) {
+  detail::finish_residual_sum(c);
   if constexpr (is_container<L>) {
     return l.forward_loss(c, x, labels);
   } else {

@@ -24,6 +24,7 @@ struct layer_norm {
   static constexpr index_t out_features = D;
   static constexpr float eps = 1e-5f;
   static constexpr bool rounds_output = true, rounds_input_grad = true;  // under bf16 its kernels store rounded
+  static constexpr bool takes_residual_sum = true;  // a residual's sum left to it is stored in its forward's pass
   static constexpr bool accepts_residual_grad = true;  // first in a residual branch: its dx kernel adds the residual's dy
   static constexpr bool rounds_grad_on_read = true;    // under bf16 its kernels read dy rounded
 
@@ -68,8 +69,14 @@ struct layer_norm {
     auto mean = detail::ensure(s.mean, {R});
     auto rs = detail::ensure(s.rstd, {R});
     s.x = x;  // x-hat is recomputed from x, the mean and 1/std in backward, to the bit
-    c.be.launch(R, kernels::layer_norm_forward{x.data(), g_.data(), b_.data(), y.data(), nullptr, rs.data(), D, eps, c.bf16,
-                                               mean.data()});
+    // a residual's sum left to this layer (step_ctx::pending_sum): stored into x in this pass, then normalised
+    auto& p = c.pending_sum;
+    const bool sum_here = p.y && p.y == x.data() && p.cols == D && p.rows == R;
+    if (p.y && !sum_here) detail::finish_residual_sum(c);
+    kernels::layer_norm_forward body{x.data(), g_.data(), b_.data(), y.data(), nullptr, rs.data(), D, eps, c.bf16,
+                                     mean.data()};
+    if (sum_here) body.sum_y = p.y, body.sum_bias = p.bias, body.sum_add = p.add, p = {};
+    c.be.launch(R, body);
     return y;
   }
 

@@ -86,7 +86,7 @@ struct linear {
       return h;
     }
     const bool round = c.bf16 && (add || !c.output_read_rounded);
-    detail::affine_forward(c.be, x.data(), w_.data(), b_.data(), y.data(), R, Out, In, round, add);
+    detail::affine_forward(c, x.data(), w_.data(), b_.data(), y.data(), R, Out, In, round, add);
     return y;
   }
   // dy: (R, Out) -> dx: (R, In); the weight gradients now or, in a split backward, in the W pass

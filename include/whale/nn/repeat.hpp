@@ -32,6 +32,7 @@ class repeat {
   static constexpr bool is_container = true;
   // what it returns is what an element it ran returned, stored as that element stores it
   static constexpr bool rounds_output = true, rounds_input_grad = true;
+  static constexpr bool takes_residual_sum = whale::takes_residual_sum<Block>();
   static constexpr std::size_t count = N;
   static constexpr index_t in_features = Block::in_features;
   static constexpr index_t out_features = Block::out_features;
@@ -75,9 +76,16 @@ class repeat {
   }
 
   // x: (R, F) -> y: (R, F), through copies 0..N-1
+  // A residual's sum at a copy's end may be left to the next copy (step_ctx::sum_taken_after), and at
+  // the last copy's end to what follows the repeat, as the caller said.
   view<float> forward(step_ctx& c, cview<float> x) {
-    view<float> y = run_forward(blocks_[0], c, x, offset_[0]);
-    for (std::size_t i = 1; i < N; ++i) y = run_forward(blocks_[i], c, cview<float>(y), offset_[i]);
+    const bool last_takes = c.sum_taken_after;
+    view<float> y;
+    for (std::size_t i = 0; i < N; ++i) {
+      c.sum_taken_after = i + 1 < N ? whale::takes_residual_sum<Block>() && c.bf16 : last_takes;
+      y = run_forward(blocks_[i], c, i == 0 ? x : cview<float>(y), offset_[i]);
+    }
+    c.sum_taken_after = false;
     return y;
   }
   // dy: (R, F) -> dx: (R, F), through copies N-1..0; reports grads_ready after each copy

@@ -51,6 +51,9 @@ class residual {
   using input_type = float;
   static constexpr bool is_container = true;
   static constexpr bool rounds_output = true, rounds_input_grad = true;  // its sums are stored rounded under bf16
+  // its input may be a residual's sum left pending: its branch's first layer takes it (the sum is stored before
+  // this residual's own sum reads its input)
+  static constexpr bool takes_residual_sum = whale::takes_residual_sum<typename inner_type::first>();
   static constexpr index_t in_features = inner_type::in_features;
   static constexpr index_t out_features = inner_type::in_features;
 

@@ -82,8 +82,10 @@ constexpr bool check_features(std::index_sequence<I...>) {
 /// last, `LastReadRounded`: the loss after it does) is told so under bf16
 /// (step_ctx::output_read_rounded), unless hooks or --check-finite look at
 /// its output.
+/// A residual's sum may be left to the element after (step_ctx::sum_taken_after):
+/// for the last, where `last_takes` (what held when the container started).
 template <std::size_t I, std::size_t N, bool LastReadRounded = false, class Tuple, class Offsets, class X>
-view<float> forward_through(Tuple& layers, const Offsets& offset, step_ctx& c, X x) {
+view<float> forward_through(Tuple& layers, const Offsets& offset, step_ctx& c, X x, bool last_takes = false) {
   using E = std::tuple_element_t<I, Tuple>;
   constexpr bool shown = I + 1 == N && accepts_residual_add<E>();
   constexpr bool next_reads_rounded = [] {
@@ -94,15 +96,22 @@ view<float> forward_through(Tuple& layers, const Offsets& offset, step_ctx& c, X
     if constexpr (I + 1 < N) return fuses_gelu<E>() && is_gelu<std::tuple_element_t<I + 1, Tuple>>();
     else return false;
   }();
+  constexpr bool next_takes_sum = [] {
+    if constexpr (I + 1 < N) return takes_residual_sum<std::tuple_element_t<I + 1, Tuple>>();
+    else return false;
+  }();
   const cview<float> held = shown ? cview<float>{} : std::exchange(c.residual_add, cview<float>{});
   const bool looked_at = c.hooks || c.check_finite;
   c.output_read_rounded = next_reads_rounded && !is_container<E> && c.bf16 && !looked_at;
   c.gelu_in_gemm = gelu_next && !looked_at;
+  c.sum_taken_after = (I + 1 < N ? next_takes_sum : last_takes) && c.bf16 && !looked_at;
   auto y = run_forward(std::get<I>(layers), c, x, offset[I]);
   c.output_read_rounded = false;
   c.gelu_in_gemm = false;
+  c.sum_taken_after = false;
   if constexpr (!shown) c.residual_add = held;
-  if constexpr (I + 1 < N) return forward_through<I + 1, N, LastReadRounded>(layers, offset, c, cview<float>(y));
+  if constexpr (I + 1 < N)
+    return forward_through<I + 1, N, LastReadRounded>(layers, offset, c, cview<float>(y), last_takes);
   else return y;
 }
 /// Elements I..0 backward, reporting each element's gradients final as it goes;
@@ -197,6 +206,7 @@ class sequential {
   static constexpr bool accepts_residual_add =
       n_layers > 0 && !has_loss && whale::accepts_residual_add<std::tuple_element_t<(n_layers > 0 ? n_layers - 1 : 0), tuple_type>>();
   static constexpr bool accepts_residual_grad = whale::accepts_residual_grad<first>();
+  static constexpr bool takes_residual_sum = whale::takes_residual_sum<first>();
   static constexpr index_t in_features = W::in_width[0];
   static constexpr index_t out_features = has_loss ? 1 : W::in_width[size];
   /// What the loss compares with (loss_target_t): its targets' type, and how
@@ -315,7 +325,7 @@ class sequential {
     (std::get<I>(layers_).init(r.child(I)), ...);
   }
   template <std::size_t I, class X> view<float> fwd(step_ctx& c, X x) {
-    return detail::forward_through<I, n_layers>(layers_, offset_, c, x);
+    return detail::forward_through<I, n_layers>(layers_, offset_, c, x, c.sum_taken_after);
   }
   template <std::size_t I> view<float> bwd(step_ctx& c, cview<float> dy) {
     return detail::backward_through<I>(layers_, offset_, c, dy);

@@ -233,8 +233,14 @@ template <class Pipe> class pipe_stage {
         if (!owns(I)) return;
         auto& e = model_.template get<I>();
         if constexpr (I == rep_index) {
-          for (int k = first_block_[su(stage_)]; k < first_block_[su(stage_) + 1]; ++k)
+          // a residual's sum at a block's end may be left to the stage's next block (step_ctx::sum_taken_after)
+          using block_type = std::remove_cvref_t<decltype(e.block(0))>;
+          const int end = first_block_[su(stage_) + 1];
+          for (int k = first_block_[su(stage_)]; k < end; ++k) {
+            c.sum_taken_after = k + 1 < end && takes_residual_sum<block_type>() && c.bf16 && !c.hooks && !c.check_finite;
             cur = y = run_forward(e.block(static_cast<std::size_t>(k)), c, cur, block_offset(k));
+          }
+          c.sum_taken_after = false;
         } else {
           if constexpr (I == 0) y = run_forward(e, c, x0, off_[I]);
           else y = run_forward(e, c, cur, off_[I]);

@@ -176,6 +176,15 @@ struct unpack_add_bf16 {
   std::int64_t bytes(index_t n) const noexcept { return n * 10; }
 };
 
+/// y[i] = x[i], stored as `round` says (a copy that rounds to bf16).
+struct copy_stored {
+  const float* x;
+  float* y;
+  bool round = false;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { y[i] = stored_as(x[i], round); }
+  std::int64_t bytes(index_t n) const noexcept { return n * 8; }
+};
+
 /// x[i] = round_bf16(x[i]) in place.
 struct to_bf16 {
   float* x;

@@ -74,6 +74,7 @@ struct gather_rows {
   float* y;
   index_t D;
   index_t first = 0, held = -1;
+  bool round = false;  ///< store the rows rounded to bf16
   index_t width() const noexcept { return D; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& tm, index_t r) const noexcept {
     const index_t t = static_cast<index_t>(tokens[r]) - first;
@@ -83,7 +84,7 @@ struct gather_rows {
       return;
     }
     const float* src = table + t * D;
-    tm.for_each(D, [&](index_t c) { yr[c] = src[c]; });
+    tm.for_each(D, [&](index_t c) { yr[c] = stored_as(src[c], round); });
   }
   std::int64_t bytes(index_t rows) const noexcept { return rows * (2 * D * 4 + 4); }
 };
@@ -117,10 +118,30 @@ struct layer_norm_forward {
   float eps;
   bool round = false;  ///< store y rounded to bf16 (x-hat and rstd stay fp32)
   float* mean = nullptr;  ///< set: each row's mean, for a backward that recomputes x-hat
+  /// A residual's sum to store first (step_ctx::pending_sum): x = sum_add +
+  /// (x + sum_bias), each sum stored as `round` says (bias_rows' values),
+  /// written into sum_y (which is x) and normalised from the staged row.
+  float* sum_y = nullptr;
+  const float* sum_bias = nullptr;  ///< null: no bias
+  const float* sum_add = nullptr;
   static constexpr int staged_rows = 1;  ///< x, read three times
   index_t width() const noexcept { return D; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
-    const float* xr = t.stage(0, x + r * D, D);
+    const float* xr;
+    if (sum_y) {  // as bias_rows stores a residual's sum (accumulating onto the product, with its addend)
+      float* sr = sum_y + r * D;
+      const float* ar = sum_add + r * D;
+      float* kept = t.scratch(0, sr);
+      t.for_each(D, [&](index_t j) {
+        const float v = sum_bias ? stored_as(ar[j] + stored_as(sr[j] + sum_bias[j], round), round)
+                                 : stored_as(ar[j] + stored_as(sr[j], round), round);
+        sr[j] = v;
+        kept[j] = v;
+      });
+      xr = kept;
+    } else {
+      xr = t.stage(0, x + r * D, D);
+    }
     float* yr = y + r * D;
     const float mu = t.sum(D, [&](index_t j) { return xr[j]; }) / static_cast<float>(D);
     const float var = t.sum(D, [&](index_t j) {
@@ -143,8 +164,12 @@ struct layer_norm_forward {
       t.for_each(D, [&](index_t j) { yr[j] = stored_as((xr[j] - mu) * s * gain[j] + bias[j], round); });
     }
   }
-  std::int64_t bytes(index_t rows) const noexcept {  // x (three times unstaged), x-hat (if kept) and y out
-    return rows * (((stage_fits(staged_rows, D) ? 1 : 3) + (xhat ? 2 : 1)) * D * 4 + (mean ? 8 : 4)) + 3 * D * 4;
+  // x (three times unstaged), x-hat (if kept) and y out; with a residual's sum: the product and the
+  // addend in, the sum out, then x read from the staged row (three times unstaged)
+  std::int64_t bytes(index_t rows) const noexcept {
+    const bool staged = stage_fits(staged_rows, D);
+    const int x_reads = sum_y ? (staged ? 3 : 6) : (staged ? 1 : 3);
+    return rows * ((x_reads + (xhat ? 2 : 1)) * D * 4 + (mean ? 8 : 4)) + (sum_bias ? 4 : 3) * D * 4;
   }
 };
 /// x-hat of row r, element j, as layer_norm_forward computed it: kept, or from x, the mean and rstd.
@@ -562,12 +587,13 @@ struct add_positions {
   const float* pos;
   float* y;
   index_t T, D;
+  bool round = false;  ///< store y rounded to bf16
   index_t width() const noexcept { return D; }
   template <class Team> WHALE_HD WHALE_INLINE void operator()(const Team& t, index_t r) const noexcept {
     const float* xr = x + r * D;
     const float* pr = pos + (r % T) * D;
     float* yr = y + r * D;
-    t.for_each(D, [&](index_t j) { yr[j] = xr[j] + pr[j]; });
+    t.for_each(D, [&](index_t j) { yr[j] = stored_as(xr[j] + pr[j], round); });
   }
   std::int64_t bytes(index_t rows) const noexcept { return rows * D * 4 * 3; }
 };
