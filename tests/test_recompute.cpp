@@ -10,6 +10,7 @@
 #include "whale/nn/network.hpp"
 #include "whale/nn/recompute.hpp"
 #include "whale/nn/relu.hpp"
+#include "whale/optim/adamw.hpp"
 #include "whale/optim/sgd.hpp"
 #include "whale/tensor/memory.hpp"
 #include "whale/train/trainer.hpp"
@@ -115,6 +116,32 @@ TEST_CASE("recompute: no heap allocation after the first step, and training matc
   tb.run(db, steps{3});
   CHECK(memory_snapshot().allocations == after_first);
   ta.run(da, steps{3});
+  CHECK(std::memcmp(a.params().data(), b.params().data(), a.params().bytes()) == 0);
+}
+
+TEST_CASE("recompute under bf16: a residual's sum is never left pending inside it; the plain model's training, bit for bit") {
+  // repeat<3, recompute<block>> before a layer_norm: the repeat would leave its last copy's residual sum to the
+  // layer norm (step_ctx::sum_taken_after); the recompute copies its block's output, so it runs the block with
+  // the flag cleared and the sum stored inside
+  using small_block = transformer_block<32, 2, 64>;
+  using plain = sequential<embedding<32, 32>, position_embedding<16, 32>, repeat<3, small_block>, layer_norm<32>,
+                           linear<32, 32>, softmax_cross_entropy>;
+  using rc = sequential<embedding<32, 32>, position_embedding<16, 32>, repeat<3, recompute<small_block>>,
+                        layer_norm<32>, linear<32, 32>, softmax_cross_entropy>;
+  static_assert(carries_residual_sum<repeat<3, small_block>>() && !carries_residual_sum<recompute<small_block>>());
+  network<plain> a(seed{5});
+  network<rc> b(seed{5});
+  auto da = markov_data(seed{6}, 32, 16, 4);
+  auto db = markov_data(seed{6}, 32, 16, 4);
+  trainer_options o;
+  o.progress = false;
+  o.precision = precision::bf16;
+  o.max_grad_norm = 1.0;
+  trainer ta(a, adamw{.lr = 1e-2f}, o);
+  trainer tb(b, adamw{.lr = 1e-2f}, o);
+  const auto ra = ta.run(da, steps{4});
+  const auto rb = tb.run(db, steps{4});
+  CHECK(ra.losses == rb.losses);
   CHECK(std::memcmp(a.params().data(), b.params().data(), a.params().bytes()) == 0);
 }
 

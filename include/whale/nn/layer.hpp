@@ -500,6 +500,14 @@ template <class L> constexpr bool takes_residual_sum() {
   if constexpr (requires { L::takes_residual_sum; }) return L::takes_residual_sum;
   else return false;
 }
+/// Whether container L passes step_ctx::sum_taken_after on to the element
+/// that ends it (sequential, repeat, residual). Any other container (e.g.
+/// recompute<B>, which copies its block's output) runs with it cleared, so
+/// that no sum is left pending inside it.
+template <class L> constexpr bool carries_residual_sum() {
+  if constexpr (requires { L::carries_residual_sum; }) return L::carries_residual_sum;
+  else return false;
+}
 template <class L> constexpr bool accepts_residual_add() {
   if constexpr (requires { L::accepts_residual_add; }) return L::accepts_residual_add;
   else return false;
@@ -570,6 +578,7 @@ inline void affine_forward(step_ctx& c, const float* x, const float* w, const fl
 /// Run element `l` (at flat offset `offset`) forward, with hooks around leaves.
 template <class L, class X> view<float> run_forward(L& l, step_ctx& c, X x, index_t offset) {
   if constexpr (!takes_residual_sum<L>()) detail::finish_residual_sum(c);
+  if constexpr (is_container<L> && !carries_residual_sum<L>()) c.sum_taken_after = false;
   if constexpr (is_container<L>) {
     return detail::stored<rounds_output<L>()>(c, l.forward(c, x));
   } else {

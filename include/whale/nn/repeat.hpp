@@ -33,6 +33,7 @@ class repeat {
   // what it returns is what an element it ran returned, stored as that element stores it
   static constexpr bool rounds_output = true, rounds_input_grad = true;
   static constexpr bool takes_residual_sum = whale::takes_residual_sum<Block>();
+  static constexpr bool carries_residual_sum = true;  // to its last copy
   static constexpr std::size_t count = N;
   static constexpr index_t in_features = Block::in_features;
   static constexpr index_t out_features = Block::out_features;

@@ -54,6 +54,7 @@ class residual {
   // its input may be a residual's sum left pending: its branch's first layer takes it (the sum is stored before
   // this residual's own sum reads its input)
   static constexpr bool takes_residual_sum = whale::takes_residual_sum<typename inner_type::first>();
+  static constexpr bool carries_residual_sum = true;  // to its branch's last layer, with residual_add
   static constexpr index_t in_features = inner_type::in_features;
   static constexpr index_t out_features = inner_type::in_features;
 

@@ -207,6 +207,7 @@ class sequential {
       n_layers > 0 && !has_loss && whale::accepts_residual_add<std::tuple_element_t<(n_layers > 0 ? n_layers - 1 : 0), tuple_type>>();
   static constexpr bool accepts_residual_grad = whale::accepts_residual_grad<first>();
   static constexpr bool takes_residual_sum = whale::takes_residual_sum<first>();
+  static constexpr bool carries_residual_sum = true;  // to its last element (forward_through's last_takes)
   static constexpr index_t in_features = W::in_width[0];
   static constexpr index_t out_features = has_loss ? 1 : W::in_width[size];
   /// What the loss compares with (loss_target_t): its targets' type, and how

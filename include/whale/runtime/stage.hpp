@@ -249,6 +249,7 @@ template <class Pipe> class pipe_stage {
       }
     });
     if (stage_ > 0 && y.data() == nullptr) y = view<float>(const_cast<float*>(in.data()), in.shape());
+    detail::finish_residual_sum(c);  // what leaves a stage is whole (none is left pending at a stage's end)
     return y;
   }
   double forward_loss(step_ctx& c, cview<input_type> x0, cview<float> in, cview<std::int32_t> labels) {

@@ -272,7 +272,9 @@ struct layer_norm_backward_sums {
     const int reads = !row.dx || staged ? 2 : 5;  // dy and x once a row, or dy thrice and x twice (the sums only: one pass)
     const std::int64_t per_row = (reads + (row.dx ? 1 : 0) + (row.add ? 1 : 0) + (staged ? 0 : 4)) * row.D * 4 +
                                  (row.xhat ? 4 : 8);
-    return rows * per_row + tiles * 2 * row.D * 4 + 3 * row.D * 4;
+    // the partials written once a tile where the running sums are staged (in place otherwise: counted per row);
+    // the gain read by each of d(input)'s three passes
+    return rows * per_row + (staged ? tiles * 2 * row.D * 4 : 0) + (row.dx ? 3 * row.D * 4 : 0);
   }
 };
 /// d(gain) and d(bias): the sums over R rows of dy xhat and of dy, a column
