@@ -313,7 +313,7 @@ TEST_CASE("the guarded backend runs every kernel in the device's shape, bit-equa
     }
     CHECK(on_cpu.rowd == on_device.rowd);
   });
-  CHECK(cases == 72);
+  CHECK(cases == 73);
 }
 
 TEST_CASE("attention as one call: a plain reference's outputs, log-sum-exps and gradients; the device's bits") {
@@ -514,7 +514,7 @@ TEST_CASE("LayerNorm's backward with its parameter sums in one pass: the device'
           be.copy(gdb.data(), t_db.data(), gdb.size() * 4);
           if (R > 0) {
             const auto& l = gb.ledger();
-            CHECK(l.kernels.at("layer_norm_backward_sums").threads_min == kernels::summing_tiles(R) * 32);
+            CHECK(l.kernels.at("norm_backward_sums<layer_norm_backward>").threads_min == kernels::summing_tiles(R) * 32);
             CHECK(l.kernels.at("column_tile_finish<layer_norm_param_grads>").threads_min ==
                   (D + kernels::finish_columns - 1) / kernels::finish_columns * 256);
           }
@@ -555,6 +555,46 @@ TEST_CASE("LayerNorm's backward with its parameter sums in one pass: the device'
   }
   CHECK(dg[0] == dg[1]);
   CHECK(db[0] == db[1]);
+}
+
+TEST_CASE("RMSNorm's backward with its gain's sums in one pass: the device's bits, the plain pass's d(input), sums in double") {
+  for (const index_t R : {0, 1, 9, 200})
+    for (const index_t D : {1, 300, 1024}) {
+      INFO(R << " rows of " << D);
+      const auto xh = values(R * D, 81), dy = values(R * D, 82), g = values(D, 83), add = values(R * D, 84);
+      std::vector<float> rstd(static_cast<std::size_t>(R), 0.75f);
+      auto pass = [&](const backend_ref& be, const float* pdy, const float* pxh, const float* prs, const float* pg,
+                      const float* padd, float* pdx, float* pdg) {
+        const kernels::rms_norm_backward row{pdy, pxh, prs, pg, pdx, D, true, padd};
+        be.launch_summing(R, kernels::rms_norm_backward_sums{row, nullptr, R},
+                          kernels::rms_norm_param_grads{pdy, pxh, pdg, R, D, true, true});
+      };
+      std::vector<float> dx(static_cast<std::size_t>(R * D), 0.f), dg(static_cast<std::size_t>(D), 1.f);
+      pass(backend_ref{}, dy.data(), xh.data(), rstd.data(), g.data(), add.data(), dx.data(), dg.data());
+      std::vector<float> gdx(dx.size(), 0.f), gdg(static_cast<std::size_t>(D), 1.f);
+      {
+        guarded_backend gb;
+        const backend_ref be(gb);
+        const place_scope on(be.memory());
+        tensor<float> t_xh({R * D + 1}), t_dy({R * D + 1}), t_g({D}), t_add({R * D + 1}), t_r({R + 1}), t_dx({R * D + 1}),
+            t_dg({D});
+        auto up = [&](tensor<float>& t, const std::vector<float>& v) { be.copy(t.data(), v.data(), v.size() * 4); };
+        up(t_xh, xh), up(t_dy, dy), up(t_g, g), up(t_add, add), up(t_r, rstd), up(t_dg, gdg);
+        pass(be, t_dy.data(), t_xh.data(), t_r.data(), t_g.data(), t_add.data(), t_dx.data(), t_dg.data());
+        be.copy(gdx.data(), t_dx.data(), gdx.size() * 4);
+        be.copy(gdg.data(), t_dg.data(), gdg.size() * 4);
+      }
+      CHECK(gdx == dx);
+      CHECK(gdg == dg);
+      std::vector<float> plain(dx.size(), 0.f);
+      cpu::launch(R, kernels::rms_norm_backward{dy.data(), xh.data(), rstd.data(), g.data(), plain.data(), D, true, add.data()});
+      CHECK(plain == dx);
+      for (index_t c = 0; c < D; ++c) {
+        double want = 1;
+        for (index_t r = 0; r < R; ++r) want += static_cast<double>(kernels::round_bf16(dy[r * D + c])) * xh[r * D + c];
+        CHECK(dg[c] == doctest::Approx(want).epsilon(1e-5).scale(10));
+      }
+    }
 }
 
 TEST_CASE("an embedding's scatter-add: the device's stripes give the CPU's column blocks' bits") {
@@ -713,7 +753,7 @@ TEST_CASE("a GPT step's ledger: launches per block and host waits do not grow") 
   CHECK(per_block16 <= 24);  // the goal is at most 40 launches a block, forward and backward together
   // LayerNorm's parameter sums in its backward's pass (no column_tile_sums of their own), the tiles added once
   CHECK(two16.kernels.count("column_tile_sums<layer_norm_param_grads>") == 0);
-  CHECK(two16.kernels.at("layer_norm_backward_sums").launches - one16.kernels.at("layer_norm_backward_sums").launches == 2);
+  CHECK(two16.kernels.at("norm_backward_sums<layer_norm_backward>").launches - one16.kernels.at("norm_backward_sums<layer_norm_backward>").launches == 2);
   // in the GEMMs' calls: Q, K, V's bias and the first MLP linear's with GELU, GELU's gradient in the second's
   // d(input); the two linears that end a residual leave its sum to the layer norm after it
   CHECK(two16.bias_epilogues - one16.bias_epilogues == 2);

@@ -7,10 +7,12 @@
 
 #include <cmath>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #include "whale/backend/guarded.hpp"
 #include "whale/models/gpt.hpp"
+#include "whale/models/llama.hpp"
 #include "whale/nn/repeat.hpp"
 #include "whale/nn/rms_norm.hpp"
 #include "whale/nn/rotary_attention.hpp"
@@ -203,8 +205,9 @@ TEST_CASE("bf16: a residual's sums are stored by its branch's own kernels, and a
     std::vector<float> y, dx, grads;
     std::int64_t adds = 0, roundings = 0, bias_passes = 0, bias_epilogues = 0, gelu_epilogues = 0, gelu_kernels = 0;
   };
-  auto run = [&](backend_ref be, bool hooked, guarded_backend* g, bool bf16 = true) {
-    network<sequential<block, softmax_cross_entropy>> net(seed{4}, be);
+  // the blocks of `Blk`'s type (two transformer blocks here, two Llama blocks in the check after)
+  auto run_as = [&]<class Blk>(std::type_identity<Blk>, backend_ref be, bool hooked, guarded_backend* g, bool bf16 = true) {
+    network<sequential<Blk, softmax_cross_entropy>> net(seed{4}, be);
     auto& l = net.model().template get<0>();
     const place_scope on(be.memory());  // the layers' state too, as the network keeps it
     tensor<float> dx_in({R, D}), dy_in({R, D});
@@ -237,6 +240,7 @@ TEST_CASE("bf16: a residual's sums are stored by its branch's own kernels, and a
     }
     return r;
   };
+  auto run = [&](auto... a) { return run_as(std::type_identity<block>{}, a...); };
   const auto fused = run(backend_ref{}, false, nullptr), unfused = run(backend_ref{}, true, nullptr);
   CHECK(fused.y == unfused.y);
   CHECK(fused.dx == unfused.dx);
@@ -279,4 +283,21 @@ TEST_CASE("bf16: a residual's sums are stored by its branch's own kernels, and a
   CHECK(f32.dx == f32_cpu_hooked.dx);
   CHECK(f32.grads == f32_cpu_hooked.grads);
   CHECK(f32.gelu_epilogues == 4);
+
+  // two Llama blocks (RMSNorm, grouped rotary attention, SwiGLU, no biases): the residuals' sums left to the
+  // RMSNorm after each but the last, RMSNorm's gain gradient in its backward's pass; the same bits
+  using llama2 = sequential<models::llama_block<32, 4, 2, 48>, models::llama_block<32, 4, 2, 48>>;
+  const auto l_fused = run_as(std::type_identity<llama2>{}, backend_ref{}, false, nullptr);
+  const auto l_unfused = run_as(std::type_identity<llama2>{}, backend_ref{}, true, nullptr);
+  CHECK(l_fused.y == l_unfused.y);
+  CHECK(l_fused.dx == l_unfused.dx);
+  CHECK(l_fused.grads == l_unfused.grads);
+  const auto l_dev = run_as(std::type_identity<llama2>{}, backend_ref(g), false, &g);  // one guarded backend at a time
+  CHECK(l_dev.y == l_fused.y);
+  CHECK(l_dev.dx == l_fused.dx);
+  CHECK(l_dev.grads == l_fused.grads);
+  CHECK(l_dev.bias_passes == 1);  // the last residual's sum; the three before are stored by the next RMSNorm
+  CHECK(l_dev.adds == 0);
+  CHECK(g.ledger().kernels.count("column_tile_sums<rms_norm_param_grads>") == 0);
+  CHECK(g.ledger().kernels.at("norm_backward_sums<rms_norm_backward>").launches == 4);
 }

@@ -30,6 +30,25 @@ using plain_gpt = gpt_with<repeat<L, block>>;
 using recomputed_gpt = gpt_with<repeat<L, recompute<block>>>;
 static_assert(plain_gpt::cost().params == models::gpt::cost().params);
 
+// A small gpt with its block stack recomputed or not: the trainings compared below.
+using small_block = transformer_block<32, 2, 64>;
+template <class Stack>
+using small_gpt = sequential<embedding<32, 32>, position_embedding<16, 32>, Stack, layer_norm<32>, linear<32, 32>,
+                             softmax_cross_entropy>;
+using small_plain = small_gpt<repeat<3, small_block>>;
+using small_rc = small_gpt<repeat<3, recompute<small_block>>>;
+/// The two small models from one seed, each with its own copy of the same data.
+struct small_pair {
+  network<small_plain> a{seed{5}};
+  network<small_rc> b{seed{5}};
+  markov_data da{seed{6}, 32, 16, 4}, db{seed{6}, 32, 16, 4};
+  trainer_options o = [] {
+    trainer_options t;
+    t.progress = false;
+    return t;
+  }();
+};
+
 step_ctx ctx(index_t batch, index_t seq) {
   step_ctx c;
   c.batch = batch;
@@ -97,17 +116,12 @@ TEST_CASE("recompute<transformer_block>: identical gradients, and the stack's ac
 }
 
 TEST_CASE("recompute: no heap allocation after the first step, and training matches the plain model") {
-  using small_block = transformer_block<32, 2, 64>;
-  using plain = sequential<embedding<32, 32>, position_embedding<16, 32>, repeat<3, small_block>, layer_norm<32>,
-                           linear<32, 32>, softmax_cross_entropy>;
-  using rc = sequential<embedding<32, 32>, position_embedding<16, 32>, repeat<3, recompute<small_block>>,
-                        layer_norm<32>, linear<32, 32>, softmax_cross_entropy>;
-  network<plain> a(seed{5});
-  network<rc> b(seed{5});
-  auto da = markov_data(seed{6}, 32, 16, 4);
-  auto db = markov_data(seed{6}, 32, 16, 4);
-  trainer_options o;
-  o.progress = false;
+  small_pair p;
+  auto& a = p.a;
+  auto& b = p.b;
+  auto& da = p.da;
+  auto& db = p.db;
+  auto& o = p.o;
   trainer ta(a, sgd{.lr = 0.05f, .momentum = 0.9f}, o);
   trainer tb(b, sgd{.lr = 0.05f, .momentum = 0.9f}, o);
   ta.run(da, steps{1});
@@ -123,18 +137,13 @@ TEST_CASE("recompute under bf16: a residual's sum is never left pending inside i
   // repeat<3, recompute<block>> before a layer_norm: the repeat would leave its last copy's residual sum to the
   // layer norm (step_ctx::sum_taken_after); the recompute copies its block's output, so it runs the block with
   // the flag cleared and the sum stored inside
-  using small_block = transformer_block<32, 2, 64>;
-  using plain = sequential<embedding<32, 32>, position_embedding<16, 32>, repeat<3, small_block>, layer_norm<32>,
-                           linear<32, 32>, softmax_cross_entropy>;
-  using rc = sequential<embedding<32, 32>, position_embedding<16, 32>, repeat<3, recompute<small_block>>,
-                        layer_norm<32>, linear<32, 32>, softmax_cross_entropy>;
   static_assert(carries_residual_sum<repeat<3, small_block>>() && !carries_residual_sum<recompute<small_block>>());
-  network<plain> a(seed{5});
-  network<rc> b(seed{5});
-  auto da = markov_data(seed{6}, 32, 16, 4);
-  auto db = markov_data(seed{6}, 32, 16, 4);
-  trainer_options o;
-  o.progress = false;
+  small_pair p;
+  auto& a = p.a;
+  auto& b = p.b;
+  auto& da = p.da;
+  auto& db = p.db;
+  auto& o = p.o;
   o.precision = precision::bf16;
   o.max_grad_norm = 1.0;
   trainer ta(a, adamw{.lr = 1e-2f}, o);

@@ -84,6 +84,11 @@ template <class F> void for_each_case(F&& f) {
     body.sum_y = p.e, body.sum_add = p.a;
     return body;
   });
+  f("rms_norm_forward (a residual's sum stored first, bf16)", R, [](buffers p) {
+    k::rms_norm_forward body{p.e, p.b, p.f, p.c, p.d, C, 1e-6f, true};
+    body.sum_y = p.e, body.sum_add = p.a;
+    return body;
+  });
   f("gather_rows (stored as bf16)", R, [](buffers p) { return k::gather_rows{p.a, p.tokens, p.f, C, 0, -1, true}; });
   f("add_positions (stored as bf16)", R, [](buffers p) { return k::add_positions{p.a, p.b, p.f, T, C, true}; });
   f("copy_stored (bf16)", N, [](buffers p) { return k::copy_stored{p.a, p.f, true}; });

@@ -28,6 +28,7 @@ struct rms_norm {
   static constexpr index_t out_features = D;
   static constexpr float eps = Eps;
   static constexpr bool rounds_output = true, rounds_input_grad = true;  // under bf16 its kernels store rounded
+  static constexpr bool takes_residual_sum = true;  // a residual's sum left to it is stored in its forward's pass
   static constexpr bool accepts_residual_grad = true;  // first in a residual branch: its dx kernel adds the residual's dy
   static constexpr bool rounds_grad_on_read = true;    // under bf16 its kernels read dy rounded
 
@@ -68,7 +69,13 @@ struct rms_norm {
     auto y = detail::ensure(s.y, {R, D});
     auto xh = detail::ensure(s.xhat, {R, D});
     auto rs = detail::ensure(s.rstd, {R});
-    c.be.launch(R, kernels::rms_norm_forward{x.data(), g_.data(), y.data(), xh.data(), rs.data(), D, Eps, c.bf16});
+    // a residual's sum left to this layer (step_ctx::pending_sum): stored into x in this pass, then normalised
+    auto& p = c.pending_sum;
+    const bool sum_here = p.y && p.y == x.data() && p.cols == D && p.rows == R;
+    if (p.y && !sum_here) detail::finish_residual_sum(c);
+    kernels::rms_norm_forward body{x.data(), g_.data(), y.data(), xh.data(), rs.data(), D, Eps, c.bf16};
+    if (sum_here) body.sum_y = p.y, body.sum_bias = p.bias, body.sum_add = p.add, p = {};
+    c.be.launch(R, body);
     return y;
   }
 
@@ -76,11 +83,17 @@ struct rms_norm {
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
     const index_t R = dy.numel() / D;
-    c.be.reduce_columns(kernels::rms_norm_param_grads{dy.data(), s.xhat.data(), dg_.data(), R, D, c.accumulate, c.bf16});
+    view<float> dx;
+    const float* add = nullptr;
+    if (c.need_input_grad) {
+      dx = detail::ensure(s.dx, {R, D});
+      add = c.bf16 ? detail::take_residual(c.residual_grad, R * D) : nullptr;
+    }
+    // d(input) and, in the same pass over dy and x-hat, the tiles' sums of d(gain); then the tiles added
+    const kernels::rms_norm_backward row{dy.data(), s.xhat.data(), s.rstd.data(), g_.data(), dx.data(), D, c.bf16, add};
+    c.be.launch_summing(R, kernels::rms_norm_backward_sums{row, nullptr, R},
+                        kernels::rms_norm_param_grads{dy.data(), s.xhat.data(), dg_.data(), R, D, c.accumulate, c.bf16});
     if (!c.need_input_grad) return {};
-    auto dx = detail::ensure(s.dx, {R, D});
-    const float* add = c.bf16 ? detail::take_residual(c.residual_grad, R * D) : nullptr;
-    c.be.launch(R, kernels::rms_norm_backward{dy.data(), s.xhat.data(), s.rstd.data(), g_.data(), dx.data(), D, c.bf16, add});
     return dx;
   }
 

@@ -66,7 +66,7 @@ template <index_t D, index_t hd> class rotary_attention_body {
     c.be.attention_forward(B, T, h_, hd, full, att.data(), lse.data(), c.bf16, packed(c, s, R));
     if (whole) {
       const float* add = c.bf16 ? detail::take_residual(c.residual_add, R * D) : nullptr;
-      detail::affine_forward(c.be, att.data(), wo_.data(), nullptr, y.data(), R, D, W, c.bf16, add);
+      detail::affine_forward(c, att.data(), wo_.data(), nullptr, y.data(), R, D, W, c.bf16, add);
     } else {
       c.be.gemm(trans::no, trans::yes, R, D, W, 1.f, att.data(), wo_.data(), 0.f, y.data());
     }

@@ -43,7 +43,7 @@ template <index_t D> class swiglu_body {
     c.be.launch(R * n_, kernels::swiglu_forward{gu.data(), h.data(), n_, c.bf16});
     if (whole) {
       const float* add = c.bf16 ? detail::take_residual(c.residual_add, R * D) : nullptr;
-      detail::affine_forward(c.be, h.data(), wd_.data(), nullptr, y.data(), R, D, n_, c.bf16, add);
+      detail::affine_forward(c, h.data(), wd_.data(), nullptr, y.data(), R, D, n_, c.bf16, add);
     } else {
       c.be.gemm(trans::no, trans::yes, R, D, n_, 1.f, h.data(), wd_.data(), 0.f, y.data());
     }
