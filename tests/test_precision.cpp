@@ -298,6 +298,6 @@ TEST_CASE("bf16: a residual's sums are stored by its branch's own kernels, and a
   CHECK(l_dev.grads == l_fused.grads);
   CHECK(l_dev.bias_passes == 1);  // the last residual's sum; the three before are stored by the next RMSNorm
   CHECK(l_dev.adds == 0);
-  CHECK(g.ledger().kernels.count("column_tile_sums<rms_norm_param_grads>") == 0);
+  CHECK(g.ledger().kernels.count("column_one_tile<rms_norm_param_grads>") == 0);  // no column pass of its own
   CHECK(g.ledger().kernels.at("norm_backward_sums<rms_norm_backward>").launches == 4);
 }

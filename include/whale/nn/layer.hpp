@@ -154,13 +154,13 @@ struct step_ctx {
   /// A residual's sum left to the layer after the residual (under bf16,
   /// where the branch's last layer takes residual_add). A sequential (or a
   /// repeat) sets sum_taken_after while it runs an element whose next
-  /// element takes such a sum (takes_residual_sum: a layer_norm, or a
-  /// container that starts with one); the value at a container's start
+  /// element takes such a sum (takes_residual_sum: a layer_norm or an
+  /// rms_norm, or a container that starts with one); the value at a container's start
   /// holds for its last element. The branch's last layer then computes its
   /// GEMM's product only and leaves the rest in pending_sum: y = add + (y +
   /// bias), each sum rounded, as the bias pass would store it. The layer
-  /// after takes it in its own pass over the row (layer_norm's forward
-  /// stores the sum in y and normalises it), and clears it; any other layer
+  /// after takes it in its own pass over the row (a norm's forward stores
+  /// the sum in y and normalises it), and clears it; any other layer
   /// is preceded by the bias pass (run_forward), so a sum is never lost.
   bool sum_taken_after = false;
   struct residual_sum {

@@ -104,9 +104,6 @@ struct column_sums {
   }
 };
 
-/// LayerNorm of row r (width D): xhat = (x - mean) rstd, y = xhat gain + bias.
-/// x-hat is written where `xhat` is set; the row's mean where `mean` is set
-/// (a backward then recomputes x-hat from x, the mean and rstd, to the bit).
 /// The row a norm's forward normalises: x's row r through slot 0 (staged);
 /// or, with a residual's sum pending (`sum_y`, step_ctx::pending_sum), that
 /// sum stored first -- sum_add + (sum_y + sum_bias), each sum as `round`
@@ -127,6 +124,9 @@ WHALE_HD WHALE_INLINE const float* norm_input_row(const Team& t, index_t r, inde
   });
   return kept;
 }
+/// LayerNorm of row r (width D): xhat = (x - mean) rstd, y = xhat gain + bias.
+/// x-hat is written where `xhat` is set; the row's mean where `mean` is set
+/// (a backward then recomputes x-hat from x, the mean and rstd, to the bit).
 struct layer_norm_forward {
   const float* x;
   const float* gain;
@@ -252,8 +252,8 @@ struct layer_norm_backward {
 /// column, dy x-hat (and dy where Row::param_sums is 2: LayerNorm's bias)
 /// into the tile's partials, partial[(k A + a) D + c] (column_tile_sums'
 /// layout, A = param_sums, so column_tile_finish adds the tiles; each added
-/// as column_tile_sums adds). The running sums stay in the team's slots 2
-/// and 3 (shared memory on a GPU; the partials themselves on the CPU).
+/// as column_tile_sums adds). The running sums stay in the team's slots from
+/// 2 on, one a sum (shared memory on a GPU; the partials themselves on the CPU).
 /// `row.dx` null: the sums only.
 template <class Row> struct norm_backward_sums {
   static constexpr int A = Row::param_sums;
