@@ -117,20 +117,15 @@ TEST_CASE("recompute<transformer_block>: identical gradients, and the stack's ac
 
 TEST_CASE("recompute: no heap allocation after the first step, and training matches the plain model") {
   small_pair p;
-  auto& a = p.a;
-  auto& b = p.b;
-  auto& da = p.da;
-  auto& db = p.db;
-  auto& o = p.o;
-  trainer ta(a, sgd{.lr = 0.05f, .momentum = 0.9f}, o);
-  trainer tb(b, sgd{.lr = 0.05f, .momentum = 0.9f}, o);
-  ta.run(da, steps{1});
-  tb.run(db, steps{1});
+  trainer ta(p.a, sgd{.lr = 0.05f, .momentum = 0.9f}, p.o);
+  trainer tb(p.b, sgd{.lr = 0.05f, .momentum = 0.9f}, p.o);
+  ta.run(p.da, steps{1});
+  tb.run(p.db, steps{1});
   const auto after_first = memory_snapshot().allocations;
-  tb.run(db, steps{3});
+  tb.run(p.db, steps{3});
   CHECK(memory_snapshot().allocations == after_first);
-  ta.run(da, steps{3});
-  CHECK(std::memcmp(a.params().data(), b.params().data(), a.params().bytes()) == 0);
+  ta.run(p.da, steps{3});
+  CHECK(std::memcmp(p.a.params().data(), p.b.params().data(), p.a.params().bytes()) == 0);
 }
 
 TEST_CASE("recompute under bf16: a residual's sum is never left pending inside it; the plain model's training, bit for bit") {
@@ -139,19 +134,14 @@ TEST_CASE("recompute under bf16: a residual's sum is never left pending inside i
   // the flag cleared and the sum stored inside
   static_assert(carries_residual_sum<repeat<3, small_block>>() && !carries_residual_sum<recompute<small_block>>());
   small_pair p;
-  auto& a = p.a;
-  auto& b = p.b;
-  auto& da = p.da;
-  auto& db = p.db;
-  auto& o = p.o;
-  o.precision = precision::bf16;
-  o.max_grad_norm = 1.0;
-  trainer ta(a, adamw{.lr = 1e-2f}, o);
-  trainer tb(b, adamw{.lr = 1e-2f}, o);
-  const auto ra = ta.run(da, steps{4});
-  const auto rb = tb.run(db, steps{4});
+  p.o.precision = precision::bf16;
+  p.o.max_grad_norm = 1.0;
+  trainer ta(p.a, adamw{.lr = 1e-2f}, p.o);
+  trainer tb(p.b, adamw{.lr = 1e-2f}, p.o);
+  const auto ra = ta.run(p.da, steps{4});
+  const auto rb = tb.run(p.db, steps{4});
   CHECK(ra.losses == rb.losses);
-  CHECK(std::memcmp(a.params().data(), b.params().data(), a.params().bytes()) == 0);
+  CHECK(std::memcmp(p.a.params().data(), p.b.params().data(), p.a.params().bytes()) == 0);
 }
 
 TEST_CASE("recompute: nested and leaf blocks; hooks see the recomputed forward before the backward") {
