@@ -3,15 +3,18 @@
 // every error naming the flag or variable and its value; plan_options from the
 // environment and the command line; and a fuzz-style test: random strings for
 // every flag are either a value that the strict grammar allows or a parse_error
-// naming the flag, never a silent prefix, default or crash.
+// naming the flag, never a silent prefix, default or crash. Also every
+// launcher's local-rank variables (comm/launcher.hpp) and the GPU they give.
 #include <doctest/doctest.h>
 
 #include <cstdlib>
+#include <map>
 #include <random>
 #include <regex>
 #include <string>
 #include <vector>
 
+#include "whale/comm/launcher.hpp"
 #include "whale/detail/parse.hpp"
 #include "whale/runtime/agree.hpp"
 #include "whale/runtime/options.hpp"
@@ -164,4 +167,81 @@ TEST_CASE("the build the ranks compare names whale's version and what changes th
   const volatile float a = 1.f + 0x1p-12f, c = -(1.f + 0x1p-11f);
   const float r = whale::detail::multiply_add_probe(a, a, c);
   CHECK((r == 0.f || r == 0x1p-24f));
+}
+
+namespace {
+using env = std::map<std::string, std::string>;
+local_place place_in(const env& e) {
+  return local_place_from([&](const char* name) -> const char* {
+    const auto it = e.find(name);
+    return it == e.end() ? nullptr : it->second.c_str();
+  });
+}
+}  // namespace
+
+TEST_CASE("launchers: each one's local rank and node size, in order of belief") {
+  const auto none = place_in({});
+  CHECK(!none.launched);
+  CHECK(none.rank == 0);
+  CHECK(none.size == 1);
+  const auto ompi = place_in({{"OMPI_COMM_WORLD_LOCAL_RANK", "3"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}});
+  CHECK((ompi.launched && ompi.rank == 3 && ompi.size == 4));
+  CHECK(ompi.source == "OMPI_COMM_WORLD_LOCAL_RANK=3, OMPI_COMM_WORLD_LOCAL_SIZE=4");
+  const auto mpich = place_in({{"MPI_LOCALRANKID", "1"}, {"MPI_LOCALNRANKS", "2"}});
+  CHECK((mpich.rank == 1 && mpich.size == 2));
+  const auto torchrun = place_in({{"LOCAL_RANK", "5"}, {"LOCAL_WORLD_SIZE", "8"}});
+  CHECK((torchrun.rank == 5 && torchrun.size == 8));
+  const auto unsized = place_in({{"LOCAL_RANK", "2"}});
+  CHECK((unsized.rank == 2 && unsized.size == 0));  // the launcher does not say
+  // Slurm: this node's count from the step's compressed list at SLURM_NODEID
+  const auto slurm = place_in({{"SLURM_LOCALID", "2"}, {"SLURM_STEP_TASKS_PER_NODE", "4(x2),3"}, {"SLURM_NODEID", "2"}});
+  CHECK((slurm.rank == 2 && slurm.size == 3));
+  CHECK(place_in({{"SLURM_LOCALID", "0"}, {"SLURM_STEP_TASKS_PER_NODE", "4(x2),3"}, {"SLURM_NODEID", "1"}}).size == 4);
+  CHECK(place_in({{"SLURM_LOCALID", "0"}, {"SLURM_STEP_TASKS_PER_NODE", "8"}}).size == 8);
+  CHECK(place_in({{"SLURM_LOCALID", "1"}, {"SLURM_NTASKS_PER_NODE", "2"}}).size == 0);  // the job's request: not this step's
+  // mpirun or torchrun inside a Slurm allocation: the inner launcher is believed
+  const auto inner = place_in({{"SLURM_LOCALID", "0"}, {"SLURM_NTASKS_PER_NODE", "1"}, {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                               {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
+  CHECK((inner.rank == 1 && inner.size == 2));
+  CHECK(place_in({{"SLURM_LOCALID", "0"}, {"LOCAL_RANK", "3"}, {"LOCAL_WORLD_SIZE", "4"}}).rank == 3);
+}
+
+TEST_CASE("launchers: a malformed or inconsistent variable is an error naming it and its value") {
+  for (const char* bad : {"1x", "-1", "", " 1", "99999999999"})
+    for (const char* var : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "LOCAL_RANK", "SLURM_LOCALID"})
+      CHECK_THROWS_WITH_AS(place_in({{var, bad}}), doctest::Contains((std::string(var) + " '" + bad + "'").c_str()), parse_error);
+  CHECK_THROWS_WITH_AS(place_in({{"OMPI_COMM_WORLD_LOCAL_RANK", "0"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "0"}}),
+                       doctest::Contains("OMPI_COMM_WORLD_LOCAL_SIZE '0'"), parse_error);
+  CHECK_THROWS_WITH_AS(place_in({{"LOCAL_RANK", "4"}, {"LOCAL_WORLD_SIZE", "4"}}),
+                       doctest::Contains("local rank 4 is not below the node's 4 processes"), parse_error);
+  for (const char* bad : {"4(x", "4(2)", "x", "4(x0)", "4,,2", "4(x2)3", "4,", ""})
+    CHECK_THROWS_WITH_AS(place_in({{"SLURM_LOCALID", "0"}, {"SLURM_STEP_TASKS_PER_NODE", bad}}),
+                         doctest::Contains("SLURM_STEP_TASKS_PER_NODE"), parse_error);
+  CHECK_THROWS_WITH_AS(place_in({{"SLURM_LOCALID", "0"}, {"SLURM_STEP_TASKS_PER_NODE", "4(x2)"}, {"SLURM_NODEID", "2"}}),
+                       doctest::Contains("has no count for SLURM_NODEID 2"), parse_error);
+  CHECK_THROWS_WITH_AS(place_in({{"SLURM_LOCALID", "0"}, {"SLURM_STEP_TASKS_PER_NODE", "4"}, {"SLURM_NODEID", "a"}}),
+                       doctest::Contains("SLURM_NODEID 'a'"), parse_error);
+}
+
+TEST_CASE("launchers: local rank r takes visible GPU r; more ranks than GPUs is an error naming both") {
+  local_place p = place_in({{"OMPI_COMM_WORLD_LOCAL_RANK", "3"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "4"}});
+  CHECK(device_for(p, 8, nullptr) == 3);
+  CHECK(device_for(p, 4, "0,1,2,3") == 3);
+  // every rank of the node fails, not only those above the count: local rank 0 of 4 on 2 GPUs
+  p.rank = 0;
+  CHECK_THROWS_WITH_AS(device_for(p, 2, "4,5"), doctest::Contains("4 processes on this node"), std::runtime_error);
+  CHECK_THROWS_WITH_AS(device_for(p, 2, "4,5"), doctest::Contains("only 2 GPU(s) visible (CUDA_VISIBLE_DEVICES=4,5)"),
+                       std::runtime_error);
+  // a launcher that gave each rank its own GPU: one visible device, taken
+  p.rank = 2;
+  CHECK(device_for(p, 1, "6") == 0);
+  CHECK_THROWS_WITH_AS(device_for(p, 1, nullptr), doctest::Contains("only 1 GPU(s) visible"), std::runtime_error);
+  CHECK_THROWS_AS(device_for(p, 1, ""), std::runtime_error);
+  // a launcher that does not say the node's size: at least local rank + 1 processes
+  const auto unsized = place_in({{"LOCAL_RANK", "2"}});
+  CHECK(device_for(unsized, 3, nullptr) == 2);
+  CHECK_THROWS_WITH_AS(device_for(unsized, 2, nullptr), doctest::Contains("3 or more processes on this node (LOCAL_RANK=2)"),
+                       std::runtime_error);
+  CHECK_THROWS_WITH_AS(device_for(place_in({}), 0, nullptr), doctest::Contains("no CUDA device is visible"), std::runtime_error);
+  CHECK(device_for(place_in({}), 2, nullptr) == 0);
 }

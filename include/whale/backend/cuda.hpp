@@ -27,6 +27,7 @@
 #include "whale/backend/backend.hpp"
 #include "whale/backend/caching_allocator.hpp"
 #include "whale/detail/parse.hpp"
+#include "whale/comm/launcher.hpp"
 #include "whale/backend/cuda/cudnn_attention.hpp"
 #include "whale/backend/cuda/lt_gemm.hpp"
 #if defined(__CUDACC__)
@@ -66,17 +67,18 @@ inline int cuda_device_count() noexcept {
   return n;
 }
 
-/// The device of this rank: OMPI_COMM_WORLD_LOCAL_RANK modulo the visible
-/// devices, or 0 outside mpirun. "no CUDA device found" when there is none.
+/// The device of this rank: its rank on its node, read from whichever
+/// launcher started it (comm/launcher.hpp: Open MPI, MPICH / Intel MPI, a
+/// torchrun-style LOCAL_RANK, Slurm), among the devices CUDA_VISIBLE_DEVICES
+/// leaves visible. Throws naming the problem when there is no device, a
+/// launcher variable is malformed, or the node has more ranks than devices.
 inline int cuda_device_for_local_rank() {
-  const int n = cuda_device_count();
-  if (n == 0)
-    throw std::runtime_error("whale::cuda_backend: no CUDA device found (cudaGetDeviceCount reports none); "
-                             "run on a machine with a GPU, or use the CPU backend");
-  const char* text = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
-  if (!text) return 0;
-  const auto local = static_cast<int>(detail::parse_int(text, "OMPI_COMM_WORLD_LOCAL_RANK", 0, INT_MAX));
-  return local % n;
+  const local_place p = local_place_of_process();
+  try {
+    return device_for(p, cuda_device_count(), std::getenv("CUDA_VISIBLE_DEVICES"));
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(std::string("whale::cuda_backend: ") + e.what());
+  }
 }
 
 /// One GPU as a Backend. Owns a compute stream (every GEMM, kernel, copy and

@@ -211,10 +211,12 @@ class nccl_comm {
   explicit nccl_comm(mpi_comm& over, std::string name = {});
 
   /// Selects this process's GPU from its rank on the node, before a nccl_comm is
-  /// created: cudaSetDevice(OMPI_COMM_WORLD_LOCAL_RANK % device count) (the
-  /// variable is set by Open MPI's mpirun). Returns the device. Throws
-  /// std::invalid_argument naming the variable and its value unless that is a
-  /// whole non-negative number, std::runtime_error if it is unset or there is no device.
+  /// created (comm/launcher.hpp: the local rank from Open MPI, MPICH / Intel
+  /// MPI, a torchrun-style launcher or Slurm, among the devices
+  /// CUDA_VISIBLE_DEVICES leaves visible), and returns it. Throws
+  /// std::invalid_argument naming a launcher variable whose value is not a
+  /// whole number in range; std::runtime_error if there is no device or the
+  /// node has more ranks than visible devices (naming both numbers).
   static int select_device_by_local_rank();
 
   /// Collective over `over`: whether every rank sees a CUDA device; if not, the same error on every rank.

@@ -22,6 +22,7 @@
 #include "whale/comm/detail/cost.hpp"
 #include "whale/comm/detail/nccl_state.hpp"
 #include "whale/comm/detail/watchdog.hpp"
+#include "whale/comm/launcher.hpp"
 #include "whale/comm/failure.hpp"
 #include "whale/comm/mpi_comm.hpp"
 #include "whale/comm/nccl_comm.hpp"
@@ -48,28 +49,29 @@ inline nccl_comm::nccl_comm(mpi_comm& over, std::string name) : s_(std::make_uni
 }
 
 inline int nccl_comm::select_device_by_local_rank() {
-  constexpr const char* var = "OMPI_COMM_WORLD_LOCAL_RANK";
   const char* where = "whale::nccl_comm::select_device_by_local_rank: ";
-  const char* text = std::getenv(var);
-  if (!text)
-    throw std::runtime_error(std::string(where) + var +
-                             " is not set (it is set by Open MPI's mpirun): start the job with mpirun, "
-                             "or select the device with cudaSetDevice yourself");
-  int local = 0;
+  local_place p;
   try {
-    local = static_cast<int>(detail::parse_int(text, var, 0, INT_MAX));
+    p = local_place_of_process();
   } catch (const detail::parse_error& e) {
     throw detail::parse_error(where + std::string(e.what()) + " (this process's rank on its node)");
   }
   int n = 0;
-  if (const cudaError_t e = cudaGetDeviceCount(&n); e != cudaSuccess || n == 0)
+  if (const cudaError_t e = cudaGetDeviceCount(&n); e != cudaSuccess || n == 0) {
+    (void)cudaGetLastError();
     throw std::runtime_error(std::string(where) + "no CUDA device (cudaGetDeviceCount: " +
                              (e == cudaSuccess ? std::string("0 devices") : std::string(cudaGetErrorString(e))) +
                              "); NCCL needs one GPU per rank");
-  const int device = local % n;
+  }
+  int device = 0;
+  try {
+    device = device_for(p, n, std::getenv("CUDA_VISIBLE_DEVICES"));
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(where + std::string(e.what()));
+  }
   if (const cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
-    throw std::runtime_error(std::string(where) + "cudaSetDevice(" + std::to_string(device) + ") for " + var +
-                             "=" + text + " failed: " + cudaGetErrorString(e));
+    throw std::runtime_error(std::string(where) + "cudaSetDevice(" + std::to_string(device) + ") for " + p.source +
+                             " failed: " + cudaGetErrorString(e));
   return device;
 }
 
