@@ -17,7 +17,8 @@
 // and the data axis (every layout conversion, the class-split loss on each
 // axis), and tensor parallelism inside pipeline stages. The trainer's bf16
 // mixed precision on a device equals the CPU's too, and checkpoints saved on
-// a device load on the CPU and back (training goes on bit for bit). Plans
+// a device load on the CPU and back (training goes on bit for bit). Steps
+// queued without a host wait (log_every > 1) equal reading every step. Plans
 // that do not run on a device yet are refused with a message, and so is a
 // plan whose state does not fit its device's memory.
 #include <doctest/doctest.h>
@@ -455,6 +456,64 @@ void resumes_across_backends(const context& ctx, const std::string& tag, const O
   remove_dir(ctx.world(), dir);
 }
 }  // namespace
+
+namespace {
+// Steps queued without a host wait (trainer_options::log_every > 1): the loss, the gradient norm
+// (summed over the world by the device's communicator) and the clipping scale stay where the
+// plan runs. On the CPU and on the guarded backend the losses and parameters equal those of
+// reading every step, and on the device a step waits for nothing: a run of 3 queued steps
+// waits as often as a run of 1 (the read at the end).
+template <class P, class O, class D = decltype(&tokens)>
+void queued_same_as_read(const context& ctx, const O& opt, double max_norm, const plan_options& o = {}, D make_data = &tokens) {
+  trainer_options each;
+  each.max_grad_norm = max_norm;
+  const auto read = trained<P>(ctx, backend_ref{}, opt, each, o, make_data, 0, 4);
+  for (const bool on_device : {false, true}) {
+    guarded_backend g;
+    plan_options od = o;
+    od.backend = on_device ? backend_ref(g) : backend_ref{};
+    auto plan = make<P>(ctx, seed{42}, od);
+    trainer_options t = each;
+    t.progress = false;
+    t.log_every = 100;
+    auto data = make_data();
+    trainer tr(plan, opt, t);
+    auto waits = [&] { return g.ledger().host_syncs + g.ledger().device_to_host; };
+    std::vector<double> losses = tr.run(data, whale::steps{1}).losses;  // allocates, and reads once
+    const auto w0 = waits();
+    for (double l : tr.run(data, whale::steps{1}).losses) losses.push_back(l);
+    const auto one = waits() - w0;
+    for (double l : tr.run(data, whale::steps{2}).losses) losses.push_back(l);
+    const auto two = waits() - w0 - one;
+    std::vector<float> params(static_cast<std::size_t>(plan.params().numel()));
+    plan.backend().copy(params.data(), plan.params().data(), params.size() * sizeof(float));
+    plan.backend().synchronize();
+    INFO("rank " << ctx.rank() << " of " << ctx.size() << ", " << layer_name<P>() << (on_device ? ", guarded" : ", cpu"));
+    CHECK(losses == read.losses);
+    const auto n = differing(read.params, params);
+    CHECK_MESSAGE(n == 0, n, " of ", params.size(), " parameters differ from reading every step");
+    if (on_device) CHECK_MESSAGE(two == one, "host waits: ", one, " in a run of 1 step, ", two, " in a run of 2");
+  }
+}
+}  // namespace
+
+TEST_CASE("steps queued on the device (log_every > 1): no host wait a step, the bits of reading every step, on every rank") {
+  auto ctx = context::init();
+  SUBCASE("data parallel, adamw clipped to 0.05") { queued_same_as_read<replicate<tiny_gpt>>(ctx, adamw{.lr = 1e-2f}, 0.05); }
+  SUBCASE("ZeRO-2 and ZeRO-3, adamw clipped to 0.05") {
+    queued_same_as_read<shard<tiny_gpt, 2>>(ctx, adamw{.lr = 1e-2f}, 0.05);
+    queued_same_as_read<shard<tiny_gpt, 3>>(ctx, adamw{.lr = 1e-2f}, 0.05);
+  }
+  SUBCASE("a 1f1b pipeline, sgd with momentum clipped to 0.05") {
+    plan_options four;
+    four.micro_batches = 4;
+    queued_same_as_read<replicate<pipeline<one_f_one_b, deep_tiny_gpt>>>(pipe_mesh(ctx.size()), sgd{.lr = 0.2f, .momentum = 0.9f},
+                                                                          0.05, four);
+  }
+  SUBCASE("tensor parallelism, adamw clipped to 0.05") {
+    queued_same_as_read<tp_gpt>(test::on_mesh(all_on("model", ctx.size())), adamw{.lr = 1e-2f}, 0.05, {}, &tp_tokens);
+  }
+}
 
 TEST_CASE("the trainer on a device: bf16 mixed precision equals the CPU backend's, on every rank") {
   auto ctx = context::init();

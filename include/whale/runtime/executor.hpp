@@ -224,6 +224,45 @@ template <class P> class executor {
     all_reduce(ctx_->world(), view<double>(&sq, {1}));
     return std::sqrt(sq);
   }
+  /// *out = the square of grad_norm(), with `out` in the backend's memory and
+  /// nothing read back: each counted range's squares into a partial there,
+  /// the partials added in grad_squares()'s order, then summed over the world
+  /// by the device's own communicator (host copies around MPI only where
+  /// device_collectives is off). The bits of grad_norm()'s square on the CPU
+  /// and guarded backends (on GPUs NCCL may add the ranks' sums in another
+  /// order). The trainer keeps a step's figures on the device with it
+  /// (trainer_options::log_every > 1): no read of the norm or the loss; the
+  /// world sum is still one blocking NCCL call (a host wait) a step.
+  void grad_sum_squares_into(double* out) const {
+    const auto ranges = level >= 2 ? detail::owned_range_ranges(prog_, zero_.begin(), zero_.end()) : detail::owned_ranges(prog_);
+    const float* g = level >= 2 ? zero_.shard_grads().data() : grads_.data();
+    if (be_.on_cpu()) {
+      *out = level >= 2 ? detail::owned_range_squares(prog_, g, zero_.begin(), zero_.end()) : detail::owned_squares(prog_, g);
+      all_reduce(ctx_->world(), view<double>(out, {1}));
+      return;
+    }
+    const auto n = static_cast<index_t>(ranges.size());
+    if (!sq_parts_.data() || sq_parts_.numel() < std::max<index_t>(n, 1)) {  // (an empty tensor counts 1 element)
+      const place_scope on(be_.memory());
+      sq_parts_ = tensor<double>({std::max<index_t>(n, 1)}, mem_kind::workspace);
+    }
+    for (index_t k = 0; k < n; ++k) {
+      const auto [at, count] = ranges[static_cast<std::size_t>(k)];
+      be_.sum_squares_into(count, g + at, sq_parts_.data() + k);
+    }
+    be_.launch(1, kernels::sum_in_order{sq_parts_.data(), n, 1.0, out, false});  // one running sum, as grad_squares() adds
+    if (ctx_->size() == 1) return;
+    if (dev_world_) {
+      all_reduce(*dev_world_, view<double>(out, {1}));
+    } else {  // without the device's own communicators: through the host (a wait)
+      double host = 0;
+      be_.copy(&host, out, sizeof host);
+      be_.synchronize();
+      all_reduce(ctx_->world(), view<double>(&host, {1}));
+      be_.copy(out, &host, sizeof host);
+      be_.synchronize();
+    }
+  }
   int rank() const noexcept { return ctx_->rank(); }
   /// Whether the model has a tied head (tied_head; on any rank, not only this one's stage).
   bool has_tied_head() const { return tied_model_; }
@@ -252,6 +291,16 @@ template <class P> class executor {
   template <class O> typename O::state make_optimizer_state(const O& opt) const {
     const place_scope on(be_.memory());  // in the parameters' memory (a device's, on one)
     return opt.make_state(local_count());
+  }
+  /// One optimizer step of this rank's range under `gate` (in the backend's
+  /// memory: the gradients scaled by *gate.scale as they are read, nothing
+  /// changed while *gate.halt is set); ZeRO 1–2 then all-gather the parameters.
+  /// The host reads neither.
+  template <class O> void apply_optimizer(const O& opt, typename O::state& st, kernels::update_gate gate) {
+    const auto t0 = tr_.now();
+    update_on(be_, opt, st, local_params(), local_grads(), gate);
+    if constexpr (level > 0 && level < 3) zero_.gather_after_update(params_.data());
+    tr_.add(span_kind::optimizer, step_ - 1, -1, t0, tr_.now());
   }
   /// Scale the gradients (clipping), update this rank's range; ZeRO 1–2 then all-gather the parameters.
   template <class O> void apply_optimizer(const O& opt, typename O::state& st, float grad_scale) {
@@ -417,6 +466,8 @@ template <class P> class executor {
   // on a device: the communicators that take its buffers over the data and model
   // axes (plan_options::device_collectives); before everything whose requests they serve
   std::unique_ptr<device_comm> dev_data_, dev_model_;
+  std::unique_ptr<device_comm> dev_world_;  // on a device, over the world: the gradient norm's sum (grad_sum_squares_into)
+  mutable tensor<double> sq_parts_;         // on a device: each counted range's squares
   int p_ = 1, d_ = 1, stage_ = 0, replica_ = 0, model_rank_ = 0;
   std::vector<std::pair<index_t, index_t>> no_sync_;  // ranges split over data (filled while binding)
   std::vector<detail::tie_pair> ties_;               // tied heads and tables this rank holds (runtime/tie.hpp)

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <algorithm>
+#include <utility>
+#include <vector>
 
 #include "whale/backend/backend_ref.hpp"
 #include "whale/backend/cpu.hpp"
@@ -11,15 +13,14 @@
 
 namespace whale::detail {
 
-/// Squares of the gradients this rank counts for the global norm: each
+/// The ranges of the gradients this rank counts for the global norm: each
 /// parameter once over the mesh (the first rank of every axis it is replicated
 /// over counts it; a split layer's whole tail, e.g. a row-parallel bias, on the
 /// first rank of its split axis). Sum over the world to get the norm squared.
 /// `within_replica`: once over this rank's data replica instead (every replica
 /// counts its own copy; sum over the replica's pipe and model ranks).
-inline double owned_squares(const program& prog, const float* grads, bool within_replica = false,
-                            const backend_ref& be = {}) {
-  double sq = 0;
+inline std::vector<std::pair<index_t, index_t>> owned_ranges(const program& prog, bool within_replica = false) {
+  std::vector<std::pair<index_t, index_t>> r;  // (offset, count) in the stage's flat gradients
   auto first = [&](axes a) {
     for (axis x : all_axes)
       if (a.contains(x) && !(within_replica && x == axis::data) && prog.coords[static_cast<std::size_t>(x)] != 0) return false;
@@ -28,20 +29,26 @@ inline double owned_squares(const program& prog, const float* grads, bool within
   for (const auto& h : prog.holds) {
     if (h.local_params == 0 || h.ties_to >= 0 || !first(h.replicated_over)) continue;  // a tied head: its table counts
     const index_t whole = first(h.split_over) ? 0 : h.whole_tail;
-    sq += be.sum_squares(h.local_params - whole, grads + h.local_offset);
+    r.push_back({h.local_offset, h.local_params - whole});
   }
+  return r;
+}
+/// The squares of owned_ranges(), added in their order.
+inline double owned_squares(const program& prog, const float* grads, bool within_replica = false,
+                            const backend_ref& be = {}) {
+  double sq = 0;
+  for (auto [at, n] : owned_ranges(prog, within_replica)) sq += be.sum_squares(n, grads + at);
   return sq;
 }
-/// ZeRO 2–3: the squares of the owned range [begin, end) of the stage's flat
+/// ZeRO 2–3: the ranges of the owned range [begin, end) of the stage's flat
 /// gradients (`owned` holds them), each parameter once over the model axis; the
 /// owned ranges partition the stage over the data axis, so every data rank counts its own.
-inline double owned_range_squares(const program& prog, const float* owned, index_t begin, index_t end,
-                                  const backend_ref& be = {}) {
+inline std::vector<std::pair<index_t, index_t>> owned_range_ranges(const program& prog, index_t begin, index_t end) {
   const int m = prog.coords[static_cast<std::size_t>(axis::model)];
-  double sq = 0;
+  std::vector<std::pair<index_t, index_t>> r;  // (offset, count) in the owned range
   auto add = [&](index_t b, index_t e) {
     b = std::max(b, begin), e = std::min(e, end);
-    if (e > b) sq += be.sum_squares(e - b, owned + (b - begin));
+    if (e > b) r.push_back({b - begin, e - b});
   };
   for (const auto& h : prog.holds) {
     if (h.local_params == 0 || h.ties_to >= 0) continue;  // a tied head: its table counts
@@ -50,6 +57,13 @@ inline double owned_range_squares(const program& prog, const float* owned, index
     const index_t whole = h.split_over.contains(axis::model) && m != 0 ? h.whole_tail : 0;
     add(h.local_offset, h.local_offset + h.local_params - whole);
   }
+  return r;
+}
+/// The squares of owned_range_ranges(), added in their order.
+inline double owned_range_squares(const program& prog, const float* owned, index_t begin, index_t end,
+                                  const backend_ref& be = {}) {
+  double sq = 0;
+  for (auto [at, n] : owned_range_ranges(prog, begin, end)) sq += be.sum_squares(n, owned + at);
   return sq;
 }
 }  // namespace whale::detail

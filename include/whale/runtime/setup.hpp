@@ -79,8 +79,9 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
   if (!be_.on_cpu() && o_.device_collectives) {  // collective over each axis group, on every rank alike (agreed above)
     dev_data_ = make_device_comm(*data_, be_);
     if constexpr (has_split) dev_model_ = make_device_comm(*model_comm_, be_);
+    if (ctx.size() > 1) dev_world_ = make_device_comm(ctx.world(), be_);
     if (shape.size(axis::pipe) > 1)  // waiting on NCCL, keep MPI's pipeline sends moving
-      for (auto* d : {dev_data_.get(), dev_model_.get()})
+      for (auto* d : {dev_data_.get(), dev_model_.get(), dev_world_.get()})
         if (d) d->set_progress([this] { msg_.progress(); });
   }
   if constexpr (has_split) {  // split regions learn their communicators before parameters are counted

@@ -325,7 +325,7 @@ template <axis A, class M> auto region_for() {
 /// the dimension that Layer shares among the ranks.
 template <class Layer, index_t Extent, index_t Degree>
 struct split_degree_check {
-  static_assert(Degree == 0 || Extent % Degree == 0,
+  static_assert(Degree == 0 || Extent % (Degree == 0 ? 1 : Degree) == 0,  // (no "% 0" for nvcc to warn of)
                 "whale::split: the split degree must divide the dimension this layer splits (out_features "
                 "of a column-parallel linear, in_features of a row-parallel one, the vocabulary, the "
                 "heads); the layer, the dimension and the degree are named in 'split_degree_check<layer, "

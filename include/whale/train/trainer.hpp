@@ -522,7 +522,9 @@ class trainer {
         share = net_.train_step(c, b.inputs, detail::labels_of(b));
         w.restore();
       }
-      const bool norm = o_.max_grad_norm > 0 || o_.check_grad_norm;
+      // several ranks: the norm always, summed over the world, so that a non-finite gradient on
+      // any rank halts every rank's update (each rank's loss check sees only its own share)
+      const bool norm = o_.max_grad_norm > 0 || o_.check_grad_norm || net_.world_size() > 1;
       if (norm) net_.grad_sum_squares_into(&rec->sum_squares);
       be.launch(1, kernels::check_step{rec, halt(), o_.max_grad_norm, static_cast<double>(queue_.size() + 1), norm});
       set_lr(step);
@@ -547,7 +549,7 @@ class trainer {
       const std::size_t k = queue_.size();
       const auto f = be.host_readable(cview<double>(figures_.data(), {static_cast<index_t>(4 * k)}), figures_host_);
       const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - queued_since_).count() / static_cast<double>(k);
-      const bool norm = o_.max_grad_norm > 0 || o_.check_grad_norm;
+      const bool norm = o_.max_grad_norm > 0 || o_.check_grad_norm || net_.world_size() > 1;  // as queue_step
       for (std::size_t i = 0; i < k; ++i) {
         const auto q = queue_[i];
         const double loss = net_.reduce_loss(q.share + f[static_cast<index_t>(4 * i)]);
