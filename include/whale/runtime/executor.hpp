@@ -234,13 +234,13 @@ template <class P> class executor {
   /// (trainer_options::log_every > 1): no read of the norm or the loss; the
   /// world sum is still one blocking NCCL call (a host wait) a step.
   void grad_sum_squares_into(double* out) const {
-    const auto ranges = level >= 2 ? detail::owned_range_ranges(prog_, zero_.begin(), zero_.end()) : detail::owned_ranges(prog_);
-    const float* g = level >= 2 ? zero_.shard_grads().data() : grads_.data();
-    if (be_.on_cpu()) {
-      *out = level >= 2 ? detail::owned_range_squares(prog_, g, zero_.begin(), zero_.end()) : detail::owned_squares(prog_, g);
+    if (be_.on_cpu()) {  // grad_norm()'s square, as it is
+      *out = grad_squares();
       all_reduce(ctx_->world(), view<double>(out, {1}));
       return;
     }
+    const auto ranges = level >= 2 ? detail::owned_range_ranges(prog_, zero_.begin(), zero_.end()) : detail::owned_ranges(prog_);
+    const float* g = level >= 2 ? zero_.shard_grads().data() : grads_.data();
     const auto n = static_cast<index_t>(ranges.size());
     if (!sq_parts_.data() || sq_parts_.numel() < std::max<index_t>(n, 1)) {  // (an empty tensor counts 1 element)
       const place_scope on(be_.memory());
