@@ -84,12 +84,12 @@ template <int R, class K> WHALE_INLINE K fixed(const K& body) {
 }
 
 #if WHALE_ISA_DISPATCH
-template <int R, class K> [[gnu::target("avx2,fma")]] void launch_avx2(index_t n, const K body) {
+template <int R, class K> [[gnu::target("avx2,fma"), gnu::flatten]] void launch_avx2(index_t n, const K body) {
   const K k = fixed<R>(body);
   for (index_t i = 0; i < n; ++i) k(i);
 }
 template <int R, class K>
-[[gnu::target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]] void launch_avx512(index_t n, const K body) {
+[[gnu::target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma"), gnu::flatten]] void launch_avx512(index_t n, const K body) {
   const K k = fixed<R>(body);
   for (index_t i = 0; i < n; ++i) k(i);
 }
