@@ -67,7 +67,9 @@ struct outcome {
   std::vector<double> losses;  ///< per step (the timed run: first and last only)
   double step_s = 0;           ///< wall time per timed step
   comm_stats device, host;     ///< per timed step: the device's own communicators, and MPI's
-  std::int64_t host_waits = -1;  ///< per timed step, where the backend counts them (the guarded one)
+  /// Per timed step, where the backend counts its own (the guarded one): those and the waits for
+  /// the device's communicators (each a spin on a GPU).
+  std::int64_t host_waits = -1;
 };
 
 /// The backend a run computes on: made once per process, before any plan.
@@ -118,8 +120,9 @@ inline trainer_options trainer_for(const settings& s, int steps) {
 /// on the device, the steps queued in one run and read at its end (the figures
 /// kept on the device, trainer_options::log_every), so the check also holds
 /// the two ways to each other. Timed: 2 warm-up steps, then `steps` in one run.
-template <class Trainer, class Data, class Traffic>
-outcome drive(context& ctx, Trainer& t, Data& data, const settings& s, bool timed, const device_backend* dev, Traffic&& traffic) {
+template <class Trainer, class Data, class Traffic, class Waits>
+outcome drive(context& ctx, Trainer& t, Data& data, const settings& s, bool timed, const device_backend* dev, Traffic&& traffic,
+              Waits&& comm_waits) {
   outcome r;
   if (!timed) {
     if (dev) r.losses = t.run(data, whale::steps{s.steps}).losses;
@@ -131,7 +134,7 @@ outcome drive(context& ctx, Trainer& t, Data& data, const settings& s, bool time
   if (dev) dev->synchronize();
   barrier(ctx.world());
   const comm_stats dev0 = traffic(), host0 = ctx.world().stats();
-  const std::int64_t waits0 = dev ? dev->host_waits() : -1;
+  const std::int64_t waits0 = dev ? dev->host_waits() : -1, comm0 = comm_waits();
   const auto t0 = std::chrono::steady_clock::now();
   const auto run = t.run(data, whale::steps{s.steps});
   if (dev) dev->synchronize();
@@ -145,7 +148,7 @@ outcome drive(context& ctx, Trainer& t, Data& data, const settings& s, bool time
     return a;
   };
   r.device = per_step(d, dev0), r.host = per_step(h, host0);
-  if (dev && waits0 >= 0) r.host_waits = (dev->host_waits() - waits0) / s.steps;
+  if (dev && waits0 >= 0) r.host_waits = (dev->host_waits() - waits0 + comm_waits() - comm0) / s.steps;
   return r;
 }
 
@@ -154,7 +157,7 @@ template <class P> outcome train_gpt(context& ctx, const backend_ref& be, const 
   auto p = make<P>(ctx, seed{42}, options_for(be, s));
   markov_data data(seed{7}, V, seq_of(s), global_sequences(ctx, s));
   trainer t(p, adamw{.lr = 1e-4f}, trainer_for(s, s.steps));
-  return drive(ctx, t, data, s, timed, dev, [&] { return p.device_traffic(); });
+  return drive(ctx, t, data, s, timed, dev, [&] { return p.device_traffic(); }, [&] { return p.device_host_waits(); });
 }
 
 /// Model FLOPs of one step (workloads.md): 6 x non-embedding parameters x tokens + 12 L T^2 D B.

@@ -27,7 +27,7 @@ outcome train_class_split(context& ctx, const backend_ref& be, const settings& s
   const index_t global = s.sequences > 0 ? s.sequences : xc_rows_per_replica * data_replicas(ctx);
   teacher_data data(seed{7}, xc_in, xc_classes, global);
   trainer t(p, adamw{.lr = 1e-3f}, trainer_for(s, s.steps));
-  return drive(ctx, t, data, s, timed, dev, [&] { return p.device_traffic(); });
+  return drive(ctx, t, data, s, timed, dev, [&] { return p.device_traffic(); }, [&] { return p.device_host_waits(); });
 }
 double xc_flops(index_t samples, index_t) {
   return 6.0 * static_cast<double>(class_split::cost().params) * static_cast<double>(samples);
@@ -53,7 +53,7 @@ outcome train_wsp(context& ctx, const backend_ref& be, const settings& s, bool t
   barrier(ctx.world());
   const auto host0 = ctx.world().stats();
   const auto dev0 = p.device_traffic();
-  const std::int64_t waits0 = dev ? dev->host_waits() : -1;
+  const std::int64_t waits0 = dev ? dev->host_waits() + p.device_host_waits() : -1;
   const auto t0 = std::chrono::steady_clock::now();
   r.losses.clear();
   steps(2, s.steps);
@@ -65,7 +65,7 @@ outcome train_wsp(context& ctx, const backend_ref& be, const settings& s, bool t
               (d.operations - dev0.operations) / s.steps};
   r.host = {(h.bytes_sent - host0.bytes_sent) / s.steps, (h.bytes_received - host0.bytes_received) / s.steps,
             (h.operations - host0.operations) / s.steps};
-  if (dev && waits0 >= 0) r.host_waits = (dev->host_waits() - waits0) / s.steps;
+  if (dev && waits0 >= 0) r.host_waits = (dev->host_waits() + p.device_host_waits() - waits0) / s.steps;
   return r;
 }
 

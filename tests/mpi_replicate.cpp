@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
+#include <typeinfo>
 #include <string>
 #include <vector>
 
@@ -115,6 +117,26 @@ TEST_CASE("replicate<mlp> equals single-process training (global batch 32, 5 ste
 // (every leaf kind, 4 blocks, 1.3 MB of gradients: 6 buckets of 0.25 MiB), so both cases run in seconds.
 using small_gpt = models::gpt_model<1024, 64, 64, 4, 256, 4>;
 
+// The single process's parameters after n steps in precision `prec` with `opt` clipped at `clip`
+// (0: not clipped), from seed 42 on small_gpt's data: trained once per configuration and kept,
+// since several cases compare against the same run.
+template <class Opt> const tensor<float>& single_params(precision prec, const Opt& opt, double clip, int n) {
+  static std::map<std::string, tensor<float>> done;
+  const std::string key = std::string(typeid(Opt).name()) + " lr " + std::to_string(opt.lr) + " precision " +
+                          std::to_string(static_cast<int>(prec)) + " clip " + std::to_string(clip) + " steps " + std::to_string(n);
+  auto it = done.find(key);
+  if (it != done.end()) return it->second;
+  auto data = markov_data(seed{7}, small_gpt::vocab, small_gpt::max_seq, 8);
+  trainer_options o = quiet();
+  o.precision = prec;
+  o.max_grad_norm = clip;
+  network<small_gpt> single(seed{42});
+  trainer t(single, opt, o);
+  t.run(data, steps{n});
+  tensor<float> p({single.param_count()});
+  copy<float>(single.params(), p.v());
+  return done.emplace(key, std::move(p)).first->second;
+}
 // n steps of Plan (replicate<small_gpt> unless given; plan options `po`) and of one process, both
 // in precision `prec`, from the same seed and data, with `opt` clipped at
 // `clip` (0: not clipped): the replicas agree exactly, every parameter is
@@ -128,24 +150,19 @@ void check_near_single(const context& ctx, const plan_options& po, precision pre
   o.precision = prec;
   o.max_grad_norm = clip;
   auto dp = make<Plan>(ctx, seed{42}, po);
-  network<small_gpt> single(seed{42});
   {
     auto d = data();
     trainer t(dp, opt, o);
     t.run(d, steps{n});
   }
-  {
-    auto d = data();
-    trainer t(single, opt, o);
-    t.run(d, steps{n});
-  }
+  const tensor<float>& single = single_params(prec, opt, clip, n);
   const tensor<float> mine = dp.full_params();  // ZeRO-3: gathered from the owners
   tensor<float> root({dp.param_count()});
   copy<float>(mine.v(), root);
   broadcast(ctx.world(), root.v(), 0);
   CHECK(test::compare(mine.v(), root, 0, 0).max_abs == 0.0);
-  const auto all = test::compare(mine.v(), single.params(), atol, 0);
-  const auto tight = test::compare(mine.v(), single.params(), 1e-5, 1e-3);
+  const auto all = test::compare(mine.v(), single.v(), atol, 0);
+  const auto tight = test::compare(mine.v(), single.v(), 1e-5, 1e-3);
   MESSAGE(what << ", ranks " << ctx.size() << std::string(clip > 0 ? ", AdamW clipped" : ", SGD")
                << ": max |dp - single| = " << all.max_abs << ", past 1e-5 + 1e-3|p|: " << tight.bad << " of "
                << dp.param_count());
@@ -192,6 +209,17 @@ template <class Net, class Data> void step_at_lr0(Net& net, const Data& data) {
   trainer t(net, sgd{.lr = 0.f}, quiet());
   t.run(d, steps{1});
 }
+// The single process's gradients of one step at lr 0 on small_gpt's data, computed once and kept.
+const tensor<float>& single_grads_at_lr0() {
+  static const tensor<float> g = [] {
+    network<small_gpt> single(seed{42});
+    step_at_lr0(single, [] { return markov_data(seed{7}, small_gpt::vocab, small_gpt::max_seq, 8); });
+    tensor<float> out({single.param_count()});
+    copy<float>(single.grads(), out.v());
+    return out;
+  }();
+  return g;
+}
 
 // plan_options::bf16_reduce: every gradient bucket is rounded to bf16 (2^-9
 // relative), summed in bf16 (each of the p - 1 partial sums rounded again)
@@ -215,13 +243,12 @@ TEST_CASE("replicate<gpt> with gradient buckets summed in bf16 stays within bf16
   po.bucket_mib = 0.25;
   {  // one step's gradients (lr 0 keeps the parameters)
     auto dp = make<replicate<small_gpt>>(ctx, seed{42}, po);
-    network<small_gpt> single(seed{42});
     step_at_lr0(dp, data);
-    step_at_lr0(single, data);
+    const tensor<float>& single = single_grads_at_lr0();
     double gmax = 0, emax = 0;
     index_t wide = 0;
     for (index_t i = 0; i < dp.grads().numel(); ++i) {
-      const float g = dp.grads()[i], want = single.grads()[i];
+      const float g = dp.grads()[i], want = single[i];
       gmax = std::max(gmax, std::abs(static_cast<double>(want)));
       emax = std::max(emax, std::abs(static_cast<double>(g) - want));
       if ((kernels::as_int(g) & 0xffff) != 0) ++wide;
@@ -279,16 +306,15 @@ template <int Level> void check_zero_bf16(const context& ctx, int micro) {
   }
   {  // one step's owned gradients against the single process's
     auto z = make<Plan>(ctx, seed{42}, po);
-    network<small_gpt> single(seed{42});
     step_at_lr0(z, data);
-    step_at_lr0(single, data);
+    const tensor<float>& single = single_grads_at_lr0();
     const auto [lo, hi] = z.range();
     REQUIRE(z.grads().numel() == hi - lo);
     double gmax = 0, emax = 0;
     index_t wide = 0;
-    for (index_t i = 0; i < single.grads().numel(); ++i) gmax = std::max(gmax, std::abs(static_cast<double>(single.grads()[i])));
+    for (index_t i = 0; i < single.numel(); ++i) gmax = std::max(gmax, std::abs(static_cast<double>(single[i])));
     for (index_t i = 0; i < z.grads().numel(); ++i) {
-      const float g = z.grads()[i], want = single.grads()[lo + i];
+      const float g = z.grads()[i], want = single[lo + i];
       emax = std::max(emax, std::abs(static_cast<double>(g) - want));
       if ((kernels::as_int(g) & 0xffff) != 0) ++wide;
     }

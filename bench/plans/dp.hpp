@@ -136,7 +136,7 @@ struct dp {
         std::vector<typename world_comm::request> q;
         for (index_t end = g.numel(); end > 0; end -= per) {
           const index_t begin = std::max<index_t>(0, end - per);
-          if (o.blocking) comm.all_reduce(at(begin), end - begin, gt, reduce_op::sum);
+          if (o.blocking.value_or(true)) comm.all_reduce(at(begin), end - begin, gt, reduce_op::sum);
           else q.push_back(comm.iall_reduce(at(begin), end - begin, gt, reduce_op::sum));
         }
         for (auto& x : q) x.wait();
@@ -148,7 +148,7 @@ struct dp {
 
     char plan[160];
     std::snprintf(plan, sizeof plan, "dp: replicate<%s> over data:%d, %zu %s bucket(s) of <= %g MiB %s%s", W::name,
-                  P, net.bucket_count(), o.blocking ? "blocking" : "non-blocking", o.bucket_mib,
+                  P, net.bucket_count(), o.blocking.value_or(true) ? "blocking" : "non-blocking", o.bucket_mib,
                   o.overlap ? "during backward" : "after backward",
                   o.micro_batches > 1 ? (", " + std::to_string(o.micro_batches) + " micro-batches").c_str() : "");
     json_line j;

@@ -46,6 +46,16 @@ class device_comm {
       p_->wait();
       p_.reset();
     }
+    /// The backend's queue waits for the operation, the host does not: on a
+    /// GPU its compute stream waits for the operation's event, so the kernels
+    /// queued after this call follow it; on a host-executed backend (where
+    /// the host is the device) the operation completes here. Not a host wait
+    /// (host_waits() does not count it). The request is complete afterwards.
+    void join() {
+      if (!p_) return;
+      p_->join();
+      p_.reset();
+    }
 
    private:
     friend class device_comm;
@@ -53,6 +63,7 @@ class device_comm {
       virtual ~base() = default;
       virtual bool test() = 0;
       virtual void wait() = 0;
+      virtual void join() = 0;
     };
     std::unique_ptr<base> p_;
   };
@@ -75,6 +86,11 @@ class device_comm {
   std::string name() const { return self().name(); }
   comm_stats stats() const { return self().stats(); }
   void reset_stats() { self().reset_stats(); }
+  /// How often the host has waited for this communicator's operations: each
+  /// request's wait() (on a GPU, a spin on an event of the NCCL stream).
+  /// join() and the blocking forms are not counted: on a GPU the device's
+  /// queue waits for those, not the host. Split communicators count their own.
+  std::int64_t host_waits() const { return self().waits; }
 
   request iall_reduce(void* buf, index_t n, dtype t, reduce_op op) { return self().iall_reduce(buf, n, t, op); }
   request iall_gather(const void* in, void* out, index_t n, dtype t) { return self().iall_gather(in, out, n, t); }
@@ -94,7 +110,7 @@ class device_comm {
   // Blocking forms: the communicator's own blocking call where it has one (an
   // MPI library may sum in another order in its non-blocking algorithms, so a
   // blocking collective must stay blocking to give the host path's bits); else
-  // (NCCL) the non-blocking one, waited for.
+  // (NCCL) the non-blocking one, joined: the device's queue waits for it, the host does not.
   void all_reduce(void* buf, index_t n, dtype t, reduce_op op) { self().all_reduce(buf, n, t, op); }
   void all_gather(const void* in, void* out, index_t n, dtype t) { self().all_gather(in, out, n, t); }
   void all_gather_v(const void* in, void* out, std::span<const index_t> counts, dtype t) {
@@ -117,6 +133,7 @@ class device_comm {
  private:
   struct concept_t {
     std::function<void()> poll;  // set_progress
+    std::int64_t waits = 0;      // host_waits()
     virtual ~concept_t() = default;
     virtual int rank() const = 0;
     virtual int size() const = 0;
@@ -167,10 +184,19 @@ class device_comm {
     window w;  // declared first: closed after the operation's own request is done with
     R r;
     const std::function<void()>* poll;
+    std::int64_t* waits;
     template <class Issue>
-    held(const backend_ref& be, Issue&& issue, const std::function<void()>* p) : w(be), r(issue()), poll(p) {}
+    held(const backend_ref& be, Issue&& issue, const std::function<void()>* p, std::int64_t* n)
+        : w(be), r(issue()), poll(p), waits(n) {}
     bool test() override { return r.test(); }
-    void wait() override { finish(r, *poll); }
+    void wait() override {
+      ++*waits;
+      finish(r, *poll);
+    }
+    void join() override {
+      if constexpr (requires(void* s) { r.join_on(s); }) r.join_on(w.be.compute_stream());
+      else finish(r, *poll);  // a host-executed backend: the host is the device's queue
+    }
   };
 
   template <class C> struct model final : concept_t {
@@ -179,8 +205,15 @@ class device_comm {
     model(C comm, const backend_ref& b) : c(std::move(comm)), be(b) {}
     template <class Issue> request run(Issue&& issue) {
       request q;
-      q.p_ = std::make_unique<held<typename C::request>>(be, std::forward<Issue>(issue), &this->poll);
+      q.p_ = std::make_unique<held<typename C::request>>(be, std::forward<Issue>(issue), &this->poll, &this->waits);
       return q;
+    }
+    // A blocking form without one of its own: the device's queue waits for the operation (on a
+    // GPU its compute stream waits for the operation's event; the host does not).
+    template <class Issue> void complete(Issue&& issue) {
+      auto q = issue();
+      if constexpr (requires(void* st) { q.join_on(st); }) q.join_on(be.compute_stream());
+      else finish(q, this->poll);
     }
     int rank() const override { return c.rank(); }
     int size() const override { return c.size(); }
@@ -217,50 +250,32 @@ class device_comm {
     void all_reduce(void* b, index_t n, dtype t, reduce_op op) override {
       const window w(be);
       if constexpr (requires { c.all_reduce(b, n, t, op); }) c.all_reduce(b, n, t, op);
-      else {
-        auto q = c.iall_reduce(b, n, t, op);
-        finish(q, this->poll);
-      }
+      else complete([&] { return c.iall_reduce(b, n, t, op); });
     }
     void all_gather(const void* i, void* o, index_t n, dtype t) override {
       const window w(be);
       if constexpr (requires { c.all_gather(i, o, n, t); }) c.all_gather(i, o, n, t);
-      else {
-        auto q = c.iall_gather(i, o, n, t);
-        finish(q, this->poll);
-      }
+      else complete([&] { return c.iall_gather(i, o, n, t); });
     }
     void all_gather_v(const void* i, void* o, std::span<const index_t> k, dtype t) override {
       const window w(be);
       if constexpr (requires { c.all_gather_v(i, o, k, t); }) c.all_gather_v(i, o, k, t);
-      else {
-        auto q = c.iall_gather_v(i, o, k, t);
-        finish(q, this->poll);
-      }
+      else complete([&] { return c.iall_gather_v(i, o, k, t); });
     }
     void reduce_scatter(const void* i, void* o, index_t n, dtype t, reduce_op op) override {
       const window w(be);
       if constexpr (requires { c.reduce_scatter(i, o, n, t, op); }) c.reduce_scatter(i, o, n, t, op);
-      else {
-        auto q = c.ireduce_scatter(i, o, n, t, op);
-        finish(q, this->poll);
-      }
+      else complete([&] { return c.ireduce_scatter(i, o, n, t, op); });
     }
     void reduce_scatter_v(const void* i, void* o, std::span<const index_t> k, dtype t, reduce_op op) override {
       const window w(be);
       if constexpr (requires { c.reduce_scatter_v(i, o, k, t, op); }) c.reduce_scatter_v(i, o, k, t, op);
-      else {
-        auto q = c.ireduce_scatter_v(i, o, k, t, op);
-        finish(q, this->poll);
-      }
+      else complete([&] { return c.ireduce_scatter_v(i, o, k, t, op); });
     }
     void broadcast(void* b, index_t n, dtype t, int root) override {
       const window w(be);
       if constexpr (requires { c.broadcast(b, n, t, root); }) c.broadcast(b, n, t, root);
-      else {
-        auto q = c.ibroadcast(b, n, t, root);
-        finish(q, this->poll);
-      }
+      else complete([&] { return c.ibroadcast(b, n, t, root); });
     }
     std::unique_ptr<concept_t> split(int color, int key) override {
       auto m = std::make_unique<model>(c.split(color, key), be);

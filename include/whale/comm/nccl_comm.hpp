@@ -89,6 +89,19 @@ class nccl_comm {
     void wait() {
       wait([] {});
     }
+    /// Stream `s` (a cudaStream_t) waits for the operation; the host does not.
+    /// The request is complete afterwards (its event is released once the device is done with it).
+    void join_on(void* s) {
+      if (!ev_) return;
+      if (deferred_) {
+        if (detail::nccl_group().holds(ev_))
+          throw std::logic_error("whale::nccl_comm '" + c_->name + "': joining a " + op_ +
+                                 " issued inside a group that is still open; end the group first");
+        deferred_ = false;
+      }
+      c_->check(cudaStreamWaitEvent(static_cast<cudaStream_t>(s), ev_, 0), "cudaStreamWaitEvent");
+      done();
+    }
     /// wait(), calling `poll()` between the checks: another library's progress
     /// (MPI moves its pending messages only inside its calls).
     template <class Poll> void wait(Poll&& poll) {

@@ -130,7 +130,7 @@ inline std::vector<launch_field> launch_fields(const std::string& plan, const me
       f::integer("balance_seq", o.balance_seq),
       f::real("bucket_mib (WHALE_BUCKET_MIB)", o.bucket_mib),
       f::integer("overlap (WHALE_DP_OVERLAP)", o.overlap),
-      f::integer("blocking (WHALE_DP_BLOCKING)", o.blocking),
+      f::integer("blocking (WHALE_DP_BLOCKING; -1: by backend)", o.blocking ? *o.blocking : -1),
       f::integer("bf16_reduce (--bf16-reduce, WHALE_BF16_REDUCE)", o.bf16_reduce),
       f::integer("prefetch (WHALE_ZERO_PREFETCH)", o.prefetch),
       f::integer("max_pending", o.max_pending),

@@ -231,8 +231,8 @@ template <class P> class executor {
   /// device_collectives is off). The bits of grad_norm()'s square on the CPU
   /// and guarded backends (on GPUs NCCL may add the ranks' sums in another
   /// order). The trainer keeps a step's figures on the device with it
-  /// (trainer_options::log_every > 1): no read of the norm or the loss; the
-  /// world sum is still one blocking NCCL call (a host wait) a step.
+  /// (trainer_options::log_every > 1): no read of the norm or the loss; on a GPU
+  /// the compute stream, not the host, waits for the world sum.
   void grad_sum_squares_into(double* out) const {
     if (be_.on_cpu()) {  // grad_norm()'s square, as it is
       *out = grad_squares();
@@ -253,7 +253,7 @@ template <class P> class executor {
     be_.launch(1, kernels::sum_in_order{sq_parts_.data(), n, 1.0, out, false});  // one running sum, as grad_squares() adds
     if (ctx_->size() == 1) return;
     if (dev_world_) {
-      all_reduce(*dev_world_, view<double>(out, {1}));
+      all_reduce(*dev_world_, view<double>(out, {1}));  // on a GPU joined: the device's queue waits, not the host
     } else {  // without the device's own communicators: through the host (a wait)
       double host = 0;
       be_.copy(&host, out, sizeof host);
@@ -277,6 +277,18 @@ template <class P> class executor {
     if (dev_model_) t += dev_model_->stats();
     t += msg_.channel_traffic();
     return t;
+  }
+  /// Whether gradient buckets are blocking all-reduces (plan_options::blocking, or by backend).
+  /// Unset, non-blocking where NCCL sums them; on the CPU and on a host-executed backend (the guarded one,
+  /// which then sums as the CPU does) blocking.
+  bool blocking_buckets() const noexcept { return o_.blocking.value_or(dev_data_ == nullptr || be_.host_executed()); }
+  /// On a device: how often the host waited for an operation of its own
+  /// communicators (device_comm::host_waits; each is a spin on a GPU).
+  std::int64_t device_host_waits() const {
+    std::int64_t n = msg_.channel_host_waits();
+    for (const auto* d : {dev_data_.get(), dev_model_.get(), dev_world_.get()})
+      if (d) n += d->host_waits();
+    return n;
   }
   /// On a device: the traffic of its pipeline channels alone (in device_traffic() too).
   comm_stats pipe_device_traffic() const { return msg_.channel_traffic(); }
@@ -391,7 +403,7 @@ template <class P> class executor {
       os << "  schedule " << sched::name() << ", micro-batches "
          << (e.o_.micro_batches ? std::to_string(e.o_.micro_batches) : std::string(staged ? "auto (<= 4 x stages)" : "1")) << "\n";
     if (e.d_ > 1 && level < 2)
-      os << "  buckets of <= " << e.o_.bucket_mib << " MiB" << (e.o_.blocking ? ", blocking" : ", non-blocking")
+      os << "  buckets of <= " << e.o_.bucket_mib << " MiB" << (e.blocking_buckets() ? ", blocking" : ", non-blocking")
          << (e.o_.overlap ? ", during backward" : ", after backward") << (e.o_.bf16_reduce ? ", summed in bf16" : "")
          << "\n";
     const auto t = e.prog_.totals();
@@ -447,6 +459,18 @@ template <class P> class executor {
     if (m == m_) return;
     rep_ = check_schedule<sched>(p_, m);
     actions_ = sched::actions(stage_, p_, m);
+    // this rank's messages in the order every rank issues them (messenger): a training pass's and a forward-only one's
+    std::vector<std::vector<pipe_action>> all(static_cast<std::size_t>(p_)), fwd(static_cast<std::size_t>(p_));
+    for (int s = 0; s < p_; ++s) {
+      all[static_cast<std::size_t>(s)] = sched::actions(s, p_, m);
+      for (const auto& a : all[static_cast<std::size_t>(s)])
+        if (a.kind == pipe_action::forward) fwd[static_cast<std::size_t>(s)].push_back(a);
+    }
+    const auto fr = detail::replay(fwd, p_, m, V);
+    round_[1] = rep_.round[static_cast<std::size_t>(stage_)];
+    round_[0] = fr.round[static_cast<std::size_t>(stage_)];
+    ops_[1] = detail::message_order(all, rep_.round, p_, m, V, stage_);
+    ops_[0] = detail::message_order(fwd, fr.round, p_, m, V, stage_);
     m_ = m;
   }
 
@@ -483,6 +507,8 @@ template <class P> class executor {
   int m_ = 0;
   schedule_report rep_;
   std::vector<pipe_action> actions_, fwd_only_;
+  std::vector<int> round_[2];             // [training]: the replay's round of each of this rank's actions
+  std::vector<detail::pipe_op> ops_[2];   // [training]: this rank's messages in the order every rank issues them
   std::vector<std::vector<weight_task>> wq_;  // per activation slot: the weight gradients its B put off
   std::size_t deferred_ = 0;
   std::vector<char> posted_;

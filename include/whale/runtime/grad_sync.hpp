@@ -106,7 +106,7 @@ class grad_sync {
     ready(c, grads, std::numeric_limits<index_t>::min());
     for (std::size_t i = 0; i < next_; ++i) {
       auto& b = buckets_[i];
-      b.dreq.wait();
+      b.dreq.join();  // the device's queue waits for the sum, the host does not
       if (b.req) {
         b.req->wait(), b.req.reset();
         if (!bf16_ && !be_.on_cpu())

@@ -4,23 +4,30 @@
 // model knowledge; compiled once.
 //
 // With the stage in a device's memory, messages take one of two ways:
-// - the device's own channels (open_channels; NCCL on a GPU): one
-//   communicator per pipe rank, direction and kind (activations go to the
-//   next pipe rank, gradients to the previous one), each with its own stream,
-//   on which a pair's messages match in the order they are issued, as NCCL
-//   matches them. A send is copied into a pooled device buffer and sent from
-//   there; each channel's receives are issued in the order the stage reads
-//   them (order()), each as soon as its slot is free and every earlier one is
-//   issued, straight into the slot's device buffer. Both ends agree when the
-//   schedule sends each link's messages in the order they are read
-//   (schedule_report::in_order, true for the built-in schedules); a step
-//   whose schedule does not takes host copies. A blocked receive holds up
-//   only its own channel.
+// - the device's own communicator over the pipe group (open_channels; NCCL on
+//   a GPU), one for every message of the stage, so its operations run one at
+//   a time on its one stream. Every rank issues its sends and receives in the
+//   one order all ranks agree on (message_order in strategy/schedule.hpp: by
+//   the replay's round in which the receiver reads the message, then by the
+//   receiving rank): before each action, those read by its round or earlier;
+//   the rest at the pass's end. The first message not yet done then has both
+//   ends at the head of their queues, so no operation waits for a later one:
+//   the pipeline never needs two NCCL kernels resident at once, and a host
+//   that waits for nothing cannot hold it up. A send is copied into a pooled
+//   device buffer and sent from there when its turn comes; a receive lands
+//   straight in the slot's device buffer, just before the action that reads
+//   it, and the device's queue (not the host) waits for it
+//   (device_comm::request::join). Pairs match by issue order, as NCCL
+//   matches them, which holds where the schedule sends each link's messages
+//   in the order they are read (schedule_report::in_order, true for the
+//   built-in schedules); a step whose schedule does not takes host copies.
 // - otherwise through host copies, by MPI: a send is copied down into its
 //   outgoing buffer, a receive lands in a host buffer of its slot and is
 //   copied up into the slot's device buffer when it is read.
 #pragma once
 
+#include <deque>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -32,14 +39,9 @@
 #include "whale/comm/context.hpp"
 #include "whale/comm/device_comm.hpp"
 #include "whale/nn/layer.hpp"
+#include "whale/strategy/schedule.hpp"
 
 namespace whale::detail {
-
-/// Test hook: on a host-executed backend (the guarded one), issue each channel
-/// receive ahead, as on a GPU, instead of when the stage reads it. Off by
-/// default there, since an operation in flight keeps the guarded region open
-/// to host code; tests/mpi_device.cpp runs every pipeline both ways.
-inline bool issue_ahead_on_host = false;
 
 /// One receive of a micro-batch pass: from pipe rank `rank` with `tag`, (rows, width) floats.
 struct peer_msg {
@@ -56,39 +58,12 @@ class messenger {
     pipe_ = &pipe;
     be_ = be;
   }
-  /// The device's own channels between pipe ranks, split from `dev`, the
-  /// device's communicator over the pipe group (collective over it; every
-  /// rank of the group calls it). Needs 2 pipe ranks or more. `wrap`: also
-  /// the links around the ring, from the last pipe rank to the first and back
-  /// (interleaved schedules).
-  void open_channels(std::unique_ptr<device_comm> dev, bool wrap) {
+  /// The device's own communicator over the pipe group (`dev`; needs 2 pipe
+  /// ranks or more): every message of the stage takes it, in message_order().
+  void open_channels(std::unique_ptr<device_comm> dev) {
     if (!dev) return;
     close_channels();
-    const int P = dev->size(), me = dev->rank();
-    if (P < 2) throw std::logic_error("whale::messenger: device channels need two pipe ranks or more");
-    tensor<float> one;  // each channel's first message (NCCL connects a pair on its first exchange, both ends waiting)
-    {
-      const place_scope on(be_.memory());
-      one = tensor<float>({1}, mem_kind::comm);
-    }
-    be_.fill_zero(one.data(), sizeof(float));
-    for (int k = 0; k < 2; ++k) {
-      out_ch_[k].assign(static_cast<std::size_t>(P), -1), in_ch_[k].assign(static_cast<std::size_t>(P), -1);
-      for (int src = 0; src < P; ++src) {  // activations to src + 1, gradients to src - 1
-        const int dst = k == 0 ? (src + 1) % P : (src + P - 1) % P;
-        if (!wrap && (k == 0 ? dst < src : dst > src)) continue;  // (the same on every rank)
-        const bool member = me == src || me == dst;
-        auto c = dev->split(member ? 0 : -1, me == src ? 0 : 1);  // the sender is rank 0 of the pair
-        if (!member) continue;
-        // connected now, by both ends at once: a first receive issued later, before the peer's first
-        // send on it, would otherwise hold this rank's thread in NCCL's connection setup
-        auto r = me == src ? c.isend(one.data(), 1, dtype::f32, 1, 0) : c.irecv(one.data(), 1, dtype::f32, 0, 0);
-        r.wait();
-        (me == src ? out_ch_[k][static_cast<std::size_t>(dst)] : in_ch_[k][static_cast<std::size_t>(src)]) =
-            static_cast<int>(chans_.size());
-        chans_.push_back(std::move(c));
-      }
-    }
+    if (dev->size() < 2) throw std::logic_error("whale::messenger: device channels need two pipe ranks or more");
     pipe_dev_ = std::move(dev);
   }
   messenger() = default;
@@ -98,16 +73,18 @@ class messenger {
   /// Whether this step's messages take the device's own channels: they are
   /// open, and the schedule sends each link's messages in the order they are read.
   bool channels() const noexcept { return use_; }
-  /// The channels' traffic (their operations and bytes; the first message of each, sent when it opens, included).
-  comm_stats channel_traffic() const {
-    comm_stats t;
-    for (const auto& c : chans_) t += c.stats();
-    return t;
+  /// The device communicator's traffic (its operations and bytes).
+  comm_stats channel_traffic() const { return pipe_dev_ ? pipe_dev_->stats() : comm_stats{}; }
+  /// The host's waits for its operations (device_comm::host_waits).
+  std::int64_t channel_host_waits() const { return pipe_dev_ ? pipe_dev_->host_waits() : 0; }
+  /// With channels, set each step after start_step(): this rank's messages of
+  /// the step in message_order() (kept by the caller until the step ends).
+  void set_order(const std::vector<pipe_op>& ops) noexcept { ops_ = &ops; }
+  /// With channels, before each action: issue the messages read by round
+  /// `round` or earlier (message_order()), those not issued yet.
+  void issue_through(int round) {
+    while (ops_ && issued_ < ops_->size() && (*ops_)[issued_].round <= round) issue((*ops_)[issued_++]);
   }
-  /// With channels, set each step after start_step(): the keys of the passes
-  /// that receive an activation (kind 0) or a gradient (kind 1), in the order
-  /// the stage reads them.
-  std::vector<int>& order(int kind) { return order_[kind]; }
   /// Per step: `keys` micro-batch passes (micro-batches × chunks), `slots`
   /// activation slots of up to (rows, in_w) inputs and (rows, out_w) gradients;
   /// `acts` / `grads`: whether any pass receives an activation / a gradient.
@@ -134,23 +111,26 @@ class messenger {
     if (grads) slots_of(gin_, gin_host_, out_w, mem_kind::comm);
     act_.clear(), grad_.clear();
     act_.resize(static_cast<std::size_t>(keys)), grad_.resize(static_cast<std::size_t>(keys));
-    if (channels())
+    if (channels()) {
+      ops_ = nullptr;
+      issued_ = 0;
+      cap_ = slots;
+      for (auto& o : dev_out_) o.queued = false;  // (a step cut short by an exception leaves some queued)
       for (int k = 0; k < 2; ++k) {
-        order_[k].clear();
-        issued_[k] = 0;
         waiting_[k].assign(static_cast<std::size_t>(keys), pending{});
         dreq_[k].clear();
         dreq_[k].resize(static_cast<std::size_t>(keys));
+        recv_issued_[k].assign(static_cast<std::size_t>(keys), 0);
+        ready_[k].clear();
       }
+    }
   }
   /// Post pass `key`'s receives into slot `slot`: its activation and (a training step) its gradient.
   void post(int key, int slot, const peer_msg& act, const peer_msg& grad) {
     const auto k = static_cast<std::size_t>(key), sl = static_cast<std::size_t>(slot);
-    if (channels()) {  // issued in the order the stage reads them, once every earlier one is
+    if (channels()) {  // issued in message_order(), just before the action that reads it
       if (act.on) waiting_[0][k] = {true, slot, act};
       if (grad.on) waiting_[1][k] = {true, slot, grad};
-      // (on a host-executed backend, when read: an operation in flight keeps its memory open to host code)
-      if (!lazy()) issue(0), issue(1);
       return;
     }
     auto& xin = be_.on_cpu() ? xin_ : xin_host_;
@@ -176,20 +156,31 @@ class messenger {
       if (v.numel() != rows_ * width)  // NCCL needs a message's two ends to agree on its size
         throw std::logic_error("whale::messenger: a pipeline message of " + std::to_string(v.numel()) + " elements, where the receiver reads " +
                                std::to_string(rows_) + " x " + std::to_string(width));
-      auto& ch = channel(out_ch_[gradient ? 1 : 0], dst, "to");
-      dev_outbox* ob = nullptr;
-      for (auto& o : dev_out_)
-        if (o.req.test()) {
-          ob = &o;
-          break;
+      // a free outgoing buffer; at the cap (one per activation slot, as the memory plan counts), the
+      // oldest one whose send is issued, once the device's queue has joined that send: the host runs
+      // ahead of the device and would otherwise find few sends done
+      std::size_t at = 0;
+      while (at < dev_out_.size() && (dev_out_[at].queued || !dev_out_[at].req.test())) ++at;
+      if (at == dev_out_.size() && static_cast<int>(dev_out_.size()) >= cap_) {
+        std::size_t oldest = dev_out_.size();
+        for (std::size_t i = 0; i < dev_out_.size(); ++i)
+          if (!dev_out_[i].queued && (oldest == dev_out_.size() || dev_out_[i].seq < dev_out_[oldest].seq)) oldest = i;
+        if (oldest < dev_out_.size()) {
+          dev_out_[oldest].req.join();
+          at = oldest;
         }
-      if (!ob) ob = &dev_out_.emplace_back();
+      }
+      if (at == dev_out_.size()) dev_out_.emplace_back();
+      auto& ob = dev_out_[at];
       {
         const place_scope on(be_.memory());
-        ensure(ob->buf, v.shape(), mem_kind::comm);
+        ensure(ob.buf, v.shape(), mem_kind::comm);
       }
-      be_.copy(ob->buf.data(), v.data(), v.bytes());  // on the compute stream; the send follows it
-      ob->req = ch.isend(ob->buf.data(), v.numel(), dtype::f32, 1, 0);
+      be_.copy(ob.buf.data(), v.data(), v.bytes());  // on the compute stream; the send follows it
+      ob.queued = true;
+      ob.dst = dst;
+      ob.n = v.numel();
+      ready_[gradient ? 1 : 0].push_back(at);  // sent when its turn in message_order() comes
       return;
     }
     outbox* ob = nullptr;
@@ -222,61 +213,63 @@ class messenger {
     for (auto& r : grad_)
       if (r) r->test();
   }
-  /// Every send complete.
+  /// The step's last messages issued; every send complete.
   void flush() {
-    for (auto& o : dev_out_) o.req.wait();
+    if (channels()) {
+      issue_through(std::numeric_limits<int>::max());
+      if (!ready_[0].empty() || !ready_[1].empty())
+        throw std::logic_error("whale::messenger: a pipeline message was sent that this rank's message order does not list");
+    }
+    for (auto& o : dev_out_) o.req.join();  // the device's queue follows the sends (their buffers are reused in its order)
     for (auto& o : out_)
       if (o.req) o.req->wait(), o.req.reset();
   }
 
  private:
-  /// Whether receives are issued when read (a host-executed backend), not ahead.
-  bool lazy() const noexcept { return be_.host_executed() && !issue_ahead_on_host; }
-  /// The channels closed in the order they were opened, the same on every rank
-  /// (closing an MPI communicator is collective over it).
   void close_channels() noexcept {
-    for (auto& kind : dreq_) kind.clear();  // the operations before their communicators
+    for (auto& kind : dreq_) kind.clear();  // the operations before their communicator
     dev_out_.clear();
-    for (auto& c : chans_) c = device_comm{};
-    chans_.clear();
     pipe_dev_.reset();
     use_ = false;
-  }
-  device_comm& channel(const std::vector<int>& of, int peer, const char* dir) {
-    const int i = peer >= 0 && static_cast<std::size_t>(peer) < of.size() ? of[static_cast<std::size_t>(peer)] : -1;
-    if (i < 0) throw std::logic_error(std::string("whale::messenger: no device channel ") + dir + " pipe rank " + std::to_string(peer));
-    return chans_[static_cast<std::size_t>(i)];
   }
   struct pending {
     bool on = false;  // posted: its slot is free
     int slot = 0;
     peer_msg msg;
   };
-  /// Issue kind `k`'s receives in reading order while the next one's slot is
-  /// free, up to pass `upto` (-1: as far as the slots allow).
-  void issue(int k, int upto = -1) {
-    auto& ord = order_[k];
-    while (issued_[k] < ord.size()) {
-      if (upto >= 0 && issued_[k] > 0 && ord[issued_[k] - 1] == upto) return;
-      const auto key = static_cast<std::size_t>(ord[issued_[k]]);
-      const auto& w = waiting_[k][key];
-      if (!w.on) return;
-      auto& ch = channel(in_ch_[k], w.msg.rank, "from");
-      auto& slots = k == 0 ? xin_ : gin_;
-      dreq_[k][key] = ch.irecv(slots[static_cast<std::size_t>(w.slot)].data(), rows_ * w.msg.width, dtype::f32, 0, 0);
-      ++issued_[k];
+  /// One message of message_order(), on the pipe group's device communicator.
+  void issue(const pipe_op& op) {
+    const auto k = static_cast<std::size_t>(op.kind);
+    if (op.send) {
+      auto& q = ready_[k];
+      if (q.empty())
+        throw std::logic_error("whale::messenger: the message order sends a" + std::string(op.kind ? " gradient" : "n activation") +
+                               " to pipe rank " + std::to_string(op.peer) + " before the stage made it");
+      auto& ob = dev_out_[q.front()];
+      q.pop_front();
+      if (ob.dst != op.peer)
+        throw std::logic_error("whale::messenger: the stage sent to pipe rank " + std::to_string(ob.dst) +
+                               " where the message order sends to " + std::to_string(op.peer));
+      ob.queued = false;
+      ob.seq = ++sent_;
+      ob.req = pipe_dev_->isend(ob.buf.data(), ob.n, dtype::f32, op.peer, 0);
+      return;
     }
+    const auto key = static_cast<std::size_t>(op.key);
+    const auto& w = waiting_[k][key];
+    if (!w.on || w.msg.rank != op.peer)
+      throw std::logic_error("whale::messenger: pass " + std::to_string(op.key) + "'s receive from pipe rank " + std::to_string(op.peer) +
+                             " comes before its slot was posted");
+    auto& slots = k == 0 ? xin_ : gin_;
+    recv_issued_[k][key] = 1;
+    dreq_[k][key] = pipe_dev_->irecv(slots[static_cast<std::size_t>(w.slot)].data(), rows_ * w.msg.width, dtype::f32, op.peer, 0);
   }
-  /// Kind `k`'s message of pass `key`, in its slot: issued by now (the stage reads in order()), waited for.
+  /// Kind `k`'s message of pass `key`, in its slot: issued by now (issue_through its reader's round), joined.
   cview<float> received(int k, int key, std::vector<tensor<float>>& slots, int slot, index_t width) {
-    issue(k, lazy() ? key : -1);
-    const auto& ord = order_[k];
-    std::size_t at = 0;
-    while (at < issued_[k] && ord[at] != key) ++at;
-    if (at == issued_[k])
-      throw std::logic_error("whale::messenger: pass " + std::to_string(key) + " reads a message not issued on its device channel "
-                                                                               "(read out of order, or before its slot was posted)");
-    dreq_[k][static_cast<std::size_t>(key)].wait();
+    if (!recv_issued_[k][static_cast<std::size_t>(key)])
+      throw std::logic_error("whale::messenger: pass " + std::to_string(key) + " reads a message not issued on the device communicator "
+                                                                               "(read before its round came in the message order)");
+    dreq_[k][static_cast<std::size_t>(key)].join();  // the kernels that read the slot follow the receive
     return cview<float>(slots[static_cast<std::size_t>(slot)].data(), {rows_, width});
   }
   /// A received message in slot `slot`: on a device, its host copy copied up first.
@@ -299,19 +292,25 @@ class messenger {
   std::vector<tensor<float>> xin_host_, gin_host_;  // on a device: where their messages land
   std::vector<std::optional<world_comm::request>> act_, grad_;
   std::vector<outbox> out_;
-  // the device's own channels (open_channels): [kind][pipe rank], valid where a pair exchanges that kind
+  // the device's own communicator over the pipe group (open_channels)
   struct dev_outbox {
     tensor<float> buf;          // in the device's memory
     device_comm::request req;   // its send; complete when the buffer is free
+    bool queued = false;        // made, not yet issued
+    int dst = 0;                // its pipe rank
+    index_t n = 0;              // its elements
+    std::uint64_t seq = 0;      // when its send was issued
   };
-  std::unique_ptr<device_comm> pipe_dev_;
-  bool use_ = false;                        // this step's messages take the channels
-  std::vector<device_comm> chans_;          // in the order they were split, the same on every rank
-  std::vector<int> out_ch_[2], in_ch_[2];   // [kind][pipe rank]: the index in chans_ of the channel to / from it, or -1
-  std::vector<int> order_[2];               // per kind: the keys in reading order
-  std::size_t issued_[2] = {0, 0};          // per kind: how many of order_ are issued
-  std::vector<pending> waiting_[2];         // per kind and key: posted receives
-  std::vector<device_comm::request> dreq_[2];
+  std::unique_ptr<device_comm> pipe_dev_;  // the pipe group's device communicator: every message, in message_order()
+  bool use_ = false;                       // this step's messages take it
+  const std::vector<pipe_op>* ops_ = nullptr;  // this rank's messages of the step, in order
+  std::size_t issued_ = 0;                     // how many of them are issued
+  int cap_ = 1;                                // outgoing buffers kept (more only while all hold unissued sends)
+  std::uint64_t sent_ = 0;                     // sends issued so far
+  std::vector<pending> waiting_[2];            // per kind and key: posted receives
+  std::vector<device_comm::request> dreq_[2];  // per kind and key: the receive
+  std::vector<char> recv_issued_[2];            // per kind and key: the receive is issued
+  std::deque<std::size_t> ready_[2];           // per kind: outboxes made, in the order made, not yet issued
   std::vector<dev_outbox> dev_out_;
 };
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdlib>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -29,8 +30,8 @@ struct plan_options {
   backend_ref backend;
   /// On a device: collectives over the data and model axes run on the device's
   /// buffers through its own communicator (make_device_comm: NCCL on a GPU),
-  /// and pipeline messages over its own channels (one communicator per pipe
-  /// rank, direction and kind); false: both through host copies around MPI.
+  /// and pipeline messages through its communicator over the pipe group (in one
+  /// order every rank agrees on); false: both through host copies around MPI.
   bool device_collectives = true;
   // ---- pipelines ----
   /// Micro-batches per step (m). 0: 1 without a pipeline; with one, the largest
@@ -46,11 +47,14 @@ struct plan_options {
   double bucket_mib = 25.0;   ///< gradient bucket size (MiB)
   bool overlap = true;        ///< reduce buckets during backward; false: all after backward
   /// Each bucket in one blocking all-reduce as soon as it is ready (true), or a
-  /// non-blocking one waited for after backward (false, for transports that
-  /// progress on their own). Blocking is the default on the CPU backend: nothing
-  /// progresses a non-blocking all-reduce while backward keeps every core busy,
-  /// and Open MPI's blocking algorithms measured ~2.7x faster at 25 MiB (docs/bench.md).
-  bool blocking = true;
+  /// non-blocking one that overlaps backward and is joined after it (false). Unset:
+  /// by backend. Blocking on the CPU backend: nothing progresses a non-blocking
+  /// all-reduce while backward keeps every core busy, and Open MPI's blocking
+  /// algorithms measured ~2.7x faster at 25 MiB (docs/bench.md). Non-blocking on a
+  /// device with its own communicator (NCCL on a GPU): the sums run on the
+  /// communicator's stream while backward computes, and the device's queue, not
+  /// the host, waits for them before the optimizer.
+  std::optional<bool> blocking;
   /// Sum gradient buckets over the data axis in bf16: each bucket is rounded to
   /// bf16, all-reduced as bf16 (half the bytes; each partial sum rounded to
   /// bf16) and widened back to fp32 before the optimizer, as DDP's bf16

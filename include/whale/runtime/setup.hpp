@@ -191,11 +191,11 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
     }
   }
   if (d_ > 1 && level < 2 && !o_.worker_cuts)
-    sync_.plan(detail::bucket_ranges(detail::complement(no_sync_, n), detail::bucket_elements(o_.bucket_mib)), o_.blocking,
+    sync_.plan(detail::bucket_ranges(detail::complement(no_sync_, n), detail::bucket_elements(o_.bucket_mib)), blocking_buckets(),
                o_.bf16_reduce, be_, dev_data_.get());
   msg_.bind(*pipe_, be_);
   // on a device, pipeline messages take the device's own channels (collective over the pipe group, on every rank alike)
-  if (!be_.on_cpu() && o_.device_collectives && p_ > 1) msg_.open_channels(make_device_comm(*pipe_, be_), V > 1);
+  if (!be_.on_cpu() && o_.device_collectives && p_ > 1) msg_.open_channels(make_device_comm(*pipe_, be_));
   if (o_.trace || !o_.trace_path.empty()) {
     tr_.enable(ctx.rank(), stage_, replica_);
     barrier(ctx.world());

@@ -85,15 +85,7 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
     }
     msg_.start_step(keys, train ? rep_.peak_live[static_cast<std::size_t>(stage_)] : keys, rows, in_w, out_w, acts_in, grads_in,
                     rep_.in_order);
-    if (msg_.channels()) {  // the order this stage reads its messages in: each device channel's receives are issued so
-      auto& ao = msg_.order(0);
-      auto& go = msg_.order(1);
-      for (const auto& a : acts) {
-        const int v = vstage(a.chunk);
-        if (a.kind == pipe_action::forward && v > 0) ao.push_back(key_of(a));
-        if (a.kind == pipe_action::backward && v < pv - 1) go.push_back(key_of(a));
-      }
-    }
+    if (msg_.channels()) msg_.set_order(ops_[train]);  // the order every rank issues its messages in
   }
   posted_.assign(static_cast<std::size_t>(keys), 0);
   auto& posted = posted_;
@@ -124,6 +116,7 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
         const detail::peer_msg grad{train && v < pv - 1, (v + 1) % p_, 2 * (j * V + ch) + 1, part.out_width()};
         msg_.post(key, msg_slot(key), act, grad);
       }
+    if (pv > 1 && msg_.channels()) msg_.issue_through(round_[train][k]);  // the messages read by this action's round
     const auto a = acts[k];
     const int key = key_of(a), v = vstage(a.chunk);
     const auto ku = static_cast<std::size_t>(key);

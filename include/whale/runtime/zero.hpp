@@ -220,7 +220,7 @@ class zero_engine {
   void wait_oldest() {
     auto& p = pending_.front();
     p.req.wait();
-    p.dreq.wait();
+    p.dreq.join();  // on a device: its queue waits for the reduce-scatter, the host does not
     if (p.recv >= 0 && !dry_) {  // bf16: widen the owned piece into (or onto) the owned gradients
       float* g = shard_grads_.data() + p.at;
       if (p.add) be_.launch(p.count, kernels::unpack_add_bf16{bits(p.recv), g});
@@ -282,7 +282,7 @@ class zero_engine {
                                 std::span<const index_t>(l.counts)));
   }
   void drop(gathered& g) {
-    g.dreq.wait();
+    g.dreq.join();
     if (g.req) g.req->wait();
     g.req.reset();
     release(g.buf);
@@ -313,7 +313,7 @@ class zero_engine {
       if (next_.offset == l.offset) std::swap(held_, next_);
       else start_gather(held_, l);
     }
-    held_.dreq.wait();
+    held_.dreq.join();  // the layer's kernels follow the gather
     if (held_.req) {
       held_.req->wait();
       held_.req.reset();

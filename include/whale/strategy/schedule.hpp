@@ -169,6 +169,8 @@ struct schedule_report {
   std::vector<std::vector<int>> free_at;
   /// Rounds of the replay with unit-time actions and free communication.
   int rounds = 0;
+  /// Per stage, per action of its list: the round of that replay it ran in.
+  std::vector<std::vector<int>> round;
   /// Idle fraction of the busiest stage in that replay: the bubble when every
   /// pass (F, B and, if split, W) takes the same time. 1F1B and GPipe:
   /// (p−1)/(m+p−1).
@@ -186,6 +188,58 @@ struct schedule_report {
 };
 
 namespace detail {
+/// A replay of every stage's list in rounds: in each round every stage runs its
+/// next action if what it needs is done (forward j of virtual stage v needs
+/// forward j of v-1, backward j needs backward j of v+1; W needs only its own
+/// B, which its list runs first). Forward-only lists replay the same way.
+struct replay_result {
+  std::vector<std::vector<int>> round;  ///< per stage, per action of its list: the round it ran in
+  std::vector<std::size_t> next;        ///< per stage: its first action not run (where it is stuck, if stuck)
+  int rounds = 0;
+  bool stuck = false;  ///< some stage waits forever
+};
+inline replay_result replay(const std::vector<std::vector<pipe_action>>& lists, int p, int m, int V) {
+  const auto su = [](int i) { return static_cast<std::size_t>(i); };
+  const int pv = p * V;
+  replay_result r;
+  std::vector<std::vector<char>> fdone(su(pv), std::vector<char>(su(m))), bdone = fdone;
+  r.next.assign(su(p), 0);
+  r.round.resize(su(p));
+  std::size_t left = 0;
+  for (int s = 0; s < p; ++s) {
+    left += lists[su(s)].size();
+    r.round[su(s)].assign(lists[su(s)].size(), -1);
+  }
+  while (left > 0) {
+    std::vector<std::pair<int, pipe_action>> ran;
+    for (int s = 0; s < p; ++s) {
+      const auto& l = lists[su(s)];
+      const auto k = r.next[su(s)];
+      if (k == l.size()) continue;
+      const auto a = l[k];
+      const int vs = a.chunk * p + s;
+      const auto j = su(a.micro);
+      const bool ready = a.kind == pipe_action::forward    ? (vs == 0 || fdone[su(vs - 1)][j])
+                         : a.kind == pipe_action::backward ? (vs == pv - 1 || bdone[su(vs + 1)][j])
+                                                           : true;
+      if (ready) ran.push_back({s, a});
+    }
+    if (ran.empty()) {
+      r.stuck = true;
+      return r;
+    }
+    for (auto [s, a] : ran) {
+      const int vs = a.chunk * p + s;
+      if (a.kind == pipe_action::forward) fdone[su(vs)][su(a.micro)] = 1;
+      if (a.kind == pipe_action::backward) bdone[su(vs)][su(a.micro)] = 1;
+      r.round[su(s)][r.next[su(s)]++] = r.rounds;
+      --left;
+    }
+    ++r.rounds;
+  }
+  return r;
+}
+
 /// check_schedule for lists already made (`who` starts every message): `p`
 /// pipe ranks with `V` chunks each, `m` micro-batches. Arrays per rank are
 /// indexed by chunk·m + micro (micro alone when V = 1).
@@ -266,54 +320,27 @@ inline schedule_report check_lists(const std::vector<std::vector<pipe_action>>& 
       }
     }
   }
-  // Replay in rounds: each rank runs its next action if what it needs is done:
-  // forward j of virtual stage v needs forward j of v-1, backward j needs
-  // backward j of v+1 (W needs only its own B, which its list runs first).
-  const int pv = p * V;
-  std::vector<std::vector<char>> fdone(su(pv), std::vector<char>(su(m))), bdone = fdone;
-  std::vector<std::size_t> next(su(p), 0);
-  std::size_t left = 0;
-  for (auto& l : lists) left += l.size();
-  while (left > 0) {
-    std::vector<std::pair<int, pipe_action>> ran;
+  const auto rp = replay(lists, p, m, V);
+  if (rp.stuck) {
+    std::string where;
     for (int s = 0; s < p; ++s) {
       const auto& l = lists[su(s)];
-      const auto k = next[su(s)];
+      const auto k = rp.next[su(s)];
       if (k == l.size()) continue;
       const auto a = l[k];
       const int vs = a.chunk * p + s;
-      const auto j = su(a.micro);
-      const bool ready = a.kind == pipe_action::forward    ? (vs == 0 || fdone[su(vs - 1)][j])
-                         : a.kind == pipe_action::backward ? (vs == pv - 1 || bdone[su(vs + 1)][j])
-                                                           : true;
-      if (ready) ran.push_back({s, a});
+      where += (where.empty() ? "" : ", ") + std::string("stage ") + std::to_string(s) + " waits at " + a.str() +
+               (a.kind == pipe_action::forward ? " for F" + std::to_string(a.micro) + at_stage(vs - 1)
+                                               : " for B" + std::to_string(a.micro) + at_stage(vs + 1));
     }
-    if (ran.empty()) {
-      std::string where;
-      for (int s = 0; s < p; ++s) {
-        const auto& l = lists[su(s)];
-        const auto k = next[su(s)];
-        if (k == l.size()) continue;
-        const auto a = l[k];
-        const int vs = a.chunk * p + s;
-        where += (where.empty() ? "" : ", ") + std::string("stage ") + std::to_string(s) + " waits at " + a.str() +
-                 (a.kind == pipe_action::forward ? " for F" + std::to_string(a.micro) + at_stage(vs - 1)
-                                                 : " for B" + std::to_string(a.micro) + at_stage(vs + 1));
-      }
-      throw std::invalid_argument(who + "the schedule deadlocks with " + std::to_string(p) + " stages and " +
-                                  std::to_string(m) + " micro-batches: " + where +
-                                  "; forward j of stage s needs forward j of stage s-1, and backward j needs "
-                                  "backward j of stage s+1, so order each stage's list accordingly");
-    }
-    for (auto [s, a] : ran) {
-      const int vs = a.chunk * p + s;
-      if (a.kind == pipe_action::forward) fdone[su(vs)][su(a.micro)] = 1;
-      if (a.kind == pipe_action::backward) bdone[su(vs)][su(a.micro)] = 1;
-      ++next[su(s)];
-      --left;
-    }
-    ++r.rounds;
+    throw std::invalid_argument(who + "the schedule deadlocks with " + std::to_string(p) + " stages and " +
+                                std::to_string(m) + " micro-batches: " + where +
+                                "; forward j of stage s needs forward j of stage s-1, and backward j needs "
+                                "backward j of stage s+1, so order each stage's list accordingly");
   }
+  r.rounds = rp.rounds;
+  r.round = rp.round;
+  const int pv = p * V;
   r.bubble = r.rounds > 0 ? 1.0 - static_cast<double>(most) / static_cast<double>(r.rounds) : 0.0;
   // each link's messages (micro-batch, virtual stage read at), in the order sent and in the order read
   for (int s = 0; s < p && r.in_order; ++s)
@@ -333,6 +360,51 @@ inline schedule_report check_lists(const std::vector<std::vector<pipe_action>>& 
       if (sent != read) r.in_order = false;
     }
   return r;
+}
+
+/// One pipeline message as one pipe rank issues it (message_order).
+struct pipe_op {
+  bool send = false;  ///< this rank sends it (else receives it)
+  int kind = 0;       ///< 0: an activation (to the next virtual stage), 1: a gradient (to the previous one)
+  int key = 0;        ///< the pass (chunk·m + micro) that reads it, on the receiving rank
+  int peer = 0;       ///< the pipe rank at the other end
+  int round = 0;      ///< the round of the replay in which the receiver reads it
+};
+
+/// The messages of one pass over `lists` (every pipe rank's actions; a
+/// forward-only pass lists its forwards only) that pipe rank `stage` sends
+/// and receives, in the one order every rank agrees on: by the round of the
+/// replay in which the receiver reads the message, then by the receiving
+/// rank. A rank issues a message (on the pipe group's one communicator)
+/// before its first action of that round or later, or at the pass's end, so
+/// each send follows the action that made it and each receive comes just
+/// before the action that reads it. Each rank's operations then run one at a
+/// time, in this order, and none waits for a later one: the first message
+/// not yet done has both its ends at the head of their queues. So the
+/// pipeline needs one operation in flight a rank, never two NCCL kernels
+/// resident at once, and a host that does not wait cannot hold it up.
+inline std::vector<pipe_op> message_order(const std::vector<std::vector<pipe_action>>& lists, const std::vector<std::vector<int>>& rounds,
+                                          int p, int m, int V, int stage) {
+  const auto su = [](int i) { return static_cast<std::size_t>(i); };
+  const int pv = p * V;
+  struct msg {
+    int round, reader, sender, kind, key;
+  };
+  std::vector<msg> all;
+  for (int s = 0; s < p; ++s)
+    for (std::size_t k = 0; k < lists[su(s)].size(); ++k) {
+      const auto a = lists[su(s)][k];
+      const int vs = a.chunk * p + s, key = a.chunk * m + a.micro, at = rounds[su(s)][k];
+      if (a.kind == pipe_action::forward && vs > 0) all.push_back({at, s, (vs - 1) % p, 0, key});
+      if (a.kind == pipe_action::backward && vs < pv - 1) all.push_back({at, s, (vs + 1) % p, 1, key});
+    }
+  std::sort(all.begin(), all.end(), [](const msg& a, const msg& b) { return a.round != b.round ? a.round < b.round : a.reader < b.reader; });
+  std::vector<pipe_op> mine;
+  for (const auto& x : all) {
+    if (x.reader == stage) mine.push_back({false, x.kind, x.key, x.sender, x.round});
+    if (x.sender == stage) mine.push_back({true, x.kind, x.key, x.reader, x.round});
+  }
+  return mine;
 }
 
 inline std::vector<std::vector<pipe_action>> zb_h1_lists(int p, int m) {

@@ -81,24 +81,22 @@ class split_softmax_cross_entropy : public stateless_params {
                           [&](auto& cm, const float*, float* h) { all_reduce(cm, view<float>(h, {2 * R})); });
     const double count = c.loss_count();
     const double inv = count > 0 ? 1.0 / count : 0.0;
-    const auto sums = c.be.host_readable(cview<float>(tg), s.host_sums);
-    const auto maxima = c.be.host_readable(cview<float>(st), s.host_maxima);
-    double total = 0;
-    for (index_t r = 0; r < R; ++r)
-      if (ys[r] != ignore_index) total += std::log(static_cast<double>(sums[r])) + maxima[r] - sums[R + r];
+    auto rl = detail::ensure(s.row_loss, {R});
+    c.be.launch(R, kernels::split_loss_rows{tg.data(), mx, labels.data(), rl.data(), R, ignore_index});
     c.be.launch(R, kernels::softmax_grad_rows{g.data(), tg.data(), labels.data(), n, c0, static_cast<float>(inv),
                                               ignore_index});
-    // every rank of a data-axis split computes the loss of all rows: share 1/p each
-    return A == axis::data ? total * inv / p_ : total * inv;
+    // added where the rows' losses lie (into step_ctx::loss_sum where it is set: nothing read back); every
+    // rank of a data-axis split computes the loss of all rows: share 1/p each
+    return detail::loss_share(c, R, rl.data(), A == axis::data ? inv / p_ : inv, s.total);
   }
   view<float> backward_loss(step_ctx& c) { return st_(c.slot).grad.v(); }
 
  private:
   struct state {
     tensor<float> grad, stats, target;
+    tensor<double> row_loss, total;  // the rows' losses; their share, when it is read back
     tensor<float> host;  // on a device without its own communicator: the all-reduces' host copies
     std::vector<std::int32_t> host_labels;
-    std::vector<float> host_sums, host_maxima;
   };
   world_comm* comm_ = nullptr;
   device_comm* dev_ = nullptr;  // on a device: the communicator that takes its buffers (null: host copies)

@@ -603,6 +603,22 @@ struct target_logits {
   }
   std::int64_t bytes(index_t rows) const noexcept { return rows * 12; }
 };
+/// A class-split cross-entropy's row losses, once its row sums and target
+/// logits are summed over the ranks (st: R sums, then R targets):
+/// loss[r] = log(sum[r]) + m[r] - target[r], as cross_entropy_rows computes a
+/// whole row's; 0 for a row labelled `ignore`.
+struct split_loss_rows {
+  const float* st;
+  const float* m;
+  const std::int32_t* y;
+  double* loss;
+  index_t R;
+  std::int32_t ignore;
+  WHALE_HD WHALE_INLINE void operator()(index_t r) const noexcept {
+    loss[r] = y[r] == ignore ? 0.0 : std::log(static_cast<double>(st[r])) + m[r] - st[R + r];
+  }
+  std::int64_t bytes(index_t rows) const noexcept { return rows * 24; }
+};
 /// The last pass of a class-split cross-entropy: q[r, :] *= inv / sum[r], and
 /// inv is subtracted at the label when this rank holds its class (columns
 /// c0..c0+C); a row labelled `ignore` gets a zero gradient.
