@@ -203,12 +203,7 @@ ops_t as_run(const std::vector<std::vector<pipe_action>>& lists, int p, int m, i
 // operation at a time.
 template <class S> void ordered_safely(int p, int m) {
   constexpr int V = chunks_v<S>;
-  std::vector<std::vector<pipe_action>> all(static_cast<std::size_t>(p)), fwd(static_cast<std::size_t>(p));
-  for (int s = 0; s < p; ++s) {
-    all[static_cast<std::size_t>(s)] = S::actions(s, p, m);
-    for (const auto& a : all[static_cast<std::size_t>(s)])
-      if (a.kind == pipe_action::forward) fwd[static_cast<std::size_t>(s)].push_back(a);
-  }
+  const auto all = schedule_lists<S>(p, m), fwd = detail::forwards_of(all);
   const auto fr = detail::replay(fwd, p, m, V);
   REQUIRE_FALSE(fr.stuck);
   const auto rounds = check_schedule<S>(p, m).round;

@@ -460,12 +460,7 @@ template <class P> class executor {
     rep_ = check_schedule<sched>(p_, m);
     actions_ = sched::actions(stage_, p_, m);
     // this rank's messages in the order every rank issues them (messenger): a training pass's and a forward-only one's
-    std::vector<std::vector<pipe_action>> all(static_cast<std::size_t>(p_)), fwd(static_cast<std::size_t>(p_));
-    for (int s = 0; s < p_; ++s) {
-      all[static_cast<std::size_t>(s)] = sched::actions(s, p_, m);
-      for (const auto& a : all[static_cast<std::size_t>(s)])
-        if (a.kind == pipe_action::forward) fwd[static_cast<std::size_t>(s)].push_back(a);
-    }
+    const auto all = schedule_lists<sched>(p_, m), fwd = detail::forwards_of(all);
     const auto fr = detail::replay(fwd, p_, m, V);
     round_[1] = rep_.round[static_cast<std::size_t>(stage_)];
     round_[0] = fr.round[static_cast<std::size_t>(stage_)];

@@ -187,7 +187,22 @@ struct schedule_report {
   bool in_order = true;
 };
 
+/// Every stage's list of S for p stages and m micro-batches.
+template <Schedule S> std::vector<std::vector<pipe_action>> schedule_lists(int p, int m) {
+  std::vector<std::vector<pipe_action>> lists(static_cast<std::size_t>(p > 0 ? p : 0));
+  for (int s = 0; s < p; ++s) lists[static_cast<std::size_t>(s)] = S::actions(s, p, m);
+  return lists;
+}
+
 namespace detail {
+/// The lists with their forwards only, in their order: what a forward-only pass runs.
+inline std::vector<std::vector<pipe_action>> forwards_of(const std::vector<std::vector<pipe_action>>& lists) {
+  std::vector<std::vector<pipe_action>> fwd(lists.size());
+  for (std::size_t s = 0; s < lists.size(); ++s)
+    for (const auto& a : lists[s])
+      if (a.kind == pipe_action::forward) fwd[s].push_back(a);
+  return fwd;
+}
 /// A replay of every stage's list in rounds: in each round every stage runs its
 /// next action if what it needs is done (forward j of virtual stage v needs
 /// forward j of v-1, backward j needs backward j of v+1; W needs only its own
@@ -459,9 +474,7 @@ template <Schedule S> schedule_report check_schedule(int p, int m) {
   if (p < 1) throw std::invalid_argument(who + "a pipeline needs at least one stage");
   if (m < 1)
     throw std::invalid_argument(who + "the micro-batch count must be at least 1 (got " + std::to_string(m) + ")");
-  std::vector<std::vector<pipe_action>> lists(static_cast<std::size_t>(p));
-  for (int s = 0; s < p; ++s) lists[static_cast<std::size_t>(s)] = S::actions(s, p, m);
-  return detail::check_lists(lists, p, m, splits_backward_v<S>, who, chunks_v<S>);
+  return detail::check_lists(schedule_lists<S>(p, m), p, m, splits_backward_v<S>, who, chunks_v<S>);
 }
 
 /// The idle fraction of a balanced pipeline (equal stages, free communication):
