@@ -137,9 +137,9 @@ class split_chain {
     requires ends_in_loss
   {
     auto& loss = std::get<size - 1>(layers_);
-    struct hidden {  // loss_share rescales the share: the layers inside return it whole (step_ctx::loss_sum)
+    struct hidden {  // where loss_share rescales the share, the loss inside returns it whole (not into step_ctx::loss_sum)
       step_ctx& c;
-      double* sum = std::exchange(c.loss_sum, nullptr);
+      double* sum = rescales_loss() ? std::exchange(c.loss_sum, nullptr) : c.loss_sum;
       ~hidden() { c.loss_sum = sum; }
     } hide{c};
     if constexpr (n_layers == 0) {
@@ -152,12 +152,13 @@ class split_chain {
   // A whole (unsplit) loss that sees every row of the global batch on every data
   // rank computes the loss of all of them: each rank's share is 1/p of it, so that
   // summing shares over the data axis is right. (The class-split loss does this itself.)
-  double loss_share(double v) {
+  static constexpr bool rescales_loss() {
     using L = std::tuple_element_t<size - 1, tuple_type>;
-    if constexpr (A == axis::data && built::out != lay::S0 && !requires { L::split_params; })
-      return v / env_.comm(axis::data).size();
-    else
-      return v;
+    return A == axis::data && built::out != lay::S0 && !requires { L::split_params; };
+  }
+  double loss_share(double v) {
+    if constexpr (rescales_loss()) return v / env_.comm(axis::data).size();
+    else return v;
   }
   view<float> backward_loss(step_ctx& c)
     requires ends_in_loss
