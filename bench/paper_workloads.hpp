@@ -1,7 +1,8 @@
 // Workloads for judging plans on paper (docs/planning.md §7): the Whale
-// paper's two headline models at their real sizes, and a 13-billion-parameter
-// GPT for the scaling case. whale_plan lowers and simulates them; nothing here
-// trains (ResNet-50 is a price, not a layer: whale has no convolutions).
+// paper's two headline models at their real sizes, a 13-billion-parameter
+// GPT for the scaling case, and the GPU workloads (gpt-gpu and a 7B GPT).
+// whale_plan lowers and simulates them; nothing here trains (ResNet-50 is a
+// price, not a layer: whale has no convolutions).
 #pragma once
 
 #include "search.hpp"
@@ -49,6 +50,7 @@ inline model_desc priced(model_desc d) {
   u.cost.per_feature = false;
   u.cost.all_gemm = true;
   u.tensors = nullptr;
+  u.kernels = nullptr;  // a price, not a layer: no GPU kernels to count
   return d;
 }
 inline model_desc resnet_xc(const search::plan_query& a) {
@@ -60,7 +62,19 @@ inline model_desc resnet_xc(const search::plan_query& a) {
 using gpt_13b = models::gpt_model<50304, 2048, 5120, 40, 20480, 40>;
 inline constexpr index_t gpt_13b_batch = 1024;  // sequences of 2048 tokens per step (2 M tokens), at every scale
 
-/// Adds the three to the search's workloads (once).
+/// gpt-gpu (shared/workloads.md): 12 blocks of width 1024, 16 heads, FFN 4096,
+/// 1,024 positions, vocabulary 32,768, untied head; 8 sequences per GPU, so
+/// that N GPUs train N times one GPU's batch (the scaling goal compares them).
+using gpt_gpu = models::gpt_model<32768, 1024, 1024, 16, 4096, 12>;
+inline constexpr index_t gpt_gpu_batch_per_rank = 8;
+/// A 7-billion-parameter GPT in GPT-3's 6.7B shape: 32 blocks of width 4096, 32
+/// heads, FFN 16384, 2,048 positions, vocabulary 50,304 (6.9 B parameters with
+/// the untied head). Too large for one H200 with AdamW and fp32 master weights
+/// (16 bytes a parameter before activations).
+using gpt_7b = models::gpt_model<50304, 2048, 4096, 32, 16384, 32>;
+inline constexpr index_t gpt_7b_batch = 128;  // sequences of 2048 tokens per step (262,144 tokens), at every scale
+
+/// Adds the five to the search's workloads (once).
 inline void add_workloads() {
   static const bool added = [] {
     search::add_workload({"bert-large", &search::gpt_plans<bert_large>::of,
@@ -68,6 +82,11 @@ inline void add_workloads() {
                           true, false, true});
     search::add_workload({"resnet50-100k", &resnet_xc, [](const mesh_shape& m) { return xc_batch_per_rank * m.size(); }, 1, 1,
                           false, true});
+    search::add_workload({"gpt-gpu", &search::gpt_plans<gpt_gpu>::of,
+                          [](const mesh_shape& m) { return gpt_gpu_batch_per_rank * m.size(); }, 1024, gpt_gpu::max_seq, true,
+                          false, false});
+    search::add_workload({"gpt-7b", &search::gpt_plans<gpt_7b>::of, [](const mesh_shape&) { return gpt_7b_batch; }, 2048,
+                          gpt_7b::max_seq, true, false, true});
     search::add_workload({"gpt-13b", &search::gpt_plans<gpt_13b>::of, [](const mesh_shape&) { return gpt_13b_batch; }, 2048,
                           gpt_13b::max_seq, true, false, true});
     return true;

@@ -1,7 +1,7 @@
 // Lowers a reference workload's plan (shared/workloads.md) for any mesh, in
 // one process and without MPI, and prints one rank's program (what it holds,
 // each operation of a step with its bytes) and totals over every rank.
-//   whale_plan --workload mlp|xc|gpt|bert-large|resnet50-100k|gpt-13b --plan P --mesh data=64,pipe=4,model=4 [--rank R]
+//   whale_plan --workload mlp|xc|gpt|bert-large|resnet50-100k|gpt-gpu|gpt-7b|gpt-13b --plan P --mesh data=64,pipe=4,model=4 [--rank R]
 //              [--batch B] [--seq T] [--micro-batches M] [--schedule gpipe|1f1b] [--zero 0..3]
 //              [--recompute] [--no-grad-norm] [--bucket-mib X] [--stage-blocks 1,2,..] [--summary] [--json]
 // scripts/plan builds and runs it.
@@ -45,7 +45,7 @@ struct args : bench::search::plan_query {
 
 [[noreturn]] void usage(const std::string& why) {
   throw std::invalid_argument(
-      why + "\nusage: whale_plan --workload mlp|xc|gpt|bert-large|resnet50-100k|gpt-13b --plan single|dp|hybrid|pipeline|zero1|zero2|zero3|3d "
+      why + "\nusage: whale_plan --workload mlp|xc|gpt|bert-large|resnet50-100k|gpt-gpu|gpt-7b|gpt-13b --plan single|dp|hybrid|pipeline|zero1|zero2|zero3|3d "
             "--mesh data=D,pipe=P,model=M [--rank R] [--batch B] [--seq T] [--micro-batches M] "
             "[--schedule gpipe|1f1b] [--zero 0..3] [--recompute] [--no-grad-norm] [--bucket-mib X] "
             "[--stage-blocks 1,2,...] [--summary] [--json] [--optimizer-bytes 8|4|0] [--simulate PROFILE [--ranks-per-node K] [--stages-across-nodes] [--trace FILE]] "
@@ -119,11 +119,17 @@ int search(const args& base) {
   const auto& best = cs.front();
   if (base.json) {
     for (const auto& c : cs)
-      if (c.valid)
+      if (c.valid) {
+        const auto& w = bench::search::workload_of(base.workload);
+        const index_t batch = default_batch(c.a, mesh_of(c.mesh)), seq = c.a.o.seq > 0 ? c.a.o.seq : w.seq;
+        const double mfu = dev.peak_flops > 0 ? bench::search::model_flops(plan_desc(c.a), batch, seq) / c.step_s / (dev.peak_flops * n) : 0.0;
         std::printf("{\"workload\": \"%s\", \"candidate\": \"%s\", \"ranks\": %d, \"profile\": \"%s\", \"predicted_step_s\": %.6f, "
-                    "\"predicted_memory_mib\": %.2f, \"fits\": %s, \"chosen\": %s, \"tie\": %s}\n",
-                    base.workload.c_str(), c.label().c_str(), n, dev.name.c_str(), c.step_s, c.memory_mib, c.fits ? "true" : "false",
-                    &c == &best ? "true" : "false", c.tie ? "true" : "false");
+                    "\"predicted_tokens_per_s\": %.1f, \"predicted_memory_mib\": %.2f, \"fits\": %s, \"chosen\": %s, \"tie\": %s%s}\n",
+                    base.workload.c_str(), c.label().c_str(), n, dev.name.c_str(), c.step_s,
+                    static_cast<double>(batch * seq) / c.step_s, c.memory_mib, c.fits ? "true" : "false",
+                    &c == &best ? "true" : "false", c.tie ? "true" : "false",
+                    mfu > 0 ? (", \"predicted_mfu\": " + std::to_string(mfu)).c_str() : "");
+      }
     return 0;
   }
   std::cout << "searched " << cs.size() << " plans of " << base.workload << " on " << n << " ranks with the profile '" << dev.name << "'"
@@ -180,6 +186,7 @@ int run(int argc, char** argv) {
   program mine;
   const bool simulating = !a.profile.empty();
   const device_profile dev = simulating ? device_profile::load(a.profile) : device_profile{};
+  a.o.bf16 = dev.kernel_precision == "bf16";  // a GPU profile's precision: its master weights, its refusals
   if (!a.trace.empty()) {
     if (const auto why = detail::output_path_problem(a.trace); !why.empty()) usage("whale_plan: --trace '" + a.trace + "': " + why);
   }
@@ -201,16 +208,23 @@ int run(int argc, char** argv) {
     const auto sim = simulate(d, all, dev, a.per_node, a.pipe_outer ? pipe_outer_devices(mesh) : std::vector<int>{});
     if (!a.trace.empty()) write_trace(a.trace, sim.spans);
     const auto& rt = sim.ranks[static_cast<std::size_t>(a.rank)];
+    const double tokens = static_cast<double>(a.o.global_batch * a.o.seq);
+    const double flops = bench::search::model_flops(d, a.o.global_batch, a.o.seq);
+    const double mfu = dev.peak_flops > 0 ? flops / sim.step_s / (dev.peak_flops * mesh.size()) : 0.0;
     if (a.json) {
       std::printf("{\"workload\": \"%s\", \"plan\": \"%s\", \"mesh\": \"%s\", \"ranks\": %d, \"profile\": \"%s\", "
-                  "\"predicted_step_s\": %.6f, \"predicted_bubble\": %.4f, \"rank\": %d, \"compute_s\": %.6f, \"comm_s\": %.6f, "
-                  "\"wait_s\": %.6f, \"max_predicted_memory_mib_per_rank\": %.2f}\n",
-                  a.workload.c_str(), a.plan.c_str(), mesh.spec().c_str(), mesh.size(), dev.name.c_str(), sim.step_s,
-                  sim.bubble(), a.rank, rt.compute_s, rt.comm_s, rt.wait_s, static_cast<double>(max_memory) / 1048576.0);
+                  "\"precision\": \"%s\", \"predicted_step_s\": %.6f, \"predicted_bubble\": %.4f, \"rank\": %d, \"compute_s\": %.6f, "
+                  "\"comm_s\": %.6f, \"wait_s\": %.6f, \"max_predicted_memory_mib_per_rank\": %.2f, \"tokens_per_step\": %.0f, "
+                  "\"predicted_tokens_per_s\": %.1f, \"model_flops_per_step\": %.6g%s}\n",
+                  a.workload.c_str(), a.plan.c_str(), mesh.spec().c_str(), mesh.size(), dev.name.c_str(),
+                  dev.kernel_precision.empty() ? "analytic" : dev.kernel_precision.c_str(), sim.step_s, sim.bubble(), a.rank,
+                  rt.compute_s, rt.comm_s, rt.wait_s, static_cast<double>(max_memory) / 1048576.0, tokens, tokens / sim.step_s, flops,
+                  mfu > 0 ? (", \"predicted_mfu\": " + std::to_string(mfu)).c_str() : "");
       return 0;
     }
     std::cout << "simulated step of " << a.workload << " " << a.plan << " on " << mesh.spec() << " with profile '" << dev.name
-              << "': " << sim.step_s << " s (busiest rank idle " << sim.bubble() * 100 << "%)\n";
+              << "': " << sim.step_s << " s (busiest rank idle " << sim.bubble() * 100 << "%), " << tokens / sim.step_s
+              << " tokens/s" << (mfu > 0 ? ", MFU " + std::to_string(mfu) : std::string()) << "\n";
     for (int r = 0; r < mesh.size() && r < 16; ++r) {
       const auto& q = sim.ranks[static_cast<std::size_t>(r)];
       std::cout << "  rank " << r << ": compute " << q.compute_s << " s, communication " << q.comm_s << " s, waiting " << q.wait_s << " s";

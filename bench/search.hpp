@@ -17,6 +17,7 @@
 #include "whale/nn/recompute.hpp"
 #include "whale/plan/lower.hpp"
 #include "whale/plan/memory.hpp"
+#include "whale/plan/probe.hpp"
 #include "whale/plan/simulate.hpp"
 #include "whale/plan/tie.hpp"
 
@@ -57,11 +58,11 @@ inline mesh_shape mesh_of(const std::string& spec) {
 template <class M> struct dense_plans {
   static model_desc of(const plan_query& a) {
     const auto& p = a.plan;
-    if (p == "single") return describe<M>();
-    if (p == "dp") return describe<replicate<M>>();
-    if (p == "zero1") return describe<shard<M, 1>>();
-    if (p == "zero2") return describe<shard<M, 2>>();
-    if (p == "zero3") return describe<shard<M, 3>>();
+    if (p == "single") return describe_kernels<M>();
+    if (p == "dp") return describe_kernels<replicate<M>>();
+    if (p == "zero1") return describe_kernels<shard<M, 1>>();
+    if (p == "zero2") return describe_kernels<shard<M, 2>>();
+    if (p == "zero3") return describe_kernels<shard<M, 3>>();
     plan_error("plan search: the plan '" + p + "' is not defined for the workload '" + a.workload + "'");
   }
 };
@@ -83,19 +84,19 @@ template <class G> struct gpt_plans {
     const auto& p = a.plan;
     const bool g = a.schedule == "gpipe";
     if (a.recompute && p != "3d") return dense_plans<G_rec>::of(a);
-    if (p == "single") return describe<G>();
-    if (p == "dp") return describe<replicate<G>>();
-    if (p == "hybrid") return describe<split<G, axis::model>>();
-    if (p == "zero1") return describe<shard<G, 1>>();
-    if (p == "zero2") return describe<shard<G, 2>>();
-    if (p == "zero3") return describe<shard<G, 3>>();
-    if (p == "pipeline") return g ? describe<replicate<pipeline<gpipe, G>>>() : describe<replicate<pipeline<one_f_one_b, G>>>();
+    if (p == "single") return describe_kernels<G>();
+    if (p == "dp") return describe_kernels<replicate<G>>();
+    if (p == "hybrid") return describe_kernels<split<G, axis::model>>();
+    if (p == "zero1") return describe_kernels<shard<G, 1>>();
+    if (p == "zero2") return describe_kernels<shard<G, 2>>();
+    if (p == "zero3") return describe_kernels<shard<G, 3>>();
+    if (p == "pipeline") return g ? describe_kernels<replicate<pipeline<gpipe, G>>>() : describe_kernels<replicate<pipeline<one_f_one_b, G>>>();
     if (p == "3d") {
       if (a.recompute)
-        return g ? describe<replicate<pipeline<gpipe, tp<repeat<L, recompute<split<block>>>>>>>()
-                 : describe<replicate<pipeline<one_f_one_b, tp<repeat<L, recompute<split<block>>>>>>>();
-      return g ? describe<replicate<pipeline<gpipe, tp<repeat<L, split<block>>>>>>()
-               : describe<replicate<pipeline<one_f_one_b, tp<repeat<L, split<block>>>>>>();
+        return g ? describe_kernels<replicate<pipeline<gpipe, tp<repeat<L, recompute<split<block>>>>>>>()
+                 : describe_kernels<replicate<pipeline<one_f_one_b, tp<repeat<L, recompute<split<block>>>>>>>();
+      return g ? describe_kernels<replicate<pipeline<gpipe, tp<repeat<L, split<block>>>>>>()
+               : describe_kernels<replicate<pipeline<one_f_one_b, tp<repeat<L, split<block>>>>>>();
     }
     plan_error("plan search: the plan '" + p + "' is not defined for the workload '" + a.workload + "'");
   }
@@ -105,7 +106,7 @@ template <class G> struct gpt_plans {
 // hybrid = replicated backbone, class-split classifier over the data ranks.
 template <class Backbone, class Classifier> struct classifier_plans {
   static model_desc of(const plan_query& a) {
-    if (a.plan == "hybrid") return describe<sequential<replicate<Backbone>, split<Classifier, axis::data>>>();
+    if (a.plan == "hybrid") return describe_kernels<sequential<replicate<Backbone>, split<Classifier, axis::data>>>();
     return dense_plans<sequential<Backbone, Classifier>>::of(a);
   }
 };
@@ -158,6 +159,22 @@ inline model_desc plan_desc(const plan_query& a) { return workload_of(a.workload
 inline index_t default_batch(const plan_query& a, const mesh_shape& mesh) {
   if (a.o.global_batch > 0) return a.o.global_batch;
   return workload_of(a.workload).batch(mesh);
+}
+
+/// Model FLOPs of one step of `batch` sequences of `seq` tokens (shared/workloads.md):
+/// 6 x the parameters (the token and position tables left out, a tied head
+/// counted) x tokens, plus attention's products, 3 x its forward's 4 D T
+/// FLOPs per token (12 x layers x T^2 x D x sequences).
+inline double model_flops(const model_desc& d, index_t batch, index_t seq) {
+  double params = 0, attention = 0;
+  for (const auto& u : d.units) {
+    if (u.kind != unit_kind::layer && u.kind != unit_kind::loss) continue;
+    if (u.token_table || u.unsplit.starts_with("position_embedding")) continue;
+    params += static_cast<double>(u.ties_to >= 0 ? u.table_rows * u.table_cols : u.full_params);
+    attention += u.cost.seq_flops;
+  }
+  const double tokens = static_cast<double>(batch) * static_cast<double>(seq);
+  return 6.0 * params * tokens + 3.0 * attention * static_cast<double>(seq) * tokens;
 }
 
 struct candidate {
@@ -278,6 +295,7 @@ inline std::vector<candidate> rank_plans(const plan_query& base, int n, const de
       if (o.seq < 0) o.seq = w.seq;
       o.balance_seq = o.seq;  // the stage balancer prices attention at the context it runs
       o.zero_level = c.a.zero;
+      o.bf16 = dev.kernel_precision == "bf16";  // a GPU profile's precision: its master weights, its refusals
       o.placement = false;  // priced, not run
       std::vector<program> all;
       std::int64_t mem = 0;

@@ -147,18 +147,23 @@ class guarded_backend {
   explicit guarded_backend(std::size_t capacity = std::size_t{1} << 30) : alloc_(detail::guarded_upstream{this}) {
     if (active() != nullptr)
       throw std::logic_error("whale::guarded_backend: another guarded backend is alive in this process; use one at a time");
-    capacity_ = (capacity + page() - 1) / page() * page();
-    void* p = ::mmap(nullptr, capacity_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED)
-      throw std::runtime_error("whale::guarded_backend: cannot reserve " + std::to_string(capacity_) +
-                               " bytes of address space: " + std::strerror(errno));
-    base_ = static_cast<char*>(p);
+    reserve(capacity);
     struct sigaction sa {};
     sa.sa_sigaction = &on_fault;
     sa.sa_flags = SA_SIGINFO | SA_ONSTACK;  // on the alternate stack where one is set up (doctest's)
     sigemptyset(&sa.sa_mask);
     ::sigaction(SIGSEGV, &sa, &previous_);
     active() = this;
+  }
+  /// A backend that only counts (count_only, for good): it computes nothing and
+  /// touches none of its memory, so it installs no fault handler, and any number
+  /// may live beside one another and beside a guarded backend that computes
+  /// (the plan simulator's kernel probes, plan/probe.hpp).
+  struct counting_t {};
+  static constexpr counting_t counting{};
+  guarded_backend(std::size_t capacity, counting_t) : alloc_(detail::guarded_upstream{this}) {
+    reserve(capacity);
+    count_only_ = counter_ = true;
   }
   guarded_backend(const guarded_backend&) = delete;
   guarded_backend& operator=(const guarded_backend&) = delete;
@@ -170,8 +175,10 @@ class guarded_backend {
       std::abort();
     }
     alloc_.release();
-    ::sigaction(SIGSEGV, &previous_, nullptr);
-    active() = nullptr;
+    if (!counter_) {
+      ::sigaction(SIGSEGV, &previous_, nullptr);
+      active() = nullptr;
+    }
     ::munmap(base_, capacity_);
   }
 
@@ -182,7 +189,7 @@ class guarded_backend {
   /// copies and fills are counted and skipped (host copies out of the device
   /// leave their destination as it was). For ledgers of shapes too large to
   /// compute here; what the step computes is then meaningless.
-  void set_count_only(bool on) noexcept { count_only_ = on; }
+  void set_count_only(bool on) noexcept { count_only_ = on || counter_; }
   bool count_only() const noexcept { return count_only_; }
   /// Model a GPU whose attention is fused under bf16 mixed precision (the CUDA
   /// backend built with the cuDNN frontend; off by default). backend_ref's
@@ -407,6 +414,14 @@ class guarded_backend {
                              "a place_scope on it");
   }
   static std::size_t page() noexcept { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
+  void reserve(std::size_t capacity) {
+    capacity_ = (capacity + page() - 1) / page() * page();
+    void* p = ::mmap(nullptr, capacity_, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED)
+      throw std::runtime_error("whale::guarded_backend: cannot reserve " + std::to_string(capacity_) +
+                               " bytes of address space: " + std::strerror(errno));
+    base_ = static_cast<char*>(p);
+  }
   static guarded_backend*& active() noexcept {
     static guarded_backend* a = nullptr;
     return a;
@@ -471,7 +486,7 @@ class guarded_backend {
   char* base_ = nullptr;
   std::size_t capacity_ = 0, used_ = 0;
   int depth_ = 0;
-  bool count_only_ = false, fused_attention_ = false, fused_bias_grads_ = false;
+  bool count_only_ = false, counter_ = false, fused_attention_ = false, fused_bias_grads_ = false;
   device_ledger ledger_;
   std::vector<std::pair<void*, std::size_t>> free_;
   struct sigaction previous_ {};

@@ -23,6 +23,9 @@ struct lower_options {
   index_t balance_seq = 128;    ///< context length the stage balancer assumes
   double bucket_mib = 25.0;     ///< gradient bucket size
   bool bf16_reduce = false;     ///< gradient buckets summed in bf16 (2 bytes an element; plan_options::bf16_reduce)
+  /// bf16 mixed precision (precision::bf16): fp32 master weights beside the parameters, 4 bytes a
+  /// parameter more; ZeRO-3 is refused, as the trainer refuses it.
+  bool bf16 = false;
   int zero_level = -1;          ///< -1: the plan's (shard<M, L>); 0..3 overrides
   /// The trainer's global gradient norm: an 8-byte all-reduce over the world per
   /// step (for clipping, and the non-finite check the trainer runs by default).
@@ -58,6 +61,9 @@ inline void check_plan(const model_desc& d, const mesh_shape& m, const lower_opt
   if (o.global_batch < 1) lower_fail(d, "the global batch must be at least 1 sequence");
   if (o.seq < 1) lower_fail(d, "the sequence length must be at least 1");
   if (zero < 0 || zero > 3) lower_fail(d, "the ZeRO level must be 0, 1, 2 or 3");
+  if (o.bf16 && zero == 3)
+    lower_fail(d, "bf16 mixed precision with ZeRO-3 is not implemented (the trainer refuses it: its master weights would "
+                  "need the same partition as the parameters)");
   if (!(o.bucket_mib > 0)) lower_fail(d, "the bucket size must be positive");
   if (!o.replica_weights.empty() && static_cast<int>(o.replica_weights.size()) != D)
     lower_fail(d, "the batch split has " + std::to_string(o.replica_weights.size()) + " weights for " + std::to_string(D) +

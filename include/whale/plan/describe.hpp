@@ -26,6 +26,28 @@ namespace whale {
 /// What a unit of the flat model is.
 enum class unit_kind : std::uint8_t { layer, loss, convert };
 
+/// What one pass of a leaf asks of a GPU (plan/probe.hpp counts it on the
+/// guarded backend's ledger): GEMMs, attention's products, the bytes its other
+/// kernels, copies and fills move (an underfilled launch's scaled up, as the
+/// ledger's effective bytes), and every launch.
+struct pass_kernels {
+  double gemm_flops = 0;
+  std::int64_t gemms = 0;
+  double attention_flops = 0;        ///< fused attention calls, or the batched GEMMs of its steps
+  std::int64_t attention_calls = 0;
+  double bytes = 0;
+  std::int64_t launches = 0;
+  std::int64_t host_waits = 0;       ///< the host waiting for the device (synchronisations, reads back): none in a step
+};
+/// A leaf's passes: forward, backward, and a split schedule's two halves
+/// (d(input) only, then the deferred weight gradients).
+struct unit_kernels {
+  pass_kernels forward, backward, backward_input, weight;
+};
+/// A leaf's kernels on `batch` sequences of `seq` tokens, `in` features in and `out` out,
+/// in bf16 mixed precision or fp32: the whole layer's (a sharded form's is scaled by its caller).
+using kernel_probe = unit_kernels (*)(index_t batch, index_t seq, index_t in, index_t out, bool bf16);
+
 /// One leaf layer, or a conversion a split region inserted, in flat order.
 struct unit_desc {
   std::string name;
@@ -72,6 +94,8 @@ struct unit_desc {
   /// without hooks: a gelu after a layer that computes GELU in its GEMM
   /// (fuses_gelu) keeps nothing, and that layer keeps GELU's output.
   double fused_act_bytes = 0;
+  /// Its kernels as a GPU runs them (describe_kernels<P>(), plan/probe.hpp); null: not probed.
+  kernel_probe kernels = nullptr;
 
   /// Parameters one of `degree` ranks of its split axis holds.
   index_t local_params(int degree) const {
@@ -100,6 +124,9 @@ struct model_desc {
   std::vector<cost_info> element_cost;   ///< unscaled, as the pipeline's balancer weighs them
   std::vector<index_t> element_width;    ///< width flowing into each element
   cost_info block_cost;
+  /// The kernels of the repeat's block as a whole (its dense form), whose fusions
+  /// and residual sums its leaves alone do not show (describe_kernels; null: none).
+  kernel_probe block_kernels = nullptr;
   bool splits_model = false, splits_data = false;
   index_t full_params = 0;
   bool tokens = false;           ///< input is token ids
@@ -128,7 +155,15 @@ template <index_t V, index_t D> struct tied_dims<tied_head<V, D>> {
 template <class L> struct unsplit_of { using type = L; };
 template <class L> requires requires { typename L::unsplit_type; } struct unsplit_of<L> { using type = typename L::unsplit_type; };
 
-struct describer {
+/// describe<P>()'s default: no kernel probes (plan/probe.hpp sets them).
+struct no_prober {
+  template <class L> static constexpr kernel_probe of() { return nullptr; }
+  template <class A, class B> static constexpr kernel_probe fused() { return nullptr; }
+  static constexpr kernel_probe folded() { return nullptr; }
+  template <class B> static constexpr kernel_probe block() { return nullptr; }
+};
+
+template <class Prober> struct describer {
   model_desc* d;
   int element = 0, depth = 0, block = -1, split_axis = -1, recompute_group = -1, recompute_groups = 0;
   lay in = lay::R;
@@ -217,6 +252,7 @@ struct describer {
     if constexpr (requires { L::out_features; })
       if constexpr (L::out_features != any_features) width = L::out_features;
     u.out_width = width;
+    u.kernels = Prober::template of<L>();
     d->full_params += u.full_params;
     d->units.push_back(std::move(u));
   }
@@ -290,6 +326,9 @@ struct describer {
         if (d->units.size() >= 2) {
           d->units.back().fused_act_bytes = -d->units.back().cost.act_bytes;
           d->units[d->units.size() - 2].fused_act_bytes = 4.0 * static_cast<double>(A::out_features);
+          // its kernels: the pair's, as the sequential runs it (GELU in the GEMM's epilogue); the gelu's: none
+          d->units[d->units.size() - 2].kernels = Prober::template fused<A, std::tuple_element_t<I, Tuple>>();
+          d->units.back().kernels = Prober::folded();
         }
     }
   }
@@ -302,7 +341,7 @@ struct describer {
   }
 };
 
-template <class Tuple> void describe_elements(model_desc& d) {
+template <class Tuple, class Prober> void describe_elements(model_desc& d) {
   using E = tuple_types<Tuple>;
   d.elements = static_cast<int>(E::n);
   d.element_width.assign(E::in_width.begin(), E::in_width.end());
@@ -314,17 +353,18 @@ template <class Tuple> void describe_elements(model_desc& d) {
     d.repeat_element = static_cast<int>(E::repeat_index);
     d.repeat_count = static_cast<int>(R::count);
     d.block_cost = R::block_type::cost();
+    d.block_kernels = Prober::template block<typename R::block_type>();
   }
 }
 
-template <class P> void describe_into(model_desc& d) {
+template <class P, class Prober> void describe_into(model_desc& d) {
   if constexpr (is_shard_v<P>) {
     d.zero_level = P::level;
     d.replicated = true;
-    describe_into<strip_replicate_t<typename P::inner>>(d);
+    describe_into<strip_replicate_t<typename P::inner>, Prober>(d);
   } else if constexpr (is_replicate_v<P>) {
     d.replicated = true;
-    describe_into<typename P::inner>(d);
+    describe_into<typename P::inner, Prober>(d);
   } else if constexpr (is_pipeline_v<P>) {
     d.pipeline = true;
     d.explicit_stages = P::explicit_stages;
@@ -334,25 +374,26 @@ template <class P> void describe_into(model_desc& d) {
     d.chunks = chunks_v<typename P::schedule>;
     d.actions = &P::schedule::actions;
     d.check = &check_schedule<typename P::schedule>;
-    describe_elements<typename P::flat::tuple_type>(d);
-    describer w{&d};
-    w.walk<typename P::flat>();
+    describe_elements<typename P::flat::tuple_type, Prober>(d);
+    describer<Prober> w{&d};
+    w.template walk<typename P::flat>();
   } else {
     if constexpr (requires { typename strip_replicate_t<P>::tuple_type; })
-      describe_elements<typename strip_replicate_t<P>::tuple_type>(d);
-    describer w{&d};
-    w.walk<P>();
+      describe_elements<typename strip_replicate_t<P>::tuple_type, Prober>(d);
+    describer<Prober> w{&d};
+    w.template walk<P>();
   }
 }
 
 }  // namespace detail
 
 /// The plan type P as data (no MPI, no allocation of model tensors).
-template <class P> model_desc describe() {
+/// Prober: what sets each leaf's kernel probe (describe_kernels, plan/probe.hpp).
+template <class P, class Prober = detail::no_prober> model_desc describe() {
   model_desc d;
   d.name = layer_name<P>();
   d.tokens = std::is_same_v<typename P::input_type, std::int32_t>;
-  detail::describe_into<P>(d);
+  detail::describe_into<P, Prober>(d);
   if (d.elements == 0) d.elements = 1;
   // a conversion at a region's entry learns its width from the layer after it
   for (std::size_t i = d.units.size(); i-- > 0;) {

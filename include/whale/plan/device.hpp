@@ -153,6 +153,13 @@ struct device_profile {
     return std::max(1.0, load / c) / std::max(1.0, static_cast<double>(cores_measured_ranks) / c);
   }
   std::array<std::array<link_fit, link_kinds>, 2> links{};  ///< [level][kind]
+  /// `kernels PRECISION LAUNCH_US`: compute priced from each layer's GPU kernels
+  /// (its ledger on the guarded backend, plan/probe.hpp) in "bf16" or "fp32",
+  /// plus LAUNCH_US per launch; empty: from the layers' analytic costs.
+  std::string kernel_precision;
+  double launch_s = 0;
+  /// `peak TFLOPS`: the device's dense peak for model FLOPs utilisation (0: none given).
+  double peak_flops = 0;
 
   /// GEMM rate (FLOP/s) of a product of `flops` FLOPs whose rows (the batch
   /// side: M of the forward and input-gradient products, K of the weight
@@ -342,6 +349,8 @@ struct device_profile {
   ///                                      ranks at once; a waiting rank takes WAITING of a core, 0..1)
   ///   link LEVEL KIND RANKS ALPHA_US BETA_GBPS   (LEVEL: node|net; KIND: all_reduce|all_gather|reduce_scatter|broadcast|p2p)
   ///   point LEVEL KIND BYTES MICROSECONDS        (a measured time, after its link line; the times then follow the points)
+  ///   kernels bf16|fp32 LAUNCH_US       (compute priced from the layers' GPU kernels in that precision, LAUNCH_US a launch)
+  ///   peak TFLOPS                       (the dense peak model FLOPs utilisation is reported against)
   friend std::ostream& operator<<(std::ostream& os, const device_profile& p) {
     os << "# whale device profile\ndevice " << p.name << "\n";
     for (const auto& g : p.gemm)
@@ -358,6 +367,8 @@ struct device_profile {
     if (p.ranks_per_node) os << "node " << p.ranks_per_node << "\n";
     if (p.streams != 1) os << "streams " << p.streams << "\n";
     if (p.cores > 0) os << "cores " << p.cores << ' ' << p.cores_measured_ranks << ' ' << p.waiting_share << "\n";
+    if (!p.kernel_precision.empty()) os << "kernels " << p.kernel_precision << ' ' << p.launch_s * 1e6 << "\n";
+    if (p.peak_flops > 0) os << "peak " << p.peak_flops / 1e12 << "\n";
     for (int l = 0; l < 2; ++l)
       for (int k = 0; k < link_kinds; ++k) {
         const auto& f = p.links[static_cast<std::size_t>(l)][static_cast<std::size_t>(k)];
@@ -448,6 +459,14 @@ struct device_profile {
         p.cores = static_cast<int>(detail::parse_int(w[1], at + ": CORES", 1, 1 << 20));
         p.cores_measured_ranks = static_cast<int>(detail::parse_int(w[2], at + ": RANKS", 1, 1 << 20));
         p.waiting_share = num(3, "WAITING", 0, 1, false);
+      } else if (w[0] == "kernels") {
+        need(3, "bf16|fp32 LAUNCH_US (compute priced from the layers' GPU kernels in that precision, LAUNCH_US a launch)");
+        if (w[1] != "bf16" && w[1] != "fp32") throw std::invalid_argument(at + ": kernels precision '" + w[1] + "' (have bf16, fp32)");
+        p.kernel_precision = w[1];
+        p.launch_s = num(2, "LAUNCH_US", 0, 1e6, false) * 1e-6;
+      } else if (w[0] == "peak") {
+        need(2, "TFLOPS (the device's dense peak)");
+        p.peak_flops = num(1, "TFLOPS", 0, 1e9, true) * 1e12;
       } else if (w[0] == "link" || w[0] == "point") {
         if (w[0] == "link") need(6, "LEVEL KIND RANKS ALPHA_US BETA_GBPS");
         else need(5, "LEVEL KIND BYTES MICROSECONDS");
@@ -471,7 +490,7 @@ struct device_profile {
         f.alpha_s = num(4, "ALPHA_US", 0, 1e9, false) * 1e-6;
         f.beta_bps = num(5, "BETA_GBPS", 0, 1e6, true) * 1e9;
       } else {
-        throw std::invalid_argument(at + ": unknown entry '" + w[0] + "' (have device, gemm, thin, attention, backward, bandwidth, node, streams, cores, link, point)");
+        throw std::invalid_argument(at + ": unknown entry '" + w[0] + "' (have device, gemm, thin, attention, backward, bandwidth, node, streams, cores, link, point, kernels, peak)");
       }
     }
     if (p.gemm.empty()) throw std::invalid_argument(origin + ": no 'gemm' line: a profile needs at least one GEMM rate");
@@ -554,6 +573,8 @@ inline device_profile median_profile(const std::vector<device_profile>& runs) {
     if (r.ranks_per_node != first.ranks_per_node || r.streams != first.streams || r.cores != first.cores ||
         r.cores_measured_ranks != first.cores_measured_ranks)
       throw differ("their 'node', 'streams' or 'cores' lines");
+    if (r.kernel_precision != first.kernel_precision || r.launch_s != first.launch_s || r.peak_flops != first.peak_flops)
+      throw differ("their 'kernels' or 'peak' lines");
     bw.push_back(r.bandwidth_bps);
     share.push_back(r.waiting_share);
   }

@@ -44,6 +44,8 @@ class lowering {
     zero_ = o.zero_level >= 0 ? o.zero_level : d.zero_level;
     p_.zero_level = zero_;
     p_.bf16_reduce = o.bf16_reduce;
+    p_.bf16 = o.bf16;
+    p_.grad_norm = o.grad_norm;
     V_ = d.pipeline ? d.chunks : 1;
     p_.chunks = V_;
   }

@@ -159,6 +159,7 @@ inline memory_estimate predict_memory(const model_desc& d, const program& p, con
   memory_estimate e;
   const auto t = p.totals();
   e.params = t.param_bytes, e.grads = t.grad_bytes, e.optimizer = t.optimizer_bytes;
+  if (p.bf16) e.optimizer += 4 * t.params_held;  // the fp32 master weights (trainer: master_), counted as optimizer state
   const int m = std::max(1, p.micro_batches);
   const index_t micro_seqs = p.local_sequences / m;
   e.rows = micro_seqs * p.seq;

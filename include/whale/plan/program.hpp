@@ -97,6 +97,8 @@ struct program {
   std::string schedule;        ///< "gpipe", "1f1b" or empty
   int zero_level = 0;
   bool bf16_reduce = false;    ///< gradients summed in bf16 (buckets and ZeRO reduce-scatters)
+  bool bf16 = false;           ///< bf16 mixed precision: fp32 master weights beside the parameters
+  bool grad_norm = true;       ///< the trainer computes the global gradient norm every step
   index_t global_batch = 0, seq = 1;  ///< sequences per step and tokens per sequence
   index_t local_sequences = 0;        ///< sequences this rank's replica feeds per step
   index_t full_params = 0;            ///< the unsplit model's parameters

@@ -9,7 +9,10 @@
 // GEMM FLOPs at the profile's rate for that size (a backward pass's at its
 // backward factor; attention's per-head products at the attention rate where
 // the profile has one), elementwise work its bytes at the profile's
-// bandwidth. Gives the step time, and per rank its compute, communication and
+// bandwidth. A GPU profile (a `kernels` line) prices each layer from what the
+// GPU step's ledger counts for it instead (plan/probe.hpp, describe_kernels):
+// its GEMMs, its attention, its other kernels' bytes and its launches, a
+// repeat's blocks as a whole block runs them. Gives the step time, and per rank its compute, communication and
 // idle time, and the spans for a trace. Pure.
 #pragma once
 
@@ -20,6 +23,7 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "whale/comm/trace.hpp"
@@ -56,10 +60,87 @@ struct step_simulation {
 };
 
 namespace detail {
+/// Seconds of one pass's kernels (plan/probe.hpp) on `dev`: its GEMM FLOPs at
+/// the profile's GEMM rate for their mean size (`rows`, `width` and
+/// `back_factor` as the analytic pricing reads them), attention's products at
+/// the attention rate for (`seq`, `head_dim`) where the profile has one, else
+/// the GEMM rate, its other kernels' bytes at the bandwidth, and LAUNCH_US per
+/// launch. A sharded form's products and bytes are the whole layer's at
+/// `share` of its FLOPs (attention's at `seq_share`); its launches, the whole layer's.
+inline double pass_seconds(const pass_kernels& ps, const device_profile& dev, double share, double seq_share, double seq,
+                           double head_dim, double rows, double width, double back_factor) {
+  double t = static_cast<double>(ps.launches) * dev.launch_s + ps.bytes * share / dev.bandwidth_bps;
+  if (const double g = ps.gemm_flops * share; g > 0)
+    t += g / (dev.gemm_rate(g / static_cast<double>(std::max<std::int64_t>(1, ps.gemms)), rows, width) * back_factor);
+  if (const double a = ps.attention_flops * seq_share; a > 0) {
+    const double ar = dev.attention_rate(seq, head_dim);
+    t += a / (ar > 0 ? ar : dev.gemm_rate(a / static_cast<double>(std::max<std::int64_t>(1, ps.attention_calls))));
+  }
+  return t;
+}
+/// The pass of `k` that operation kind `kind` runs (a split schedule's
+/// backward: d(input) only, where the layer defers its weight gradients).
+inline const pass_kernels& pass_for(const unit_kernels& k, op_kind kind, bool split_input) {
+  if (kind == op_kind::forward || kind == op_kind::recompute) return k.forward;
+  if (kind == op_kind::weight) return k.weight;
+  return split_input ? k.backward_input : k.backward;
+}
+/// A repeat's block run whole does less than its leaves run one at a time
+/// (GELU's gradient in the next GEMM, residual sums taken by the next pass):
+/// the block's kernels over the sum of its leaves', forward or backward (the
+/// split halves together), each priced alone on `dev`; 1 without a block probe.
+inline double block_scale(const model_desc& d, const unit_desc& u, index_t batch, index_t seq, bool fwd, const device_profile& dev,
+                          bool bf16) {
+  if (!d.block_kernels || u.block < 0) return 1.0;
+  const auto price = [&](const unit_kernels& k) {
+    const auto one = [&](const pass_kernels& ps) { return pass_seconds(ps, dev, 1, 1, static_cast<double>(seq), 0, 0, 0, 1); };
+    return fwd ? one(k.forward) : one(k.backward);
+  };
+  double leaves = 0;
+  index_t width = 0;
+  for (const auto& v : d.units)
+    if (v.block == u.block && v.kind != unit_kind::convert) {
+      if (!v.kernels || v.in_width == any_features || v.out_width == any_features) return 1.0;
+      if (width == 0) width = v.in_width;
+      leaves += price(v.kernels(batch, seq, v.in_width, v.out_width, bf16));
+    }
+  const double whole = width > 0 ? price(d.block_kernels(batch, seq, width, width, bf16)) : 0.0;
+  return leaves > 0 && whole > 0 ? whole / leaves : 1.0;
+}
+/// Seconds of compute operation `o` of unit `u` (its cost `c` on this rank, split
+/// `deg` ways) priced from the leaf's GPU kernels (a profile's `kernels` mode,
+/// plan/probe.hpp; pass_seconds), times its block's block_scale. -1: the unit
+/// has no probe (a conversion, a priced stand-in) or rows that are not whole sequences.
+inline double kernel_seconds(const model_desc& d, const program& p, const op& o, const unit_desc& u, const cost_info& c, int deg,
+                             const device_profile& dev, double rows, double width, double back_factor) {
+  if (!u.kernels || o.rows < 1 || u.in_width == any_features || u.out_width == any_features) return -1;
+  const index_t seq = std::max<index_t>(1, p.seq);
+  if (o.rows % seq != 0) return -1;
+  const bool bf16 = dev.kernel_precision == "bf16";
+  const index_t batch = o.rows / seq;
+  const unit_kernels k = u.kernels(batch, seq, u.in_width, u.out_width, bf16);
+  const bool fwd = o.kind == op_kind::forward || o.kind == op_kind::recompute;
+  double share = 1, seq_share = 1;
+  if (u.sharded && deg > 1) {
+    const double whole = fwd ? u.cost.fwd_flops : u.cost.bwd_flops, mine = fwd ? c.fwd_flops : c.bwd_flops;
+    share = whole > 0 ? mine / whole : 1.0 / deg;
+    seq_share = u.cost.seq_flops > 0 ? c.seq_flops / u.cost.seq_flops : share;
+  }
+  return pass_seconds(pass_for(k, o.kind, d.split_backward && u.defers), dev, share, seq_share, static_cast<double>(seq), c.seq_inner,
+                      c.all_gemm ? 0.0 : rows, width, back_factor) *
+         block_scale(d, u, batch, seq, fwd, dev, bf16);
+}
 /// Seconds of one compute operation of unit `u` on `p`'s rank.
 inline double compute_seconds(const model_desc& d, const program& p, const op& o, const device_profile& dev) {
-  if (o.kind == op_kind::optimizer)  // read p, g and the state, write p and the state: about 6 floats per element
-    return 24.0 * static_cast<double>(o.elements) / dev.bandwidth_bps;
+  const bool kernels = !dev.kernel_precision.empty();
+  if (o.kind == op_kind::optimizer) {  // read p, g and the state, write p and the state: about 6 floats per element
+    if (!kernels) return 24.0 * static_cast<double>(o.elements) / dev.bandwidth_bps;
+    // as the GPU step's ledger counts them: AdamW's fused update, 28 bytes an element
+    // (32 under bf16, with the fp32 master weights), in one launch; the trainer's
+    // gradient norm, 4 bytes an element, then its partial sums and check: 6 launches
+    const double per = (dev.kernel_precision == "bf16" ? 32.0 : 28.0) + (p.grad_norm ? 4.0 : 0.0);
+    return per * static_cast<double>(o.elements) / dev.bandwidth_bps + (p.grad_norm ? 7 : 1) * dev.launch_s;
+  }
   const auto& u = d.units[static_cast<std::size_t>(o.unit)];
   const int deg = u.split_axis < 0 ? 1 : p.mesh.size(static_cast<axis>(u.split_axis));
   const cost_info c = !u.sharded ? u.cost
@@ -97,6 +178,10 @@ inline double compute_seconds(const model_desc& d, const program& p, const op& o
     double in = static_cast<double>(u.in_width), out = static_cast<double>(u.widest_weight) / in;
     if (u.sharded) (u.split_extent == u.in_width ? in : out) /= deg;
     narrow = std::min(in, out);
+  }
+  if (kernels) {
+    const double k = kernel_seconds(d, p, o, u, c, deg, dev, rows, width, back ? dev.backward_factor(narrow) : 1.0);
+    if (k >= 0) return k;
   }
   if (gemm > 0)
     t += gemm / (dev.gemm_rate(gemm / gemms, c.all_gemm ? 0.0 : rows, width) * (back ? dev.backward_factor(narrow) : 1.0));
@@ -205,6 +290,14 @@ inline step_simulation simulate_pass(const model_desc& d, const std::vector<prog
   sim.ranks.assign(static_cast<std::size_t>(n), {});
   std::vector<std::size_t> next(static_cast<std::size_t>(n), 0);
   std::vector<double> clock(static_cast<std::size_t>(n), 0.0);  // the rank's (compute) stream
+  // a compute operation's seconds by (unit, kind, rows): ranks and micro-batches repeat them
+  // (one plan, mesh and sequence length for every rank; the optimizer by its elements)
+  std::map<std::tuple<int, int, index_t, std::int64_t>, double> priced;
+  const auto seconds_of = [&](const program& p, const op& o) {
+    const auto key = std::make_tuple(o.unit, static_cast<int>(o.kind), o.rows, o.kind == op_kind::optimizer ? o.elements : std::int64_t{0});
+    if (const auto it = priced.find(key); it != priced.end()) return it->second;
+    return priced[key] = detail::compute_seconds(d, p, o, dev);
+  };
   std::vector<double> comm_clock(static_cast<std::size_t>(n), 0.0);  // its communication stream (two streams)
   std::vector<double> arrival(static_cast<std::size_t>(n), 0.0);  // when it can start the collective it is at
   std::vector<std::vector<double>> done(static_cast<std::size_t>(n));
@@ -360,7 +453,7 @@ inline step_simulation simulate_pass(const model_desc& d, const std::vector<prog
           const double ready = deps_done(r, o);
           if (ready > t) rt.wait_s += ready - t, t = ready;
         }
-        const double dur = detail::compute_seconds(d, p, o, dev) *
+        const double dur = seconds_of(p, o) *
                            (scale ? (*scale)[static_cast<std::size_t>(r)][i] : 1.0);
         if (computed) (*computed)[static_cast<std::size_t>(r)][i] = {t, t + dur};
         span(r, o.kind == op_kind::weight ? span_kind::weight : o.kind == op_kind::backward ? span_kind::backward

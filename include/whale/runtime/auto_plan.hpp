@@ -39,6 +39,7 @@
 #include "whale/plan/device.hpp"
 #include "whale/plan/lower.hpp"
 #include "whale/plan/memory.hpp"
+#include "whale/plan/probe.hpp"
 #include "whale/plan/simulate.hpp"
 #include "whale/plan/tie.hpp"
 #include "whale/runtime/executor.hpp"
@@ -270,8 +271,11 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
     c.label = label, c.index = I, c.micro_batches = micro, c.mesh = mesh.spec();
     c.order = static_cast<int>(cs.size());
     try {
-      const auto d = describe<P>();
+      // a GPU profile (`kernels`) prices each layer's kernels (plan/probe.hpp), in its precision
+      const bool kernels = !dev.kernel_precision.empty();
+      const auto d = kernels ? describe_kernels<P>() : describe<P>();
       lower_options lo;
+      lo.bf16 = dev.kernel_precision == "bf16";
       lo.global_batch = o.plan_batch;
       lo.seq = o.plan_seq;
       lo.micro_batches = micro;

@@ -140,7 +140,8 @@ class split_chain {
     struct hidden {  // where loss_share rescales the share, the loss inside returns it whole (not into step_ctx::loss_sum)
       step_ctx& c;
       double* sum = rescales_loss() ? std::exchange(c.loss_sum, nullptr) : c.loss_sum;
-      ~hidden() { c.loss_sum = sum; }
+      step_ctx::host_mirror labels = c.mirrors[1];  // labels_for may point it at the gathered labels' host copy
+      ~hidden() { c.loss_sum = sum, c.mirrors[1] = labels; }
     } hide{c};
     if constexpr (n_layers == 0) {
       return loss_share(run_forward_loss(loss, c, x, labels_for(c, labels), offset_[size - 1]));
@@ -203,6 +204,15 @@ class split_chain {
                               all_gather_v(cm, cview<std::int32_t>(in, {labels.numel()}),
                                            view<std::int32_t>(out, {total}), std::span<const index_t>(counts_));
                             });
+      // on a device, where this rank's labels have a host copy (step_ctx::mirrors): the same
+      // gather of the host copies on the host, as the gathered labels' host copy, so that the
+      // loss checks them there and the host never reads the device's back
+      if (const std::int32_t* mine = c.host_copy(labels)) {
+        host_all_labels_.resize(static_cast<std::size_t>(total));
+        all_gather_v(comm, cview<std::int32_t>(mine, {labels.numel()}), view<std::int32_t>(host_all_labels_.data(), {total}),
+                     std::span<const index_t>(counts_));
+        c.mirrors[1] = {all_labels_.data(), host_all_labels_.data(), static_cast<std::size_t>(total) * sizeof(std::int32_t)};
+      }
       return all_labels_.v();
     } else {
       (void)c;
@@ -260,6 +270,7 @@ class split_chain {
   logits_gather gather_logits_;
   tensor<std::int32_t> all_labels_;
   tensor<std::int32_t> host_labels_;  // on a device: the gather's host copies
+  std::vector<std::int32_t> host_all_labels_;  // on a device: the gathered labels' host copy (for the loss's check)
   std::vector<index_t> counts_;
 };
 
