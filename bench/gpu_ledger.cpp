@@ -39,6 +39,7 @@
 #include "whale/nn/network.hpp"
 #include "whale/optim/adamw.hpp"
 #include "whale/train/data.hpp"
+#include "whale/train/ledger.hpp"
 #include "whale/train/trainer.hpp"
 
 using namespace whale;
@@ -64,9 +65,8 @@ struct options {
 
 /// Ledgers of single training steps of gpt_model<..., L> on a count-only
 /// guarded backend, as the trainer runs them with log_every > 1 (the loss,
-/// the gradient norm and the clipping scale left in device memory): each a
-/// run of two steps less a run of one, so that the read at the end of a run
-/// cancels, after a first run that allocates.
+/// the gradient norm and the clipping scale left in device memory), each
+/// a steady step's (steady_step_ledger).
 template <class Model> std::vector<device_ledger> ledgers(const options& o, index_t& params) {
   guarded_backend g(std::size_t{64} << 30);  // address space only: count_only touches no page
   g.set_count_only(true);
@@ -83,15 +83,7 @@ template <class Model> std::vector<device_ledger> ledgers(const options& o, inde
     to.log_every = 1000;
     to.precision = o.bf16 ? precision::bf16 : precision::fp32;
     trainer t(net, adamw{.lr = 1e-4f}, to);
-    t.run(data, steps{1});
-    for (index_t s = 0; s < o.steps; ++s) {
-      g.ledger().clear();
-      t.run(data, steps{1});
-      const auto one = g.ledger();
-      g.ledger().clear();
-      t.run(data, steps{2});
-      out.push_back(g.ledger().minus(one));
-    }
+    for (index_t s = 0; s < o.steps; ++s) out.push_back(steady_step_ledger(g, t, data));
   }
   return out;
 }

@@ -17,6 +17,7 @@
 #include "whale/nn/network.hpp"
 #include "whale/optim/adamw.hpp"
 #include "whale/train/data.hpp"
+#include "whale/train/ledger.hpp"
 #include "whale/train/trainer.hpp"
 
 using namespace whale;
@@ -713,8 +714,7 @@ TEST_CASE("count_only: the same ledger as a computed run, and no arithmetic done
 
 namespace {
 // One counted training step of a GPT of L blocks, 8 sequences of 16, as the trainer runs it with
-// log_every > 1: a run of two steps less a run of one (after one that allocates), so that the read
-// at the end of each run cancels. bf16: under bf16 mixed precision, on a device whose attention is
+// log_every > 1 (steady_step_ledger). bf16: under bf16 mixed precision, on a device whose attention is
 // fused (cuDNN's, modelled). Each layer's bias gradient comes from its weight GEMM's epilogue.
 template <std::size_t L> device_ledger gpt_step_ledger(bool bf16 = false) {
   guarded_backend g;
@@ -729,13 +729,7 @@ template <std::size_t L> device_ledger gpt_step_ledger(bool bf16 = false) {
   o.log_every = 100;
   o.precision = bf16 ? precision::bf16 : precision::fp32;
   trainer t(net, adamw{.lr = 1e-3f}, o);
-  t.run(data, steps{1});
-  g.ledger().clear();
-  t.run(data, steps{1});
-  const auto one = g.ledger();
-  g.ledger().clear();
-  t.run(data, steps{2});
-  return g.ledger().minus(one);
+  return steady_step_ledger(g, t, data);
 }
 }  // namespace
 

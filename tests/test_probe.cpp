@@ -17,6 +17,7 @@
 #include "whale/plan/probe.hpp"
 #include "whale/plan/simulate.hpp"
 #include "whale/train/data.hpp"
+#include "whale/train/ledger.hpp"
 #include "whale/train/trainer.hpp"
 
 using namespace whale;
@@ -25,8 +26,7 @@ namespace {
 using model = models::gpt;  // 4 blocks of width 256, 4 heads, FFN 1024, vocabulary 8192
 constexpr index_t batch = 2, seq = models::gpt_seq;
 
-/// One steady training step's ledger (a run of two steps less a run of one, after a
-/// first that allocates), AdamW with clipping, the loss left on the device.
+/// One steady training step's ledger, AdamW with clipping, the loss left on the device.
 device_ledger step_ledger(bool bf16) {
   guarded_backend g(std::size_t{8} << 30);
   g.set_count_only(true);
@@ -40,13 +40,7 @@ device_ledger step_ledger(bool bf16) {
   to.log_every = 1000;
   to.precision = bf16 ? precision::bf16 : precision::fp32;
   trainer t(net, adamw{.lr = 1e-4f}, to);
-  t.run(data, steps{1});
-  g.ledger().clear();
-  t.run(data, steps{1});
-  const auto one = g.ledger();
-  g.ledger().clear();
-  t.run(data, steps{2});
-  return g.ledger().minus(one);
+  return steady_step_ledger(g, t, data);
 }
 
 /// A profile that prices one term only: GEMM FLOPs at 1 TFLOP/s, bytes at 1 GB/s

@@ -158,7 +158,8 @@ class guarded_backend {
   /// A backend that only counts (count_only, for good): it computes nothing and
   /// touches none of its memory, so it installs no fault handler, and any number
   /// may live beside one another and beside a guarded backend that computes
-  /// (the plan simulator's kernel probes, plan/probe.hpp).
+  /// (the plan simulator's kernel probes, plan/probe.hpp). Its region is never
+  /// opened: host code that touches it dies of a plain SIGSEGV.
   struct counting_t {};
   static constexpr counting_t counting{};
   guarded_backend(std::size_t capacity, counting_t) : alloc_(detail::guarded_upstream{this}) {
@@ -367,13 +368,16 @@ class guarded_backend {
   void wait(event_type&) const noexcept {}
   void synchronize() noexcept { ++ledger_.host_syncs; }
 
-  /// Open the region to this thread's backend call (nested calls count).
+  /// Open the region to this thread's backend call (nested calls count); a
+  /// counting backend's stays closed (nothing may touch it).
   void enter() {
+    if (counter_) return;
     if (depth_ == 0) protect(PROT_READ | PROT_WRITE);
     ++depth_;
   }
   /// Close it again after the outermost call (a failing mprotect here cannot be reported: it aborts).
   void leave() noexcept {
+    if (counter_) return;
     if (--depth_ == 0 && used_ && ::mprotect(base_, used_, PROT_NONE) != 0) {
       static const char msg[] = "whale::guarded_backend: mprotect failed closing the region\n";
       (void)!::write(2, msg, sizeof msg - 1);

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 
 #include "whale/backend/backend_ref.hpp"
@@ -47,7 +48,16 @@ inline pass_kernels pass_of(const device_ledger& l) {
 template <class U> unit_kernels run_probe(index_t batch, index_t seq, index_t in, index_t out, bool bf16) {
   const index_t rows = batch * seq;
   if (rows < 1 || in < 1 || out < 1) throw std::invalid_argument("whale::probe: " + layer_name<U>() + ": no rows or no width");
-  guarded_backend g(std::size_t{1} << 44, guarded_backend::counting);  // address space only: it touches no page
+  // address space only (it touches no page): 16 TiB, less where the process may not map that much
+  std::optional<guarded_backend> made;
+  for (int shift = 44; !made; shift -= 4) try {
+      made.emplace(std::size_t{1} << shift, guarded_backend::counting);
+    } catch (const std::runtime_error&) {
+      if (shift <= 36) throw;
+    }
+  guarded_backend& g = *made;
+  // the probe's buffers are not the process's: its memory figures come back as they were
+  const auto stats = detail::global_memory_stats();
   g.set_fused_attention(true);
   g.set_fused_bias_grads(true);
   unit_kernels k;
@@ -115,6 +125,7 @@ template <class U> unit_kernels run_probe(index_t batch, index_t seq, index_t in
     }
     be.bf16_products(false);
   }
+  detail::global_memory_stats() = stats;
   return k;
 }
 }  // namespace detail
@@ -174,8 +185,9 @@ struct kernel_prober {
   template <class A, class B> static constexpr kernel_probe fused() { return &probe_kernels<sequential<A, B>>; }
   /// The layer folded into the one before it: no kernels of its own.
   static constexpr kernel_probe folded() { return &no_kernels; }
-  /// The repeat's block as a whole, as the network runs it; none for a block
-  /// that holds a split region's forms (a tensor-parallel block is priced as its dense one).
+  /// The repeat's block as a whole, as the network runs it: a recompute<B> or
+  /// split<B> block as B. None for a block that holds a split region's resolved
+  /// forms inside it: its layers are priced one at a time.
   template <class B> static constexpr kernel_probe block() {
     using D = typename dense_block<B>::type;
     if constexpr (holds_split<D>()) return nullptr;

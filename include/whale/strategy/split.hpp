@@ -204,15 +204,19 @@ class split_chain {
                               all_gather_v(cm, cview<std::int32_t>(in, {labels.numel()}),
                                            view<std::int32_t>(out, {total}), std::span<const index_t>(counts_));
                             });
-      // on a device, where this rank's labels have a host copy (step_ctx::mirrors): the same
-      // gather of the host copies on the host, as the gathered labels' host copy, so that the
-      // loss checks them there and the host never reads the device's back
-      if (const std::int32_t* mine = c.host_copy(labels)) {
-        host_all_labels_.resize(static_cast<std::size_t>(total));
-        all_gather_v(comm, cview<std::int32_t>(mine, {labels.numel()}), view<std::int32_t>(host_all_labels_.data(), {total}),
-                     std::span<const index_t>(counts_));
-        c.mirrors[1] = {all_labels_.data(), host_all_labels_.data(), static_cast<std::size_t>(total) * sizeof(std::int32_t)};
-      }
+      // on a device, for a loss that checks class labels on the host: the same gather of
+      // the ranks' host copies (step_ctx::mirrors; read back where a rank has none) on the
+      // host, as the gathered labels' host copy, so that the loss never reads the device's.
+      // Every device rank takes part, whatever its copies.
+      if constexpr (std::is_same_v<loss_target_t<std::tuple_element_t<size - 1, tuple_type>>, std::int32_t>)
+        if (!c.be.on_cpu()) {
+          std::vector<std::int32_t> read;
+          const auto mine = host_values(c, labels, read);
+          host_all_labels_.resize(static_cast<std::size_t>(total));
+          all_gather_v(comm, cview<std::int32_t>(mine.data(), {labels.numel()}),
+                       view<std::int32_t>(host_all_labels_.data(), {total}), std::span<const index_t>(counts_));
+          c.mirrors[1] = {all_labels_.data(), host_all_labels_.data(), static_cast<std::size_t>(total) * sizeof(std::int32_t)};
+        }
       return all_labels_.v();
     } else {
       (void)c;
