@@ -12,8 +12,9 @@
 // bandwidth. A GPU profile (a `kernels` line) prices each layer from what the
 // GPU step's ledger counts for it instead (plan/probe.hpp, describe_kernels):
 // its GEMMs, its attention, its other kernels' bytes and its launches, a
-// repeat's blocks as a whole block runs them. Gives the step time, and per rank its compute, communication and
-// idle time, and the spans for a trace. Pure.
+// repeat's blocks as a whole block runs them. Gives the step time, and per
+// rank its compute, communication and idle time, and the spans for a trace.
+// Pure.
 #pragma once
 
 #include <algorithm>
