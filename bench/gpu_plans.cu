@@ -164,8 +164,12 @@ int main(int argc, char** argv) {
     if (s.check) {
       const auto on_dev = plan->run(ctx, dev.ref, s, false, &dev);
       const auto on_cpu = plan->run(ctx, backend_ref{}, s, false, nullptr);
-      // the guarded backend computes the CPU's bits; a GPU's sums round differently
-      const double tol = s.backend == "guarded" ? 0.0 : (s.prec == "bf16" ? 2e-2 : 2e-3);
+      // the guarded backend computes the CPU's bits; a GPU's sums round differently. Under WSP with
+      // several workers the holders add the workers' updates in the order they arrive, on either
+      // backend, and bf16's rounding of the weights can magnify a last bit (2 workers: 1.7e-4 seen)
+      const bool unordered = s.plan == "wsp" && ctx.mesh().shape().size(axis::data) > 1;
+      const double guarded_tol = unordered ? (s.prec == "bf16" ? 2e-3 : 1e-5) : 0.0;
+      const double tol = s.backend == "guarded" ? guarded_tol : (s.prec == "bf16" ? 2e-2 : 2e-3);
       double worst = 0;
       for (std::size_t i = 0; i < on_cpu.losses.size() && i < on_dev.losses.size(); ++i)
         worst = std::max(worst, std::abs(on_dev.losses[i] - on_cpu.losses[i]) / std::max(1e-12, std::abs(on_cpu.losses[i])));

@@ -39,6 +39,7 @@ outcome train_wsp(context& ctx, const backend_ref& be, const settings& s, bool t
   markov_data data(seed{7}, V, seq_of(s), global_sequences(ctx, s));
   wsp_options w;
   w.staleness = s.staleness;
+  w.precision = s.precision_kind();
   wsp_trainer t(ctx, p, adamw{.lr = 1e-4f}, w);
   outcome r;
   auto steps = [&](int from, int n) {

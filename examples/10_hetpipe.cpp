@@ -15,6 +15,10 @@
 //
 // --worker-cuts cuts each worker's pipeline for its own ranks' speeds (HetPipe
 // partitions every virtual worker for its devices).
+// --guarded puts every rank's part in a device's memory: the guarded backend,
+// which runs the GPU's code path on the CPU (a program compiled by nvcc would
+// give each rank its cuda_backend the same way). Inside a wave nothing is read
+// back; at each wave's end one copy brings the update to the host holders.
 // --policy np|ed|hd groups the launched ranks into workers (HetPipe's policies):
 // np keeps the launch order, ed puts one rank of each speed in every worker,
 // hd balances the workers' total speed; --speeds are given in launch order.
@@ -39,6 +43,7 @@ int main(int argc, char** argv) {
   return ctx.guard([&] {
     plan_options o = plan_options::from_args(argc, argv);  // --speeds, --balance, --micro-batches, ...
     std::string mode = "wsp", policy = "np";
+    bool guarded = false;
     wsp_options w;
     long n = 200;
     for (int i = 1; i < argc; ++i) {
@@ -52,9 +57,10 @@ int main(int argc, char** argv) {
       else if (a == "--staleness") w.staleness = static_cast<int>(detail::parse_int(value(), "--staleness", 0, 1000000));
       else if (a == "--wave") w.wave = static_cast<int>(detail::parse_int(value(), "--wave", 1, 1000000));
       else if (a == "--in-flight") w.in_flight = true;
+      else if (a == "--guarded") guarded = true;
       else if (a == "--steps") n = static_cast<long>(detail::parse_int(value(), "--steps", 1, 10000000));
       else throw std::invalid_argument("example_10: unknown argument " + a +
-                                       " (have --mode sync|wsp, --policy np|ed|hd, --staleness D, --wave N, --in-flight, --worker-cuts, --steps N, --speeds, --balance, "
+                                       " (have --mode sync|wsp, --policy np|ed|hd, --staleness D, --wave N, --in-flight, --worker-cuts, --guarded, --steps N, --speeds, --balance, "
                                        "--micro-batches M, --mesh, --threads)");
     }
     if (mode != "sync" && mode != "wsp") throw std::invalid_argument("example_10: --mode must be sync or wsp (got '" + mode + "')");
@@ -78,6 +84,8 @@ int main(int argc, char** argv) {
     //    (B_w, 512) -> 8 x [linear 512->512, GELU] -> (B_w, 16) logits -> loss
     using model = replicate<pipeline<one_f_one_b, models::deep_mlp>>;
     if (w.in_flight) o.in_flight = w.wave;  // the plan's memory checks count the minibatches in flight
+    guarded_backend device;                  // this rank's stand-in GPU (declared before the plan: it outlives it)
+    if (guarded) o.backend = backend_ref(device);
     auto net = make<model>(run, seed{42}, o);
     auto data = models::deep_mlp_data(seed{7});  // 128 samples per global batch
     const auto opt = adamw{.lr = 1e-3f, .weight_decay = 0.f};

@@ -8,9 +8,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <vector>
 
+#include "whale/backend/guarded.hpp"
 #include "whale/comm/context.hpp"
 #include "whale/nn/gelu.hpp"
 #include "whale/nn/linear.hpp"
@@ -735,6 +737,162 @@ TEST_CASE("wsp: a NaN loss is an error on every rank of the worker, before any u
         for (int s = 0; s < 2; ++s) t.step(data, s);
     };
     // every rank throws (a rank that did not would hang in the next collective)
+    CHECK_THROWS_WITH_AS(run(), doctest::Contains("data step 1: this worker's loss is NaN or infinite"), std::runtime_error);
+    CHECK(t.clock() == 0);  // nothing pushed
+  }
+}
+
+namespace {
+/// WSP over plan P on backend `be` for `waves` waves: this rank's parameters
+/// after finish() (a host copy), the losses, and, on a guarded backend, the
+/// host's waits for the device (synchronisations, its communicators' waits
+/// included) and its reads from the device's memory over the waves after the first.
+struct wsp_run {
+  std::vector<float> params;
+  std::vector<double> losses;
+  std::int64_t syncs = 0, reads = 0, clock = 0;
+};
+template <class P, class Opt>
+wsp_run wsp_on(context& ctx, backend_ref be, plan_options o, wsp_options w, int waves, Opt opt, const guarded_backend* g = nullptr) {
+  o.backend = be;
+  auto net = make<P>(ctx, seed{42}, o);
+  auto data = batches();
+  wsp_trainer t(ctx, net, opt, w);
+  wsp_run r;
+  auto syncs = [&] { return g ? g->ledger().host_syncs + net.device_host_waits() : 0; };
+  auto reads = [&] { return g ? g->ledger().device_to_host : 0; };
+  std::int64_t s0 = 0, r0 = 0;
+  for (int v = 0; v < waves; ++v) {
+    if (v == 1) s0 = syncs(), r0 = reads();
+    if (w.in_flight) {
+      for (double l : t.wave(data, v * w.wave)) r.losses.push_back(l);
+    } else {
+      for (int k = 0; k < w.wave; ++k) r.losses.push_back(t.step(data, v * w.wave + k));
+    }
+  }
+  r.syncs = syncs() - s0, r.reads = reads() - r0;
+  t.finish();
+  r.clock = t.clock();
+  r.params.resize(static_cast<std::size_t>(net.params().numel()));
+  be.copy(r.params.data(), net.params().data(), r.params.size() * sizeof(float));
+  be.synchronize();
+  return r;
+}
+cview<float> as_view(const std::vector<float>& v) { return cview<float>(v.data(), {static_cast<index_t>(v.size())}); }
+}  // namespace
+
+TEST_CASE("wsp on a device (the guarded backend): one worker equals the CPU bit for bit, several within rounding; one host wait a wave") {
+  const int n = world_size();
+  // One virtual worker over every rank (a pipeline): the holders add one update a wave,
+  // in one order, so the device's run must give the CPU's bits, with the checks, the
+  // clipping norm (summed over the worker's ranks on the device's communicator, or
+  // through host copies) and the scale made in the device's memory.
+  auto one_worker = [&]<class P>(const char* what, plan_options o, wsp_options w, auto opt, std::int64_t syncs_a_wave) {
+    auto ctx = test::on_mesh("data=1,pipe=" + std::to_string(n));
+    constexpr int waves = 3;
+    const auto host = wsp_on<P>(ctx, backend_ref{}, o, w, waves, opt);
+    for (bool direct : {true, false}) {
+      plan_options od = o;
+      od.device_collectives = direct;
+      guarded_backend g;
+      const auto dev = wsp_on<P>(ctx, backend_ref(g), od, w, waves, opt, &g);
+      INFO("rank " << ctx.rank() << " of " << n << ", " << what << (direct ? ", the device's communicators" : ", host copies"));
+      CHECK(dev.losses == host.losses);
+      CHECK(dev.params == host.params);
+      CHECK(dev.clock == host.clock);
+      for (double l : dev.losses) CHECK(std::isfinite(l));
+      if (direct) {  // the wave's read (the update and the figures together), and no other
+        CHECK(dev.syncs == (waves - 1) * syncs_a_wave);
+        CHECK(dev.reads == (waves - 1) * syncs_a_wave);
+      }
+    }
+  };
+  plan_options two;
+  two.micro_batches = 2;
+  one_worker.template operator()<replicate<pipeline<one_f_one_b, small_deep>>>(
+      "sequential waves of 2, adamw clipped to 0.05", two, wsp_options{.wave = 2, .max_grad_norm = 0.05},
+      adamw{.lr = 1e-2f, .weight_decay = 0.01f}, 2);  // a minibatch inside a wave reads its loss
+  plan_options flight;
+  flight.in_flight = 3;  // the plan made for them (its memory check counts 3 minibatches' activations)
+  one_worker.template operator()<replicate<pipeline<gpipe, small_deep>>>(
+      "waves of 3 in flight, sgd with momentum clipped to 0.05", flight,
+      wsp_options{.wave = 3, .in_flight = true, .max_grad_norm = 0.05}, sgd{.lr = 0.05f, .momentum = 0.9f}, 1);
+  one_worker.template operator()<replicate<pipeline<one_f_one_b, small_deep>>>(
+      "one minibatch a wave, sgd", two, wsp_options{.wave = 1}, sgd{.lr = 0.05f}, 1);
+  // bf16 mixed precision: the weights rounded for each pass, fp32 updates and holders
+  const wsp_options bf16{.wave = 2, .in_flight = true, .max_grad_norm = 0.05, .precision = precision::bf16};
+  plan_options two_flight;
+  two_flight.in_flight = 2;
+  one_worker.template operator()<replicate<pipeline<one_f_one_b, small_deep>>>(
+      "bf16, waves of 2 in flight, adamw clipped to 0.05", two_flight, bf16, adamw{.lr = 1e-2f}, 1);
+  {
+    auto ctx = test::on_mesh("data=1,pipe=" + std::to_string(n));
+    using P = replicate<pipeline<one_f_one_b, small_deep>>;
+    wsp_options fp32 = bf16;
+    fp32.precision = precision::fp32;
+    const auto a = wsp_on<P>(ctx, backend_ref{}, two_flight, bf16, 2, adamw{.lr = 1e-2f});
+    const auto b = wsp_on<P>(ctx, backend_ref{}, two_flight, fp32, 2, adamw{.lr = 1e-2f});
+    CHECK(a.params != b.params);  // bf16 is not fp32
+    REQUIRE(a.losses.size() == b.losses.size());
+    for (std::size_t i = 0; i < a.losses.size(); ++i)  // but its losses are close (AdamW flips the sign of some tiny steps)
+      CHECK(a.losses[i] == doctest::Approx(b.losses[i]).epsilon(1e-2));
+  }
+  // Several workers, D = 0: the holders add the workers' updates in the order they
+  // arrive, so device and CPU agree within rounding; every rank ends with the same weights.
+  {
+    auto ctx = test::on_mesh("data=" + std::to_string(n));
+    const auto opt = sgd{.lr = 0.05f, .momentum = 0.9f};
+    const wsp_options w{.staleness = 0, .wave = 1};
+    const auto host = wsp_on<replicate<small_deep>>(ctx, backend_ref{}, {}, w, 4, opt);
+    guarded_backend g;
+    const auto dev = wsp_on<replicate<small_deep>>(ctx, backend_ref(g), {}, w, 4, opt, &g);
+    const auto d = test::over_ranks(ctx.world(), test::compare(as_view(dev.params), as_view(host.params), sgd_atol, sgd_rtol));
+    if (ctx.rank() == 0) MESSAGE("wsp D=0 on data=" << n << ", guarded against the CPU: max |diff| = " << d.max_abs);
+    CHECK(d.bad == 0);
+    std::vector<float> root = dev.params;
+    broadcast(ctx.world(), view<float>(root.data(), {static_cast<index_t>(root.size())}), 0);
+    CHECK(root == dev.params);
+    CHECK(dev.syncs == 3);
+    CHECK(dev.reads == 3);
+  }
+  // Two workers of two stages, each cut for its own ranks' speeds (worker_cuts), in flight.
+  if (n >= 4) {
+    auto ctx = test::on_mesh("data=2,pipe=2");
+    const auto& shape = ctx.mesh().shape();
+    plan_options o;
+    o.worker_cuts = true;
+    o.speeds.assign(static_cast<std::size_t>(n), 1.0);
+    for (int r = 0; r < n; ++r)
+      if (shape.coord(r, axis::data) == 1 && shape.coord(r, axis::pipe) == 1) o.speeds[static_cast<std::size_t>(r)] = 3.0;
+    const auto opt = sgd{.lr = 0.05f, .momentum = 0.9f};
+    const wsp_options w{.staleness = 0, .wave = 2, .in_flight = true};
+    using P = replicate<pipeline<one_f_one_b, small_deep>>;
+    const auto host = wsp_on<P>(ctx, backend_ref{}, o, w, 3, opt);
+    guarded_backend g;
+    const auto dev = wsp_on<P>(ctx, backend_ref(g), o, w, 3, opt, &g);
+    const auto d = test::over_ranks(ctx.world(), test::compare(as_view(dev.params), as_view(host.params), sgd_atol, sgd_rtol));
+    if (ctx.rank() == 0) MESSAGE("worker cuts, in flight, guarded against the CPU: max |diff| = " << d.max_abs);
+    CHECK(d.bad == 0);
+    CHECK(dev.syncs == 2);
+  }
+}
+
+TEST_CASE("wsp on a device: a NaN loss is an error on every rank of the worker, before any update is pushed") {
+  const int n = world_size();
+  using P = replicate<pipeline<one_f_one_b, small_deep>>;
+  for (bool flight : {false, true}) {
+    auto ctx = test::on_mesh("data=1,pipe=" + std::to_string(n));
+    guarded_backend g;
+    plan_options o;
+    o.backend = backend_ref(g);
+    auto net = make<P>(ctx, seed{42}, o);
+    nan_data data;
+    wsp_trainer t(ctx, net, sgd{.lr = 0.05f}, wsp_options{.wave = 2, .in_flight = flight});
+    auto run = [&] {
+      if (flight) t.wave(data, 0);
+      else
+        for (int s = 0; s < 2; ++s) t.step(data, s);
+    };
     CHECK_THROWS_WITH_AS(run(), doctest::Contains("data step 1: this worker's loss is NaN or infinite"), std::runtime_error);
     CHECK(t.clock() == 0);  // nothing pushed
   }

@@ -152,7 +152,9 @@ template <class P> class executor {
   /// minibatch keeps its own gradients: when its backward is done on this rank,
   /// `done(k)` finds them in grads(), and the next minibatch's backward
   /// overwrites them. c.global_rows is one minibatch's rows (each its own mean
-  /// loss). Returns each minibatch's loss share (the last stage's; 0 elsewhere).
+  /// loss). Returns each minibatch's loss share (the last stage's; 0 elsewhere);
+  /// with c.loss_sum set (n doubles in the backend's memory) minibatch k's
+  /// share is added to c.loss_sum[k] instead, and nothing is read back.
   const std::vector<double>& in_flight_step(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels, int n,
                                             std::function<void(int)> done) {
     static_assert(level == 0, "whale::executor::in_flight_step: minibatches in flight keep whole per-minibatch "
@@ -239,18 +241,8 @@ template <class P> class executor {
       all_reduce(ctx_->world(), view<double>(out, {1}));
       return;
     }
-    const auto ranges = level >= 2 ? detail::owned_range_ranges(prog_, zero_.begin(), zero_.end()) : detail::owned_ranges(prog_);
-    const float* g = level >= 2 ? zero_.shard_grads().data() : grads_.data();
-    const auto n = static_cast<index_t>(ranges.size());
-    if (!sq_parts_.data() || sq_parts_.numel() < std::max<index_t>(n, 1)) {  // (an empty tensor counts 1 element)
-      const place_scope on(be_.memory());
-      sq_parts_ = tensor<double>({std::max<index_t>(n, 1)}, mem_kind::workspace);
-    }
-    for (index_t k = 0; k < n; ++k) {
-      const auto [at, count] = ranges[static_cast<std::size_t>(k)];
-      be_.sum_squares_into(count, g + at, sq_parts_.data() + k);
-    }
-    be_.launch(1, kernels::sum_in_order{sq_parts_.data(), n, 1.0, out, false});  // one running sum, as grad_squares() adds
+    if (level >= 2) squares_into(detail::owned_range_ranges(prog_, zero_.begin(), zero_.end()), zero_.shard_grads().data(), out);
+    else squares_into(detail::owned_ranges(prog_), grads_.data(), out);
     if (ctx_->size() == 1) return;
     if (dev_world_) {
       all_reduce(*dev_world_, view<double>(out, {1}));  // on a GPU joined: the device's queue waits, not the host
@@ -262,6 +254,14 @@ template <class P> class executor {
       be_.copy(out, &host, sizeof host);
       be_.synchronize();
     }
+  }
+  /// *out = grad_squares(true) with `out` in the backend's memory and nothing
+  /// read back (ZeRO 0-1): this rank's part of its data replica's squared
+  /// norm, the same bits; sum it over the replica's pipe and model ranks.
+  void replica_grad_squares_into(double* out) const {
+    static_assert(level < 2, "whale::executor::replica_grad_squares_into: ZeRO 2-3 spread a replica's gradients over the data axis");
+    if (be_.on_cpu()) *out = grad_squares(true);
+    else squares_into(detail::owned_ranges(prog_, true), grads_.data(), out);
   }
   int rank() const noexcept { return ctx_->rank(); }
   /// Whether the model has a tied head (tied_head; on any rank, not only this one's stage).
@@ -475,6 +475,21 @@ template <class P> class executor {
   std::vector<weight_task>& weight_queue(int slot) {
     if (static_cast<std::size_t>(slot) >= wq_.size()) wq_.resize(static_cast<std::size_t>(slot) + 1);
     return wq_[static_cast<std::size_t>(slot)];
+  }
+
+  /// *out = the squares of g's `ranges`, each range summed where it lies and
+  /// the sums added in order (owned_squares()'s bits), on the device; nothing read back.
+  void squares_into(const std::vector<std::pair<index_t, index_t>>& ranges, const float* g, double* out) const {
+    const auto n = static_cast<index_t>(ranges.size());
+    if (!sq_parts_.data() || sq_parts_.numel() < std::max<index_t>(n, 1)) {  // (an empty tensor counts 1 element)
+      const place_scope on(be_.memory());
+      sq_parts_ = tensor<double>({std::max<index_t>(n, 1)}, mem_kind::workspace);
+    }
+    for (index_t k = 0; k < n; ++k) {
+      const auto [at, count] = ranges[static_cast<std::size_t>(k)];
+      be_.sum_squares_into(count, g + at, sq_parts_.data() + k);
+    }
+    be_.launch(1, kernels::sum_in_order{sq_parts_.data(), n, 1.0, out, false});  // one running sum, as owned_squares() adds
   }
 
   const context* ctx_;

@@ -33,8 +33,6 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
     if (o_.bf16_reduce && !o_.device_collectives)  // the packed buckets are summed by the device's own communicator
       throw std::invalid_argument(who + "summing gradients in bf16 (bf16_reduce) with the network on a device (" + be_.name() +
                                   ") needs the device's own communicator: set plan_options::device_collectives");
-    if (o_.worker_cuts) throw std::invalid_argument(who + "worker_cuts" + on);
-    if (o_.in_flight > 0) throw std::invalid_argument(who + "minibatches in flight (in_flight, wsp_trainer)" + on);
   }
   if (!staged && shape.size(axis::pipe) != 1)
     throw std::invalid_argument(who + "the mesh " + shape.spec() + " has a pipe axis, but the plan has no pipeline<...>");

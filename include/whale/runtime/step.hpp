@@ -133,7 +133,7 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
     mc.bf16 = c.bf16;
     mc.be = c.be;
     mc.mirrors = mirrors;
-    mc.loss_sum = in_flight_ > 0 ? nullptr : c.loss_sum;  // the trainer's device record (in flight: each minibatch's own share)
+    mc.loss_sum = in_flight_ > 0 && c.loss_sum ? c.loss_sum + a.micro : c.loss_sum;  // the trainer's device record (in flight: each minibatch's own)
     if (a.kind == pipe_action::forward) {
       cview<float> in;
       if (!first) {

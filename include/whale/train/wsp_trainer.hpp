@@ -12,19 +12,25 @@
 #include <cstring>
 #include <deque>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include "whale/backend/kernels/elementwise.hpp"
+#include "whale/backend/kernels/optim.hpp"
 #include "whale/comm/collectives.hpp"
 #include "whale/comm/context.hpp"
+#include "whale/comm/device_comm.hpp"
 #include "whale/comm/trace.hpp"
 #include "whale/optim/optimizer.hpp"
 #include "whale/runtime/wsp.hpp"
 #include "whale/train/data_source.hpp"
+#include "whale/train/trainer_options.hpp"
 
 namespace whale {
 
@@ -45,6 +51,10 @@ struct wsp_options {
   bool in_flight = false;
   /// Clip each minibatch's gradients to this norm over its worker (0: no clipping).
   double max_grad_norm = 0;
+  /// bf16 mixed precision, as trainer_options::precision: each minibatch (each
+  /// wave in flight) computes with the weights rounded to bf16 and the layers
+  /// store bf16 values; the update, the holders and the pushed waves keep fp32.
+  whale::precision precision = whale::precision::fp32;
 };
 
 /// What one minibatch ran on: data step `step` of wave `wave` (0-based), on
@@ -88,10 +98,12 @@ template <class Net, class Opt> class wsp_trainer {
     static_assert(Net::zero_level == 0,
                   "whale::wsp_trainer: the plan shards parameters over the data axis (shard<..., L>), but Wave "
                   "Synchronous Parallel keeps a whole copy of the model in every virtual worker; drop shard<>");
-    if constexpr (requires { net.backend(); })
-      if (!net.backend().on_cpu())
-        throw std::invalid_argument(std::string("whale::wsp_trainer: a plan on a device (") + net.backend().name() +
-                                    ") is not implemented yet: the parameter holders exchange host memory");
+    if constexpr (requires { net.backend(); }) be_ = net.backend();
+    if constexpr (!GatedOptimizer<Opt>)
+      if (!be_.on_cpu())
+        throw std::invalid_argument(std::string("whale::wsp_trainer: a plan on a device (") + be_.name() +
+                                    ") needs an optimizer whose update a flag in the device's memory can gate (sgd, "
+                                    "adamw): the checks of a minibatch's loss and norm are made there");
     if constexpr (requires { net.has_tied_head(); })
       if (net.has_tied_head())
         throw std::invalid_argument("whale::wsp_trainer: the model has a tied head (tied_head), whose copy of the token "
@@ -149,10 +161,22 @@ template <class Net, class Opt> class wsp_trainer {
     // Worker 0 (identical to every other at the start) fills the holders.
     const bool first = shape.coord(ctx.rank(), axis::data) == 0;
     holders_.emplace(ctx.world(), total_);
-    if (first && mine > 0) holders_->push(net.params(), offset_);
+    if (first && mine > 0) holders_->push(be_.host_readable(cview<float>(net.params()), host_), offset_);
     barrier(ctx.world());
+    const place_scope on(be_.memory());  // on a device: the snapshot, the update and the figures there
     snapshot_ = tensor<float>({std::max<index_t>(1, mine)}, mem_kind::workspace);
-    delta_ = tensor<float>({std::max<index_t>(1, mine)}, mem_kind::workspace);
+    // the update, then (on a device, 8-byte aligned) the wave's figures: one copy brings both to the host
+    padded_ = mine + mine % 2;
+    const index_t figure_floats = be_.on_cpu() ? 0 : 2 * (4 * static_cast<index_t>(o_.wave) + 1);
+    delta_ = tensor<float>({std::max<index_t>(1, padded_ + figure_floats)}, mem_kind::workspace);
+    if (!be_.on_cpu()) {
+      be_.fill_zero(delta_.data(), delta_.v().bytes());
+      shares_.assign(static_cast<std::size_t>(o_.wave), 0.0);
+      wave_steps_.assign(static_cast<std::size_t>(o_.wave), 0);
+      // clipping sums the worker's squares over its ranks on the device's own communicator
+      if (o_.max_grad_norm > 0 && group_->size() > 1 && net.options().device_collectives)
+        dev_group_ = make_device_comm(*group_, be_);
+    }
   }
 
   /// One minibatch, data step `step`: this worker's rows of that global batch,
@@ -171,8 +195,7 @@ template <class Net, class Opt> class wsp_trainer {
     const auto b = data.get(step, begin, count);
     if (auto why = detail::batch_problem<typename Net::model_type>(b, begin, count, global, data.seq()); !why.empty())
       throw std::runtime_error("whale::wsp_trainer: data step " + std::to_string(step) + ": " + why);
-    const auto p = net_->params();
-    if (in_wave_ == 0) std::copy_n(p.data(), p.numel(), snapshot_.data());
+    if (in_wave_ == 0) begin_wave();
     step_ctx c;
     c.batch = b.sequences;
     c.seq = b.seq;
@@ -180,7 +203,35 @@ template <class Net, class Opt> class wsp_trainer {
     share_ = static_cast<double>(count) / static_cast<double>(global);
     // the loss's rows are the global batch's; the worker trains as if alone on its
     // own rows: its mean loss, and gradients scaled up by global / count
-    const double loss = net_->compute_only_step(c, b.inputs, detail::labels_of(b)) / share_;
+    c.bf16 = bf16();
+    if (!be_.on_cpu()) {  // the loss, the checks and the scale stay in the device's memory
+      const int k = in_wave_;
+      c.loss_sum = figure(0, k);
+      {
+        rounded_weights r(*this);
+        shares_[static_cast<std::size_t>(k)] = net_->compute_only_step(c, b.inputs, detail::labels_of(b));
+        r.restore();
+      }
+      wave_steps_[static_cast<std::size_t>(k)] = step;
+      minibatches_.push_back({step, clock_, steps_, least_});
+      gated_update(k);
+      if (++in_wave_ == o_.wave) {
+        end_wave();
+        ++steps_;
+        return wave_losses_[static_cast<std::size_t>(k)];
+      }
+      ++steps_;
+      // inside a wave: this minibatch's loss read now (a host wait; its checks come at the wave's end)
+      std::vector<double> keep;
+      const double on_device = be_.host_readable(cview<double>(figure(0, k), {1}), keep)[0];
+      return (shares_[static_cast<std::size_t>(k)] + on_device) / share_;
+    }
+    double loss = 0;
+    {
+      rounded_weights r(*this);
+      loss = net_->compute_only_step(c, b.inputs, detail::labels_of(b)) / share_;
+      r.restore();
+    }
     check_finite(std::isfinite(loss) ? -1 : step);
     minibatches_.push_back({step, clock_, steps_, least_});
     net_->apply_optimizer(opt_, state_, clip_scale(static_cast<float>(1.0 / share_)));
@@ -228,19 +279,45 @@ template <class Net, class Opt> class wsp_trainer {
       std::memcpy(y_.data() + k * count * label_row, b.labels.data(),
                   static_cast<std::size_t>(count * label_row) * sizeof(std::int32_t));
     }
-    const auto p = net_->params();
-    std::copy_n(p.data(), p.numel(), snapshot_.data());
-    const index_t np = p.numel();
-    if (slots_.numel() < std::max<index_t>(1, np * n)) slots_ = tensor<float>({std::max<index_t>(1, np * n)}, mem_kind::workspace);
+    begin_wave();
+    const index_t np = net_->params().numel();
+    if (slots_.numel() < std::max<index_t>(1, np * n)) {
+      const place_scope on(be_.memory());
+      slots_ = tensor<float>({std::max<index_t>(1, np * n)}, mem_kind::workspace);
+    }
     share_ = static_cast<double>(count) / static_cast<double>(global);
     step_ctx c;
     c.batch = count * n;
     c.seq = seq;
     c.global_rows = global * seq;  // as step(): shares of the global batch, scaled up by global / count below
+    const bool device = !be_.on_cpu();
+    if (device) c.loss_sum = figure(0, 0);  // minibatch k's loss at figure(0, k)
     const auto g = net_->grads();
-    const auto& shares = net_->in_flight_step(c, x_.v(), y_.v(), n, [&](int k) {
-      std::copy_n(g.data(), np, slots_.data() + static_cast<index_t>(k) * np);
-    });
+    const auto bytes = static_cast<std::size_t>(np) * sizeof(float);
+    c.bf16 = bf16();
+    std::vector<double> shares;
+    {
+      rounded_weights r(*this);  // every minibatch of the wave on the wave's first weights, rounded
+      shares = net_->in_flight_step(c, x_.v(), y_.v(), n, [&](int k) {
+        be_.copy(slots_.data() + static_cast<index_t>(k) * np, g.data(), bytes);
+      });
+      r.restore();
+    }
+    if (device) {  // the checks at the wave's end, where the figures are read
+      for (int k = 0; k < n; ++k) {
+        shares_[static_cast<std::size_t>(k)] = shares[static_cast<std::size_t>(k)];
+        wave_steps_[static_cast<std::size_t>(k)] = first + k;
+        minibatches_.push_back({first + k, clock_, steps_, least_});
+      }
+      for (int k = 0; k < n; ++k) {  // the wave's updates, in step order
+        be_.copy(g.data(), slots_.data() + static_cast<index_t>(k) * np, bytes);
+        gated_update(k);
+        ++steps_;
+      }
+      in_wave_ = n;
+      end_wave();
+      return wave_losses_;
+    }
     std::vector<double> losses(shares.begin(), shares.end());
     std::int64_t bad = -1;  // the first minibatch whose loss is not finite
     for (int k = n - 1; k >= 0; --k) {
@@ -250,7 +327,7 @@ template <class Net, class Opt> class wsp_trainer {
     check_finite(bad);
     for (int k = 0; k < n; ++k) minibatches_.push_back({first + k, clock_, steps_, least_});
     for (int k = 0; k < n; ++k) {  // the wave's updates, in step order
-      std::copy_n(slots_.data() + static_cast<index_t>(k) * np, np, g.data());
+      be_.copy(g.data(), slots_.data() + static_cast<index_t>(k) * np, bytes);
       net_->apply_optimizer(opt_, state_, clip_scale(static_cast<float>(1.0 / share_)));
       ++steps_;
     }
@@ -315,6 +392,7 @@ template <class Net, class Opt> class wsp_trainer {
   void end_wave(bool wait = true) {
     auto& tr = net_->trace_recorder();  // the executor's timeline (plan_options::trace), when on
     const auto t0 = std::chrono::steady_clock::now();
+    if (!be_.on_cpu()) read_wave();  // before anything is pushed: a faulty minibatch throws here
     // No rank may still be about to pull wave clock_ - D: this push would leak into
     // its weights (with D = 0 every worker then pulls exactly the synchronous weights).
     auto& h = *holders_;
@@ -323,10 +401,10 @@ template <class Net, class Opt> class wsp_trainer {
     // the worker's update weighs as its share of the global batch: with SGD (linear
     // in the gradients) the pushed updates add up to the update of the whole batch
     const auto p = net_->params();
-    const auto w = static_cast<float>(share_);
-    for (index_t i = 0; i < p.numel(); ++i) delta_[i] = (p[i] - snapshot_[i]) * w;
+    if (be_.on_cpu()) be_.launch(p.numel(), kernels::scaled_difference{p.data(), snapshot_.data(), delta_.data(), static_cast<float>(share_)});
+    const float* pushed = be_.on_cpu() ? delta_.data() : host_.data();  // on a device: read_wave's copy
     const auto t_push = tr.now();
-    if (p.numel() > 0) holders_->push(cview<float>(delta_.data(), {p.numel()}), offset_);
+    if (p.numel() > 0) holders_->push(cview<float>(pushed, {p.numel()}), offset_);
     holders_->advance();
     ++clock_;
     in_wave_ = 0;
@@ -350,9 +428,129 @@ template <class Net, class Opt> class wsp_trainer {
     holders_->pulled();
     tr.add(span_kind::wsp_pull, at, static_cast<int>(least), t_pull, tr.now());
   }
+  bool bf16() const noexcept { return o_.precision == whale::precision::bf16; }
+  /// Under bf16, from construction to restore(): this rank's weights rounded
+  /// to bf16 (the fp32 values kept aside in master_, in the weights' memory)
+  /// and a GPU's GEMMs on its bf16 tensor cores, as the trainer's steps run;
+  /// restore() (or the destructor, when the step throws) puts the fp32 weights
+  /// back. Under fp32: nothing.
+  class rounded_weights {
+   public:
+    explicit rounded_weights(wsp_trainer& t) : t_(t.bf16() ? &t : nullptr) {
+      if (!t_) return;
+      const auto p = t_->net_->params();
+      {
+        const place_scope where(t_->be_.memory());
+        t_->master_.resize(p.shape());
+      }
+      t_->be_.copy(t_->master_.data(), p.data(), p.bytes());
+      t_->be_.launch(p.numel(), kernels::to_bf16{p.data()});
+      t_->be_.bf16_products(true);
+    }
+    rounded_weights(const rounded_weights&) = delete;
+    rounded_weights& operator=(const rounded_weights&) = delete;
+    void restore() {
+      if (!t_) return;
+      auto* t = std::exchange(t_, nullptr);
+      t->be_.bf16_products(false);
+      const auto p = t->net_->params();
+      t->be_.copy(p.data(), t->master_.data(), p.bytes());
+    }
+    ~rounded_weights() {
+      try {
+        restore();  // a step that threw: its error is the one reported
+      } catch (...) {
+      }
+    }
+
+   private:
+    wsp_trainer* t_;
+  };
   void pull() {
     const auto p = net_->params();
-    if (p.numel() > 0) holders_->pull(p, offset_);
+    if (p.numel() == 0) return;
+    if (be_.on_cpu()) return holders_->pull(p, offset_);
+    if (host_.size() < static_cast<std::size_t>(p.numel())) host_.resize(static_cast<std::size_t>(p.numel()));
+    holders_->pull(view<float>(host_.data(), {p.numel()}), offset_);
+    be_.copy(p.data(), host_.data(), p.bytes());  // queued; the host copy is not written again before a later wait
+  }
+  /// A wave's start: the weights' snapshot (its update is their change), and on
+  /// a device its figures zeroed (losses added there, the halt flag cleared).
+  void begin_wave() {
+    const auto p = net_->params();
+    be_.copy(snapshot_.data(), p.data(), p.bytes());
+    if (!be_.on_cpu()) be_.fill_zero(figure(0, 0), (4 * static_cast<std::size_t>(o_.wave) + 1) * sizeof(double));
+  }
+  /// On a device, one of the wave's figures: part 0 the loss layers' share of
+  /// minibatch k, 1 the worker's squared gradient norm, 2 the gradients' scale,
+  /// 3 the fault; halt() gates every update after a fault.
+  double* figure(int part, int k) { return reinterpret_cast<double*>(delta_.data() + padded_) + part * o_.wave + k; }
+  double* halt() { return figure(4, 0); }
+  /// On a device, minibatch k's update (its gradients in grads()): the worker's
+  /// squared norm summed over its ranks where clipping needs it, the gate
+  /// (kernels::wsp_gate: the host's checks and scale), and the update under it.
+  /// The host reads nothing.
+  void gated_update(int k) {
+    if constexpr (GatedOptimizer<Opt>) {
+      double* squares = nullptr;
+      if (o_.max_grad_norm > 0) {
+        squares = figure(1, k);
+        net_->replica_grad_squares_into(squares);
+        if (group_->size() > 1) {
+          if (dev_group_) {
+            all_reduce(*dev_group_, view<double>(squares, {1}));
+          } else {  // without the device's own communicators: through the host (a wait)
+            double sq = 0;
+            be_.copy(&sq, squares, sizeof sq);
+            be_.synchronize();
+            all_reduce(*group_, view<double>(&sq, {1}));
+            be_.copy(squares, &sq, sizeof sq);
+            be_.synchronize();  // before `sq` goes out of scope
+          }
+        }
+      }
+      be_.launch(1, kernels::wsp_gate{figure(0, k), shares_[static_cast<std::size_t>(k)], squares, figure(2, k), figure(3, k),
+                                      halt(), static_cast<float>(1.0 / share_), o_.max_grad_norm, static_cast<double>(k + 1)});
+      net_->apply_optimizer(opt_, state_, kernels::update_gate{figure(2, k), halt()});
+    } else {
+      (void)k;
+      throw std::logic_error("whale::wsp_trainer: a device's update needs a gated optimizer");
+    }
+  }
+  /// On a device, at a wave's end: the worker's update (its weights less the
+  /// snapshot, weighed by its share) and the wave's figures copied to the host
+  /// together, the wave's one host wait; then the losses, and a faulty minibatch
+  /// thrown on every rank of the worker before anything is pushed.
+  void read_wave() {
+    const auto p = net_->params();
+    const int n = in_wave_;
+    be_.launch(p.numel(), kernels::scaled_difference{p.data(), snapshot_.data(), delta_.data(), static_cast<float>(share_)});
+    const index_t floats = padded_ + 8 * static_cast<index_t>(o_.wave);  // the update and figures 0-3
+    host_.resize(static_cast<std::size_t>(floats));
+    be_.copy(host_.data(), delta_.data(), static_cast<std::size_t>(floats) * sizeof(float));
+    be_.synchronize();
+    figures_host_.resize(static_cast<std::size_t>(4 * o_.wave));
+    std::memcpy(figures_host_.data(), host_.data() + padded_, figures_host_.size() * sizeof(double));
+    wave_losses_.assign(static_cast<std::size_t>(n), 0.0);
+    std::int64_t bad = -1;
+    int kind = 0;
+    for (int k = 0; k < n; ++k) {
+      const auto ku = static_cast<std::size_t>(k);
+      wave_losses_[ku] = (shares_[ku] + figures_host_[ku]) / share_;
+      const double fault = figures_host_[static_cast<std::size_t>(3 * o_.wave + k)];
+      if (fault != 0 && bad < 0) bad = wave_steps_[ku], kind = static_cast<int>(fault);
+    }
+    std::int64_t worst[2] = {bad >= 0 ? 1 : 0, bad >= 0 ? -(4 * bad + kind) : std::numeric_limits<std::int64_t>::min()};
+    all_reduce(*group_, view<std::int64_t>(worst, {2}), reduce_op::max);
+    if (worst[0] == 0) return;
+    const std::int64_t step = -worst[1] / 4;
+    if (-worst[1] % 4 == 1)
+      throw std::runtime_error("whale::wsp_trainer: data step " + std::to_string(step) +
+                               ": this worker's loss is NaN or infinite; check the data for NaN/Inf or lower the "
+                               "learning rate (no update of that wave was pushed)");
+    throw std::runtime_error("whale::wsp_trainer: data step " + std::to_string(step) +
+                             ": a minibatch's gradient norm is not finite; check the data or lower the learning rate "
+                             "(no update of that wave was pushed)");
   }
 
   context* ctx_;
@@ -362,7 +560,15 @@ template <class Net, class Opt> class wsp_trainer {
   typename Opt::state state_;
   world_comm* group_;
   std::optional<detail::wsp_holders> holders_;
-  tensor<float> snapshot_, delta_;
+  backend_ref be_;                        // where the worker's weights live (the CPU, or a device)
+  tensor<float> snapshot_;                // the weights at the wave's start (the backend's memory)
+  tensor<float> master_;                  // bf16: the fp32 weights while a pass computes with them rounded
+  tensor<float> delta_;                   // the wave's update; on a device then its figures (figure(), halt())
+  index_t padded_ = 0;                    // where the figures start in delta_ (8-byte aligned)
+  std::vector<float> host_;               // on a device: the update pushed (with the figures), and the weights pulled
+  std::vector<double> figures_host_, shares_, wave_losses_;  // their host copy; what the loss layers returned on the host; the losses
+  std::vector<std::int64_t> wave_steps_;  // on a device: the data step of each minibatch of the wave
+  std::unique_ptr<device_comm> dev_group_;  // on a device, clipping: the worker's ranks' own communicator
   int position_ = 0, in_wave_ = 0;
   index_t offset_ = 0, total_ = 0;
   double share_ = 1.0;  // this worker's rows / the global batch

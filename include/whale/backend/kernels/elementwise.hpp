@@ -131,6 +131,17 @@ struct scale {
   std::int64_t bytes(index_t n) const noexcept { return n * 8; }
 };
 
+/// out = (a - b) * k: a virtual worker's update over a wave (its weights less
+/// their snapshot), weighed by its share of the global batch (train/wsp_trainer.hpp).
+struct scaled_difference {
+  const float* a;
+  const float* b;
+  float* out;
+  float k;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept { out[i] = (a[i] - b[i]) * k; }
+  std::int64_t bytes(index_t n) const noexcept { return n * 12; }
+};
+
 /// A tie's gradients (runtime/tie.hpp): a[i] = b[i] = a[i] + b[i] (table, then head).
 struct tie_sum {
   float* a;

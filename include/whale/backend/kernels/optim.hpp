@@ -55,6 +55,41 @@ struct check_step {
   std::int64_t bytes(index_t) const noexcept { return 48; }
 };
 
+/// One index: Wave Synchronous Parallel's gate for one minibatch of a
+/// virtual worker (train/wsp_trainer.hpp) on a device, the host's checks
+/// made where the figures lie. The loss is *loss + host (the loss layers'
+/// share added on the device, and what they returned on the host); the
+/// gradients' scale is `base` (the worker's rows scaled up to the global
+/// batch), times the clip coefficient of the worker's norm sqrt(*squares) x
+/// base when max_norm > 0: the host's float arithmetic. The fault: 1 when the
+/// loss is not finite, 2 when the norm clipping needs is not; the first faulty
+/// minibatch's number (`number`, from 1) goes to *halt, which gates every
+/// update after it until the host clears it.
+struct wsp_gate {
+  const double* loss;
+  double host;
+  const double* squares;  ///< null without clipping
+  double* scale;
+  double* fault;
+  double* halt;
+  float base;
+  double max_norm;
+  double number;
+  WHALE_HD WHALE_INLINE void operator()(index_t) const noexcept {
+    const double l = *loss + host;
+    double f = 0, norm = 0;
+    if (l - l != 0.0) f = 1;
+    else if (max_norm > 0) {
+      norm = std::sqrt(*squares) * static_cast<double>(base);
+      if (norm - norm != 0.0) f = 2;
+    }
+    if (f != 0 && *halt == 0.0) *halt = number;
+    *fault = f;
+    *scale = f == 0 && max_norm > 0 ? static_cast<double>(base * clip_scale(norm, max_norm)) : static_cast<double>(base);
+  }
+  std::int64_t bytes(index_t) const noexcept { return 48; }
+};
+
 // Each rule's apply(i, gi, keep): the update of element i with gradient gi,
 // or (keep) the element's values written back unchanged: a select rather
 // than a branch, so that a CPU loop under a runtime halt flag still vectorizes.
