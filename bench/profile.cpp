@@ -145,7 +145,7 @@ int main(int argc, char** argv) {
       // FLOPs, timed in turns: a form's factor is the median over the rounds of its rate over
       // the same round's cube's, the row count's the median of the three forms, so a slow
       // spell of the machine falls on both sides of a ratio (rates timed minutes apart were
-      // not steady enough here, docs/planning.md section 6). Where one product is over 6
+      // not steady enough here, docs/records-planning.md). Where one product is over 6
       // GFLOP (about 0.2 s) three rounds and no untimed products: those long products vary
       // less, and take most of the time. Three layers: 1024 x 4096 (16 to 512 rows), a wide
       // one, 1024 x 32768, as a language model's head (16 to 256 rows), and xc's 2048 x

@@ -31,6 +31,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -84,8 +85,8 @@ int main(int argc, char** argv) {
     //    (B_w, 512) -> 8 x [linear 512->512, GELU] -> (B_w, 16) logits -> loss
     using model = replicate<pipeline<one_f_one_b, models::deep_mlp>>;
     if (w.in_flight) o.in_flight = w.wave;  // the plan's memory checks count the minibatches in flight
-    guarded_backend device;                  // this rank's stand-in GPU (declared before the plan: it outlives it)
-    if (guarded) o.backend = backend_ref(device);
+    std::optional<guarded_backend> device;  // this rank's stand-in GPU (declared before the plan: it outlives it)
+    if (guarded) o.backend = backend_ref(device.emplace());
     auto net = make<model>(run, seed{42}, o);
     auto data = models::deep_mlp_data(seed{7});  // 128 samples per global batch
     const auto opt = adamw{.lr = 1e-3f, .weight_decay = 0.f};

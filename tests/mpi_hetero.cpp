@@ -781,7 +781,7 @@ wsp_run wsp_on(context& ctx, backend_ref be, plan_options o, wsp_options w, int 
 cview<float> as_view(const std::vector<float>& v) { return cview<float>(v.data(), {static_cast<index_t>(v.size())}); }
 }  // namespace
 
-TEST_CASE("wsp on a device (the guarded backend): one worker equals the CPU bit for bit, several within rounding; one host wait a wave") {
+TEST_CASE("wsp on a device (the guarded backend): one worker equals the CPU bit for bit, several within rounding; one read a wave") {
   const int n = world_size();
   // One virtual worker over every rank (a pipeline): the holders add one update a wave,
   // in one order, so the device's run must give the CPU's bits, with the checks, the
@@ -877,9 +877,41 @@ TEST_CASE("wsp on a device (the guarded backend): one worker equals the CPU bit 
   }
 }
 
-TEST_CASE("wsp on a device: a NaN loss is an error on every rank of the worker, before any update is pushed") {
+TEST_CASE("wsp on a device: a NaN loss is an error on every rank of the worker, before any update is pushed; no stage applies it") {
   const int n = world_size();
   using P = replicate<pipeline<one_f_one_b, small_deep>>;
+  // minibatch 1 of a wave of 2 is poisoned: every stage keeps minibatch 0's update and no other,
+  // as a run of minibatch 0 alone leaves them
+  for (double clip : {0.0, 0.05}) {
+    auto ctx = test::on_mesh("data=1,pipe=" + std::to_string(n));
+    const wsp_options w{.wave = 2, .max_grad_norm = clip};
+    std::vector<float> want;
+    {
+      guarded_backend g;
+      plan_options o;
+      o.backend = backend_ref(g);
+      auto net = make<P>(ctx, seed{42}, o);
+      nan_data data;
+      wsp_trainer t(ctx, net, sgd{.lr = 0.05f}, w);
+      t.step(data, 0);
+      want.resize(static_cast<std::size_t>(net.params().numel()));
+      g.synchronize();
+      backend_ref(g).copy(want.data(), net.params().data(), want.size() * sizeof(float));
+    }
+    guarded_backend g;
+    plan_options o;
+    o.backend = backend_ref(g);
+    auto net = make<P>(ctx, seed{42}, o);
+    nan_data data;
+    wsp_trainer t(ctx, net, sgd{.lr = 0.05f}, w);
+    t.step(data, 0);
+    CHECK_THROWS_WITH_AS(t.step(data, 1), doctest::Contains("data step 1: this worker's loss is NaN or infinite"), std::runtime_error);
+    std::vector<float> got(want.size());
+    backend_ref(g).copy(got.data(), net.params().data(), got.size() * sizeof(float));
+    CHECK(got == want);  // on every rank: the faulty minibatch's update was gated everywhere
+    CHECK(t.minibatches().size() == 1);  // the record of the minibatch not applied is gone
+    CHECK_THROWS_WITH_AS(t.step(data, 2), doctest::Contains("this trainer stopped at a fault"), std::logic_error);
+  }
   for (bool flight : {false, true}) {
     auto ctx = test::on_mesh("data=1,pipe=" + std::to_string(n));
     guarded_backend g;

@@ -1,6 +1,6 @@
 // `prefer_simpler`: the near-tie rule both planners share (auto_plan<M> and the
 // reference workloads' plan search). Predictions closer than the cost model's
-// error (docs/planning.md, section 6) do not say which plan is faster; the
+// error (docs/records-planning.md) do not say which plan is faster; the
 // simpler one then runs, since fewer mechanisms leave less the model does not
 // see -- unless it would leave less memory free than the memory model's own
 // error, when a plan of the band that does leave it runs instead.
@@ -35,7 +35,7 @@ inline void check_plan_tie(double tie, const std::string& what) {
 
 /// The memory a near-tie choice must leave free, as a fraction of the limit:
 /// the memory model's stated error (within ±10% of the measured peak,
-/// docs/planning.md section 6), so that a plan chosen for simplicity is not
+/// docs/records-planning.md), so that a plan chosen for simplicity is not
 /// one the model's error could put over the limit.
 inline constexpr double tie_headroom = 0.10;
 

@@ -29,7 +29,6 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
                                       "(it gathers every row of the global batch); use micro_batches 0 or 1");
   be_ = o_.backend;
   if (!be_.on_cpu()) {  // what runs in a device's memory so far (docs/backend.md, "Training on a device")
-    const std::string on = std::string(" with the network on a device (") + be_.name() + ") is not implemented yet";
     if (o_.bf16_reduce && !o_.device_collectives)  // the packed buckets are summed by the device's own communicator
       throw std::invalid_argument(who + "summing gradients in bf16 (bf16_reduce) with the network on a device (" + be_.name() +
                                   ") needs the device's own communicator: set plan_options::device_collectives");

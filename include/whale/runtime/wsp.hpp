@@ -15,12 +15,14 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <numeric>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "whale/comm/collectives.hpp"
+#include "whale/comm/context.hpp"
 #include "whale/comm/mpi_comm.hpp"
 #include "whale/plan/partition.hpp"
 
@@ -190,5 +192,28 @@ class wsp_holders {
   std::int64_t need_ = 0;       // what wait() waits for, for the watchdog's message
   const char* what_ = "";
 };
+
+/// The holders' layout where a rank's parameters are not one range of the
+/// model's (tensor parallelism, interleaved chunks): the concatenation of what
+/// each position of a worker (its pipe x model coordinates) holds, the same in
+/// every worker. Returns this rank's offset in it and its total (collective
+/// over the world); workers holding different counts at one position are an error.
+inline std::pair<index_t, index_t> wsp_position_layout(const context& ctx, index_t mine) {
+  const auto& shape = ctx.mesh().shape();
+  const int positions = shape.size(axis::pipe | axis::model);
+  const int position = shape.index_in(axis::pipe | axis::model, ctx.rank());
+  std::vector<index_t> held(static_cast<std::size_t>(ctx.size()));
+  all_gather(ctx.world(), cview<index_t>(&mine, {1}), view<index_t>(held.data(), {ctx.size()}));
+  std::vector<index_t> per(static_cast<std::size_t>(positions), -1);
+  for (int r = 0; r < ctx.size(); ++r) {
+    auto& p = per[static_cast<std::size_t>(shape.index_in(axis::pipe | axis::model, r))];
+    if (p >= 0 && p != held[static_cast<std::size_t>(r)])
+      throw std::invalid_argument("whale::wsp_trainer: two virtual workers hold different parameter counts at one "
+                                  "position; with tensor parallelism (a model axis) or interleaved chunks every "
+                                  "worker must cut its pipeline alike (no plan_options::worker_cuts)");
+    p = held[static_cast<std::size_t>(r)];
+  }
+  return {std::accumulate(per.begin(), per.begin() + position, index_t{0}), std::accumulate(per.begin(), per.end(), index_t{0})};
+}
 
 }  // namespace whale::detail

@@ -25,6 +25,7 @@
 #include "whale/optim/lr_schedule.hpp"
 #include "whale/optim/optimizer.hpp"
 #include "whale/plan/describe.hpp"
+#include "whale/train/bf16_weights.hpp"
 #include "whale/train/checkpoint.hpp"
 #include "whale/train/data.hpp"
 #include "whale/train/data_source.hpp"
@@ -611,46 +612,7 @@ class trainer {
     backend().copy(p.data(), master_.data(), p.bytes());
   }
 
-  /// Under bf16, from construction to restore(): this rank's parameters
-  /// rounded to bf16 (the weights a step computes with), the fp32 master
-  /// values kept aside beside them (in the device's memory, for a network on
-  /// one) and put back by restore(), or by the destructor when the step
-  /// throws; and meanwhile a GPU's GEMMs on its bf16 tensor cores
-  /// (backend_ref::bf16_products). Under fp32: nothing.
-  class weights_scope {
-   public:
-    weights_scope(bool on, view<float> p, tensor<float>& master, backend_ref be) : p_(p), be_(be) {
-      if (!on) return;
-      {
-        const place_scope where(be.memory());  // where the weights are: a device's memory, on one
-        master.resize(p.shape());
-      }
-      be.copy(master.data(), p.data(), p.bytes());
-      master_ = &master;
-      be.launch(p.numel(), kernels::to_bf16{p.data()});
-      be.bf16_products(true);  // a GPU's GEMMs on its bf16 tensor cores: the layers' operands are bf16 values
-    }
-    weights_scope(const weights_scope&) = delete;
-    weights_scope& operator=(const weights_scope&) = delete;
-    /// Put the master weights back (throws if a device's copy fails).
-    void restore() {
-      if (!master_) return;
-      auto* m = std::exchange(master_, nullptr);
-      be_.bf16_products(false);
-      be_.copy(p_.data(), m->data(), p_.bytes());
-    }
-    ~weights_scope() {
-      try {
-        restore();  // a step that threw: its error is the one reported
-      } catch (...) {
-      }
-    }
-
-   private:
-    view<float> p_;
-    backend_ref be_;
-    tensor<float>* master_ = nullptr;
-  };
+  using weights_scope = detail::bf16_weights;  // bf16: the pass computes with rounded weights, the master kept aside
   backend_ref backend() const { return ckpt::backend_of(net_); }
   bool bf16() const noexcept { return o_.precision == precision::bf16; }
   /// The parameters this rank computes with (what bf16 rounds); empty for a network that does not expose them.

@@ -10,74 +10,28 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <limits>
 #include <memory>
-#include <numeric>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
-#include "whale/backend/kernels/elementwise.hpp"
-#include "whale/backend/kernels/optim.hpp"
 #include "whale/comm/collectives.hpp"
 #include "whale/comm/context.hpp"
 #include "whale/comm/device_comm.hpp"
 #include "whale/comm/trace.hpp"
 #include "whale/optim/optimizer.hpp"
 #include "whale/runtime/wsp.hpp"
+#include "whale/train/bf16_weights.hpp"
 #include "whale/train/data_source.hpp"
-#include "whale/train/trainer_options.hpp"
+#include "whale/train/wsp_options.hpp"
+#include "whale/train/wsp_wave.hpp"
 
 namespace whale {
-
-/// Options of Wave Synchronous Parallel training.
-struct wsp_options {
-  /// D: a virtual worker may start wave c + 1 only when every rank has pushed
-  /// wave c - D (D = 0: synchronous). HetPipe's staleness bound.
-  int staleness = 0;
-  /// N_m: minibatches (data steps) per wave; the update pushed is their sum.
-  int wave = 1;
-  /// Microseconds between two reads of the clocks while waiting.
-  int poll_us = 200;
-  /// HetPipe's pipelined minibatches: the N_m minibatches of a wave are in
-  /// flight together in the worker's pipeline (no flush between them) and all
-  /// run on the weights the wave began with; their N_m updates are applied in
-  /// order when the last one's backward is done. Train with wave(), not step().
-  /// false: each minibatch flushes and the next sees its update.
-  bool in_flight = false;
-  /// Clip each minibatch's gradients to this norm over its worker (0: no clipping).
-  double max_grad_norm = 0;
-  /// bf16 mixed precision, as trainer_options::precision: each minibatch (each
-  /// wave in flight) computes with the weights rounded to bf16 and the layers
-  /// store bf16 values; the update, the holders and the pushed waves keep fp32.
-  whale::precision precision = whale::precision::fp32;
-};
-
-/// What one minibatch ran on: data step `step` of wave `wave` (0-based), on
-/// weights that held `local_version` of this worker's own minibatch updates
-/// (all of its steps < local_version) and, from the other workers, every
-/// update of their waves < `global_clock` (the smallest clock at the last pull).
-/// Sequential waves: step - local_version = 0; in flight: the minibatch's
-/// place in its wave (at most N_m - 1, HetPipe's local staleness).
-struct minibatch_record {
-  std::int64_t step = 0, wave = 0, local_version = 0, global_clock = 0;
-};
-
-/// What one wave of this rank saw: its clock after the push, the smallest
-/// clock of any rank when it went on (the oldest wave every update of which it
-/// then pulled), and how long it waited. wave - min_clock <= staleness for
-/// every wave after which the worker went on (not `stopped`).
-struct wave_record {
-  std::int64_t wave = 0, min_clock = 0;
-  double wait_s = 0;
-  /// The wave ended on a stop request: the worker went no further (the wait
-  /// for the others was cut short), so the bound does not apply to it.
-  bool stopped = false;
-};
 
 /// Trains `net` (an executor<P> whose data axis holds the virtual workers,
 /// ZeRO level 0) under WSP with optimizer `opt`. Each virtual worker runs its
@@ -110,25 +64,7 @@ template <class Net, class Opt> class wsp_trainer {
                                     "table the parameter holders would update apart from the table (each holder block "
                                     "adds the workers' pushes in its own order); not supported yet: untie the head "
                                     "(linear<D, V, no_bias>) for Wave Synchronous Parallel");
-    if (o_.staleness < 0 || o_.staleness > 1000000)
-      throw std::invalid_argument("whale::wsp_trainer: the staleness bound D must be from 0 to 1000000 (got " +
-                                  std::to_string(o_.staleness) + ")");
-    if (o_.wave < 1 || o_.wave > 1000000)
-      throw std::invalid_argument("whale::wsp_trainer: a wave must hold 1 to 1000000 minibatches (got " +
-                                  std::to_string(o_.wave) + ")");
-    if (o_.poll_us < 1 || o_.poll_us > 1000000)
-      throw std::invalid_argument("whale::wsp_trainer: poll_us must be from 1 to 1000000");
-    if (net.options().in_flight != 0 && net.options().in_flight != (o_.in_flight ? o_.wave : 0))
-      throw std::invalid_argument("whale::wsp_trainer: the plan was made for " + std::to_string(net.options().in_flight) +
-                                  " minibatches in flight (plan_options::in_flight), but this trainer runs " +
-                                  (o_.in_flight ? std::to_string(o_.wave) : std::string("none")) +
-                                  " (wsp_options::wave, in_flight); make them agree");
-    if (o_.in_flight && !net.options().memory_caps_mib.empty() && net.options().in_flight != o_.wave)
-      throw std::invalid_argument("whale::wsp_trainer: with memory caps and minibatches in flight, make the plan with "
-                                  "plan_options::in_flight = " + std::to_string(o_.wave) +
-                                  " so that its stage cut counts the activations of the minibatches in flight");
-    if (!(o_.max_grad_norm >= 0) || !std::isfinite(o_.max_grad_norm))
-      throw std::invalid_argument("whale::wsp_trainer: max_grad_norm must be a finite number >= 0 (0: no clipping)");
+    detail::check_wsp_options(o_, net.options().in_flight, !net.options().memory_caps_mib.empty());
     // The holders' layout. Without tensor parallelism or interleaving a rank holds
     // one range of the model's flat parameters, which the holders keep in model
     // order: workers may then cut their pipelines differently (plan_options::
@@ -142,39 +78,22 @@ template <class Net, class Opt> class wsp_trainer {
       if (net.full_param_end() - offset_ != mine)
         throw std::logic_error("whale::wsp_trainer: this rank's parameters are not its range of the model's");
     } else {
-      const int positions = shape.size(axis::pipe | axis::model);
-      position_ = shape.index_in(axis::pipe | axis::model, ctx.rank());
-      std::vector<index_t> held(static_cast<std::size_t>(ctx.size()));
-      all_gather(ctx.world(), cview<index_t>(&mine, {1}), view<index_t>(held.data(), {ctx.size()}));
-      std::vector<index_t> per(static_cast<std::size_t>(positions), -1);
-      for (int r = 0; r < ctx.size(); ++r) {
-        auto& p = per[static_cast<std::size_t>(shape.index_in(axis::pipe | axis::model, r))];
-        if (p >= 0 && p != held[static_cast<std::size_t>(r)])
-          throw std::invalid_argument("whale::wsp_trainer: two virtual workers hold different parameter counts at one "
-                                      "position; with tensor parallelism (a model axis) or interleaved chunks every "
-                                      "worker must cut its pipeline alike (no plan_options::worker_cuts)");
-        p = held[static_cast<std::size_t>(r)];
-      }
-      offset_ = std::accumulate(per.begin(), per.begin() + position_, index_t{0});
-      total_ = std::accumulate(per.begin(), per.end(), index_t{0});
+      std::tie(offset_, total_) = detail::wsp_position_layout(ctx, mine);
     }
     // Worker 0 (identical to every other at the start) fills the holders.
     const bool first = shape.coord(ctx.rank(), axis::data) == 0;
     holders_.emplace(ctx.world(), total_);
-    if (first && mine > 0) holders_->push(be_.host_readable(cview<float>(net.params()), host_), offset_);
+    if (first && mine > 0) {
+      std::vector<float> keep;
+      holders_->push(be_.host_readable(cview<float>(net.params()), keep), offset_);
+    }
     barrier(ctx.world());
-    const place_scope on(be_.memory());  // on a device: the snapshot, the update and the figures there
-    snapshot_ = tensor<float>({std::max<index_t>(1, mine)}, mem_kind::workspace);
-    // the update, then (on a device, 8-byte aligned) the wave's figures: one copy brings both to the host
-    padded_ = mine + mine % 2;
-    const index_t figure_floats = be_.on_cpu() ? 0 : 2 * (4 * static_cast<index_t>(o_.wave) + 1);
-    delta_ = tensor<float>({std::max<index_t>(1, padded_ + figure_floats)}, mem_kind::workspace);
-    if (!be_.on_cpu()) {
-      be_.fill_zero(delta_.data(), delta_.v().bytes());
+    wave_ = detail::wsp_wave(be_, mine, o_.wave);
+    if (wave_.device()) {
       shares_.assign(static_cast<std::size_t>(o_.wave), 0.0);
       wave_steps_.assign(static_cast<std::size_t>(o_.wave), 0);
-      // clipping sums the worker's squares over its ranks on the device's own communicator
-      if (o_.max_grad_norm > 0 && group_->size() > 1 && net.options().device_collectives)
+      // the worker's squares summed over its ranks on the device's own communicator (the checks, clipping)
+      if (group_->size() > 1 && net.options().device_collectives)
         dev_group_ = make_device_comm(*group_, be_);
     }
   }
@@ -187,6 +106,7 @@ template <class Net, class Opt> class wsp_trainer {
   template <class Data> double step(Data& data, std::int64_t step) {
     static_assert(detail::data_source_for<Data, typename Net::input_type, loss_target_t<typename Net::model_type>>(),
                   "whale::wsp_trainer::step: the data is not a DataSource for this network (see train/data_source.hpp)");
+    check_usable();
     if (o_.in_flight)
       throw std::logic_error("whale::wsp_trainer::step: with wsp_options::in_flight a wave's minibatches run "
                              "together; call wave(data, first_step) once per wave");
@@ -195,46 +115,38 @@ template <class Net, class Opt> class wsp_trainer {
     const auto b = data.get(step, begin, count);
     if (auto why = detail::batch_problem<typename Net::model_type>(b, begin, count, global, data.seq()); !why.empty())
       throw std::runtime_error("whale::wsp_trainer: data step " + std::to_string(step) + ": " + why);
-    if (in_wave_ == 0) begin_wave();
+    if (in_wave_ == 0) wave_.begin(net_->params());
     step_ctx c;
     c.batch = b.sequences;
     c.seq = b.seq;
     c.global_rows = global * b.seq;
+    c.bf16 = bf16();
     share_ = static_cast<double>(count) / static_cast<double>(global);
+    const int k = in_wave_;
+    if (wave_.device()) c.loss_sum = wave_.loss(k);  // the loss, the checks and the scale stay there
     // the loss's rows are the global batch's; the worker trains as if alone on its
     // own rows: its mean loss, and gradients scaled up by global / count
-    c.bf16 = bf16();
-    if (!be_.on_cpu()) {  // the loss, the checks and the scale stay in the device's memory
-      const int k = in_wave_;
-      c.loss_sum = figure(0, k);
-      {
-        rounded_weights r(*this);
-        shares_[static_cast<std::size_t>(k)] = net_->compute_only_step(c, b.inputs, detail::labels_of(b));
-        r.restore();
-      }
+    double share = 0;
+    {
+      detail::bf16_weights w(bf16(), net_->params(), master_, be_);
+      share = net_->compute_only_step(c, b.inputs, detail::labels_of(b));
+      w.restore();
+    }
+    if (wave_.device()) {
+      shares_[static_cast<std::size_t>(k)] = share;
       wave_steps_[static_cast<std::size_t>(k)] = step;
       minibatches_.push_back({step, clock_, steps_, least_});
       gated_update(k);
-      if (++in_wave_ == o_.wave) {
-        end_wave();
-        ++steps_;
-        return wave_losses_[static_cast<std::size_t>(k)];
-      }
+      const bool ends = ++in_wave_ == o_.wave;
+      if (ends) end_wave();
       ++steps_;
       // inside a wave: this minibatch's loss read now (a host wait; its checks come at the wave's end)
-      std::vector<double> keep;
-      const double on_device = be_.host_readable(cview<double>(figure(0, k), {1}), keep)[0];
-      return (shares_[static_cast<std::size_t>(k)] + on_device) / share_;
+      return ends ? wave_losses_[static_cast<std::size_t>(k)] : (share + wave_.loss_now(k)) / share_;
     }
-    double loss = 0;
-    {
-      rounded_weights r(*this);
-      loss = net_->compute_only_step(c, b.inputs, detail::labels_of(b)) / share_;
-      r.restore();
-    }
+    const double loss = share / share_;
     check_finite(std::isfinite(loss) ? -1 : step);
     minibatches_.push_back({step, clock_, steps_, least_});
-    net_->apply_optimizer(opt_, state_, clip_scale(static_cast<float>(1.0 / share_)));
+    net_->apply_optimizer(opt_, state_, clip_scale(static_cast<float>(1.0 / share_), step));
     if (++in_wave_ == o_.wave) end_wave();
     ++steps_;
     return loss;
@@ -251,6 +163,7 @@ template <class Net, class Opt> class wsp_trainer {
   template <class Data> std::vector<double> wave(Data& data, std::int64_t first) {
     static_assert(detail::data_source_for<Data, typename Net::input_type, loss_target_t<typename Net::model_type>>(),
                   "whale::wsp_trainer::wave: the data is not a DataSource for this network (see train/data_source.hpp)");
+    check_usable();
     if (!o_.in_flight)
       throw std::logic_error("whale::wsp_trainer::wave: set wsp_options::in_flight to run a wave's minibatches in "
                              "flight together; without it call step() once per minibatch");
@@ -279,7 +192,7 @@ template <class Net, class Opt> class wsp_trainer {
       std::memcpy(y_.data() + k * count * label_row, b.labels.data(),
                   static_cast<std::size_t>(count * label_row) * sizeof(std::int32_t));
     }
-    begin_wave();
+    wave_.begin(net_->params());
     const index_t np = net_->params().numel();
     if (slots_.numel() < std::max<index_t>(1, np * n)) {
       const place_scope on(be_.memory());
@@ -290,18 +203,18 @@ template <class Net, class Opt> class wsp_trainer {
     c.batch = count * n;
     c.seq = seq;
     c.global_rows = global * seq;  // as step(): shares of the global batch, scaled up by global / count below
-    const bool device = !be_.on_cpu();
-    if (device) c.loss_sum = figure(0, 0);  // minibatch k's loss at figure(0, k)
+    const bool device = wave_.device();
+    if (device) c.loss_sum = wave_.loss(0);  // minibatch k's at wave_.loss(k)
     const auto g = net_->grads();
     const auto bytes = static_cast<std::size_t>(np) * sizeof(float);
     c.bf16 = bf16();
     std::vector<double> shares;
     {
-      rounded_weights r(*this);  // every minibatch of the wave on the wave's first weights, rounded
+      detail::bf16_weights w(bf16(), net_->params(), master_, be_);  // every minibatch on the wave's first weights
       shares = net_->in_flight_step(c, x_.v(), y_.v(), n, [&](int k) {
         be_.copy(slots_.data() + static_cast<index_t>(k) * np, g.data(), bytes);
       });
-      r.restore();
+      w.restore();
     }
     if (device) {  // the checks at the wave's end, where the figures are read
       for (int k = 0; k < n; ++k) {
@@ -328,7 +241,7 @@ template <class Net, class Opt> class wsp_trainer {
     for (int k = 0; k < n; ++k) minibatches_.push_back({first + k, clock_, steps_, least_});
     for (int k = 0; k < n; ++k) {  // the wave's updates, in step order
       be_.copy(g.data(), slots_.data() + static_cast<index_t>(k) * np, bytes);
-      net_->apply_optimizer(opt_, state_, clip_scale(static_cast<float>(1.0 / share_)));
+      net_->apply_optimizer(opt_, state_, clip_scale(static_cast<float>(1.0 / share_), first + k));
       ++steps_;
     }
     in_wave_ = n;
@@ -340,6 +253,7 @@ template <class Net, class Opt> class wsp_trainer {
   /// waits until every rank has finished, then every worker pulls the final
   /// global weights, so all end equal.
   void finish() {
+    check_usable();
     if (in_wave_ > 0) end_wave(false);
     holders_->finish(o_.poll_us);
     pull();
@@ -373,38 +287,33 @@ template <class Net, class Opt> class wsp_trainer {
   void check_finite(std::int64_t step) {
     std::int64_t worst[2] = {step >= 0 ? 1 : 0, step >= 0 ? -step : std::numeric_limits<std::int64_t>::min()};
     all_reduce(*group_, view<std::int64_t>(worst, {2}), reduce_op::max);
-    if (worst[0] == 0) return;
-    throw std::runtime_error("whale::wsp_trainer: data step " + std::to_string(-worst[1]) +
-                             ": this worker's loss is NaN or infinite; check the data for NaN/Inf or lower the "
-                             "learning rate (no update of that wave was pushed)");
+    if (worst[0] != 0) detail::throw_wsp_fault(-worst[1], 1);
   }
   /// The gradients' scale: `base`, times the clip coefficient of their norm
   /// over this worker (scaled by `base`) when clipping is on.
-  float clip_scale(float base) {
+  float clip_scale(float base, std::int64_t step) {
     if (o_.max_grad_norm <= 0) return base;
     double sq = net_->grad_squares(true);  // each parameter once over this worker's ranks
     all_reduce(*group_, view<double>(&sq, {1}));
     const double norm = std::sqrt(sq) * static_cast<double>(base);
-    if (!std::isfinite(norm))
-      throw std::runtime_error("whale::wsp_trainer: a minibatch's gradient norm is not finite; check the data or lower the learning rate");
+    if (!std::isfinite(norm)) detail::throw_wsp_fault(step, 2);
     return base * clip_coefficient(norm, o_.max_grad_norm);
   }
   void end_wave(bool wait = true) {
     auto& tr = net_->trace_recorder();  // the executor's timeline (plan_options::trace), when on
     const auto t0 = std::chrono::steady_clock::now();
-    if (!be_.on_cpu()) read_wave();  // before anything is pushed: a faulty minibatch throws here
+    // the worker's update weighs as its share of the global batch: with SGD (linear
+    // in the gradients) the pushed updates add up to the update of the whole batch
+    const auto p = net_->params();
+    const auto update = wave_.update(p, static_cast<float>(share_));  // on a device: the wave's one wait
+    if (wave_.device()) check_wave();  // before anything is pushed: a faulty minibatch throws here
     // No rank may still be about to pull wave clock_ - D: this push would leak into
     // its weights (with D = 0 every worker then pulls exactly the synchronous weights).
     auto& h = *holders_;
     h.wait([&] { return h.min_pulled() >= clock_ - o_.staleness || h.stop_requested(); }, o_.poll_us,
            clock_ - o_.staleness, "every rank pulled the weights of wave clock - D");
-    // the worker's update weighs as its share of the global batch: with SGD (linear
-    // in the gradients) the pushed updates add up to the update of the whole batch
-    const auto p = net_->params();
-    if (be_.on_cpu()) be_.launch(p.numel(), kernels::scaled_difference{p.data(), snapshot_.data(), delta_.data(), static_cast<float>(share_)});
-    const float* pushed = be_.on_cpu() ? delta_.data() : host_.data();  // on a device: read_wave's copy
     const auto t_push = tr.now();
-    if (p.numel() > 0) holders_->push(cview<float>(pushed, {p.numel()}), offset_);
+    if (p.numel() > 0) holders_->push(update, offset_);
     holders_->advance();
     ++clock_;
     in_wave_ = 0;
@@ -428,73 +337,20 @@ template <class Net, class Opt> class wsp_trainer {
     holders_->pulled();
     tr.add(span_kind::wsp_pull, at, static_cast<int>(least), t_pull, tr.now());
   }
-  bool bf16() const noexcept { return o_.precision == whale::precision::bf16; }
-  /// Under bf16, from construction to restore(): this rank's weights rounded
-  /// to bf16 (the fp32 values kept aside in master_, in the weights' memory)
-  /// and a GPU's GEMMs on its bf16 tensor cores, as the trainer's steps run;
-  /// restore() (or the destructor, when the step throws) puts the fp32 weights
-  /// back. Under fp32: nothing.
-  class rounded_weights {
-   public:
-    explicit rounded_weights(wsp_trainer& t) : t_(t.bf16() ? &t : nullptr) {
-      if (!t_) return;
-      const auto p = t_->net_->params();
-      {
-        const place_scope where(t_->be_.memory());
-        t_->master_.resize(p.shape());
-      }
-      t_->be_.copy(t_->master_.data(), p.data(), p.bytes());
-      t_->be_.launch(p.numel(), kernels::to_bf16{p.data()});
-      t_->be_.bf16_products(true);
-    }
-    rounded_weights(const rounded_weights&) = delete;
-    rounded_weights& operator=(const rounded_weights&) = delete;
-    void restore() {
-      if (!t_) return;
-      auto* t = std::exchange(t_, nullptr);
-      t->be_.bf16_products(false);
-      const auto p = t->net_->params();
-      t->be_.copy(p.data(), t->master_.data(), p.bytes());
-    }
-    ~rounded_weights() {
-      try {
-        restore();  // a step that threw: its error is the one reported
-      } catch (...) {
-      }
-    }
-
-   private:
-    wsp_trainer* t_;
-  };
   void pull() {
     const auto p = net_->params();
-    if (p.numel() == 0) return;
-    if (be_.on_cpu()) return holders_->pull(p, offset_);
-    if (host_.size() < static_cast<std::size_t>(p.numel())) host_.resize(static_cast<std::size_t>(p.numel()));
-    holders_->pull(view<float>(host_.data(), {p.numel()}), offset_);
-    be_.copy(p.data(), host_.data(), p.bytes());  // queued; the host copy is not written again before a later wait
+    if (p.numel() > 0) wave_.pull_into(p, [&](view<float> to) { holders_->pull(to, offset_); });
   }
-  /// A wave's start: the weights' snapshot (its update is their change), and on
-  /// a device its figures zeroed (losses added there, the halt flag cleared).
-  void begin_wave() {
-    const auto p = net_->params();
-    be_.copy(snapshot_.data(), p.data(), p.bytes());
-    if (!be_.on_cpu()) be_.fill_zero(figure(0, 0), (4 * static_cast<std::size_t>(o_.wave) + 1) * sizeof(double));
-  }
-  /// On a device, one of the wave's figures: part 0 the loss layers' share of
-  /// minibatch k, 1 the worker's squared gradient norm, 2 the gradients' scale,
-  /// 3 the fault; halt() gates every update after a fault.
-  double* figure(int part, int k) { return reinterpret_cast<double*>(delta_.data() + padded_) + part * o_.wave + k; }
-  double* halt() { return figure(4, 0); }
+  bool bf16() const noexcept { return o_.precision == whale::precision::bf16; }
   /// On a device, minibatch k's update (its gradients in grads()): the worker's
   /// squared norm summed over its ranks where clipping needs it, the gate
   /// (kernels::wsp_gate: the host's checks and scale), and the update under it.
   /// The host reads nothing.
   void gated_update(int k) {
     if constexpr (GatedOptimizer<Opt>) {
-      double* squares = nullptr;
-      if (o_.max_grad_norm > 0) {
-        squares = figure(1, k);
+      double* squares = nullptr;  // the worker's norm: for clipping, and so that a fault stops every stage
+      if (o_.max_grad_norm > 0 || group_->size() > 1) {
+        squares = wave_.squares(k);
         net_->replica_grad_squares_into(squares);
         if (group_->size() > 1) {
           if (dev_group_) {
@@ -509,48 +365,44 @@ template <class Net, class Opt> class wsp_trainer {
           }
         }
       }
-      be_.launch(1, kernels::wsp_gate{figure(0, k), shares_[static_cast<std::size_t>(k)], squares, figure(2, k), figure(3, k),
-                                      halt(), static_cast<float>(1.0 / share_), o_.max_grad_norm, static_cast<double>(k + 1)});
-      net_->apply_optimizer(opt_, state_, kernels::update_gate{figure(2, k), halt()});
+      const auto gate = wave_.gate(k, shares_[static_cast<std::size_t>(k)], squares, static_cast<float>(1.0 / share_), o_.max_grad_norm);
+      net_->apply_optimizer(opt_, state_, gate);
     } else {
       (void)k;
       throw std::logic_error("whale::wsp_trainer: a device's update needs a gated optimizer");
     }
   }
-  /// On a device, at a wave's end: the worker's update (its weights less the
-  /// snapshot, weighed by its share) and the wave's figures copied to the host
-  /// together, the wave's one host wait; then the losses, and a faulty minibatch
+  /// On a device, after the wave's read: the losses, and a faulty minibatch
   /// thrown on every rank of the worker before anything is pushed.
-  void read_wave() {
-    const auto p = net_->params();
+  void check_wave() {
     const int n = in_wave_;
-    be_.launch(p.numel(), kernels::scaled_difference{p.data(), snapshot_.data(), delta_.data(), static_cast<float>(share_)});
-    const index_t floats = padded_ + 8 * static_cast<index_t>(o_.wave);  // the update and figures 0-3
-    host_.resize(static_cast<std::size_t>(floats));
-    be_.copy(host_.data(), delta_.data(), static_cast<std::size_t>(floats) * sizeof(float));
-    be_.synchronize();
-    figures_host_.resize(static_cast<std::size_t>(4 * o_.wave));
-    std::memcpy(figures_host_.data(), host_.data() + padded_, figures_host_.size() * sizeof(double));
     wave_losses_.assign(static_cast<std::size_t>(n), 0.0);
     std::int64_t bad = -1;
     int kind = 0;
     for (int k = 0; k < n; ++k) {
       const auto ku = static_cast<std::size_t>(k);
-      wave_losses_[ku] = (shares_[ku] + figures_host_[ku]) / share_;
-      const double fault = figures_host_[static_cast<std::size_t>(3 * o_.wave + k)];
-      if (fault != 0 && bad < 0) bad = wave_steps_[ku], kind = static_cast<int>(fault);
+      wave_losses_[ku] = (shares_[ku] + wave_.device_loss(k)) / share_;
+      if (wave_.fault(k) != 0 && bad < 0) bad = wave_steps_[ku], kind = wave_.fault(k);
     }
     std::int64_t worst[2] = {bad >= 0 ? 1 : 0, bad >= 0 ? -(4 * bad + kind) : std::numeric_limits<std::int64_t>::min()};
     all_reduce(*group_, view<std::int64_t>(worst, {2}), reduce_op::max);
     if (worst[0] == 0) return;
     const std::int64_t step = -worst[1] / 4;
-    if (-worst[1] % 4 == 1)
-      throw std::runtime_error("whale::wsp_trainer: data step " + std::to_string(step) +
-                               ": this worker's loss is NaN or infinite; check the data for NaN/Inf or lower the "
-                               "learning rate (no update of that wave was pushed)");
-    throw std::runtime_error("whale::wsp_trainer: data step " + std::to_string(step) +
-                             ": a minibatch's gradient norm is not finite; check the data or lower the learning rate "
-                             "(no update of that wave was pushed)");
+    while (!minibatches_.empty() && minibatches_.back().step >= step) minibatches_.pop_back();  // not applied
+    try {
+      detail::throw_wsp_fault(step, static_cast<int>(-worst[1] % 4));
+    } catch (const std::exception& e) {
+      spent_ = e.what();
+      throw;
+    }
+  }
+  /// On a device a fault is seen at the wave's end, after the optimizer's
+  /// step counts moved on past the gated updates: the trainer goes no further.
+  void check_usable() const {
+    if (!spent_.empty())
+      throw std::logic_error("whale::wsp_trainer: this trainer stopped at a fault (" + spent_ +
+                             "); on a device the fault is seen at the wave's end, so it cannot go on: make a new "
+                             "wsp_trainer (from a checkpoint) to continue");
   }
 
   context* ctx_;
@@ -561,19 +413,17 @@ template <class Net, class Opt> class wsp_trainer {
   world_comm* group_;
   std::optional<detail::wsp_holders> holders_;
   backend_ref be_;                        // where the worker's weights live (the CPU, or a device)
-  tensor<float> snapshot_;                // the weights at the wave's start (the backend's memory)
+  detail::wsp_wave wave_;                 // the wave's snapshot, update and (on a device) figures
   tensor<float> master_;                  // bf16: the fp32 weights while a pass computes with them rounded
-  tensor<float> delta_;                   // the wave's update; on a device then its figures (figure(), halt())
-  index_t padded_ = 0;                    // where the figures start in delta_ (8-byte aligned)
-  std::vector<float> host_;               // on a device: the update pushed (with the figures), and the weights pulled
-  std::vector<double> figures_host_, shares_, wave_losses_;  // their host copy; what the loss layers returned on the host; the losses
+  std::vector<double> shares_, wave_losses_;  // on a device: what the loss layers returned on the host; the wave's losses
   std::vector<std::int64_t> wave_steps_;  // on a device: the data step of each minibatch of the wave
   std::unique_ptr<device_comm> dev_group_;  // on a device, clipping: the worker's ranks' own communicator
-  int position_ = 0, in_wave_ = 0;
+  int in_wave_ = 0;
   index_t offset_ = 0, total_ = 0;
   double share_ = 1.0;  // this worker's rows / the global batch
   std::int64_t clock_ = 0, steps_ = 0, least_ = 0;
   bool stopping_ = false;
+  std::string spent_;  // on a device: the fault that ended this trainer (empty: none)
   std::vector<wave_record> waves_;
   std::vector<minibatch_record> minibatches_;
   tensor<typename Net::input_type> x_;  // wave(): the wave's inputs, minibatch after minibatch

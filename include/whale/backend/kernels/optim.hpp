@@ -59,16 +59,16 @@ struct check_step {
 /// virtual worker (train/wsp_trainer.hpp) on a device, the host's checks
 /// made where the figures lie. The loss is *loss + host (the loss layers'
 /// share added on the device, and what they returned on the host); the
+/// worker's norm is sqrt(*squares) x base (squares null: not checked); the
 /// gradients' scale is `base` (the worker's rows scaled up to the global
-/// batch), times the clip coefficient of the worker's norm sqrt(*squares) x
-/// base when max_norm > 0: the host's float arithmetic. The fault: 1 when the
-/// loss is not finite, 2 when the norm clipping needs is not; the first faulty
-/// minibatch's number (`number`, from 1) goes to *halt, which gates every
-/// update after it until the host clears it.
+/// batch), times the norm's clip coefficient when max_norm > 0: the host's
+/// float arithmetic. The fault: 1 when the loss is not finite, 2 when the
+/// norm is not; the first faulty minibatch's number (`number`, from 1) goes
+/// to *halt, which gates its update and every one after it until cleared.
 struct wsp_gate {
   const double* loss;
   double host;
-  const double* squares;  ///< null without clipping
+  const double* squares;  ///< the worker's squared norm (null: none taken)
   double* scale;
   double* fault;
   double* halt;
@@ -79,7 +79,7 @@ struct wsp_gate {
     const double l = *loss + host;
     double f = 0, norm = 0;
     if (l - l != 0.0) f = 1;
-    else if (max_norm > 0) {
+    else if (squares) {
       norm = std::sqrt(*squares) * static_cast<double>(base);
       if (norm - norm != 0.0) f = 2;
     }
