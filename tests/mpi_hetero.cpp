@@ -723,23 +723,27 @@ struct nan_data {
 };
 }  // namespace
 
-TEST_CASE("wsp: a NaN loss is an error on every rank of the worker, before any update is pushed (one by one and in flight)") {
+TEST_CASE("wsp: a NaN loss is an error on every rank of the worker, before any update is pushed (one by one and in flight, on the CPU and on a device)") {
   const int n = world_size();
   using P = replicate<pipeline<one_f_one_b, small_deep>>;
-  for (bool flight : {false, true}) {
-    auto ctx = test::on_mesh("data=1,pipe=" + std::to_string(n));
-    auto net = make<P>(ctx, seed{42});
-    nan_data data;
-    wsp_trainer t(ctx, net, sgd{.lr = 0.05f}, wsp_options{.wave = 2, .in_flight = flight});
-    auto run = [&] {
-      if (flight) t.wave(data, 0);
-      else
-        for (int s = 0; s < 2; ++s) t.step(data, s);
-    };
-    // every rank throws (a rank that did not would hang in the next collective)
-    CHECK_THROWS_WITH_AS(run(), doctest::Contains("data step 1: this worker's loss is NaN or infinite"), std::runtime_error);
-    CHECK(t.clock() == 0);  // nothing pushed
-  }
+  for (bool device : {false, true})  // the CPU, and the guarded backend's device memory (checks made there)
+    for (bool flight : {false, true}) {
+      auto ctx = test::on_mesh("data=1,pipe=" + std::to_string(n));
+      guarded_backend g;
+      plan_options o;
+      if (device) o.backend = backend_ref(g);
+      auto net = make<P>(ctx, seed{42}, o);
+      nan_data data;
+      wsp_trainer t(ctx, net, sgd{.lr = 0.05f}, wsp_options{.wave = 2, .in_flight = flight});
+      auto run = [&] {
+        if (flight) t.wave(data, 0);
+        else
+          for (int s = 0; s < 2; ++s) t.step(data, s);
+      };
+      // every rank throws (a rank that did not would hang in the next collective)
+      CHECK_THROWS_WITH_AS(run(), doctest::Contains("data step 1: this worker's loss is NaN or infinite"), std::runtime_error);
+      CHECK(t.clock() == 0);  // nothing pushed
+    }
 }
 
 namespace {
@@ -885,8 +889,8 @@ TEST_CASE("wsp on a device: a NaN loss is an error on every rank of the worker, 
   for (double clip : {0.0, 0.05}) {
     auto ctx = test::on_mesh("data=1,pipe=" + std::to_string(n));
     const wsp_options w{.wave = 2, .max_grad_norm = clip};
-    std::vector<float> want;
-    {
+    // minibatch 0 on a device, then `then(trainer, data)`; this rank's parameters after it
+    auto on_device = [&](auto&& then) {
       guarded_backend g;
       plan_options o;
       o.backend = backend_ref(g);
@@ -894,38 +898,17 @@ TEST_CASE("wsp on a device: a NaN loss is an error on every rank of the worker, 
       nan_data data;
       wsp_trainer t(ctx, net, sgd{.lr = 0.05f}, w);
       t.step(data, 0);
-      want.resize(static_cast<std::size_t>(net.params().numel()));
-      g.synchronize();
-      backend_ref(g).copy(want.data(), net.params().data(), want.size() * sizeof(float));
-    }
-    guarded_backend g;
-    plan_options o;
-    o.backend = backend_ref(g);
-    auto net = make<P>(ctx, seed{42}, o);
-    nan_data data;
-    wsp_trainer t(ctx, net, sgd{.lr = 0.05f}, w);
-    t.step(data, 0);
-    CHECK_THROWS_WITH_AS(t.step(data, 1), doctest::Contains("data step 1: this worker's loss is NaN or infinite"), std::runtime_error);
-    std::vector<float> got(want.size());
-    backend_ref(g).copy(got.data(), net.params().data(), got.size() * sizeof(float));
-    CHECK(got == want);  // on every rank: the faulty minibatch's update was gated everywhere
-    CHECK(t.minibatches().size() == 1);  // the record of the minibatch not applied is gone
-    CHECK_THROWS_WITH_AS(t.step(data, 2), doctest::Contains("this trainer stopped at a fault"), std::logic_error);
-  }
-  for (bool flight : {false, true}) {
-    auto ctx = test::on_mesh("data=1,pipe=" + std::to_string(n));
-    guarded_backend g;
-    plan_options o;
-    o.backend = backend_ref(g);
-    auto net = make<P>(ctx, seed{42}, o);
-    nan_data data;
-    wsp_trainer t(ctx, net, sgd{.lr = 0.05f}, wsp_options{.wave = 2, .in_flight = flight});
-    auto run = [&] {
-      if (flight) t.wave(data, 0);
-      else
-        for (int s = 0; s < 2; ++s) t.step(data, s);
+      then(t, data);
+      std::vector<float> params(static_cast<std::size_t>(net.params().numel()));
+      backend_ref(g).copy(params.data(), net.params().data(), params.size() * sizeof(float));
+      return params;
     };
-    CHECK_THROWS_WITH_AS(run(), doctest::Contains("data step 1: this worker's loss is NaN or infinite"), std::runtime_error);
-    CHECK(t.clock() == 0);  // nothing pushed
+    const auto want = on_device([](auto&, auto&) {});
+    const auto got = on_device([](auto& t, auto& data) {
+      CHECK_THROWS_WITH_AS(t.step(data, 1), doctest::Contains("data step 1: this worker's loss is NaN or infinite"), std::runtime_error);
+      CHECK(t.minibatches().size() == 1);  // the record of the minibatch not applied is gone
+      CHECK_THROWS_WITH_AS(t.step(data, 2), doctest::Contains("this trainer stopped at a fault"), std::logic_error);
+    });
+    CHECK(got == want);  // on every rank: the faulty minibatch's update was gated everywhere
   }
 }
