@@ -901,6 +901,7 @@ TEST_CASE("wsp on a device: a NaN loss is an error on every rank of the worker, 
       then(t, data);
       std::vector<float> params(static_cast<std::size_t>(net.params().numel()));
       backend_ref(g).copy(params.data(), net.params().data(), params.size() * sizeof(float));
+      backend_ref(g).synchronize();
       return params;
     };
     const auto want = on_device([](auto&, auto&) {});

@@ -115,7 +115,10 @@ template <class Net, class Opt> class wsp_trainer {
     const auto b = data.get(step, begin, count);
     if (auto why = detail::batch_problem<typename Net::model_type>(b, begin, count, global, data.seq()); !why.empty())
       throw std::runtime_error("whale::wsp_trainer: data step " + std::to_string(step) + ": " + why);
-    if (in_wave_ == 0) wave_.begin(net_->params());
+    if (in_wave_ == 0) {
+      wave_.begin(net_->params());
+      wave_records_ = minibatches_.size();
+    }
     step_ctx c;
     c.batch = b.sequences;
     c.seq = b.seq;
@@ -193,6 +196,7 @@ template <class Net, class Opt> class wsp_trainer {
                   static_cast<std::size_t>(count * label_row) * sizeof(std::int32_t));
     }
     wave_.begin(net_->params());
+    wave_records_ = minibatches_.size();
     const index_t np = net_->params().numel();
     if (slots_.numel() < std::max<index_t>(1, np * n)) {
       const place_scope on(be_.memory());
@@ -278,7 +282,12 @@ template <class Net, class Opt> class wsp_trainer {
   /// This rank's minibatches so far, with the weights' version each ran on.
   const std::vector<minibatch_record>& minibatches() const noexcept { return minibatches_; }
   std::int64_t clock() const noexcept { return clock_; }
-  typename Opt::state& optimizer_state() noexcept { return state_; }
+  /// The optimizer's state (refused after a fault on a device: its step counts
+  /// moved on past the updates the fault gated).
+  typename Opt::state& optimizer_state() {
+    check_usable();
+    return state_;
+  }
 
  private:
   /// Every rank of the worker learns whether one saw a non-finite loss (`step`
@@ -352,6 +361,7 @@ template <class Net, class Opt> class wsp_trainer {
       if (o_.max_grad_norm > 0 || group_->size() > 1) {
         squares = wave_.squares(k);
         net_->replica_grad_squares_into(squares);
+        wave_.poison_on_bad_loss(k, shares_[static_cast<std::size_t>(k)]);  // a loss fault reaches every stage's gate
         if (group_->size() > 1) {
           if (dev_group_) {
             all_reduce(*dev_group_, view<double>(squares, {1}));
@@ -377,20 +387,20 @@ template <class Net, class Opt> class wsp_trainer {
   void check_wave() {
     const int n = in_wave_;
     wave_losses_.assign(static_cast<std::size_t>(n), 0.0);
-    std::int64_t bad = -1;
-    int kind = 0;
+    int bad = -1, kind = 0;  // the wave's first faulty minibatch on this rank (its place in the wave)
     for (int k = 0; k < n; ++k) {
       const auto ku = static_cast<std::size_t>(k);
       wave_losses_[ku] = (shares_[ku] + wave_.device_loss(k)) / share_;
-      if (wave_.fault(k) != 0 && bad < 0) bad = wave_steps_[ku], kind = wave_.fault(k);
+      if (wave_.fault(k) != 0 && bad < 0) bad = k, kind = wave_.fault(k);
     }
+    // over the worker's ranks (which run the same minibatches): the first, a loss fault before a norm fault
     std::int64_t worst[2] = {bad >= 0 ? 1 : 0, bad >= 0 ? -(4 * bad + kind) : std::numeric_limits<std::int64_t>::min()};
     all_reduce(*group_, view<std::int64_t>(worst, {2}), reduce_op::max);
     if (worst[0] == 0) return;
-    const std::int64_t step = -worst[1] / 4;
-    while (!minibatches_.empty() && minibatches_.back().step >= step) minibatches_.pop_back();  // not applied
+    const auto at = static_cast<std::size_t>(-worst[1] / 4);
+    minibatches_.resize(wave_records_ + at);  // the records of the minibatches not applied go
     try {
-      detail::throw_wsp_fault(step, static_cast<int>(-worst[1] % 4));
+      detail::throw_wsp_fault(wave_steps_[at], static_cast<int>(-worst[1] % 4));
     } catch (const std::exception& e) {
       spent_ = e.what();
       throw;
@@ -424,6 +434,7 @@ template <class Net, class Opt> class wsp_trainer {
   std::int64_t clock_ = 0, steps_ = 0, least_ = 0;
   bool stopping_ = false;
   std::string spent_;  // on a device: the fault that ended this trainer (empty: none)
+  std::size_t wave_records_ = 0;  // minibatches_ before the wave's first
   std::vector<wave_record> waves_;
   std::vector<minibatch_record> minibatches_;
   tensor<typename Net::input_type> x_;  // wave(): the wave's inputs, minibatch after minibatch

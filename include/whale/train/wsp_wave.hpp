@@ -30,7 +30,10 @@ class wsp_wave {
     snapshot_ = tensor<float>({std::max<index_t>(1, params)}, mem_kind::workspace);
     // the update, then (on a device, 8-byte aligned) the figures: one copy brings both to the host
     delta_ = tensor<float>({std::max<index_t>(1, padded_ + (device() ? 2 * figure_count() : 0))}, mem_kind::workspace);
-    if (device()) be_.fill_zero(delta_.data(), delta_.v().bytes());
+    if (device()) {
+      be_.fill_zero(delta_.data(), delta_.v().bytes());
+      host_.resize(static_cast<std::size_t>(padded_ + 8 * static_cast<index_t>(n_)));  // never grown while a copy may read it
+    }
   }
 
   bool device() const noexcept { return !be_.on_cpu(); }
@@ -45,6 +48,12 @@ class wsp_wave {
   /// worker's squared gradient norm goes.
   double* loss(int k) { return figure(0, k); }
   double* squares(int k) { return figure(1, k); }
+  /// On a device, before the worker's squares are summed: squares(k) set to
+  /// NaN where minibatch k's loss (on the device, plus `host_share`) is not
+  /// finite, so that the stages without the loss see the fault too.
+  void poison_on_bad_loss(int k, double host_share) {
+    be_.launch(1, kernels::poison_on_bad_loss{figure(0, k), host_share, figure(1, k)});
+  }
   /// On a device: minibatch k's gate, kernels::wsp_gate (the host's checks and
   /// the gradients' scale, made where the figures are); the update it gives.
   kernels::update_gate gate(int k, double host_share, const double* squares, float base, double max_norm) {

@@ -90,6 +90,20 @@ struct wsp_gate {
   std::int64_t bytes(index_t) const noexcept { return 48; }
 };
 
+/// One index: *squares = NaN where *loss + host is not finite (a worker's
+/// squared norm marked before its ranks sum it, so that every rank's
+/// wsp_gate sees a loss fault of the rank that has the loss).
+struct poison_on_bad_loss {
+  const double* loss;
+  double host;
+  double* squares;
+  WHALE_HD WHALE_INLINE void operator()(index_t) const noexcept {
+    const double l = *loss + host;
+    if (l - l != 0.0) *squares = l - l;  // NaN (inf - inf, or NaN)
+  }
+  std::int64_t bytes(index_t) const noexcept { return 16; }
+};
+
 // Each rule's apply(i, gi, keep): the update of element i with gradient gi,
 // or (keep) the element's values written back unchanged: a select rather
 // than a branch, so that a CPU loop under a runtime halt flag still vectorizes.
