@@ -16,6 +16,7 @@
 #include "whale/backend/backend.hpp"
 #include "whale/backend/cpu/launch.hpp"
 #include "whale/backend/kernels/rows.hpp"
+#include "whale/detail/environment.hpp"
 #include "whale/detail/parse.hpp"
 #include "whale/tensor/tensor.hpp"
 
@@ -82,11 +83,7 @@ inline void gemm_strided_batched(trans ta, trans tb, index_t M, index_t N, index
 inline void set_threads(int n) { openblas_set_num_threads(n < 1 ? 1 : n); }
 inline int threads() { return openblas_get_num_threads(); }
 inline int default_threads() {
-  if (const char* e = std::getenv("WHALE_THREADS"))
-    return static_cast<int>(whale::detail::parse_int(e, "WHALE_THREADS", 1, 4096));  // "2x", "0", "-1" are errors
-  if (const char* e = std::getenv("OPENBLAS_NUM_THREADS"))
-    return static_cast<int>(whale::detail::parse_int(e, "OPENBLAS_NUM_THREADS", 1, 4096));
-  return 1;
+  return env::threads().value_or(1);  // "2x", "0", "-1" are errors
 }
 
 // ---- host-side reductions (the runtime's, on host memory) ----

@@ -75,7 +75,7 @@ inline int cuda_device_count() noexcept {
 inline int cuda_device_for_local_rank() {
   const local_place p = local_place_of_process();
   try {
-    return device_for(p, cuda_device_count(), std::getenv("CUDA_VISIBLE_DEVICES"));
+    return device_for(p, cuda_device_count(), env::text("CUDA_VISIBLE_DEVICES"));
   } catch (const std::runtime_error& e) {
     throw std::runtime_error(std::string("whale::cuda_backend: ") + e.what());
   }

@@ -71,14 +71,6 @@ inline context_flags take_flags(int& argc, char** argv) {
   return f;
 }
 
-inline int parse_threads(const std::string& v, std::string_view origin) {
-  char* end = nullptr;
-  long n = std::strtol(v.c_str(), &end, 10);
-  if (v.empty() || *end != '\0' || n < 1 || n > 4096)
-    throw mesh_error("whale: " + std::string(origin) + " " + v +
-                     ": the thread count must be a positive integer");
-  return static_cast<int>(n);
-}
 }  // namespace detail
 
 /// The running job as one rank sees it.
@@ -233,17 +225,14 @@ class context {
     try {
       detail::context_flags f;
       if (argc && argv) f = detail::take_flags(*argc, *argv);
-      threads = f.threads ? detail::parse_threads(*f.threads, "--threads")
-                          : (std::getenv("WHALE_THREADS")
-                                 ? detail::parse_threads(std::getenv("WHALE_THREADS"), "WHALE_THREADS")
-                                 : 1);
+      threads = f.threads ? static_cast<int>(detail::parse_int(*f.threads, "--threads", 1, 4096)) : env::threads().value_or(1);
       std::string origin = "--mesh";
       std::string spec;
       if (f.mesh) spec = *f.mesh;
-      else if (const char* e = std::getenv("WHALE_MESH")) spec = e, origin = "WHALE_MESH";
+      else if (const char* e = env::text("WHALE_MESH")) spec = e, origin = "WHALE_MESH";
       shape = mesh_shape::parse(spec, world.size(), origin);
-      set_watchdog_timeout(detail::parse_watchdog_env());
-      set_heartbeat_timeout(detail::parse_heartbeat_env());
+      set_watchdog_timeout(env::watchdog_seconds());
+      set_heartbeat_timeout(env::heartbeat_seconds());
       (void)cpu::active_isa();  // WHALE_CPU_ISA is checked here, at start-up, not at the first kernel
     } catch (const detail::parse_error& e) {
       error = e.what();

@@ -12,7 +12,7 @@
 #include <string_view>
 #include <thread>
 
-#include "whale/detail/parse.hpp"
+#include "whale/detail/environment.hpp"
 
 #ifdef WHALE_HAS_MPI
 #include <mpi.h>
@@ -21,15 +21,10 @@
 namespace whale {
 
 namespace detail {
-/// WHALE_WATCHDOG_S, strictly: seconds in [0, 604800] (0: off). Throws parse_error naming it.
-inline double parse_watchdog_env() {
-  const char* e = std::getenv("WHALE_WATCHDOG_S");
-  return e ? parse_double(e, "WHALE_WATCHDOG_S", 0, 604800) : 300.0;
-}
 /// The first value before context::init checks it (which reports a bad one on every rank).
 inline double watchdog_from_env() noexcept {
   try {
-    return parse_watchdog_env();
+    return env::watchdog_seconds();
   } catch (...) {
     return 300.0;
   }
@@ -38,15 +33,10 @@ inline std::atomic<double>& watchdog_seconds() noexcept {
   static std::atomic<double> s{watchdog_from_env()};
   return s;
 }
-/// WHALE_HEARTBEAT_S, strictly: seconds in [0, 3600] (0: off). Throws parse_error naming it.
-inline double parse_heartbeat_env() {
-  const char* e = std::getenv("WHALE_HEARTBEAT_S");
-  return e ? parse_double(e, "WHALE_HEARTBEAT_S", 0, 3600) : 10.0;
-}
 inline std::atomic<double>& heartbeat_seconds() noexcept {
   static std::atomic<double> s{[] {
     try {
-      return parse_heartbeat_env();
+      return env::heartbeat_seconds();
     } catch (...) {
       return 10.0;
     }

@@ -27,6 +27,7 @@
 #include <string>
 #include <string_view>
 
+#include "whale/detail/environment.hpp"
 #include "whale/detail/parse.hpp"
 
 namespace whale {
@@ -69,7 +70,7 @@ inline long long slurm_tasks_on_node(std::string_view list, long long node, std:
 }  // namespace detail
 
 /// The place a launcher's variables give, read through `get` (a name -> value
-/// or null lookup, std::getenv in a job). Throws detail::parse_error (an
+/// or null lookup: env::text_of in a job). Throws detail::parse_error (an
 /// invalid_argument) naming the variable and its value when one is not a whole
 /// number in range, or when the local rank is not below the local size.
 template <class Get> local_place local_place_from(Get&& get) {
@@ -114,7 +115,7 @@ template <class Get> local_place local_place_from(Get&& get) {
 
 /// This process's place, from its environment.
 inline local_place local_place_of_process() {
-  return local_place_from([](const char* name) -> const char* { return std::getenv(name); });
+  return local_place_from([](const char* name) -> const char* { return env::text_of(name); });
 }
 
 /// The visible device this process takes: its local rank, or the one device

@@ -274,14 +274,10 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
       // a GPU profile (`kernels`) prices each layer's kernels (plan/probe.hpp), in its precision
       const bool kernels = !dev.kernel_precision.empty();
       const auto d = kernels ? describe_kernels<P>() : describe<P>();
-      lower_options lo;
+      lower_options lo = lowering_of(o, o.plan_batch, o.plan_seq);
       lo.bf16 = dev.kernel_precision == "bf16";
-      lo.global_batch = o.plan_batch;
-      lo.seq = o.plan_seq;
       lo.micro_batches = micro;
-      lo.bucket_mib = o.bucket_mib;
-      lo.balance_seq = o.balance_seq;
-      lo.bf16_reduce = o.bf16_reduce;
+      lo.stage_blocks.clear();  // each candidate is cut by cost
       lo.placement = false;  // priced, not run: the chosen plan lowers its own program
       std::vector<program> all;
       std::int64_t mem = 0;

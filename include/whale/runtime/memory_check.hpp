@@ -21,6 +21,7 @@
 #include "whale/backend/backend_ref.hpp"
 #include "whale/comm/collectives.hpp"
 #include "whale/comm/communicator.hpp"
+#include "whale/detail/environment.hpp"
 #include "whale/detail/parse.hpp"
 
 namespace whale::detail {
@@ -99,9 +100,8 @@ inline void cgroup_memory(node_memory& m) {
 /// smaller of MemAvailable and the cgroup limits' headroom.
 inline node_memory free_node_memory() {
   node_memory m;
-  if (const char* e = std::getenv("WHALE_MEMORY_LIMIT_MIB")) {
-    const double v = parse_double(e, "WHALE_MEMORY_LIMIT_MIB", 0, 1 << 30, true);
-    m.available = static_cast<std::int64_t>(v * 1048576.0);
+  if (const auto v = env::real("WHALE_MEMORY_LIMIT_MIB", 0, 1 << 30, true)) {
+    m.available = static_cast<std::int64_t>(*v * 1048576.0);
     m.source = "WHALE_MEMORY_LIMIT_MIB";
     return m;
   }
@@ -123,8 +123,7 @@ inline node_memory free_node_memory() {
 
 /// Whether the memory check runs (WHALE_MEMORY_CHECK, default on).
 inline bool memory_check_enabled() {
-  const char* e = std::getenv("WHALE_MEMORY_CHECK");
-  return !e || parse_bool(e, "WHALE_MEMORY_CHECK");
+  return env::boolean("WHALE_MEMORY_CHECK").value_or(true);
 }
 
 /// Collective over `w`: every rank says how many bytes it is about to allocate

@@ -17,14 +17,7 @@ namespace whale {
 
 template <class P>
 lower_options executor<P>::step_lowering(index_t global_batch, index_t seq, int optimizer_bytes_per_param) const {
-  lower_options lo;
-  lo.global_batch = global_batch;
-  lo.seq = seq;
-  lo.micro_batches = o_.micro_batches;
-  lo.stage_blocks = o_.blocks;
-  lo.balance_seq = o_.balance_seq;
-  lo.bucket_mib = o_.bucket_mib;
-  lo.bf16_reduce = o_.bf16_reduce;
+  lower_options lo = lowering_of(o_, global_batch, seq);
   lo.replica_weights = replica_weights_;
   lo.optimizer_bytes_per_param = optimizer_bytes_per_param;
   return lo;

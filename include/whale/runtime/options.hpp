@@ -11,8 +11,10 @@
 #include <vector>
 
 #include "whale/backend/backend_ref.hpp"
+#include "whale/detail/environment.hpp"
 #include "whale/detail/parse.hpp"
 #include "whale/nn/layer.hpp"
+#include "whale/plan/check.hpp"
 
 namespace whale {
 
@@ -110,21 +112,20 @@ struct plan_options {
   /// true/false, 1/0, yes/no, on/off), WHALE_SPEEDS ("1,1,2,4"), WHALE_MEMORY_CAPS, WHALE_WORKER_CUTS (a boolean), WHALE_PROFILE (a device profile file, for auto_plan).
   static plan_options from_env() {
     plan_options o;
-    if (const char* e = std::getenv("WHALE_MICRO_BATCHES"))
-      o.micro_batches = static_cast<int>(detail::parse_int(e, "WHALE_MICRO_BATCHES", 0, 16000));
-    if (const char* e = std::getenv("WHALE_STAGE_BLOCKS")) o.blocks = parse_list(e, "WHALE_STAGE_BLOCKS");
-    if (const char* e = std::getenv("WHALE_TRACE"); e && *e) o.trace_path = e;
-    if (const char* e = std::getenv("WHALE_BUCKET_MIB")) o.bucket_mib = detail::parse_double(e, "WHALE_BUCKET_MIB", 0, 1 << 20, true);
-    if (const char* e = std::getenv("WHALE_DP_OVERLAP")) o.overlap = detail::parse_bool(e, "WHALE_DP_OVERLAP");
-    if (const char* e = std::getenv("WHALE_DP_BLOCKING")) o.blocking = detail::parse_bool(e, "WHALE_DP_BLOCKING");
-    if (const char* e = std::getenv("WHALE_BF16_REDUCE")) o.bf16_reduce = detail::parse_bool(e, "WHALE_BF16_REDUCE");
-    if (const char* e = std::getenv("WHALE_ZERO_PREFETCH")) o.prefetch = detail::parse_bool(e, "WHALE_ZERO_PREFETCH");
-    if (const char* e = std::getenv("WHALE_CHECK_FINITE")) o.check_finite = detail::parse_bool(e, "WHALE_CHECK_FINITE");
-    if (const char* e = std::getenv("WHALE_SPEEDS")) o.speeds = parse_speeds(e, "WHALE_SPEEDS");
-    if (const char* e = std::getenv("WHALE_BALANCE")) o.balance = detail::parse_bool(e, "WHALE_BALANCE");
-    if (const char* e = std::getenv("WHALE_PROFILE"); e && *e) o.profile = e;
-    if (const char* e = std::getenv("WHALE_MEMORY_CAPS")) o.memory_caps_mib = parse_caps(e, "WHALE_MEMORY_CAPS");
-    if (const char* e = std::getenv("WHALE_WORKER_CUTS")) o.worker_cuts = detail::parse_bool(e, "WHALE_WORKER_CUTS");
+    if (auto v = env::integer("WHALE_MICRO_BATCHES", 0, 16000)) o.micro_batches = static_cast<int>(*v);
+    if (const char* e = env::text("WHALE_STAGE_BLOCKS")) o.blocks = parse_list(e, "WHALE_STAGE_BLOCKS");
+    if (auto v = env::string("WHALE_TRACE")) o.trace_path = *v;
+    if (auto v = env::real("WHALE_BUCKET_MIB", 0, 1 << 20, true)) o.bucket_mib = *v;
+    if (auto v = env::boolean("WHALE_DP_OVERLAP")) o.overlap = *v;
+    if (auto v = env::boolean("WHALE_DP_BLOCKING")) o.blocking = *v;
+    if (auto v = env::boolean("WHALE_BF16_REDUCE")) o.bf16_reduce = *v;
+    if (auto v = env::boolean("WHALE_ZERO_PREFETCH")) o.prefetch = *v;
+    if (auto v = env::boolean("WHALE_CHECK_FINITE")) o.check_finite = *v;
+    if (const char* e = env::text("WHALE_SPEEDS")) o.speeds = parse_speeds(e, "WHALE_SPEEDS");
+    if (auto v = env::boolean("WHALE_BALANCE")) o.balance = *v;
+    if (auto v = env::string("WHALE_PROFILE")) o.profile = *v;
+    if (const char* e = env::text("WHALE_MEMORY_CAPS")) o.memory_caps_mib = parse_caps(e, "WHALE_MEMORY_CAPS");
+    if (auto v = env::boolean("WHALE_WORKER_CUTS")) o.worker_cuts = *v;
     return o;
   }
   /// from_env(), then --micro-batches M, --stage-blocks 1,3, --trace PATH,
@@ -199,5 +200,21 @@ struct plan_options {
     return list[static_cast<std::size_t>(rank)];
   }
 };
+
+/// The options lowering takes, from a plan's options: the one place where
+/// plan_options meets lower_options (micro-batches, stage blocks, the
+/// balancer's context length, buckets and their precision). The caller sets
+/// the rows (`global_batch`, `seq`) and whatever it prices differently.
+inline lower_options lowering_of(const plan_options& o, index_t global_batch, index_t seq = 1) {
+  lower_options lo;
+  lo.global_batch = global_batch;
+  lo.seq = seq;
+  lo.micro_batches = o.micro_batches;
+  lo.stage_blocks = o.blocks;
+  lo.balance_seq = o.balance_seq;
+  lo.bucket_mib = o.bucket_mib;
+  lo.bf16_reduce = o.bf16_reduce;
+  return lo;
+}
 
 }  // namespace whale

@@ -119,9 +119,8 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
         // the capped cut counts whole, unsharded stages; with ZeRO or split stages only the make-time check applies
         const bool capped = level == 0 && !has_split && std::any_of(cap.begin(), cap.end(), [](double c) { return c > 0; });
         if (capped || std::any_of(slow.begin(), slow.end(), [](double f) { return f != 1.0; })) {
-          lower_options lo;
-          lo.global_batch = d_ * p_;
-          lo.balance_seq = o_.balance_seq;
+          lower_options lo = lowering_of(o_, d_ * p_);  // (o_.blocks is empty here)
+          lo.micro_batches = 0;
           lo.stage_slowness = slow;
           if (capped) {
             for (auto& c : cap) c = c > 0 ? c : std::numeric_limits<double>::infinity();
@@ -146,13 +145,8 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
   for (int ch = 0; ch < V; ++ch) chunk_at_[static_cast<std::size_t>(ch) + 1] = chunk_at_[static_cast<std::size_t>(ch)] + chunk_size(ch);
   if (o_.micro_batches > 0 && staged) schedule_for(o_.micro_batches);  // a bad schedule fails here, on every rank
   // the program of this rank: what it holds (placement only; rows do not matter here)
-  lower_options lo;  // p micro-batches of one sequence per replica: valid for every schedule
-  lo.global_batch = d_ * p_;
+  lower_options lo = lowering_of(o_, d_ * p_);  // p micro-batches of one sequence per replica: valid for every schedule
   lo.micro_batches = staged ? p_ : 0;
-  lo.stage_blocks = o_.blocks;
-  lo.balance_seq = o_.balance_seq;
-  lo.bucket_mib = o_.bucket_mib;
-  lo.bf16_reduce = o_.bf16_reduce;
   prog_ = lower<P>(shape, ctx.rank(), lo);
   const index_t n = chunk_at_[V];
   const auto held = prog_.totals();

@@ -15,6 +15,7 @@
 
 #include "whale/backend/kernel.hpp"
 #include "whale/backend/kernels/shapes.hpp"
+#include "whale/detail/environment.hpp"
 
 // Dispatch only where it can help: GCC or Clang, x86-64, and not already
 // compiled for AVX-512 (-march=native on such a machine makes it moot).
@@ -50,7 +51,7 @@ inline isa detect_isa() {
       __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
     best = isa::avx512;
 #endif
-  if (const char* e = std::getenv("WHALE_CPU_ISA")) {
+  if (const char* e = env::text("WHALE_CPU_ISA")) {
     const std::string v = e;
     isa want;
     if (v == "baseline") want = isa::baseline;

@@ -65,7 +65,7 @@ inline int nccl_comm::select_device_by_local_rank() {
   }
   int device = 0;
   try {
-    device = device_for(p, n, std::getenv("CUDA_VISIBLE_DEVICES"));
+    device = device_for(p, n, env::text("CUDA_VISIBLE_DEVICES"));
   } catch (const std::runtime_error& e) {
     throw std::runtime_error(where + std::string(e.what()));
   }
