@@ -141,7 +141,7 @@ class context {
   context with_rank_order(const std::vector<int>& order) const {
     std::string error;
     std::vector<int> seen(static_cast<std::size_t>(size()), 0);
-    int mine = -1;
+    [[maybe_unused]] int mine = -1;  // (used under MPI)
     if (static_cast<int>(order.size()) != size()) {
       error = "whale::context::with_rank_order: " + std::to_string(order.size()) + " entries for " + std::to_string(size()) + " ranks";
     } else {

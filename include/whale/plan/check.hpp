@@ -112,7 +112,8 @@ inline std::vector<int> stage_cut(const model_desc& d, int P, const lower_option
   std::vector<int> blocks = o.stage_blocks;
   if (blocks.empty()) {
     if (P > 1 && N < P - 2)
-      lower_fail(d, "the repeat has " + std::to_string(N) + " blocks, too few for " + std::to_string(P) + " stages");
+      lower_fail(d, "the repeat has " + std::to_string(N) + " blocks, too few for " + std::to_string(P) +
+                        " pipeline stages (each inner stage needs a block); use at most " + std::to_string(N + 2) + " stages");
     double pre = 0, post = 0;
     for (int i = 0; i < d.elements; ++i)
       if (i != d.repeat_element)
@@ -166,7 +167,16 @@ inline std::vector<int> stage_cut(const model_desc& d, int P, const lower_option
     sum += blocks[s];
     if (blocks[s] < 0 || (blocks[s] == 0 && s > 0 && static_cast<int>(s) + 1 < P)) ok = false;
   }
-  if (!ok || sum != N) lower_fail(d, "the stage blocks do not fit the pipe axis and the repeat's " + std::to_string(N) + " blocks");
+  if (!ok || sum != N) {
+    std::string got;
+    for (auto b : blocks) {
+      if (!got.empty()) got += ',';
+      got += std::to_string(b);
+    }
+    lower_fail(d, "stage blocks {" + got + "} do not fit: give one count per pipeline stage (" + std::to_string(P) +
+                      "), summing to the repeat's " + std::to_string(N) + " blocks, each inner stage at least 1 (--stage-blocks, "
+                      "WHALE_STAGE_BLOCKS)");
+  }
   return blocks;
 }
 

@@ -159,23 +159,15 @@ class lowering {
     const auto [b, n] = D_ > 1 ? weighted_slice(o_.global_batch, D_, dr_, o_.replica_weights, std::max(1, o_.micro_batches)) : std::pair<index_t, index_t>{0, o_.global_batch};
     (void)b;
     p_.local_sequences = n;
-    int m = 1;
+    int m = 1;  // without a pipeline, more than one is gradient accumulation inside one step
+    try {
+      m = micro_batch_count(n, o_.micro_batches, d_.pipeline, P_);
+    } catch (const std::invalid_argument& e) {
+      lower_fail(d_, e.what());
+    }
     if (d_.pipeline) {
-      if (o_.micro_batches > 0) {
-        if (n % o_.micro_batches != 0 || n < o_.micro_batches)
-          lower_fail(d_, std::to_string(o_.micro_batches) + " micro-batches do not divide the per-replica batch of " +
-                             std::to_string(n) + " sequences");
-        m = o_.micro_batches;
-      } else {
-        m = default_micro_batches(n, P_);
-      }
       d_.check(P_, m);  // throws, naming the stages, if the schedule is malformed or deadlocks
       p_.schedule = d_.schedule;
-    } else if (o_.micro_batches > 0) {  // gradient accumulation inside one step
-      if (n % o_.micro_batches != 0 || n < o_.micro_batches)
-        lower_fail(d_, std::to_string(o_.micro_batches) + " micro-batches do not divide the per-replica batch of " +
-                           std::to_string(n) + " sequences");
-      m = o_.micro_batches;
     }
     p_.micro_batches = m;
     micro_seqs_ = n / m;
@@ -194,6 +186,7 @@ class lowering {
       else ranges.push_back({h.local_offset, h.local_offset + h.local_params});
     }
     buckets_ = bucket_ranges(ranges, per_bucket_);
+    p_.grad_buckets = buckets_;
   }
 
   // ---- operations ----

@@ -198,4 +198,31 @@ inline int default_micro_batches(index_t batch, int stages) {
   return best;
 }
 
+/// Micro-batches of one replica's `batch` sequences a step: `requested` when
+/// given (it must divide the batch), else the pipeline's default
+/// (default_micro_batches over `stages`) or, without a pipeline, 1. The one
+/// rule lowering and the executor both apply. Throws std::invalid_argument
+/// saying why; the caller names the plan.
+inline int micro_batch_count(index_t batch, int requested, bool pipelined, int stages) {
+  if (requested > 0) {
+    if (batch % requested != 0 || batch < requested)
+      throw std::invalid_argument(std::to_string(requested) + " micro-batches do not divide the per-replica batch of " +
+                                  std::to_string(batch) + " sequences; choose a micro-batch count that divides it");
+    return requested;
+  }
+  return pipelined ? default_micro_batches(batch, stages) : 1;
+}
+
+/// `ranges` sorted, with touching or overlapping ranges joined.
+inline std::vector<std::pair<index_t, index_t>> merged_ranges(std::vector<std::pair<index_t, index_t>> ranges) {
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<std::pair<index_t, index_t>> r;
+  for (const auto& x : ranges) {
+    if (x.second <= x.first) continue;
+    if (!r.empty() && x.first <= r.back().second) r.back().second = std::max(r.back().second, x.second);
+    else r.push_back(x);
+  }
+  return r;
+}
+
 }  // namespace whale::detail

@@ -104,6 +104,10 @@ struct program {
   index_t full_params = 0;            ///< the unsplit model's parameters
   index_t owned_begin = 0, owned_end = 0;  ///< ZeRO: this rank's range of its local flat buffer
   std::vector<int> stage_blocks;      ///< repeat blocks per stage (cut of a pipelined repeat)
+  /// Data-parallel gradient buckets: local ranges all-reduced over the data
+  /// axis, in the order they are issued (from the buffer's end, as backward
+  /// finishes them). Empty without data parallelism, and at ZeRO 2-3.
+  std::vector<std::pair<index_t, index_t>> grad_buckets;
   std::vector<holding> holds;
   std::vector<op> ops;
   int optimizer_bytes_per_param = 8;  ///< state bytes per parameter assumed for the totals (Adam: 8)

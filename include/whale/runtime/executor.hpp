@@ -446,14 +446,11 @@ template <class P> class executor {
   }
   int micro_count(index_t batch) const {
     if (in_flight_ > 0) return in_flight_;  // in_flight_step checked that it divides
-    if (o_.micro_batches > 0) {
-      if (batch % o_.micro_batches != 0 || batch < o_.micro_batches)
-        throw std::invalid_argument("whale::" + layer_name<P>() + ": " + std::to_string(o_.micro_batches) +
-                                    " micro-batches do not divide the per-replica batch of " + std::to_string(batch) +
-                                    " sequences; choose a micro-batch count that divides it");
-      return o_.micro_batches;
+    try {
+      return detail::micro_batch_count(batch, o_.micro_batches, staged, p_);
+    } catch (const std::invalid_argument& e) {
+      throw std::invalid_argument("whale::" + layer_name<P>() + ": " + e.what());
     }
-    return staged ? detail::default_micro_batches(batch, p_) : 1;
   }
   void schedule_for(int m) {
     if (m == m_) return;

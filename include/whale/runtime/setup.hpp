@@ -141,13 +141,13 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
       }
     }
   }
-  for (int ch = 0; ch < V; ++ch) parts_[static_cast<std::size_t>(ch)].place(p_ * V, ch * p_ + stage_, o_);
-  for (int ch = 0; ch < V; ++ch) chunk_at_[static_cast<std::size_t>(ch) + 1] = chunk_at_[static_cast<std::size_t>(ch)] + chunk_size(ch);
-  if (o_.micro_batches > 0 && staged) schedule_for(o_.micro_batches);  // a bad schedule fails here, on every rank
-  // the program of this rank: what it holds (placement only; rows do not matter here)
+  // the program of this rank: what it holds (placement only; rows do not matter here), and the pipeline's cut
   lower_options lo = lowering_of(o_, d_ * p_);  // p micro-batches of one sequence per replica: valid for every schedule
   lo.micro_batches = staged ? p_ : 0;
   prog_ = lower<P>(shape, ctx.rank(), lo);
+  for (int ch = 0; ch < V; ++ch) parts_[static_cast<std::size_t>(ch)].place(p_ * V, ch * p_ + stage_, prog_.stage_blocks);
+  for (int ch = 0; ch < V; ++ch) chunk_at_[static_cast<std::size_t>(ch) + 1] = chunk_at_[static_cast<std::size_t>(ch)] + chunk_size(ch);
+  if (o_.micro_batches > 0 && staged) schedule_for(o_.micro_batches);  // a bad schedule fails here, on every rank
   const index_t n = chunk_at_[V];
   const auto held = prog_.totals();
   if (n != held.params_held)
@@ -181,9 +181,13 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
       zero_.set_backend(be_, dev_data_.get());  // the owned shards too (ZeRO 2-3)
     }
   }
-  if (d_ > 1 && level < 2 && !o_.worker_cuts)
-    sync_.plan(detail::bucket_ranges(detail::complement(no_sync_, n), detail::bucket_elements(o_.bucket_mib)), blocking_buckets(),
-               o_.bf16_reduce, be_, dev_data_.get());
+  if (d_ > 1 && level < 2 && !o_.worker_cuts) {
+    // the program's buckets; binding found which ranges are summed over data, and they must be the same
+    if (detail::merged_ranges(prog_.grad_buckets) != detail::complement(no_sync_, n))
+      throw std::logic_error("whale::" + layer_name<P>() + ": the program's gradient buckets do not cover the ranges "
+                             "summed over the data axis");
+    sync_.plan(prog_.grad_buckets, blocking_buckets(), o_.bf16_reduce, be_, dev_data_.get());
+  }
   msg_.bind(*pipe_, be_);
   // on a device, pipeline messages take the device's own channels (collective over the pipe group, on every rank alike)
   if (!be_.on_cpu() && o_.device_collectives && p_ > 1) msg_.open_channels(make_device_comm(*pipe_, be_));

@@ -31,7 +31,7 @@ template <class M> class whole_stage {
   static constexpr bool splits_data = pipe_splits<M>().data;
 
   template <class Env> void configure(const Env& e) { configure_layer(model_, e); }
-  void place(int /*stages*/, int /*stage*/, const plan_options&) {}
+  void place(int /*stages*/, int /*stage*/, const std::vector<int>& /*blocks*/) {}
   index_t begin() const noexcept { return 0; }
   index_t end() const { return model_.param_count(); }
   index_t total() const { return model_.param_count(); }
@@ -96,8 +96,10 @@ template <class Pipe> class pipe_stage {
  public:
   template <class Env> void configure(const Env& e) { configure_layer(model_, e); }
 
-  /// Which elements (and repeat blocks) each of `p` stages holds; this rank's is `stage`.
-  void place(int p, int stage, const plan_options& o) {
+  /// Which elements (and repeat blocks) each of `p` stages holds; this rank's
+  /// is `stage`. `blocks`: the repeat's blocks on each stage, as the program
+  /// cut them (program::stage_blocks: given, or balanced by cost).
+  void place(int p, int stage, const std::vector<int>& blocks) {
     p_ = p, stage_ = stage;
     const std::string who = "whale::" + layer_name<Pipe>() + ": ";
     index_t at = 0, fat = 0;
@@ -115,38 +117,13 @@ template <class Pipe> class pipe_stage {
       for (std::size_t i = 0; i < n_elems; ++i) elem_stage_[i] = i < rep_index ? 0 : (i > rep_index ? p_ - 1 : -1);
       using R = elem_t<rep_index>;
       constexpr int N = static_cast<int>(R::count);
-      if (p_ > 1 && N < p_ - 2)
-        throw std::invalid_argument(who + "the repeat has " + std::to_string(N) + " blocks, too few for " + std::to_string(p_) +
-                                    " pipe ranks (each inner stage needs a block); use at most " + std::to_string(N + 2) +
-                                    " pipeline stages");
       block_params_ = model_.template get<rep_index>().block(0).param_count();
-      if (!o.blocks.empty()) {
-        int sum = 0;
-        bool ok = static_cast<int>(o.blocks.size()) == p_;
-        for (std::size_t s = 0; s < o.blocks.size(); ++s) {
-          sum += o.blocks[s];
-          if (o.blocks[s] < 0 || (o.blocks[s] == 0 && s > 0 && static_cast<int>(s) + 1 < p_)) ok = false;
-        }
-        if (!ok || sum != N) {
-          std::string got;
-          for (auto b : o.blocks) {
-            if (!got.empty()) got += ',';
-            got += std::to_string(b);
-          }
-          throw std::invalid_argument(who + "stage blocks {" + got + "} do not fit: give one count per pipe rank (" +
-                                      std::to_string(p_) + "), summing to the repeat's " + std::to_string(N) +
-                                      " blocks, each inner stage at least 1");
-        }
-        blocks_ = o.blocks;
-      } else {
-        double pre = 0, post = 0;
-        for_elems([&](auto ic) {
-          constexpr std::size_t I = decltype(ic)::value;
-          if constexpr (I != rep_index)
-            (I < rep_index ? pre : post) += balance_weight(elem_t<I>::cost(), E::in_width[I], o.balance_seq);
-        });
-        blocks_ = balance_blocks(N, p_, pre, post, balance_weight(R::block_type::cost(), E::in_width[rep_index], o.balance_seq));
-      }
+      int sum = 0;
+      for (int b : blocks) sum += b;
+      if (static_cast<int>(blocks.size()) != p_ || sum != N)
+        throw std::logic_error(who + "the program's stage cut has " + std::to_string(blocks.size()) + " stages and " +
+                               std::to_string(sum) + " blocks, not " + std::to_string(p_) + " and " + std::to_string(N));
+      blocks_ = blocks;
       first_block_.assign(static_cast<std::size_t>(p_) + 1, 0);
       for (int s = 0; s < p_; ++s) first_block_[su(s) + 1] = first_block_[su(s)] + blocks_[su(s)];
     }
