@@ -574,7 +574,7 @@ TEST_CASE("safetensors: every layer kind's tensors with their shapes and fused l
     CHECK(at == 4 * one.params().numel());
     CHECK(r.metadata().at("step") == "7");
     CHECK(r.metadata().at("model") == layer_name<kinds>());
-    // the layouts as docs/training.md gives them, read from the file alone
+    // the layouts as docs/checkpoints.md gives them, read from the file alone
     constexpr index_t R = 3, D = 32;  // 3 tokens of one sequence
     std::vector<double> x(static_cast<std::size_t>(R * 40));
     for (std::size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.37 * static_cast<double>(i) + 0.1);

@@ -851,3 +851,40 @@ TEST_CASE("placement: stages across nodes, and a group with k ranks on each node
     if (op.kind == op_kind::collective && op.group_size > 1) comm += 50e-6 + static_cast<double>(op.bytes_sent) / 4e9;
   CHECK(two_nodes.ranks[0].comm_s == doctest::Approx(comm));
 }
+
+TEST_CASE("the program cuts a pipelined repeat once, and refuses cuts that leave a stage without a layer, in words") {
+  // the repeat first: nothing comes before it, so the first stage needs a block as each inner stage does
+  using first = pipeline<one_f_one_b, sequential<repeat<3, sequential<linear<8, 8>, relu>>, linear<8, 4>, softmax_cross_entropy>>;
+  auto o = batch(8);
+  o.micro_batches = 2;
+  const auto p = lower<first>(mesh_shape(1, 2, 1), 0, o);
+  REQUIRE(p.stage_blocks.size() == 2);
+  CHECK(p.stage_blocks[0] + p.stage_blocks[1] == 3);
+  CHECK(p.stage_blocks[0] >= 1);
+  CHECK(lower<first>(mesh_shape(1, 4, 1), 0, o).stage_blocks == std::vector<int>{1, 1, 1, 0});
+  CHECK_THROWS_WITH_AS(lower<first>(mesh_shape(1, 5, 1), 0, o), doctest::Contains("use at most 4 stages"), std::invalid_argument);
+  o.stage_blocks = {0, 3};
+  CHECK_THROWS_WITH_AS(lower<first>(mesh_shape(1, 2, 1), 1, o), doctest::Contains("stage 0 of 2 holds no layer"), std::invalid_argument);
+  o.stage_blocks = {2, 2};
+  CHECK_THROWS_WITH_AS(lower<first>(mesh_shape(1, 2, 1), 1, o), doctest::Contains("stage blocks {2,2} do not fit"), std::invalid_argument);
+  o.stage_blocks = {2, 1};
+  CHECK(lower<first>(mesh_shape(1, 2, 1), 1, o).stage_blocks == std::vector<int>{2, 1});
+}
+
+TEST_CASE("the program's gradient buckets cover what is summed over data, from the buffer's end") {
+  auto o = batch(8);
+  o.bucket_mib = 128.0 / 1048576.0;  // 32 floats a bucket
+  const auto p = lower<replicate<mlp>>(mesh_shape(2, 1, 1), 0, o);
+  const index_t n = p.totals().params_held;
+  REQUIRE(!p.grad_buckets.empty());
+  CHECK(p.grad_buckets.front().second == n);  // the last layer's gradients are final first
+  index_t covered = 0;
+  for (const auto& [b, e] : p.grad_buckets) {
+    CHECK(e - b <= 32);
+    covered += e - b;
+  }
+  CHECK(covered == n);
+  CHECK(detail::merged_ranges(p.grad_buckets) == std::vector<std::pair<index_t, index_t>>{{0, n}});
+  CHECK(lower<shard<mlp, 2>>(mesh_shape(2, 1, 1), 0, batch(8)).grad_buckets.empty());  // ZeRO 2-3 reduce-scatter instead
+  CHECK(lower<mlp>(mesh_shape(1, 1, 1), 0, batch(8)).grad_buckets.empty());
+}

@@ -89,13 +89,9 @@ struct threed {
     o.micro_batches = m;
     o.bf16_reduce = bf16_;
     const index_t global = W::global_batch(1);
-    lower_options lo;
-    lo.global_batch = global;
-    lo.seq = models::gpt_seq;
-    lo.micro_batches = m;
+    lower_options lo = lowering_of(o, global, models::gpt_seq);
     lo.optimizer_bytes_per_param = 4;  // SGD with momentum
     lo.zero_level = plan_parts<P>::zero;
-    lo.bf16_reduce = bf16_;
     const auto prog = lower<P>(shape, ctx.rank(), lo);  // checks the plan against the mesh on every rank
     auto data = W::data(global);
     auto net = make<P>(ctx, seed{42}, o);

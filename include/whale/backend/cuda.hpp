@@ -7,7 +7,7 @@
 // communication stream with events between them. Needs the CUDA toolkit
 // (link whale::cuda); launching bodies needs a .cu file compiled by nvcc.
 // A network<M> or a parallel plan given backend_ref(gpu) trains on it in
-// device memory (plan_options::backend; docs/backend.md says what runs).
+// device memory (plan_options::backend; docs/gpu-kernels.md says what runs).
 #pragma once
 
 #include <cublas_v2.h>

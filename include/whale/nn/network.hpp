@@ -5,7 +5,7 @@
 // Given a device backend (a GPU, or the guarded backend), everything the
 // network allocates -- parameters, gradients, optimizer state, activations,
 // the step's inputs -- lives in that backend's memory, and the host touches
-// none of it: see docs/backend.md, "Training on a device".
+// none of it: see docs/device.md.
 #pragma once
 
 #include <cstdint>

@@ -114,6 +114,10 @@ inline std::vector<int> stage_cut(const model_desc& d, int P, const lower_option
     if (P > 1 && N < P - 2)
       lower_fail(d, "the repeat has " + std::to_string(N) + " blocks, too few for " + std::to_string(P) +
                         " pipeline stages (each inner stage needs a block); use at most " + std::to_string(N + 2) + " stages");
+    if (P > 1 && d.repeat_element == 0 && N < P - 1)
+      lower_fail(d, "the repeat has " + std::to_string(N) + " blocks, too few for " + std::to_string(P) +
+                        " pipeline stages (nothing comes before the repeat, so the first stage needs a block too, as each "
+                        "inner stage does); use at most " + std::to_string(N + 1) + " stages");
     double pre = 0, post = 0;
     for (int i = 0; i < d.elements; ++i)
       if (i != d.repeat_element)
@@ -177,6 +181,8 @@ inline std::vector<int> stage_cut(const model_desc& d, int P, const lower_option
                       "), summing to the repeat's " + std::to_string(N) + " blocks, each inner stage at least 1 (--stage-blocks, "
                       "WHALE_STAGE_BLOCKS)");
   }
+  if (P > 1 && d.repeat_element == 0 && blocks[0] == 0)
+    lower_fail(d, "stage 0 of " + std::to_string(P) + " holds no layer; give it blocks (--stage-blocks) or use fewer pipe ranks");
   return blocks;
 }
 

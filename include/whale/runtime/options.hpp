@@ -26,7 +26,7 @@ struct plan_options {
   /// runs (not yet: worker_cuts, minibatches in flight; bf16_reduce only with
   /// device_collectives); its
   /// collectives over the data and model axes and its pipeline messages take
-  /// the device's buffers (device_collectives; docs/backend.md). The
+  /// the device's buffers (device_collectives; docs/device.md). The
   /// trainer's bf16 and checkpoints work on it too. The backend must
   /// outlive the plan and its optimizer state (they free into its memory).
   backend_ref backend;
@@ -95,7 +95,7 @@ struct plan_options {
   /// count the activations of min(N_m, p - s) whole minibatches on stage s
   /// instead of the plan's micro-batches. 0: not in flight.
   int in_flight = 0;
-  // ---- auto_plan (docs/planning.md) ----
+  // ---- auto_plan (docs/plan-search.md) ----
   /// The device profile file auto_plan prices plans with (scripts/profile writes one).
   std::string profile;
   /// Each rank's memory the chosen plan must fit, predicted (MiB; 0: no limit).

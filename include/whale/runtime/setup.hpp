@@ -28,7 +28,7 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
     throw std::invalid_argument(who + "a split<..., axis::data> region needs the whole per-replica batch in one pass "
                                       "(it gathers every row of the global batch); use micro_batches 0 or 1");
   be_ = o_.backend;
-  if (!be_.on_cpu()) {  // what runs in a device's memory so far (docs/backend.md, "Training on a device")
+  if (!be_.on_cpu()) {  // what runs in a device's memory so far (docs/device.md)
     if (o_.bf16_reduce && !o_.device_collectives)  // the packed buckets are summed by the device's own communicator
       throw std::invalid_argument(who + "summing gradients in bf16 (bf16_reduce) with the network on a device (" + be_.name() +
                                   ") needs the device's own communicator: set plan_options::device_collectives");
@@ -144,7 +144,13 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : ctx_(&ctx), 
   // the program of this rank: what it holds (placement only; rows do not matter here), and the pipeline's cut
   lower_options lo = lowering_of(o_, d_ * p_);  // p micro-batches of one sequence per replica: valid for every schedule
   lo.micro_batches = staged ? p_ : 0;
-  prog_ = lower<P>(shape, ctx.rank(), lo);
+  try {
+    prog_ = lower<P>(shape, ctx.rank(), lo);
+  } catch (const std::invalid_argument& e) {  // the plan's rules, named as the executor names them
+    std::string why = e.what();
+    if (const std::string by = "whale::lower: " + describe<P>().name + ": "; why.rfind(by, 0) == 0) why = why.substr(by.size());
+    throw std::invalid_argument(who + why);
+  }
   for (int ch = 0; ch < V; ++ch) parts_[static_cast<std::size_t>(ch)].place(p_ * V, ch * p_ + stage_, prog_.stage_blocks);
   for (int ch = 0; ch < V; ++ch) chunk_at_[static_cast<std::size_t>(ch) + 1] = chunk_at_[static_cast<std::size_t>(ch)] + chunk_size(ch);
   if (o_.micro_batches > 0 && staged) schedule_for(o_.micro_batches);  // a bad schedule fails here, on every rank

@@ -7,7 +7,7 @@
 // replicated tail (a row-parallel bias) once. Loading reads, on every rank,
 // exactly the slices its lowered program places there, from whichever files
 // hold them: no gather, and any plan, mesh or world size on either side. The
-// files and their format: train/checkpoint_format.hpp, docs/training.md. A
+// files and their format: train/checkpoint_format.hpp, docs/checkpoints.md. A
 // network on a device (a GPU, the guarded backend) is saved from, and loaded
 // into, host copies of its parameters and optimizer state.
 #pragma once

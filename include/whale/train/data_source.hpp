@@ -59,7 +59,7 @@ template <class D, class In, class Target = std::int32_t> constexpr bool data_so
   if constexpr (!requires { typename D::input_type; }) {
     static_assert(requires { typename D::input_type; },
                   "whale: a data source names its input element type: `using input_type = float;` (features) or "
-                  "`using input_type = std::int32_t;` (tokens). See docs/training.md, 'Writing a data source'");
+                  "`using input_type = std::int32_t;` (tokens). See docs/data.md, 'Writing a data source'");
     return false;
   } else if constexpr (!requires(const D& d) { { d.global_batch() } -> std::convertible_to<index_t>; }) {
     static_assert(requires(const D& d) { { d.global_batch() } -> std::convertible_to<index_t>; },

@@ -60,7 +60,11 @@ inline void check_trainer_options(const trainer_options& o) {
   at_least(o.eval_steps, 1, "eval_steps");
   at_least(o.total_steps, 0, "total_steps");
   at_least(o.log_every, 1, "log_every");
-  at_least(o.keep_last, 0, "keep_last");
+}
+
+/// The checkpoint options' own checks (after those of precision, in the trainer).
+inline void check_checkpoint_options(const trainer_options& o) {
+  if (o.keep_last < 0) throw std::invalid_argument("whale::trainer: keep_last must be >= 0 (got " + std::to_string(o.keep_last) + ")");
   if ((o.save_every > 0 || o.resume) && o.checkpoint_dir.empty())
     throw std::invalid_argument("whale::trainer: save_every and resume need trainer_options::checkpoint_dir");
 }
@@ -101,7 +105,7 @@ class run_record {
   /// The progress line, the metrics log and on_step for data step `step`, then
   /// the divergence watch. `flops`: the model FLOPs of the step on this rank.
   void report(const trainer_options& o, std::int64_t step, double loss, double dt, index_t rows, index_t seq, double flops,
-              bool speaks, std::int64_t next) {
+              bool speaks) {
     if (!line) line.emplace(o.total_steps, seq > 1, (o.progress && speaks) ? o.out : nullptr, o.plain_every);  // (the count goes on)
     line->update(++line_steps, loss, dt, static_cast<double>(rows), flops);
     open_continued_log(o, step);
@@ -116,7 +120,6 @@ class run_record {
       if (o.on_step) o.on_step(rep);
     }
     watch_divergence(o, step, loss, last_norm, speaks);
-    note_progress(o, next);
   }
 
   /// An evaluation's line: under the progress line, in the metrics log, and on_eval.

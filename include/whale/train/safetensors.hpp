@@ -7,7 +7,7 @@
 // named "<k, 3 digits>.<layer>.<t>" (e.g. "002.linear<32, 64>.weight"), dtype
 // F32, with the shape its layer states (param_tensor::shape: the bytes as
 // stored, row-major, e.g. [64, 32] for that weight); the data is the flat
-// parameters in order (docs/training.md lists every layer's tensors). The
+// parameters in order (docs/checkpoints.md lists every layer's tensors). The
 // import also reads the files of earlier versions: one flat tensor a layer
 // ("002.linear<32, 64>", shape [n]).
 #pragma once

@@ -21,7 +21,7 @@ namespace whale {
 /// the master weights, their gradients and the optimizer state stay fp32. On
 /// the CPU, bf16 is emulated: values are rounded to bf16 (to nearest, ties to
 /// even) where they are stored, and computed in fp32 -- what a GPU's bf16 GEMM
-/// with fp32 accumulation does (docs/backend.md).
+/// with fp32 accumulation does (docs/precision.md).
 enum class precision { fp32, bf16 };
 inline const char* to_string(precision p) noexcept { return p == precision::bf16 ? "bf16" : "fp32"; }
 /// "fp32" or "bf16", whole; anything else is an error naming `what`.
