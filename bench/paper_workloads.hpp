@@ -1,4 +1,4 @@
-// Workloads for judging plans on paper (docs/planning.md §7): the Whale
+// Workloads for judging plans on paper (docs/paper-clusters.md §1): the Whale
 // paper's two headline models at their real sizes, a 13-billion-parameter
 // GPT for the scaling case, and the GPU workloads (gpt-gpu and a 7B GPT).
 // whale_plan lowers and simulates them; nothing here trains (ResNet-50 is a
