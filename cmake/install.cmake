@@ -3,6 +3,7 @@
 # only when they were configured here. The config finds each backend's
 # dependencies and makes the backend target only when they are found, so
 # `find_package(whale COMPONENTS mpi)` fails cleanly where MPI is missing.
+# The profiler, whale_profile, goes to bin/ where it was built (with MPI).
 include(CMakePackageConfigHelpers)
 set(_whale_cmake_dir ${CMAKE_INSTALL_LIBDIR}/cmake/whale)
 
@@ -18,6 +19,11 @@ if(TARGET whale_cuda)
   install(TARGETS whale_cuda EXPORT whaleCudaTargets)
   install(EXPORT whaleCudaTargets NAMESPACE whale:: DESTINATION ${_whale_cmake_dir})
   list(APPEND WHALE_EXPORTED_COMPONENTS cuda)
+endif()
+
+# the profiler (measures a device profile: docs/plan-search.md), where it was built
+if(TARGET whale_profile)
+  install(TARGETS whale_profile RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 endif()
 
 install(DIRECTORY ${CMAKE_CURRENT_LIST_DIR}/../include/ DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})

@@ -16,6 +16,7 @@
 //
 //   mpirun -np 2 ./build/examples/example_12_auto_plan --profile bench/profiles/vm-2.txt [--steps N] [--memory-mib M] [--plan-tie F]
 //   mpirun -np 4 ./build/examples/example_12_auto_plan --profile bench/profiles/vm-4.txt --mesh data=2,pipe=2
+//   mpirun -np 2 ./build/examples/example_12_auto_plan    # no profile: measured at start (seconds), then cached
 //
 // Legend of shape comments: B the global batch (16 sequences), T 128 tokens.
 #include <whale/whale.hpp>
@@ -33,7 +34,7 @@ int main(int argc, char** argv) {
   // 1. Start: MPI and the mesh (--mesh; default: every rank on `data`); --profile is a plan option.
   auto ctx = context::init(argc, argv);
   return ctx.guard([&] {
-    plan_options o = plan_options::from_args(argc, argv);  // --profile PATH (or WHALE_PROFILE), ...
+    plan_options o = plan_options::from_args(argc, argv);  // --profile PATH (or WHALE_PROFILE; none: measured and cached), ...
     run_flags flags(10);
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];

@@ -68,6 +68,7 @@
 #include "whale/plan/describe.hpp"
 #include "whale/plan/device.hpp"
 #include "whale/plan/lower.hpp"
+#include "whale/plan/measure.hpp"
 #include "whale/plan/memory.hpp"
 #include "whale/plan/partition.hpp"
 #include "whale/plan/program.hpp"
@@ -78,6 +79,7 @@
 #include "whale/runtime/executor.hpp"
 #include "whale/runtime/make.hpp"
 #include "whale/runtime/options.hpp"
+#include "whale/runtime/profile_cache.hpp"
 
 // train/
 #include "whale/train/data.hpp"

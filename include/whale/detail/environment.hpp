@@ -52,7 +52,10 @@ inline constexpr environment_variable environment_variables[] = {
     {"WHALE_MEMORY_CAPS", "MiB, one a rank", "emulated memory of each rank (--memory-caps)"},
     {"WHALE_WORKER_CUTS", "a boolean", "each WSP worker cuts its own pipeline (--worker-cuts)"},
     {"WHALE_PROFILE", "a path", "the device profile auto_plan prices plans with (--profile)"},
+    {"WHALE_PROFILE_CACHE", "a directory", "where auto_plan caches the profile it measures at start when none is given (default $XDG_CACHE_HOME/whale)"},
     // ---- other programs' variables, respected ----
+    {"XDG_CACHE_HOME", "an absolute directory", "the user's cache directory: auto_plan's measured profiles in its whale/ when WHALE_PROFILE_CACHE is unset"},
+    {"HOME", "a directory", "auto_plan's measured profiles in $HOME/.cache/whale when neither WHALE_PROFILE_CACHE nor XDG_CACHE_HOME is set"},
     {"OPENBLAS_NUM_THREADS", "a whole number from 1 to 4096", "OpenBLAS threads a process when WHALE_THREADS is unset"},
     {"CUDA_VISIBLE_DEVICES", "CUDA's device list", "the GPUs a process sees (named in errors)"},
     {"OMPI_COMM_WORLD_LOCAL_RANK", "a whole number", "Open MPI: this process's rank on its node"},

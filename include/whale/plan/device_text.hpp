@@ -163,7 +163,8 @@ inline device_profile device_profile::parse(std::istream& in, const std::string&
   }
   if (p.gemm.empty()) throw std::invalid_argument(origin + ": no 'gemm' line: a profile needs at least one GEMM rate");
   if (!(p.bandwidth_bps > 0)) throw std::invalid_argument(origin + ": no 'bandwidth' line");
-  std::sort(p.gemm.begin(), p.gemm.end(), [](const gemm_point& a, const gemm_point& b) { return a.flops() < b.flops(); });
+  // stable: the transposes of one shape keep their order, so that writing a parsed profile and reading it back is the same
+  std::stable_sort(p.gemm.begin(), p.gemm.end(), [](const gemm_point& a, const gemm_point& b) { return a.flops() < b.flops(); });
   p.settle_gemm();
   return p;
 }

@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <ostream>
 #include <sstream>
 #include <stdexcept>
@@ -43,6 +44,7 @@
 #include "whale/plan/simulate.hpp"
 #include "whale/plan/tie.hpp"
 #include "whale/runtime/executor.hpp"
+#include "whale/runtime/profile_cache.hpp"
 #include "whale/strategy/auto_plan.hpp"
 #include "whale/strategy/pipeline.hpp"
 #include "whale/strategy/replicate.hpp"
@@ -400,21 +402,28 @@ class auto_executor {
   using model_type = auto_plan<M, S>;
   using input_type = typename M::input_type;
 
-  /// Needs o.profile (a device profile file, WHALE_PROFILE) and o.plan_batch (the
-  /// global batch it prices); o.memory_limit_mib caps each rank's predicted memory.
+  /// Needs o.plan_batch (the global batch it prices); o.memory_limit_mib caps each
+  /// rank's predicted memory. Prices with o.profile (a device profile file,
+  /// WHALE_PROFILE); without one, with the profile cached for this host, job shape
+  /// and build, or one measured now on every rank and cached (profile_at_start,
+  /// runtime/profile_cache.hpp: a few seconds; rank 0 says which on stderr).
   auto_executor(const context& ctx, seed s, plan_options o) {
     const std::string who = "whale::make<" + auto_plan<M, S>::name() + ">: ";
-    if (o.profile.empty())
-      throw std::invalid_argument(who + "no device profile to price the plans with: set plan_options::profile (or "
-                                  "WHALE_PROFILE, --profile) to a profile file (scripts/profile writes one for this "
-                                  "machine; bench/profiles/ has some)");
     if (o.plan_batch <= 0)
       throw std::invalid_argument(who + "plan_options::plan_batch (the global batch the planner prices, in sequences "
                                   "or samples) must be set; plan_seq gives the tokens per sequence");
+    std::optional<device_profile> at_start;  // collective, on every rank alike
+    if (o.profile.empty()) {
+      auto sp = profile_at_start(ctx, o.backend, who);
+      profile_origin_ = sp.note;
+      at_start = std::move(sp.profile);
+    } else {
+      profile_origin_ = "the profile file " + o.profile;
+    }
     // a profile that one node cannot read, or a ranking that fails there, fails every rank (no collective is entered alone)
     std::string err;
     try {
-      ranking_ = rank_auto_plans<M, S>(ctx.mesh().shape(), o, device_profile::load(o.profile));
+      ranking_ = rank_auto_plans<M, S>(ctx.mesh().shape(), o, at_start ? *at_start : device_profile::load(o.profile));
     } catch (const std::exception& e) {
       err = e.what();
     }
@@ -439,6 +448,9 @@ class auto_executor {
   /// Every candidate, best first, with its predicted step time and memory (or why it cannot run).
   const std::vector<plan_choice>& ranking() const noexcept { return ranking_; }
   const plan_choice& choice() const noexcept { return ranking_.front(); }
+  /// Where the profile the plans were priced with came from: "the profile file PATH", or
+  /// the line rank 0 printed when it was measured at start or loaded from the cache.
+  const std::string& profile_origin() const noexcept { return profile_origin_; }
   /// The ZeRO level of the plan that runs (0 for dp and the pipeline).
   int zero_level_now() const {
     return std::visit([](const auto& e) { return std::remove_cvref_t<decltype(*e)>::zero_level; }, v_);
@@ -513,6 +525,7 @@ class auto_executor {
     ((which == I ? (v_.template emplace<I>(std::make_unique<executor<typename V::template at<I>>>(ctx, s, o)), 0) : 0), ...);
   }
   std::vector<plan_choice> ranking_;
+  std::string profile_origin_;
   // the chosen plan's context when its mesh is not the job's: on the heap, so that the
   // executor's pointer to it survives a move of this object; destroyed after v_
   std::unique_ptr<context> reshaped_;

@@ -96,7 +96,8 @@ struct plan_options {
   /// instead of the plan's micro-batches. 0: not in flight.
   int in_flight = 0;
   // ---- auto_plan (docs/plan-search.md) ----
-  /// The device profile file auto_plan prices plans with (scripts/profile writes one).
+  /// The device profile file auto_plan prices plans with (scripts/profile writes one);
+  /// empty: one measured at start and cached, or cached earlier (runtime/profile_cache.hpp).
   std::string profile;
   /// Each rank's memory the chosen plan must fit, predicted (MiB; 0: no limit).
   double memory_limit_mib = 0;
