@@ -1,5 +1,5 @@
 // executor<P>'s parameter gathers (runtime/executor.hpp): this stage's unsplit
-// parameters from its shards, its local ones at ZeRO-3, and the whole model on
+// parameters from its shards, and the whole model on
 // every rank (pipelines and interleaved chunks put back in flat order).
 #pragma once
 
@@ -29,16 +29,6 @@ template <class P> tensor<float> executor<P>::stage_params() {
     at += part.full_end() - part.full_begin();
   }
   return full;
-}
-template <class P> void executor<P>::gather_params(view<float> out) {
-  if (out.numel() != param_count())
-    throw std::invalid_argument("whale::" + layer_name<P>() + "::gather_params: the output holds " +
-                                std::to_string(out.numel()) + " floats, this rank's stage has " + std::to_string(param_count()));
-  if constexpr (level == 3) zero_.gather_params(out);
-  else {  // `out` is host memory; on a device the parameters come through its backend
-    be_.copy(out.data(), params_.data(), params_.v().bytes());
-    be_.synchronize();
-  }
 }
 template <class P> tensor<float> executor<P>::full_params() {
   auto mine = stage_params();

@@ -4,6 +4,8 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -66,4 +68,22 @@ inline double owned_range_squares(const program& prog, const float* owned, index
   for (auto [at, n] : owned_range_ranges(prog, begin, end)) sq += be.sum_squares(n, owned + at);
   return sq;
 }
+/// The smallest unit index among this rank's holdings whose gradients in
+/// [begin, end) of its local flat buffer (`g` holds that range) are not all
+/// finite; max() if none.
+inline std::int64_t first_nonfinite_unit(const program& prog, const float* g, index_t begin, index_t end) {
+  std::int64_t first = std::numeric_limits<std::int64_t>::max();
+  for (const auto& h : prog.holds) {
+    const index_t b = std::max(begin, h.local_offset), e = std::min(end, h.local_offset + h.local_params);
+    for (index_t i = b; i < e; ++i) {
+      const float x = g[i - begin];
+      if (x - x != 0.f) {
+        first = std::min<std::int64_t>(first, h.unit);
+        break;
+      }
+    }
+  }
+  return first;
+}
+
 }  // namespace whale::detail

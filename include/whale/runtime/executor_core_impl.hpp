@@ -1,0 +1,391 @@
+// The work of executor_core (runtime/executor_core.hpp) that does not fit in
+// its class: the launch checks and this rank's program, the batch split, the
+// memory checks and the caps' rows, the placement's checks, the buckets and
+// messages once bound, and the gradient norm's squares on a device.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "whale/runtime/executor_core.hpp"
+
+namespace whale::detail {
+
+inline executor_core::executor_core(const context& ctx, plan_options o, plan_facts facts)
+    : ctx_(&ctx), o_(std::move(o)), facts_(std::move(facts)), level_(facts_.zero_level) {
+  const auto& shape = ctx.mesh().shape();
+  const int V = facts_.chunks;
+  const std::string who = this->who();
+  chunk_at_.assign(static_cast<std::size_t>(V) + 1, 0);
+  // first: a rank launched differently is named before it can hang the others
+  check_ranks_agree(ctx.world(), launch_fields(facts_.name, shape, o_), who);
+  if (!(o_.bucket_mib > 0)) throw std::invalid_argument(who + "the bucket size must be positive (got " + std::to_string(o_.bucket_mib) + " MiB)");
+  if (o_.micro_batches * V > max_micro)
+    throw std::invalid_argument(who + "at most " + std::to_string(max_micro / V) + " micro-batches" +
+                                (V > 1 ? " with " + std::to_string(V) + " chunks per pipe rank" : std::string()));
+  if (o_.micro_batches > 1 && facts_.splits_data)
+    throw std::invalid_argument(who + "a split<..., axis::data> region needs the whole per-replica batch in one pass "
+                                      "(it gathers every row of the global batch); use micro_batches 0 or 1");
+  be_ = o_.backend;
+  if (!be_.on_cpu()) {  // what runs in a device's memory so far (docs/device.md)
+    if (o_.bf16_reduce && !o_.device_collectives)  // the packed buckets are summed by the device's own communicator
+      throw std::invalid_argument(who + "summing gradients in bf16 (bf16_reduce) with the network on a device (" + be_.name() +
+                                  ") needs the device's own communicator: set plan_options::device_collectives");
+  }
+  if (!facts_.staged && shape.size(axis::pipe) != 1)
+    throw std::invalid_argument(who + "the mesh " + shape.spec() + " has a pipe axis, but the plan has no pipeline<...>");
+  if (shape.size(axis::model) != 1 && !facts_.has_split)
+    throw std::invalid_argument(who + "the mesh " + shape.spec() +
+                                " has a model axis, but no stage holds a split region (the model ranks would only "
+                                "repeat each other's work); launch without a model axis, or split layers over axis::model");
+  if (shape.size(axis::data) != 1 && !facts_.replicated && !facts_.has_split)
+    throw std::invalid_argument(who + "the mesh " + shape.spec() + " has " + std::to_string(shape.size(axis::data)) +
+                                " ranks on the data axis, but the plan is not replicated; wrap it in replicate<...>");
+  if (const int fixed = facts_.fixed_stages; fixed > 0 && shape.size(axis::pipe) * V != fixed)
+    throw std::invalid_argument(who + "the pipeline has " + std::to_string(fixed) + " stages but the mesh's pipe axis has " +
+                                std::to_string(shape.size(axis::pipe)) + " rank(s) (" + shape.spec() + ")" +
+                                (V > 1 ? " holding " + std::to_string(V) + " chunks each" : std::string()) +
+                                "; every stage needs its own pipe rank" + (V > 1 ? " and chunk" : "") + ": launch with --mesh " +
+                                (facts_.replicated ? "data=D,pipe=" : "pipe=") + std::to_string(fixed / V));
+  if (!o_.trace_path.empty()) check_output_path(ctx.world(), o_.trace_path, "whale: the trace file (--trace, WHALE_TRACE)");
+  p_ = shape.size(axis::pipe), d_ = shape.size(axis::data);
+  stage_ = ctx.mesh().coord(axis::pipe), replica_ = ctx.mesh().coord(axis::data);
+  model_rank_ = ctx.mesh().coord(axis::model);
+  slow_.set_factor(o_.speed_of(ctx.rank(), ctx.size()));  // a list of the wrong length fails on every rank
+  if (o_.balance && (!o_.speeds.empty() || !o_.memory_caps_mib.empty())) {  // a replica runs at the pace of its slowest rank
+    if (facts_.splits_data)
+      throw std::invalid_argument(who + "plan_options::balance splits the batch by speed, but a split<..., axis::data> "
+                                        "region gathers the same number of rows from every replica; balance plans without one");
+    std::vector<double> slowest(static_cast<std::size_t>(d_), 1.0);
+    for (int r = 0; r < ctx.size(); ++r) {
+      auto& f = slowest[static_cast<std::size_t>(shape.coord(r, axis::data))];
+      f = std::max(f, o_.speed_of(r, ctx.size()));
+    }
+    for (double f : slowest) replica_weights_.push_back(1.0 / f);
+  }
+  pipe_ = &ctx.mesh().comm(axis::pipe), data_ = &ctx.mesh().comm(axis::data), model_comm_ = &ctx.mesh().comm(axis::model);
+  if (!be_.on_cpu() && o_.device_collectives) {  // collective over each axis group, on every rank alike (agreed above)
+    dev_data_ = make_device_comm(*data_, be_);
+    if (facts_.has_split) dev_model_ = make_device_comm(*model_comm_, be_);
+    if (ctx.size() > 1) dev_world_ = make_device_comm(ctx.world(), be_);
+    if (shape.size(axis::pipe) > 1)  // waiting on NCCL, keep MPI's pipeline sends moving
+      for (auto* d : {dev_data_.get(), dev_model_.get(), dev_world_.get()})
+        if (d) d->set_progress([this] { msg_.progress(); });
+  }
+}
+
+inline void executor_core::lower_program() {
+  const auto& ctx = *ctx_;
+  const auto& shape = ctx.mesh().shape();
+  const int V = facts_.chunks;
+  const std::string who = this->who();
+  if (o_.in_flight < 0 || o_.in_flight > max_micro || (o_.in_flight > 0 && o_.micro_batches > 0))
+    throw std::invalid_argument(who + "plan_options::in_flight (N_m minibatches in flight, 1 to " + std::to_string(max_micro) +
+                                ") makes each minibatch one micro-batch; do not also set micro_batches");
+  const bool repeat_pipeline = facts_.staged && V == 1 && !facts_.explicit_stages;  // a pipeline that cuts a repeat
+  if (o_.worker_cuts) {  // what it means must be what it does
+    if (!(repeat_pipeline && level_ == 0))
+      throw std::invalid_argument(who + "plan_options::worker_cuts cuts each data replica's pipeline of a repeat for "
+                                        "its own ranks; this plan has none to cut (it needs replicate<pipeline<1f1b or "
+                                        "gpipe, a model with one repeat>>, no explicit stages, no ZeRO)");
+    if (!o_.blocks.empty())
+      throw std::invalid_argument(who + "plan_options::worker_cuts chooses each replica's stage blocks, but stage blocks "
+                                        "were given (--stage-blocks, WHALE_STAGE_BLOCKS); give one or the other");
+  }
+  // unequal ranks: slow stages get fewer blocks
+  if (repeat_pipeline && o_.blocks.empty() && (!o_.speeds.empty() || !o_.memory_caps_mib.empty()) && p_ > 1) {
+    std::vector<double> slow(static_cast<std::size_t>(p_), 1.0);  // a pipe position runs at its slowest rank's pace
+    std::vector<double> cap(static_cast<std::size_t>(p_), 0.0);   // and fits its smallest rank's memory
+    for (int r = 0; r < ctx.size(); ++r) {
+      // worker_cuts: only this replica's ranks; otherwise every replica's (one cut for all)
+      if (o_.worker_cuts && shape.coord(r, axis::data) != replica_) continue;
+      const auto at = static_cast<std::size_t>(shape.coord(r, axis::pipe));
+      slow[at] = std::max(slow[at], o_.speed_of(r, ctx.size()));
+      const double c = o_.memory_cap_of(r, ctx.size()) * 1048576.0;
+      if (c > 0) cap[at] = cap[at] > 0 ? std::min(cap[at], c) : c;
+    }
+    // the capped cut counts whole, unsharded stages; with ZeRO or split stages only the make-time check applies
+    const bool capped = level_ == 0 && !facts_.has_split && std::any_of(cap.begin(), cap.end(), [](double c) { return c > 0; });
+    if (capped || std::any_of(slow.begin(), slow.end(), [](double f) { return f != 1.0; })) {
+      lower_options lo = lowering_of(o_, d_ * p_);  // (o_.blocks is empty here)
+      lo.micro_batches = 0;
+      lo.stage_slowness = slow;
+      if (capped) {
+        for (auto& c : cap) c = c > 0 ? c : std::numeric_limits<double>::infinity();
+        lo.stage_memory_caps = cap;
+        // minibatches in flight: each a whole minibatch of the replica, N_m of them
+        lo.micro_batches = o_.in_flight > 0 ? o_.in_flight : o_.micro_batches;
+        lo.balance_seq = o_.plan_batch > 0 ? o_.plan_seq : o_.balance_seq;
+        if (o_.plan_batch > 0)  // rows of one micro-batch of one replica
+          lo.cap_rows = o_.plan_batch * o_.plan_seq /
+                        (d_ * (o_.in_flight > 0 ? 1 : std::max(1, o_.micro_batches > 0 ? o_.micro_batches : p_)));
+      }
+      try {
+        o_.blocks = stage_cut(desc_, p_, lo);
+      } catch (const std::invalid_argument& e) {
+        throw std::invalid_argument(who + e.what());
+      }
+    }
+  }
+  // the program of this rank: what it holds, and the pipeline's cut
+  try {
+    prog_ = lower(desc_, shape, ctx.rank(), placement_lowering());
+  } catch (const std::invalid_argument& e) {  // the plan's rules, named as the executor names them
+    std::string why = e.what();
+    if (const std::string by = "whale::lower: " + desc_.name + ": "; why.rfind(by, 0) == 0) why = why.substr(by.size());
+    throw std::invalid_argument(who + why);
+  }
+}
+
+inline void executor_core::check_placement() {
+  const index_t n = param_count();
+  const auto held = prog_.totals();
+  if (n != held.params_held)
+    throw std::logic_error(who() + "the runtime holds " + std::to_string(n) + " parameters, the program " +
+                           std::to_string(held.params_held));
+  // tied heads: where each one's table lies (this rank, or another pipe rank's program)
+  if (std::any_of(desc_.units.begin(), desc_.units.end(), [](const unit_desc& u) { return u.ties_to >= 0; })) {
+    const auto lo = placement_lowering();
+    const auto& shape = ctx_->mesh().shape();
+    tied_model_ = true, ties_ = ties_of(prog_, [&](int pipe) {
+      auto c = ctx_->mesh().coords();
+      c[static_cast<std::size_t>(axis::pipe)] = pipe;
+      return lower(desc_, shape, shape.rank_of(c), lo);
+    });
+  }
+  check_state_memory(held, n);  // before the parameters are allocated: do they fit on this node?
+  if (o_.balance && !o_.memory_caps_mib.empty() && o_.plan_batch > 0 && d_ > 1) fit_rows_to_caps();
+}
+
+inline void executor_core::finish_setup() {
+  const index_t n = param_count();
+  if (d_ > 1 && level_ < 2 && !o_.worker_cuts) {
+    // the program's buckets; binding found which ranges are summed over data, and they must be the same
+    if (merged_ranges(prog_.grad_buckets) != complement(no_sync_, n))
+      throw std::logic_error(who() + "the program's gradient buckets do not cover the ranges summed over the data axis");
+    sync_.plan(prog_.grad_buckets, blocking_buckets(), o_.bf16_reduce, be_, dev_data_.get());
+  }
+  msg_.bind(*pipe_, be_);
+  // on a device, pipeline messages take the device's own channels (collective over the pipe group, on every rank alike)
+  if (!be_.on_cpu() && o_.device_collectives && p_ > 1) msg_.open_channels(make_device_comm(*pipe_, be_));
+  if (o_.trace || !o_.trace_path.empty()) {
+    tr_.enable(ctx_->rank(), stage_, replica_);
+    barrier(ctx_->world());
+    tr_.set_origin();
+  }
+}
+
+inline std::pair<index_t, index_t> executor_core::local_batch(index_t global_batch) const {
+  if (global_batch < d_)
+    throw std::invalid_argument(who() + "the global batch (" + std::to_string(global_batch) +
+                                ") is smaller than the data-parallel degree (" + std::to_string(d_) +
+                                "); every rank needs at least one sample");
+  // the same checks on every rank; ZeRO 2-3 issue collectives per micro-batch over the data
+  // axis, so every replica must run as many
+  const int m0 = micro_count(slice(global_batch, 0).second);
+  for (int r = 1; r < d_; ++r) {
+    const int mr = micro_count(slice(global_batch, r).second);
+    if (mr != m0 && level_ >= 2)
+      throw std::invalid_argument(who() + "the global batch (" + std::to_string(global_batch) + ") gives the data replicas " +
+                                  std::to_string(m0) + " and " + std::to_string(mr) + " micro-batches, but ZeRO " +
+                                  std::to_string(level_) +
+                                  " needs the same count on every replica; choose a global batch that the data "
+                                  "axis divides, or set plan_options::micro_batches to a count that divides every replica's batch");
+  }
+  return slice(global_batch, replica_);
+}
+
+inline void executor_core::grad_sum_squares_into(double* out) const {
+  if (be_.on_cpu()) {  // grad_norm()'s square, as it is
+    *out = grad_squares();
+    all_reduce(ctx_->world(), view<double>(out, {1}));
+    return;
+  }
+  if (level_ >= 2) squares_into(owned_range_ranges(prog_, zero_.begin(), zero_.end()), zero_.shard_grads().data(), out);
+  else squares_into(owned_ranges(prog_), grads_.data(), out);
+  if (ctx_->size() == 1) return;
+  if (dev_world_) {
+    all_reduce(*dev_world_, view<double>(out, {1}));  // on a GPU joined: the device's queue waits, not the host
+  } else {  // without the device's own communicators: through the host (a wait)
+    double host = 0;
+    be_.copy(&host, out, sizeof host);
+    be_.synchronize();
+    all_reduce(ctx_->world(), view<double>(&host, {1}));
+    be_.copy(out, &host, sizeof host);
+    be_.synchronize();
+  }
+}
+
+inline void executor_core::squares_into(const std::vector<std::pair<index_t, index_t>>& ranges, const float* g, double* out) const {
+  const auto n = static_cast<index_t>(ranges.size());
+  if (!sq_parts_.data() || sq_parts_.numel() < std::max<index_t>(n, 1)) {  // (an empty tensor counts 1 element)
+    const place_scope on(be_.memory());
+    sq_parts_ = tensor<double>({std::max<index_t>(n, 1)}, mem_kind::workspace);
+  }
+  for (index_t k = 0; k < n; ++k) {
+    const auto [at, count] = ranges[static_cast<std::size_t>(k)];
+    be_.sum_squares_into(count, g + at, sq_parts_.data() + k);
+  }
+  be_.launch(1, kernels::sum_in_order{sq_parts_.data(), n, 1.0, out, false});  // one running sum, as owned_squares() adds
+}
+
+inline void executor_core::gather_params(view<float> out) {
+  if (out.numel() != param_count())
+    throw std::invalid_argument("whale::" + facts_.name + "::gather_params: the output holds " + std::to_string(out.numel()) +
+                                " floats, this rank's stage has " + std::to_string(param_count()));
+  if (level_ == 3) zero_.gather_params(out);
+  else {  // `out` is host memory; on a device the parameters come through its backend
+    be_.copy(out.data(), params_.data(), params_.v().bytes());
+    be_.synchronize();
+  }
+}
+
+// Found from the lowered program's holdings; run by the trainer after a
+// non-finite gradient norm, so it costs nothing in a healthy step.
+inline std::string executor_core::first_nonfinite_grad() const {
+  std::vector<float> keep;  // on a device: the gradients' host copy
+  std::int64_t u = level_ >= 2 ? first_nonfinite_unit(prog_, be_.host_readable(cview<float>(zero_.shard_grads()), keep).data(),
+                                                      zero_.begin(), zero_.end())
+                               : first_nonfinite_unit(prog_, be_.host_readable(cview<float>(grads_.data(), {param_count()}), keep).data(),
+                                                      0, param_count());
+  all_reduce(ctx_->world(), view<std::int64_t>(&u, {1}), reduce_op::min);
+  if (u == std::numeric_limits<std::int64_t>::max()) return {};
+  index_t offset = 0;
+  for (std::int64_t k = 0; k < u; ++k) offset += desc_.units[static_cast<std::size_t>(k)].full_params;
+  const auto& unit = desc_.units[static_cast<std::size_t>(u)];
+  return unit.name + " (unit " + std::to_string(u) + " of the model, its parameters [" + std::to_string(offset) + ", " +
+         std::to_string(offset + unit.full_params) + ") of the unsplit flat order)";
+}
+
+inline void executor_core::fit_rows_to_caps() {
+  const int w = ctx_->size();
+  const index_t global = o_.plan_batch;
+  const double cap = o_.memory_cap_of(ctx_->rank(), w) * 1048576.0;
+  std::vector<double> speed = replica_weights_;  // by speed: 1 / the replica's slowest factor
+  std::vector<char> fixed(static_cast<std::size_t>(d_), 0);
+  // Activations grow with a replica's rows, the rest does not: each round gives every
+  // replica over a cap the rows that fit and the others the rest by speed, until none is over.
+  for (int round = 0; round <= d_; ++round) {
+    const index_t rows = slice(global, replica_).second;
+    const auto e = predicted_memory(global, o_.plan_seq);
+    const double fixed_bytes = static_cast<double>(e.model_state() + e.comm), act = static_cast<double>(e.activations);
+    double most = std::numeric_limits<double>::infinity();  // rows this rank can take within its cap
+    if (cap > 0) most = act > 0 ? std::floor(static_cast<double>(rows) * (cap - fixed_bytes) / act) : most;
+    std::vector<double> all(static_cast<std::size_t>(2 * w));
+    double mine[2] = {most, static_cast<double>(rows)};
+    if (w > 1) all_gather(ctx_->world(), view<double>(mine, {2}), view<double>(all.data(), {2 * static_cast<index_t>(w)}));
+    else all.assign(mine, mine + 2);
+    std::vector<double> room(static_cast<std::size_t>(d_), std::numeric_limits<double>::infinity()), has(room.size(), 0);
+    const auto& shape = ctx_->mesh().shape();
+    for (int r = 0; r < w; ++r) {
+      const auto k = static_cast<std::size_t>(shape.coord(r, axis::data));
+      room[k] = std::min(room[k], all[static_cast<std::size_t>(2 * r)]);
+      has[k] = all[static_cast<std::size_t>(2 * r + 1)];
+    }
+    bool over = false;
+    for (int k = 0; k < d_; ++k) {
+      const auto ku = static_cast<std::size_t>(k);
+      if (room[ku] < 1)
+        throw std::invalid_argument(who() + "data replica " + std::to_string(k) + "'s ranks fit no row of a step of " +
+                                    std::to_string(global) +
+                                    " (plan_batch) within their memory caps (--memory-caps, WHALE_MEMORY_CAPS); raise "
+                                    "the caps, give them fewer layers, or a smaller batch");
+      if (has[ku] > room[ku]) over = true, fixed[ku] = 1;
+    }
+    if (!over) return;
+    if (round == d_) break;
+    // whole shares (in micro-batch multiples when the slice uses them): the capped replicas
+    // get what fits, the others the rest by speed, at least one each
+    const index_t q = o_.micro_batches > 1 && global % o_.micro_batches == 0 && global / o_.micro_batches >= d_ ? o_.micro_batches : 1;
+    const index_t units = global / q;
+    std::vector<index_t> want(static_cast<std::size_t>(d_), 0);
+    index_t capped = 0;
+    std::vector<double> free_speeds;  // of the replicas that are not capped
+    for (int k = 0; k < d_; ++k) {
+      const auto ku = static_cast<std::size_t>(k);
+      if (fixed[ku]) {
+        want[ku] = static_cast<index_t>(std::min(std::floor(room[ku] / static_cast<double>(q)), has[ku] / static_cast<double>(q)));
+        capped += want[ku];
+      } else {
+        free_speeds.push_back(speed[ku]);
+      }
+    }
+    const index_t rest = units - capped;
+    const int free_count = static_cast<int>(free_speeds.size());
+    for (int k = 0; k < d_; ++k)
+      if (fixed[static_cast<std::size_t>(k)] && want[static_cast<std::size_t>(k)] < 1)
+        throw std::invalid_argument(who() + "data replica " + std::to_string(k) +
+                                    "'s memory caps hold less than one micro-batch of rows; raise the caps (--memory-caps, "
+                                    "WHALE_MEMORY_CAPS) or use fewer micro-batches");
+    if (free_count == 0 || rest < free_count)
+      throw std::invalid_argument(who() + "the memory caps (--memory-caps, WHALE_MEMORY_CAPS) of the "
+                                          "data replicas hold fewer rows than a step of " + std::to_string(global) +
+                                  " (plan_batch); raise the caps or use a smaller batch");
+    // the others share the rest by speed, as the weighted slice splits any batch
+    for (int k = 0, i = 0; k < d_; ++k)
+      if (!fixed[static_cast<std::size_t>(k)]) want[static_cast<std::size_t>(k)] = weighted_slice(rest, free_count, i++, free_speeds).second;
+    // weighted_slice gives each part one unit, then the rest by weight: weights want - 1 give exactly `want`
+    double sum = 0;
+    for (int k = 0; k < d_; ++k) sum += static_cast<double>(want[static_cast<std::size_t>(k)] - 1);
+    for (int k = 0; k < d_; ++k)
+      replica_weights_[static_cast<std::size_t>(k)] = sum > 0 ? static_cast<double>(want[static_cast<std::size_t>(k)] - 1) : 1.0;
+  }
+  throw std::invalid_argument(who() + "no split of a step of " + std::to_string(global) +
+                              " rows (plan_batch) over the data replicas fits every rank's memory cap (--memory-caps, "
+                              "WHALE_MEMORY_CAPS); raise the caps or use a smaller batch");
+}
+
+inline void executor_core::check_state_memory(const program_totals& held, index_t n) const {
+  // Emulated per-rank memory (plan_options::memory_caps_mib): every rank learns every rank's
+  // model state and cap, so that all of them fail with the same sentence, naming the first over.
+  if (!o_.memory_caps_mib.empty()) {
+    const int w = ctx_->size();
+    double mine[2] = {static_cast<double>(held.param_bytes + held.grad_bytes + held.optimizer_bytes),
+                      o_.memory_cap_of(ctx_->rank(), w) * 1048576.0};
+    std::vector<double> all(static_cast<std::size_t>(2 * w));
+    if (w > 1) all_gather(ctx_->world(), view<double>(mine, {2}), view<double>(all.data(), {2 * static_cast<index_t>(w)}));
+    else all.assign(mine, mine + 2);
+    for (int r = 0; r < w; ++r) {
+      const double need = all[static_cast<std::size_t>(2 * r)], cap = all[static_cast<std::size_t>(2 * r + 1)];
+      if (cap > 0 && need > cap)
+        throw std::invalid_argument(who() + "rank " + std::to_string(r) + "'s memory cap (--memory-caps, "
+                                    "WHALE_MEMORY_CAPS) is " + mib_text(static_cast<std::int64_t>(cap)) +
+                                    ", but its parameters, gradients and AdamW state need " +
+                                    mib_text(static_cast<std::int64_t>(need)) +
+                                    "; give it fewer layers (a pipeline cuts by the caps), ZeRO, or a larger cap");
+    }
+  }
+  // ZeRO-3 initialises the whole stage once, in host memory (on a device, only the device's part is checked)
+  const std::int64_t start = level_ == 3 && be_.on_cpu() ? 4 * static_cast<std::int64_t>(n) : 0;
+  check_memory_fits(ctx_->world(), held.param_bytes + held.grad_bytes + start,
+                    "its parameters (" + mib_text(held.param_bytes) + ") and gradients (" + mib_text(held.grad_bytes) + ")",
+                    who(), "spread the model over more ranks (split, pipeline, ZeRO-3) or more nodes", be_);
+}
+
+inline void executor_core::check_step_memory(const step_ctx& c, std::int64_t data_bytes) {
+  if (memory_checked_) return;
+  memory_checked_ = true;
+  if (!be_.on_cpu()) data_bytes = 0;  // on a device the data source's buffers are host memory, apart
+  // minibatches in flight: N_m of them, each a whole minibatch, are one pass's micro-batches
+  const index_t global = (c.seq > 0 ? c.global_rows / c.seq : c.global_rows) * std::max(1, in_flight_);
+  auto lo = step_lowering(global, c.seq, 8);
+  if (in_flight_ > 0) lo.micro_batches = in_flight_;
+  const auto e = predict_memory(desc_, lower(desc_, ctx_->mesh().shape(), ctx_->rank(), lo), memory_options{o_.max_pending, o_.prefetch});
+  std::ostringstream what;
+  what << "the activations of its step (" << mib_text(e.activations) << ": " << e.live_micro_batches
+       << " micro-batch(es) of " << e.rows << " rows kept) and its communication buffers (" << mib_text(e.comm) << ")";
+  if (data_bytes > 0) what << ", with its data source's batch (" << mib_text(data_bytes) << ")";
+  check_memory_fits(ctx_->world(), e.activations + e.comm + data_bytes, what.str(), who(),
+                    "use a smaller batch, more micro-batches" + std::string(facts_.staged ? " (fewer kept under 1f1b)" : "") +
+                        ", recompute<Block>, or more ranks",
+                    be_);
+}
+
+}  // namespace whale::detail
