@@ -18,6 +18,7 @@
 #include "whale/comm/detail/cost.hpp"
 #include "whale/plan/check.hpp"
 #include "whale/plan/describe.hpp"
+#include "whale/strategy/split_loss.hpp"
 #include "whale/plan/partition.hpp"
 #include "whale/plan/program.hpp"
 #include "whale/plan/traffic.hpp"

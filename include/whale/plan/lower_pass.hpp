@@ -74,9 +74,11 @@ inline void lowering::forward_unit(int i, int micro, bool again) {
     const int p = p_.mesh.size(a);
     if (p > 1) {
       const index_t R = rows_for(u);
-      add_coll(coll_kind::all_reduce, axes(a), p, all_reduce_traffic(R * 4, p), R, "row maxima of the class-split loss", micro);
-      pending_.push_back(add_coll(coll_kind::all_reduce, axes(a), p, all_reduce_traffic(2 * R * 4, p), 2 * R,
-                                  "row sums and target logits of the class-split loss", micro));
+      int last = -1;  // the loss's own collectives, as the layer issues them; what follows waits for the last
+      for (const auto& k : split_loss_collectives)
+        last = add_coll(coll_kind::all_reduce, axes(a), p, all_reduce_traffic(k.floats_per_row * R * 4, p), k.floats_per_row * R,
+                        k.what, micro);
+      pending_.push_back(last);
     }
   }
 }

@@ -22,6 +22,7 @@
 #include "whale/nn/swiglu_mlp.hpp"
 #include "whale/strategy/layout.hpp"
 #include "whale/strategy/split_linear.hpp"
+#include "whale/strategy/split_loss.hpp"
 
 namespace whale {
 
@@ -66,19 +67,24 @@ class split_softmax_cross_entropy : public stateless_params {
         throw std::out_of_range("whale::split_softmax_cross_entropy: label " + std::to_string(y) +
                                 " out of range for " + std::to_string(n * p_) + " classes");
     }
+    // its collectives, in order: detail::split_loss_collectives (lowering records the same list)
+    constexpr const auto& maxima = detail::split_loss_maxima;
+    constexpr const auto& sums = detail::split_loss_sums;
+    static_assert(maxima.op == reduce_op::max && maxima.floats_per_row == 1 && sums.floats_per_row == 2,
+                  "the class-split loss's kernels take one row maximum, then each row's sum and target logit");
     auto g = detail::ensure(s.grad, {R, n});
-    auto st = detail::ensure(s.stats, {R});  // row maxima
+    auto st = detail::ensure(s.stats, {maxima.floats_per_row * R});  // row maxima
     float* mx = st.data();
     c.be.launch(R, kernels::row_max{logits.data(), mx, n});
     detail::collective_in(c.be, *comm_, dev_, s.host, mx, R, mx, R, [&](auto& cm, const float*, float* h) {
-      all_reduce(cm, view<float>(h, {R}), reduce_op::max);
+      all_reduce(cm, view<float>(h, {maxima.floats_per_row * R}), maxima.op);
     });
-    auto tg = detail::ensure(s.target, {2 * R});
+    auto tg = detail::ensure(s.target, {sums.floats_per_row * R});
     c.be.launch(R, kernels::exp_rows{logits.data(), mx, g.data(), tg.data(), n});
     c.be.launch(R, kernels::target_logits{logits.data(), labels.data(), tg.data() + R, n, c0, ignore_index});
     // row sums, and the target logits (one rank each)
-    detail::collective_in(c.be, *comm_, dev_, s.host, tg.data(), 2 * R, tg.data(), 2 * R,
-                          [&](auto& cm, const float*, float* h) { all_reduce(cm, view<float>(h, {2 * R})); });
+    detail::collective_in(c.be, *comm_, dev_, s.host, tg.data(), sums.floats_per_row * R, tg.data(), sums.floats_per_row * R,
+                          [&](auto& cm, const float*, float* h) { all_reduce(cm, view<float>(h, {sums.floats_per_row * R}), sums.op); });
     const double count = c.loss_count();
     const double inv = count > 0 ? 1.0 / count : 0.0;
     auto rl = detail::ensure(s.row_loss, {R});
