@@ -1,16 +1,20 @@
 // The lowered program against the run: for each plan, the bytes one training
 // step sends and receives on this rank, as the communicators count them, equal
-// the program's totals, and what the rank holds equals the program's holdings
-// — on every rank, at 1, 2 and 4 ranks. This ties plan/lower.hpp to the
-// runtimes: a collective the program forgets, or invents, fails here.
+// the program's totals; the operations it issues on each communicator equal the
+// program's over that group in kind, size, peer and order; and what the rank
+// holds equals the program's holdings — on every rank, at 1, 2 and 4 ranks.
+// This ties plan/lower.hpp to the runtimes: a collective the program forgets,
+// invents, or orders otherwise fails here.
 #include <doctest/doctest.h>
 #include <mpi.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "whale/comm/context.hpp"
 #include "whale/models/gpt.hpp"
@@ -39,7 +43,38 @@ using tp_gpt = sequential<split<embedding<64, 32>>, position_embedding<16, 32>, 
 struct measured {
   std::int64_t sent = 0, received = 0;
   memory_stats memory;  ///< peaks by category over the run, less what was live before it
+  std::array<std::vector<std::string>, 8> calls;  ///< by group (axes' bits): the operations issued, in order
 };
+
+/// An operation as the program and the communicators both can say it:
+/// "all_reduce 96", "reduce_scatter keeps 24", "all_gather 48", "send 128 to 3".
+std::string said(const op& o) {
+  const auto n = std::to_string(o.elements);
+  if (o.kind == op_kind::send) return "send " + n + " to " + std::to_string(o.peer);
+  if (o.kind == op_kind::recv) return "recv " + n + " from " + std::to_string(o.peer);
+  switch (o.coll) {
+    case coll_kind::all_reduce: return "all_reduce " + n;
+    case coll_kind::all_gather: return "all_gather " + n;
+    case coll_kind::reduce_scatter: return "reduce_scatter keeps " + std::to_string(o.mine);
+    case coll_kind::broadcast: return "broadcast " + n;
+  }
+  return "?";
+}
+/// The same for an operation a communicator of `size` ranks issued.
+std::string said(const detail::mpi_comm_state::call& c, int size) {
+  const auto n = std::to_string(c.count);
+  switch (c.op) {
+    case detail::coll::all_reduce: return "all_reduce " + n;
+    case detail::coll::all_gather: return "all_gather " + std::to_string(c.count * size);
+    case detail::coll::all_gather_v: return "all_gather " + std::to_string(c.total);
+    case detail::coll::reduce_scatter:
+    case detail::coll::reduce_scatter_v: return "reduce_scatter keeps " + n;
+    case detail::coll::broadcast: return "broadcast " + n;
+    case detail::coll::send: return "send " + n + " to " + std::to_string(c.peer);
+    case detail::coll::recv: return "recv " + n + " from " + std::to_string(c.peer);
+    default: return detail::to_string(c.op);
+  }
+}
 
 /// Train plan P for 3 steps on `spec`; the traffic of the third step on this rank,
 /// and the parameters this rank holds.
@@ -56,11 +91,24 @@ template <class P, class Data> std::pair<measured, index_t> run(const context& c
   t.step(data, 0);
   t.step(data, 1);
   const auto before = stats();
+  auto group_comm = [&](unsigned b) -> world_comm& { return ctx.mesh().comm(axes::from_bits(b)); };
+  for (unsigned b = 1; b < 8; ++b) group_comm(b).record_calls(true);
+  ctx.world().record_calls(true);
   t.step(data, 2);
   const auto after = stats();
+  measured m;
+  for (unsigned b = 1; b < 8; ++b) {  // the world's calls are the group of every axis
+    for (auto* c : {&group_comm(b), b == 7 ? &ctx.world() : nullptr}) {
+      if (!c) continue;
+      if (c->size() > 1)
+        for (const auto& call : c->recorded_calls()) m.calls[b].push_back(said(call, c->size()));
+      c->record_calls(false);
+    }
+  }
   auto mem = memory_snapshot();
   for (int k = 0; k < mem_kind_count; ++k) mem.peak[static_cast<std::size_t>(k)] -= start.live[static_cast<std::size_t>(k)];
-  return {{after.bytes_sent - before.bytes_sent, after.bytes_received - before.bytes_received, mem}, net.param_count()};
+  m.sent = after.bytes_sent - before.bytes_sent, m.received = after.bytes_received - before.bytes_received, m.memory = mem;
+  return {m, net.param_count()};
 }
 
 template <class P, class Data>
@@ -77,6 +125,44 @@ void check_plan(const std::string& spec, Data make_data, index_t batch, index_t 
     CHECK(t.bytes_sent == m.sent);
     CHECK(t.bytes_received == m.received);
     CHECK(t.params_held == held);
+    // every communicator's operations, in the order issued, are the program's over that group
+    for (unsigned b = 1; b < 8; ++b) {
+      std::vector<std::string> want;
+      for (const auto& o : prog.ops) {
+        const bool talks = o.kind == op_kind::send || o.kind == op_kind::recv || o.kind == op_kind::collective;
+        if (talks && o.group_size > 1 && o.group.bits() == b) want.push_back(said(o));
+      }
+      // in order: the collectives, and the messages to or from each peer (a receive is posted as
+      // soon as its buffer is free, before operations the program orders first; messages match
+      // by peer and tag, so only each peer's own order matters)
+      auto stream_of = [](const std::string& x) {  // "" for collectives, "send ... to 3" -> "send to 3"
+        if (!x.starts_with("send ") && !x.starts_with("recv ")) return std::string();
+        return x.substr(0, 4) + x.substr(x.rfind(' ', x.rfind(' ') - 1));
+      };
+      std::vector<std::string> streams{""};
+      for (const auto& x : want) streams.push_back(stream_of(x));
+      std::sort(streams.begin(), streams.end());
+      streams.erase(std::unique(streams.begin(), streams.end()), streams.end());
+      for (const auto& k : streams) {
+        auto stream = [&](const std::vector<std::string>& all) {
+          std::vector<std::string> r;
+          for (const auto& x : all)
+            if (stream_of(x) == k) r.push_back(x);
+          return r;
+        };
+        const auto w = stream(want), g = stream(m.calls[b]);
+        std::ostringstream ws, gs;
+        for (const auto& x : w) ws << "\n  " << x;
+        for (const auto& x : g) gs << "\n  " << x;
+        INFO("group " << axes::from_bits(b).name() << ", " << (k.empty() ? std::string("collectives") : k)
+                      << ": the program's" << ws.str() << "\nissued" << gs.str());
+        CHECK(g == w);
+      }
+      // nothing issued that the program lacks (a message to a peer it never names)
+      std::size_t counted = 0;
+      for (const auto& x : m.calls[b]) counted += std::find(streams.begin(), streams.end(), stream_of(x)) != streams.end();
+      CHECK(counted == m.calls[b].size());
+    }
     // the predicted memory (plan/memory.hpp) against the tracker's peaks: model
     // state exactly, activations within 5% (and 4 KiB), buffers within bounds
     const auto e = predict_memory(describe<P>(), prog);

@@ -157,6 +157,16 @@ class mpi_comm {
   const std::vector<int>& world_ranks() const { return state().world_ranks; }
   MPI_Comm native() const noexcept { return s_ ? s_->comm : MPI_COMM_NULL; }
   comm_stats stats() const noexcept { return s_ ? s_->stats : comm_stats{}; }
+  /// From now on, keep every operation this communicator issues, in order
+  /// (`on`; the earlier record is dropped), or stop keeping them. Tests compare
+  /// the record with the lowered program's operations (tests/mpi_plan.cpp).
+  void record_calls(bool on) {
+    auto& s = state();
+    s.recording = on;
+    if (on) s.calls.clear();
+  }
+  /// The operations kept since record_calls(true), in the order they were issued.
+  const std::vector<detail::mpi_comm_state::call>& recorded_calls() const { return state().calls; }
   void reset_stats() noexcept {
     if (s_) s_->stats = {};
   }
@@ -256,6 +266,10 @@ class mpi_comm {
     check_counts(counts, "all_gather_v");
     const auto me = static_cast<std::size_t>(s.rank);
     auto r = start(detail::coll::all_gather_v, counts[me], t);
+    if (s.recording) {  // the whole buffer too
+      s.calls.back().total = 0;
+      for (auto c : counts) s.calls.back().total += c;
+    }
     const auto eb = static_cast<index_t>(size_of(t));
     fill_v(r, counts, "all_gather_v");
     detail::add(s.stats, detail::all_gather_traffic(counts, s.rank, s.size, eb));
@@ -296,6 +310,10 @@ class mpi_comm {
     check_counts(counts, "reduce_scatter_v");
     const auto me = static_cast<std::size_t>(s.rank);
     auto r = start(detail::coll::reduce_scatter_v, counts[me], t);
+    if (s.recording) {  // the whole buffer too
+      s.calls.back().total = 0;
+      for (auto c : counts) s.calls.back().total += c;
+    }
     r.rop_ = op;
     fill_v(r, counts, "reduce_scatter_v");
     detail::add(s.stats, detail::reduce_scatter_traffic(counts, s.rank, s.size, static_cast<index_t>(size_of(t))));
@@ -368,6 +386,7 @@ class mpi_comm {
     r.type_ = t;
     r.seq_ = s_->enter(op);
     r.flight_ = detail::flight_recorder::instance().begin(detail::to_string(op), s_->name, r.seq_, n, whale::to_string(t));
+    if (s_->recording) s_->calls.push_back({op, n, 0, -1});
     return r;
   }
   request p2p(detail::coll op, index_t n, dtype t, int peer, int tag) {
@@ -380,6 +399,8 @@ class mpi_comm {
     r.peer_ = peer;
     r.tag_ = tag;
     r.flight_ = detail::flight_recorder::instance().begin(detail::to_string(op), s_->name, 0, n, whale::to_string(t));
+    if (s_->recording)  // the peer in world numbering, as the program names it
+      s_->calls.push_back({op, n, 0, peer >= 0 && peer < s_->size ? s_->world_ranks[static_cast<std::size_t>(peer)] : peer});
     return r;
   }
   void check_rank(int r, const char* op) const {

@@ -23,6 +23,7 @@ struct lower_options {
   index_t balance_seq = 128;    ///< context length the stage balancer assumes
   double bucket_mib = 25.0;     ///< gradient bucket size
   bool bf16_reduce = false;     ///< gradient buckets summed in bf16 (2 bytes an element; plan_options::bf16_reduce)
+  bool zero_prefetch = true;    ///< ZeRO-3: each gather issued one leaf ahead (plan_options::prefetch)
   /// bf16 mixed precision (precision::bf16): fp32 master weights beside the parameters, 4 bytes a
   /// parameter more; ZeRO-3 is refused, as the trainer refuses it.
   bool bf16 = false;

@@ -60,12 +60,12 @@ class lowering {
     if (d_.pipeline) acts = d_.actions(s_, P_, m);
     else
       for (int j = 0; j < m; ++j) acts.push_back({pipe_action::forward, j}), acts.push_back({pipe_action::backward, j});
-    int backwards = 0;
-    for (const auto& a : acts) {
-      if (a.kind == pipe_action::forward) forward(a.chunk, a.micro);
-      else if (a.kind == pipe_action::backward) backward(a.chunk, a.micro, ++backwards == m * V_);
-      else weight(a.chunk, a.micro);
+    if (zero_ == 3 && D_ > 1 && o_.zero_prefetch) {  // the order the leaves are used in, for gathers one ahead
+      lowering dry = *this;
+      dry.uses_ = &use_order_;
+      dry.passes(acts);
     }
+    passes(acts);
     finish();
     return std::move(p_);
   }
@@ -255,12 +255,14 @@ class lowering {
                                    data ? rows_on_data(to, r) : rows_local(), w, o_.global_batch, o_.seq);
     if (!c.moves) return;
     const int id = add_coll(c.kind, axes(a), p, c.t, c.elements, why, micro);
+    p_.ops[static_cast<std::size_t>(id)].mine = c.mine;
     if (after) pending_.push_back(id);
   }
 
   // ---- the operations of each pass and of the step's end (plan/lower_pass.hpp) ----
   std::vector<index_t> zero_split(index_t b, index_t e) const;
   void zero_gather(int unit, bool backward, int micro);
+  int gather_op(int unit, bool backward, int micro, int after);
   void forward_unit(int i, int micro, bool again);
   std::string neighbours(int i) const;
   void p2p(op_kind k, int peer_stage, index_t width, int micro, const char* what);
@@ -283,7 +285,22 @@ class lowering {
   std::vector<index_t> zero_counts_, zero_starts_;
   std::vector<std::pair<index_t, index_t>> buckets_;
   std::size_t next_bucket_ = 0;
+  void passes(const std::vector<pipe_action>& acts) {
+    int backwards = 0;
+    for (const auto& a : acts) {
+      if (a.kind == pipe_action::forward) forward(a.chunk, a.micro);
+      else if (a.kind == pipe_action::backward) backward(a.chunk, a.micro, ++backwards == p_.micro_batches * V_);
+      else weight(a.chunk, a.micro);
+    }
+  }
+
   int last_ = -1, held_ = -1;
+  // ZeRO-3 with prefetch, as the runtime's engine (runtime/zero.hpp) issues it: each use of a
+  // leaf gathers it unless held or prefetched, then gathers the next leaf used
+  std::vector<int>* uses_ = nullptr;  // a dry pass: where it writes the leaves' uses in order
+  std::vector<int> use_order_;        // the leaves' uses in order, 2·unit + backward (empty: no prefetch)
+  std::size_t use_pos_ = 0;           // uses so far
+  int prefetched_ = -1, prefetch_op_ = -1;  // the leaf gathered ahead, and its gather
   int before_last_ = -1;       // the compute before last_: a ZeRO-3 gather may start once it ends (one layer ahead)
   std::vector<int> gathers_;   // ZeRO-3 gathers the next compute waits for
   std::vector<int> pending_, sync_;

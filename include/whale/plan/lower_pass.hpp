@@ -25,12 +25,33 @@ inline std::vector<index_t> lowering::zero_split(index_t b, index_t e) const {
   }
   return c;
 }
-// ZeRO-3: gather a leaf's parameters before `event` unless it is still held from the one before
+// ZeRO-3: gather a leaf's parameters before its layer runs, unless it is still held from the
+// use before or was gathered ahead; with prefetch, then gather the next leaf used
 inline void lowering::zero_gather(int unit, bool backward, int micro) {
   const auto& h = p_.holds[static_cast<std::size_t>(unit_hold_[static_cast<std::size_t>(unit)])];
   if (zero_ < 3 || D_ == 1 || h.local_params == 0) return;
-  if (held_ == unit) return;
-  held_ = unit;
+  if (uses_) uses_->push_back(2 * unit + (backward ? 1 : 0));
+  ++use_pos_;
+  if (held_ != unit) {
+    if (prefetched_ == unit) {  // its gather was issued one leaf ahead; its layer waits for it
+      gathers_.push_back(prefetch_op_);
+      prefetched_ = prefetch_op_ = -1;
+    } else {
+      gathers_.push_back(gather_op(unit, backward, micro, before_last_));
+    }
+    held_ = unit;
+  }
+  if (use_pos_ < use_order_.size()) {
+    const int next = use_order_[use_pos_] / 2;
+    if (next != unit && next != prefetched_) {
+      // issued now, after this leaf's gather: it may start once the layer before this one ends
+      prefetch_op_ = gather_op(next, use_order_[use_pos_] % 2 == 1, micro, last_);
+      prefetched_ = next;
+    }
+  }
+}
+inline int lowering::gather_op(int unit, bool backward, int micro, int after) {
+  const auto& h = p_.holds[static_cast<std::size_t>(unit_hold_[static_cast<std::size_t>(unit)])];
   const auto c = zero_split(h.local_offset, h.local_offset + h.local_params);
   const auto t = all_gather_traffic(std::span<const index_t>(c), dr_, D_, 4);
   op o;
@@ -45,9 +66,9 @@ inline void lowering::zero_gather(int unit, bool backward, int micro) {
   o.elements = h.local_params;
   o.micro = micro;
   o.what = "ZeRO-3 gather of " + h.name + (backward ? " for backward" : " for forward");
-  // prefetched one layer ahead: it may start when the layer before the previous one ends; its layer waits for it
-  if (before_last_ >= 0) o.deps.push_back(before_last_);
-  gathers_.push_back(add(std::move(o)));
+  // one layer ahead: it may start when the layer `after` ends; its layer waits for it
+  if (after >= 0) o.deps.push_back(after);
+  return add(std::move(o));
 }
 
 inline void lowering::forward_unit(int i, int micro, bool again) {

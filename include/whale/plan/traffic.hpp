@@ -19,6 +19,7 @@ struct conversion_traffic {
   coll_kind kind = coll_kind::all_reduce;
   traffic t;
   std::int64_t elements = 0;
+  std::int64_t mine = 0;  ///< a reduce-scatter: the elements this rank keeps
 };
 
 /// Conversion `k` on an axis of `p` ranks, for rank `r`: the tensor has full
@@ -45,6 +46,7 @@ inline conversion_traffic conversion_cost(conv_op k, int p, int r, index_t rows_
       c.kind = gather ? coll_kind::all_gather : coll_kind::reduce_scatter;
       c.t = gather ? all_gather_traffic(std::span<const index_t>(counts), r, p, e)
                    : reduce_scatter_traffic(std::span<const index_t>(counts), r, p, e);
+      if (!gather) c.mine = counts[static_cast<std::size_t>(r)];
       break;
     }
     case conv_op::gather_cols:
@@ -56,6 +58,7 @@ inline conversion_traffic conversion_cost(conv_op k, int p, int r, index_t rows_
       c.elements = rows_in * w;
       c.kind = coll_kind::reduce_scatter;
       c.t = reduce_scatter_traffic(rows_in * (w / p) * e, p);
+      c.mine = rows_in * (w / p);
       break;
     default:
       c.moves = false;

@@ -215,6 +215,7 @@ inline lower_options lowering_of(const plan_options& o, index_t global_batch, in
   lo.balance_seq = o.balance_seq;
   lo.bucket_mib = o.bucket_mib;
   lo.bf16_reduce = o.bf16_reduce;
+  lo.zero_prefetch = o.prefetch;
   return lo;
 }
 

@@ -126,6 +126,18 @@ struct mpi_comm_state {
   std::vector<std::int64_t*> peer_slot;  // by rank in comm; nullptr: on another node
   std::int64_t seq = 0;
   comm_stats stats{};
+  /// An operation as issued: what, how many elements (as the call was given
+  /// them: an all-gather's per rank, a reduce-scatter's kept), the whole buffer's
+  /// of an uneven gather or scatter, and a message's peer in world numbering (-1
+  /// for collectives). Kept only while `recording` (mpi_comm::record_calls).
+  struct call {
+    coll op = coll::none;
+    std::int64_t count = 0;
+    std::int64_t total = 0;
+    int peer = -1;
+  };
+  bool recording = false;
+  std::vector<call> calls;
 
   mpi_comm_state(MPI_Comm c, std::string n) : comm(c), name(std::move(n)) {
     (void)world_rank();  // cache it for the watchdog thread
