@@ -107,7 +107,7 @@ TEST_CASE("lowering split: Megatron's pair holds halves and all-reduces once for
   bool col = false, row = false;
   for (const auto& h : p.holds) {
     if (h.name.find("column_linear<8, 16>") == 0) col = h.local_params == 72 && h.split_over == axes(axis::model);
-    if (h.name.find("row_linear<16, 8>") == 0) row = h.local_params == 72 && h.layout_in == lay::S1;
+    if (h.name.find("row_linear<16, 8>") == 0) row = h.local_params == 72 && h.layout_in == layout_kind::S1;
   }
   CHECK(col);
   CHECK(row);

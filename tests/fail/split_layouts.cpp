@@ -1,7 +1,7 @@
 // Compile-fail pair: inside a data-axis split region a batch-split activation
 // cannot feed a forced row-parallel linear (split<0> -> split<1> would need an
 // all-to-all); the error names both layers and both layouts.
-// expect-error: show_conflicting_layouts<whale::relu, whale::row_tag<whale::linear<8, 4> ?>, whale::axis::data, whale::lay::S0, whale::lay::S1>.*no collective converts
+// expect-error: show_conflicting_layouts<whale::relu, whale::row_tag<whale::linear<8, 4> ?>, whale::axis::data, whale::layout_kind::S0, whale::layout_kind::S1>.*no collective converts
 #include "whale/nn/linear.hpp"
 #include "whale/nn/relu.hpp"
 #include "whale/nn/sequential.hpp"

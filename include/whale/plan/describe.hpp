@@ -64,11 +64,11 @@ struct unit_desc {
   index_t split_params = 0, replicated_params = 0;
   /// Sharded forms: what one of `degree` ranks holds and computes per row (unscaled; scale by in_width).
   cost_info (*shard_cost)(index_t degree) = nullptr;
-  lay in = lay::R;               ///< layout it receives on split_axis
+  layout_kind in = layout_kind::R;               ///< layout it receives on split_axis
   cost_info cost;                ///< unsplit cost per row, scaled by its input width
   index_t in_width = any_features, out_width = any_features;  ///< full widths
   conv_op fwd = conv_op::none, bwd = conv_op::none;  ///< converts: the collectives
-  lay from = lay::R, to = lay::R, grad_from = lay::R, grad_to = lay::R;
+  layout_kind from = layout_kind::R, to = layout_kind::R, grad_from = layout_kind::R, grad_to = layout_kind::R;
   bool split_loss = false;       ///< class-split softmax cross-entropy (two all-reduces of row statistics)
   /// A loss: the labels it reads per row (1: a class label; a regression loss: its input width of float targets).
   index_t labels_per_row = 1;
@@ -102,7 +102,7 @@ struct unit_desc {
     return sharded ? split_params / (degree < 1 ? 1 : degree) + replicated_params : full_params;
   }
   /// Whether it sees every row of the global batch (a data-axis layout other than split<0>).
-  bool all_rows() const { return split_axis == static_cast<int>(axis::data) && in != lay::S0; }
+  bool all_rows() const { return split_axis == static_cast<int>(axis::data) && in != layout_kind::S0; }
 };
 
 /// The plan type as data.
@@ -135,13 +135,13 @@ struct model_desc {
 namespace detail {
 
 template <class T> struct chain_axis;
-template <axis A, lay In, exit_kind E, lay X, stream_kind M, class... L>
+template <axis A, layout_kind In, exit_kind E, layout_kind X, stream_kind M, class... L>
 struct chain_axis<split_chain<A, In, E, X, M, L...>> {
   static constexpr int value = static_cast<int>(A);
 };
 template <class T> concept split_chain_like = requires { chain_axis<T>::value; };
 template <class T> struct is_convert : std::false_type {};
-template <axis A, lay F, lay T, lay GF, lay GT> struct is_convert<convert<A, F, T, GF, GT>> : std::true_type {};
+template <axis A, layout_kind F, layout_kind T, layout_kind GF, layout_kind GT> struct is_convert<convert<A, F, T, GF, GT>> : std::true_type {};
 template <class T> struct is_split_loss : std::false_type {};
 template <axis A> struct is_split_loss<split_softmax_cross_entropy<A>> : std::true_type {};
 template <class L> struct is_token_table : std::false_type {};
@@ -166,7 +166,7 @@ struct no_prober {
 template <class Prober> struct describer {
   model_desc* d;
   int element = 0, depth = 0, block = -1, split_axis = -1, recompute_group = -1, recompute_groups = 0;
-  lay in = lay::R;
+  layout_kind in = layout_kind::R;
   index_t width = any_features;
 
   template <class U> static std::vector<param_tensor> tensors_of() {
@@ -267,7 +267,7 @@ template <class Prober> struct describer {
       walk<strip_replicate_t<typename T::inner>>();
     } else if constexpr (requires { T::is_split; typename T::region; }) {
       const int saved = split_axis;
-      const lay saved_in = in;
+      const layout_kind saved_in = in;
       walk<typename T::region>();
       split_axis = saved, in = saved_in;
     } else if constexpr (split_chain_like<T>) {

@@ -281,8 +281,8 @@ struct device_profile {
     std::sort(by_width.begin(), by_width.end());
     for (auto& c : by_width) std::sort(c.second.begin(), c.second.end());
     std::vector<std::pair<double, double>> at_seq;  // head width -> rate at seq
-    for (const auto& c : by_width) at_seq.push_back({c.first, along(c.second, seq)});
-    return along(at_seq, head_dim);
+    for (const auto& c : by_width) at_seq.push_back({c.first, interpolate(c.second, seq)});
+    return interpolate(at_seq, head_dim);
   }
   /// The factor on a layer's backward GEMM rate (d-input and d-weights against its
   /// forward) for a layer whose narrower side is `narrow` features: the `backward`
@@ -294,7 +294,7 @@ struct device_profile {
     std::vector<std::pair<double, double>> f;
     for (const auto& b : backward) f.push_back({b.narrow, b.factor});
     std::sort(f.begin(), f.end());
-    return along(f, narrow);
+    return interpolate(f, narrow);
   }
   /// Seconds of a communication that sends `bytes` per rank in a group of `ranks` at `level`.
   /// A collective over nodes whose group has `local` ranks on each node runs `local`
@@ -362,7 +362,7 @@ struct device_profile {
     return a.second + t * (b.second - a.second);
   }
   // (x, y) points sorted by x: y at `x` interpolated in log(x), the nearest end's beyond them.
-  static double along(const std::vector<std::pair<double, double>>& f, double x) {
+  static double interpolate(const std::vector<std::pair<double, double>>& f, double x) {
     if (x <= f.front().first) return f.front().second;
     for (std::size_t i = 1; i < f.size(); ++i)
       if (x <= f[i].first) return lerp(f[i - 1], f[i], x);

@@ -97,7 +97,7 @@ class lowering {
       const auto& u = d_.units[i];
       const int st = stage_of(u);
       if (st % P_ == s_) {
-        holding h;
+        unit_holding h;
         h.name = u.name;
         h.unit = static_cast<int>(i);
         h.stage = st % P_;
@@ -242,13 +242,13 @@ class lowering {
     return u.all_rows() ? o_.global_batch / p_.micro_batches * o_.seq : rows_local();
   }
   // rows of layout l on the data axis for data rank r (global batch split<0> or whole)
-  index_t rows_on_data(lay l, int r) const {
-    if (l != lay::S0) return o_.global_batch * o_.seq;
+  index_t rows_on_data(layout_kind l, int r) const {
+    if (l != layout_kind::S0) return o_.global_batch * o_.seq;
     return weighted_slice(o_.global_batch, D_, r, o_.replica_weights, std::max(1, o_.micro_batches)).second * o_.seq;
   }
 
   /// The collective that converts layout `from` into `to` for a tensor of full width `w` on axis `a`.
-  void conversion_op(conv_op k, axis a, lay from, lay to, index_t w, const std::string& why, int micro, bool after) {
+  void conversion_op(conv_op k, axis a, layout_kind from, layout_kind to, index_t w, const std::string& why, int micro, bool after) {
     const int p = p_.mesh.size(a), r = p_.coords[static_cast<std::size_t>(a)];
     const bool data = a == axis::data;
     const auto c = conversion_cost(k, p, r, data ? rows_on_data(from, r) : rows_local(),
@@ -269,7 +269,7 @@ class lowering {
   void forward(int c, int j);
   void backward(int c, int j, bool last_micro);
   void weight(int c, int j);
-  void zero_scatter(const holding& h, int after, int micro);
+  void zero_scatter(const unit_holding& h, int after, int micro);
   void ready(index_t offset, int after);
   void finish();
 

@@ -75,13 +75,13 @@ inline void lowering::forward_unit(int i, int micro, bool again) {
   const auto& u = d_.units[static_cast<std::size_t>(i)];
   if (u.kind == unit_kind::convert) {
     conversion_op(u.fwd, static_cast<axis>(u.split_axis), u.from, u.to, u.in_width,
-                  std::string(lay_name(u.from)) + " -> " + lay_name(u.to) + " " + neighbours(i) +
+                  std::string(layout_kind_name(u.from)) + " -> " + layout_kind_name(u.to) + " " + neighbours(i) +
                       (again ? " (recompute)" : ""),
                   micro, true);
     return;
   }
   zero_gather(i, false, micro);
-  if (u.kind == unit_kind::loss && u.split_axis == static_cast<int>(axis::data) && u.in != lay::S0 && D_ > 1) {
+  if (u.kind == unit_kind::loss && u.split_axis == static_cast<int>(axis::data) && u.in != layout_kind::S0 && D_ > 1) {
     std::vector<index_t> counts(static_cast<std::size_t>(D_));
     const index_t w = u.labels_per_row;  // a label per row, or a row's float targets
     for (int r = 0; r < D_; ++r) counts[static_cast<std::size_t>(r)] = weighted_slice(o_.global_batch, D_, r, o_.replica_weights, std::max(1, o_.micro_batches)).second * o_.seq * w;
@@ -158,7 +158,7 @@ inline void lowering::backward(int c, int j, bool last_micro) {
     }
     if (u.kind == unit_kind::convert) {
       conversion_op(u.bwd, static_cast<axis>(u.split_axis), u.grad_from, u.grad_to, u.in_width,
-                    std::string("gradient ") + lay_name(u.grad_from) + " -> " + lay_name(u.grad_to) + " " +
+                    std::string("gradient ") + layout_kind_name(u.grad_from) + " -> " + layout_kind_name(u.grad_to) + " " +
                         neighbours(i),
                     j, true);
       continue;
@@ -181,7 +181,7 @@ inline void lowering::weight(int c, int j) {
   }
 }
 // ZeRO-2/3: a leaf's gradients reduce-scattered into the ranges, in buckets
-inline void lowering::zero_scatter(const holding& h, int after, int micro) {
+inline void lowering::zero_scatter(const unit_holding& h, int after, int micro) {
   for (index_t a = 0; a < h.local_params; a += per_bucket_) {
     const index_t b = std::min(h.local_params, a + per_bucket_);
     const auto c = zero_split(h.local_offset + a, h.local_offset + b);

@@ -140,10 +140,10 @@ inline std::int64_t zero_pool_bytes(const program& p, const memory_options& o) {
 inline void convert_bytes(const unit_desc& u, int p, index_t rows_local, index_t rows_all, double& kept, double& comm) {
   if (u.in_width == any_features) return;
   const bool data = u.split_axis == static_cast<int>(axis::data);
-  auto out = [&](conv_op k, lay to) {
+  auto out = [&](conv_op k, layout_kind to) {
     if (k == conv_op::none) return 0.0;
-    const double w = static_cast<double>(to == lay::S1 ? u.in_width / p : u.in_width);
-    const double r = static_cast<double>(data && to != lay::S0 ? rows_all : rows_local);
+    const double w = static_cast<double>(to == layout_kind::S1 ? u.in_width / p : u.in_width);
+    const double r = static_cast<double>(data && to != layout_kind::S0 ? rows_all : rows_local);
     return 4.0 * w * r;
   };
   kept += out(u.fwd, u.to) + out(u.bwd, u.grad_to);
@@ -187,7 +187,7 @@ inline memory_estimate predict_memory(const model_desc& d, const program& p, con
     }
     const double rows = static_cast<double>(u.all_rows() ? all_rows : e.rows);
     // a row-wise layer on features split over its axis holds its share of the width
-    const double share = !u.sharded && u.split_axis >= 0 && u.in == lay::S1 ? 1.0 / degree(u) : 1.0;
+    const double share = !u.sharded && u.split_axis >= 0 && u.in == layout_kind::S1 ? 1.0 / degree(u) : 1.0;
     // ZeRO 2-3 run the layers under its hooks, and hooks turn the layers' fusions off
     const double fused = p.zero_level >= 2 ? 0.0 : u.fused_act_bytes;
     const double per_row = (c.act_bytes + c.seq_act_bytes * static_cast<double>(p.seq)) * share + u.container_act_bytes + fused;

@@ -18,7 +18,7 @@
 namespace whale {
 
 /// One leaf layer (or inserted conversion) as this rank holds it.
-struct holding {
+struct unit_holding {
   std::string name;      ///< the sharded form ("column_linear<256, 1024>/model", "layer_norm<256>")
   int unit = 0;          ///< index in the model's flat list of units
   int stage = 0;         ///< pipeline stage (pipe rank) that runs it
@@ -31,7 +31,7 @@ struct holding {
   index_t whole_tail = 0;    ///< of a split layer: its last parameters, held whole by every rank of split_over (a row-parallel bias)
   axes replicated_over;      ///< axes over which its (local) parameters are identical copies
   int zero_level = 0;        ///< ZeRO level partitioning its state over the data axis (0: none)
-  lay layout_in = lay::R;    ///< layout of its input on its split axis (or replicated)
+  layout_kind layout_in = layout_kind::R;    ///< layout of its input on its split axis (or replicated)
   bool recompute = false;    ///< its forward runs again during backward
   /// A tied head: the unit of the token table its parameters copy (its
   /// gradients are summed with the table's each step; counted once in the norm); -1 otherwise.
@@ -108,7 +108,7 @@ struct program {
   /// axis, in the order they are issued (from the buffer's end, as backward
   /// finishes them). Empty without data parallelism, and at ZeRO 2-3.
   std::vector<std::pair<index_t, index_t>> grad_buckets;
-  std::vector<holding> holds;
+  std::vector<unit_holding> holds;
   std::vector<op> ops;
   int optimizer_bytes_per_param = 8;  ///< state bytes per parameter assumed for the totals (Adam: 8)
 
@@ -153,7 +153,7 @@ struct program {
     for (const auto& h : p.holds) {
       os << "    " << std::left << std::setw(44) << h.name << std::right << std::setw(11) << h.local_params;
       if (h.full_params) os << " of " << std::setw(10) << h.full_params << " @" << h.local_offset;
-      if (!h.split_over.empty()) os << "  split over " << h.split_over.name() << " (" << lay_name(h.layout_in) << " in)";
+      if (!h.split_over.empty()) os << "  split over " << h.split_over.name() << " (" << layout_kind_name(h.layout_in) << " in)";
       if (h.full_params && !h.replicated_over.empty()) os << "  replicated over " << h.replicated_over.name();
       if (h.recompute) os << "  recomputed";
       if (h.ties_to >= 0) os << "  tied to unit " << h.ties_to;

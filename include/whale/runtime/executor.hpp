@@ -231,7 +231,7 @@ template <class P> class executor final : public detail::executor_core {
       }
       os << "    " << h.name << "  " << h.local_params;
       if (h.local_params != h.full_params) os << " of " << h.full_params;
-      if (!h.split_over.empty()) os << ", split over " << h.split_over.name() << " (" << lay_name(h.layout_in) << " in)";
+      if (!h.split_over.empty()) os << ", split over " << h.split_over.name() << " (" << layout_kind_name(h.layout_in) << " in)";
       if (h.recompute) os << ", recomputed";
       os << "\n";
     }

@@ -48,7 +48,7 @@ struct tie_pair {
 inline std::vector<tie_pair> ties_of(const program& prog, const std::function<program(int)>& program_of) {
   std::vector<program> stage(static_cast<std::size_t>(prog.stages));
   for (int s = 0; s < prog.stages; ++s) stage[static_cast<std::size_t>(s)] = s == prog.stage ? prog : program_of(s);
-  auto same_runs = [](const holding& a, const holding& b) {
+  auto same_runs = [](const unit_holding& a, const unit_holding& b) {
     if (a.local_params != b.local_params || a.runs.size() != b.runs.size()) return false;
     for (std::size_t i = 0; i < a.runs.size(); ++i)
       if (a.runs[i].local != b.runs[i].local || a.runs[i].count != b.runs[i].count || a.runs[i].full != b.runs[i].full)
@@ -59,7 +59,7 @@ inline std::vector<tie_pair> ties_of(const program& prog, const std::function<pr
   for (int hs = 0; hs < prog.stages; ++hs)
     for (const auto& h : stage[static_cast<std::size_t>(hs)].holds) {
       if (h.ties_to < 0) continue;
-      const holding* table = nullptr;
+      const unit_holding* table = nullptr;
       int ts = -1;
       for (int s = 0; s < prog.stages && !table; ++s)
         for (const auto& t : stage[static_cast<std::size_t>(s)].holds)
@@ -145,7 +145,7 @@ inline void tie_owned_grads(const std::vector<tie_pair>& ties, float* owned, ind
                             world_comm& data, world_comm* pipe, int stage) {
   std::vector<float> host;
   const auto* g = be.host_readable(cview<float>(owned, {end - begin}), host).data();
-  auto piece = [&](index_t side, index_t count) -> std::pair<index_t, index_t> {  // [lo, hi) of the side, owned here
+  auto owned_part = [&](index_t side, index_t count) -> std::pair<index_t, index_t> {  // [lo, hi) of the side, owned here
     if (side < 0) return {0, 0};
     return {std::clamp(begin - side, index_t{0}, count), std::clamp(end - side, index_t{0}, count)};
   };
@@ -154,7 +154,7 @@ inline void tie_owned_grads(const std::vector<tie_pair>& ties, float* owned, ind
   for (const auto& t : ties) {
     std::vector<float> sum(static_cast<std::size_t>(t.count), 0.f);
     for (const index_t side : {t.table, t.head}) {  // table first, then head
-      const auto [lo, hi] = piece(side, t.count);
+      const auto [lo, hi] = owned_part(side, t.count);
       for (index_t i = lo; i < hi; ++i) sum[static_cast<std::size_t>(i)] += g[side + i - begin];
     }
     all_reduce(data, view<float>(sum.data(), {t.count}));
@@ -163,7 +163,7 @@ inline void tie_owned_grads(const std::vector<tie_pair>& ties, float* owned, ind
       for (std::size_t i = 0; i < sum.size(); ++i) sum[i] = t.table >= 0 ? sum[i] + theirs[i] : theirs[i] + sum[i];
     }
     for (const index_t side : {t.table, t.head}) {
-      const auto [lo, hi] = piece(side, t.count);
+      const auto [lo, hi] = owned_part(side, t.count);
       for (index_t i = lo; i < hi; ++i) out[static_cast<std::size_t>(side + i - begin)] = sum[static_cast<std::size_t>(i)];
       changed = changed || hi > lo;
     }

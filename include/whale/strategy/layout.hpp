@@ -23,14 +23,14 @@ namespace whale {
 ///   S0 split<0>:   each rank holds a slice of the rows (the batch)
 ///   S1 split<1>:   each rank holds a slice of the features (columns)
 ///   P  partial:    each rank holds a summand of the whole
-enum class lay : int { R, S0, S1, P };
+enum class layout_kind : int { R, S0, S1, P };
 
-constexpr const char* lay_name(lay l) {
+constexpr const char* layout_kind_name(layout_kind l) {
   switch (l) {
-    case lay::R: return "replicated";
-    case lay::S0: return "split<0>";
-    case lay::S1: return "split<1>";
-    case lay::P: return "partial";
+    case layout_kind::R: return "replicated";
+    case layout_kind::S0: return "split<0>";
+    case layout_kind::S1: return "split<1>";
+    case layout_kind::P: return "partial";
   }
   return "?";
 }
@@ -42,16 +42,16 @@ constexpr const char* axis_name(axis a) {
 enum class conv_op : int { none, all_reduce, gather_rows, gather_cols, reduce_scatter_rows, reduce_scatter_cols,
                         slice_rows, slice_cols, impossible };
 
-constexpr conv_op conversion(lay from, lay to) {
+constexpr conv_op conversion(layout_kind from, layout_kind to) {
   if (from == to) return conv_op::none;
   switch (to) {
-    case lay::R:
-      return from == lay::P ? conv_op::all_reduce : from == lay::S0 ? conv_op::gather_rows : conv_op::gather_cols;
-    case lay::S0:
-      return from == lay::R ? conv_op::slice_rows : from == lay::P ? conv_op::reduce_scatter_rows : conv_op::impossible;
-    case lay::S1:
-      return from == lay::R ? conv_op::slice_cols : from == lay::P ? conv_op::reduce_scatter_cols : conv_op::impossible;
-    case lay::P:
+    case layout_kind::R:
+      return from == layout_kind::P ? conv_op::all_reduce : from == layout_kind::S0 ? conv_op::gather_rows : conv_op::gather_cols;
+    case layout_kind::S0:
+      return from == layout_kind::R ? conv_op::slice_rows : from == layout_kind::P ? conv_op::reduce_scatter_rows : conv_op::impossible;
+    case layout_kind::S1:
+      return from == layout_kind::R ? conv_op::slice_cols : from == layout_kind::P ? conv_op::reduce_scatter_cols : conv_op::impossible;
+    case layout_kind::P:
       return conv_op::impossible;  // nothing produces a summand from a whole
   }
   return conv_op::impossible;
@@ -72,11 +72,11 @@ constexpr const char* coll_name(conv_op c) {
 }
 /// On the data axis, S0 holds this rank's rows of the batch; every other
 /// layout holds all rows of the global batch.
-constexpr bool local_rows(axis a, lay l) { return a != axis::data || l == lay::S0; }
+constexpr bool local_rows(axis a, layout_kind l) { return a != axis::data || l == layout_kind::S0; }
 
 /// Named in the compiler's error when no single collective converts the
 /// layout `From` that Producer makes into the layout `To` that Consumer needs.
-template <class Producer, class Consumer, axis A, lay From, lay To>
+template <class Producer, class Consumer, axis A, layout_kind From, layout_kind To>
 struct show_conflicting_layouts {
   static_assert(conversion(From, To) != conv_op::impossible,
                 "whale::split: no collective converts the layout the first layer produces into the "
@@ -199,21 +199,21 @@ inline view<float> apply_collective(conv_op k, world_comm& c, device_comm* dc, c
 /// converts From -> To, backward converts the consumer's gradient layout
 /// GFrom into the producer's GTo (the dual: all-gather <-> reduce-scatter,
 /// all-reduce <-> identity, slice <-> all-gather).
-template <axis A, lay From, lay To, lay GFrom, lay GTo>
+template <axis A, layout_kind From, layout_kind To, layout_kind GFrom, layout_kind GTo>
 class convert : public stateless_params {
  public:
   static constexpr conv_op fwd_coll = conversion(From, To);
   static constexpr conv_op bwd_coll = conversion(GFrom, GTo);
   static constexpr axis on_axis = A;  ///< the mesh axis it converts along
-  static constexpr lay from = From, to = To, grad_from = GFrom, grad_to = GTo;
+  static constexpr layout_kind from = From, to = To, grad_from = GFrom, grad_to = GTo;
   static_assert(fwd_coll != conv_op::impossible && bwd_coll != conv_op::impossible,
                 "whale::convert: no collective converts these layouts");
   using input_type = float;
   static constexpr index_t in_features = any_features;
   static constexpr index_t out_features = any_features;
   static std::string name() {
-    return std::string("[") + coll_name(fwd_coll) + " over " + axis_name(A) + ": " + lay_name(From) + " -> " +
-           lay_name(To) + "; backward " + coll_name(bwd_coll) + "]";
+    return std::string("[") + coll_name(fwd_coll) + " over " + axis_name(A) + ": " + layout_kind_name(From) + " -> " +
+           layout_kind_name(To) + "; backward " + coll_name(bwd_coll) + "]";
   }
   static constexpr cost_info cost() { return {}; }
 

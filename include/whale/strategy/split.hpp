@@ -40,7 +40,7 @@ namespace detail {
 struct no_gather {};
 }  // namespace detail
 
-template <axis A, lay In, detail::exit_kind Exit, lay ExitLay, detail::stream_kind Mode, class... E>
+template <axis A, layout_kind In, detail::exit_kind Exit, layout_kind ExitLay, detail::stream_kind Mode, class... E>
 class split_chain {
   using built = detail::build<detail::tlist<>, A, In, grad_of(In), void, 0, E...>;
   static_assert(sizeof(built) > 0, "whale::split: the region's layouts are checked here");
@@ -49,7 +49,7 @@ class split_chain {
     return std::array<std::size_t, sizeof...(It)>{It::index...};
   }
   template <class... It> static constexpr auto layouts_of(detail::tlist<It...>) {
-    return std::array<lay, sizeof...(It)>{It::in...};
+    return std::array<layout_kind, sizeof...(It)>{It::in...};
   }
   using last_elem = std::tuple_element_t<sizeof...(E) - 1, std::tuple<E...>>;
   static constexpr bool ends_in_loss = Loss<last_elem>;
@@ -66,8 +66,8 @@ class split_chain {
       return detail::tlist<It..., detail::indexed<convert<A, built::out, ExitLay, grad_of(ExitLay), built::gout>,
                                                    detail::inserted, built::out>>{};
     } else {
-      return detail::tlist<It..., detail::indexed<convert<A, built::out, lay::R, lay::R, built::gout>, detail::inserted, built::out>,
-                           detail::indexed<convert<A, lay::R, ExitLay, grad_of(ExitLay), lay::R>, detail::inserted, lay::R>>{};
+      return detail::tlist<It..., detail::indexed<convert<A, built::out, layout_kind::R, layout_kind::R, built::gout>, detail::inserted, built::out>,
+                           detail::indexed<convert<A, layout_kind::R, ExitLay, grad_of(ExitLay), layout_kind::R>, detail::inserted, layout_kind::R>>{};
     }
   }
   using items = decltype(with_exit(typename built::items{}));
@@ -78,8 +78,8 @@ class split_chain {
   static constexpr auto original = indices_of(items{});
   static constexpr auto in_layout = layouts_of(items{});  ///< the layout each item receives
   static constexpr bool is_container = true;
-  static constexpr lay out_layout = add_exit ? ExitLay : built::out;
-  static constexpr lay gout_layout = add_exit ? grad_of(ExitLay) : built::gout;
+  static constexpr layout_kind out_layout = add_exit ? ExitLay : built::out;
+  static constexpr layout_kind gout_layout = add_exit ? grad_of(ExitLay) : built::gout;
   using input_type = typename std::tuple_element_t<0, std::tuple<E...>>::input_type;
   static constexpr index_t in_features = sequential<E...>::in_features;
   static constexpr index_t out_features = sequential<E...>::out_features;
@@ -155,7 +155,7 @@ class split_chain {
   // summing shares over the data axis is right. (The class-split loss does this itself.)
   static constexpr bool rescales_loss() {
     using L = std::tuple_element_t<size - 1, tuple_type>;
-    return A == axis::data && built::out != lay::S0 && !requires { L::split_params; };
+    return A == axis::data && built::out != layout_kind::S0 && !requires { L::split_params; };
   }
   double loss_share(double v) {
     if constexpr (rescales_loss()) return v / env_.comm(axis::data).size();
@@ -178,17 +178,17 @@ class split_chain {
     if constexpr (original[I] == detail::inserted) {
       os << pad << layer_name<T>() << '\n';
     } else if constexpr (whale::is_container<T> && requires { T::print_structure(os, indent, width); }) {
-      os << pad << layer_name<T>() << "  (" << axis_name(A) << ": " << lay_name(in_layout[I]) << " in)\n";
+      os << pad << layer_name<T>() << "  (" << axis_name(A) << ": " << layout_kind_name(in_layout[I]) << " in)\n";
       T::print_structure(os, indent + 2, width);
     } else {
-      os << pad << layer_name<T>() << "  (" << axis_name(A) << ": " << lay_name(in_layout[I]) << " in)\n";
+      os << pad << layer_name<T>() << "  (" << axis_name(A) << ": " << layout_kind_name(in_layout[I]) << " in)\n";
     }
   }
 
   // Labels of all global rows when the loss sees all rows but the data gave this
   // rank its own: the label buffer gathered by rows (a row's labels or targets whole).
   label_buffer labels_for(step_ctx& c, label_buffer labels) {
-    if constexpr (A == axis::data && built::out != lay::S0) {
+    if constexpr (A == axis::data && built::out != layout_kind::S0) {
       auto& comm = env_.comm(axis::data);
       const int p = comm.size();
       const index_t gseq = c.global_rows / c.seq;
@@ -264,10 +264,10 @@ class split_chain {
   }
 
   // forward()'s gather of the loss's input to replicated, where the loss does not receive it replicated
-  static constexpr lay at_loss = ends_in_loss ? in_layout[size - 1] : lay::R;
+  static constexpr layout_kind at_loss = ends_in_loss ? in_layout[size - 1] : layout_kind::R;
   // (rows split over the data axis stay this rank's: forward() gives the logits of the rows it was given)
-  using logits_gather = std::conditional_t<at_loss == lay::R || at_loss == lay::P || at_loss == lay::S0, detail::no_gather,
-                                           convert<A, at_loss, lay::R, lay::R, at_loss>>;
+  using logits_gather = std::conditional_t<at_loss == layout_kind::R || at_loss == layout_kind::P || at_loss == layout_kind::S0, detail::no_gather,
+                                           convert<A, at_loss, layout_kind::R, layout_kind::R, at_loss>>;
   tuple_type layers_;
   std::array<index_t, size> offset_{};
   split_env env_{};
@@ -280,7 +280,7 @@ class split_chain {
 
 /// residual<Inner...> inside a split region: y = x + chain(x), the chain
 /// ending in x's layout X (so a row-parallel end is all-reduced back).
-template <axis A, lay X, class... Inner>
+template <axis A, layout_kind X, class... Inner>
 class split_residual {
   using chain = split_chain<A, X, detail::exit_kind::forced, X, detail::stream_kind::flatten, Inner...>;
 
