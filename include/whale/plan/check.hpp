@@ -42,7 +42,7 @@ struct lower_options {
   /// of the min(micro_batches, stages - s) micro-batches stage s keeps under 1F1B, within its cap.
   std::vector<double> stage_memory_caps;
   index_t cap_rows = 0;  ///< rows (tokens) of one micro-batch, for the activations term; 0: left out
-  /// Where each holding's parameters lie in the unsplit model (holding::runs: checkpoints
+  /// Where each holding's parameters lie in the unsplit model (unit_holding::runs: checkpoints
   /// read them). Pricing never does, so the planners leave it out (false): a row-split
   /// layer has one run per row, and listing them was a fifth of a 1,024-GPU search.
   bool placement = true;

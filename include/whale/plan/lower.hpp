@@ -111,7 +111,7 @@ class lowering {
         h.ties_to = u.ties_to;
         if (u.sharded) h.split_over = axes(static_cast<axis>(u.split_axis)), h.whole_tail = u.replicated_params;
         if (!o_.placement) {
-          // pricing only: holding::runs left empty
+          // pricing only: unit_holding::runs left empty
         } else if (u.sharded && h.full_params > 0) {
           if (!u.runs)
             throw std::logic_error("whale: lowering: the sharded layer " + u.name + " does not say where its parameters lie (param_runs)");

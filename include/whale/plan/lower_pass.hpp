@@ -37,7 +37,7 @@ inline void lowering::zero_gather(int unit, bool backward, int micro) {
       gathers_.push_back(prefetch_op_);
       prefetched_ = prefetch_op_ = -1;
     } else {
-      gathers_.push_back(gather_op(unit, backward, micro, before_last_));
+      gathers_.push_back(gather_op(unit, backward, micro, last_));  // gathered when its layer asks
     }
     held_ = unit;
   }

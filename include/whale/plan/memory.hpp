@@ -108,7 +108,8 @@ inline std::int64_t zero_pool_bytes(const program& p, const memory_options& o) {
       leaf l;
       for (std::size_t k = i + 1; k < p.ops.size(); ++k) {  // its reduce-scatters follow it
         const auto& rs = p.ops[k];
-        if (rs.kind != op_kind::collective || rs.coll != coll_kind::reduce_scatter) break;
+        // (a layout conversion's reduce-scatter of the gradient rows is no ZeRO buffer)
+        if (rs.kind != op_kind::collective || rs.coll != coll_kind::reduce_scatter || !rs.what.starts_with("ZeRO gradients")) break;
         grads += rs.elements;
         if (in_bf16) {  // the packed bucket, and the summed piece this rank keeps
           l.bf16.push_back(rs.elements);

@@ -237,8 +237,8 @@ class executor_core {
     lo.micro_batches = facts_.staged ? p_ : 0;
     return lo;
   }
-  /// (runtime/executor_core_impl.hpp) The lowering options of real steps; the
-  /// memory checks before the parameters and before the first step's activations.
+  /// The lowering options of real steps (the memory checks before the
+  /// parameters and before the first step's activations use them).
   lower_options step_lowering(index_t global_batch, index_t seq, int optimizer_bytes_per_param) const {
     lower_options lo = lowering_of(o_, global_batch, seq);
     lo.replica_weights = replica_weights_;

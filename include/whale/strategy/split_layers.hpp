@@ -70,8 +70,12 @@ class split_softmax_cross_entropy : public stateless_params {
     // its collectives, in order: detail::split_loss_collectives (lowering records the same list)
     constexpr const auto& maxima = detail::split_loss_maxima;
     constexpr const auto& sums = detail::split_loss_sums;
-    static_assert(maxima.op == reduce_op::max && maxima.floats_per_row == 1 && sums.floats_per_row == 2,
+    static_assert(maxima.op == reduce_op::max && maxima.floats_per_row == 1 && sums.op == reduce_op::sum &&
+                      sums.floats_per_row == 2,
                   "the class-split loss's kernels take one row maximum, then each row's sum and target logit");
+    static_assert(detail::split_loss_collectives.size() == 2 && detail::split_loss_collectives[0].op == maxima.op &&
+                      detail::split_loss_collectives[1].op == sums.op,
+                  "split_loss_collectives lists what this forward issues, in its order: the maxima, then the sums");
     auto g = detail::ensure(s.grad, {R, n});
     auto st = detail::ensure(s.stats, {maxima.floats_per_row * R});  // row maxima
     float* mx = st.data();
