@@ -21,6 +21,7 @@
 #include "whale/comm/context.hpp"
 #include "whale/nn/gelu.hpp"
 #include "whale/runtime/make.hpp"
+#include "support/scoped_env.hpp"
 
 using namespace whale;
 
@@ -38,20 +39,7 @@ plan_options no_profile() {
 
 bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
-// Sets a variable for one scope and restores it after.
-struct scoped_env {
-  std::string name;
-  std::optional<std::string> was;
-  scoped_env(const char* n, const char* v) : name(n) {
-    if (const char* e = std::getenv(n)) was = e;
-    if (v) ::setenv(n, v, 1);
-    else ::unsetenv(n);
-  }
-  ~scoped_env() {
-    if (was) ::setenv(name.c_str(), was->c_str(), 1);
-    else ::unsetenv(name.c_str());
-  }
-};
+using test::scoped_env;
 
 // A directory name, the same on every rank (rank 0's process id), not yet made.
 std::string fresh_dir(const context& ctx) {

@@ -17,6 +17,7 @@
 #include "whale/backend/cpu.hpp"
 #include "whale/detail/environment.hpp"
 #include "whale/runtime/options.hpp"
+#include "support/scoped_env.hpp"
 
 using namespace whale;
 
@@ -38,20 +39,7 @@ std::vector<fs::path> headers() {
   return r;
 }
 
-// Sets a variable for one scope and restores it after.
-struct scoped_env {
-  std::string name;
-  std::optional<std::string> was;
-  scoped_env(const char* n, const char* v) : name(n) {
-    if (const char* e = std::getenv(n)) was = e;
-    if (v) ::setenv(n, v, 1);
-    else ::unsetenv(n);
-  }
-  ~scoped_env() {
-    if (was) ::setenv(name.c_str(), was->c_str(), 1);
-    else ::unsetenv(name.c_str());
-  }
-};
+using test::scoped_env;
 }  // namespace
 
 TEST_CASE("getenv is called in detail/environment.hpp only") {
