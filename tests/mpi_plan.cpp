@@ -78,10 +78,10 @@ std::string said(const detail::mpi_comm_state::call& c, int size) {
 
 /// Train plan P for 3 steps on `spec`; the traffic of the third step on this rank,
 /// and the parameters this rank holds.
-template <class P, class Data> std::pair<measured, index_t> run(const context& ctx, Data data) {
+template <class P, class Data> std::pair<measured, index_t> run(const context& ctx, Data data, plan_options po) {
   const auto start = memory_snapshot();
   reset_memory_peaks();
-  auto net = make<P>(ctx, seed{42});
+  auto net = make<P>(ctx, seed{42}, po);
   trainer t(net, sgd{.lr = 0.01f, .momentum = 0.9f}, test::quiet());
   auto stats = [&] {
     auto s = ctx.mesh().stats();
@@ -113,13 +113,15 @@ template <class P, class Data> std::pair<measured, index_t> run(const context& c
 
 template <class P, class Data>
 void check_plan(const std::string& spec, Data make_data, index_t batch, index_t seq, lower_options o = {}) {
+  auto po = plan_options::from_env();  // as make<P>(ctx, seed) takes them, with the lowering's micro-batches
+  if (o.micro_batches > 0) po.micro_batches = o.micro_batches;
   auto ctx = test::on_mesh(spec);
   o.global_batch = batch;
   o.seq = seq;
   o.optimizer_bytes_per_param = 4;  // SGD with momentum
   try {  // a plan error is the same on every rank: report it here, before the context goes
     const auto prog = lower<P>(ctx.mesh().shape(), ctx.rank(), o);
-    const auto [m, held] = run<P>(ctx, make_data());
+    const auto [m, held] = run<P>(ctx, make_data(), po);
     const auto t = prog.totals();
     INFO("plan " << layer_name<P>() << " on " << spec << ", rank " << ctx.rank() << "\n" << prog);
     CHECK(t.bytes_sent == m.sent);
@@ -245,4 +247,14 @@ TEST_CASE("program bytes equal the counted bytes: ZeRO levels 1, 2, 3") {
   check_plan<shard<mlp, 2>>(data_mesh(n), [] { return teacher_data(seed{7}, 16, 8, 8); }, 8, 1);
   check_plan<shard<mlp, 3>>(data_mesh(n), [] { return teacher_data(seed{7}, 16, 8, 8); }, 8, 1);
   check_plan<shard<small_gpt, 3>>(data_mesh(n), [] { return markov_data(seed{7}, 64, 16, 4); }, 4, 16);
+}
+
+TEST_CASE("program operations equal the issued ones: ZeRO 2 and 3 over several micro-batches") {
+  // one engine pass spans the step's micro-batches: ZeRO-3's gathers run one leaf ahead across them
+  const int n = world_size();
+  lower_options two;
+  two.micro_batches = 2;
+  check_plan<shard<mlp, 2>>(data_mesh(n), [] { return teacher_data(seed{7}, 16, 8, 8); }, 8, 1, two);
+  check_plan<shard<mlp, 3>>(data_mesh(n), [] { return teacher_data(seed{7}, 16, 8, 8); }, 8, 1, two);
+  check_plan<shard<small_gpt, 3>>(data_mesh(n), [] { return markov_data(seed{7}, 64, 16, 8); }, 8, 16, two);
 }
