@@ -44,6 +44,8 @@ struct measured {
   std::int64_t sent = 0, received = 0;
   memory_stats memory;  ///< peaks by category over the run, less what was live before it
   std::array<std::vector<std::string>, 8> calls;  ///< by group (axes' bits): the operations issued, in order
+  pass_order order;          ///< the order the step's passes ran in
+  bool program_order = false;  ///< taken from the step's program
 };
 
 /// An operation as the program and the communicators both can say it:
@@ -107,6 +109,7 @@ template <class P, class Data> std::pair<measured, index_t> run(const context& c
   }
   auto mem = memory_snapshot();
   for (int k = 0; k < mem_kind_count; ++k) mem.peak[static_cast<std::size_t>(k)] -= start.live[static_cast<std::size_t>(k)];
+  m.order = net.pass_order_run(), m.program_order = net.runs_program_order();
   m.sent = after.bytes_sent - before.bytes_sent, m.received = after.bytes_received - before.bytes_received, m.memory = mem;
   return {m, net.param_count()};
 }
@@ -127,6 +130,12 @@ void check_plan(const std::string& spec, Data make_data, index_t batch, index_t 
     CHECK(t.bytes_sent == m.sent);
     CHECK(t.bytes_received == m.received);
     CHECK(t.params_held == held);
+    // the passes ran in the order of the step's program, which is this one's
+    CHECK(m.program_order);
+    CHECK(m.order.micro_batches == prog.micro_batches);
+    CHECK(m.order.actions == prog.order.actions);
+    CHECK(m.order.rounds == prog.order.rounds);
+    CHECK(m.order.report.slot == prog.order.report.slot);
     // every communicator's operations, in the order issued, are the program's over that group
     for (unsigned b = 1; b < 8; ++b) {
       std::vector<std::string> want;

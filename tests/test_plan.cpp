@@ -168,6 +168,72 @@ TEST_CASE("lowering a pipeline: activations forward and gradients back per micro
   CHECK(r.bytes_sent_over(axis::data) == (16 * 4 + 4) * 4);  // 2 (p-1)/p with p = 2
 }
 
+namespace {
+// The passes a program's compute operations run, in order: consecutive forward,
+// backward, recompute or weight operations of one micro-batch and chunk are one
+// pass (recompute belongs to the backward it serves).
+std::vector<pipe_action> passes_of(const program& p) {
+  std::vector<pipe_action> out;
+  for (const auto& o : p.ops) {
+    if (o.kind != op_kind::forward && o.kind != op_kind::backward && o.kind != op_kind::recompute && o.kind != op_kind::weight)
+      continue;
+    const auto kind = o.kind == op_kind::forward ? pipe_action::forward : o.kind == op_kind::weight ? pipe_action::weight : pipe_action::backward;
+    int chunk = 0;
+    for (const auto& h : p.holds)
+      if (h.unit == o.unit) chunk = h.chunk;
+    const pipe_action a{kind, o.micro, chunk};
+    if (out.empty() || !(out.back() == a)) out.push_back(a);
+  }
+  return out;
+}
+// A schedule's own lists against the order lowering stored, on every rank of a pipe of p.
+template <class Plan> void check_order(int p, int m, index_t rows = 8, index_t seq = 1) {
+  using S = typename Plan::schedule;
+  lower_options o;
+  o.global_batch = rows;
+  o.seq = seq;
+  o.micro_batches = m;
+  const auto rep = check_schedule<S>(p, m);
+  const auto lists = schedule_lists<S>(p, m);
+  for (int s = 0; s < p; ++s) {
+    CAPTURE(s);
+    const auto prog = lower<Plan>(mesh_shape(1, p, 1), s, o);
+    const auto& order = prog.order;
+    REQUIRE(order.micro_batches == m);
+    CHECK(order.actions[1] == S::actions(s, p, m));
+    CHECK(order.report.peak_live == rep.peak_live);
+    CHECK(order.report.slot == rep.slot);
+    CHECK(order.report.free_at == rep.free_at);
+    CHECK(order.rounds[1] == rep.round[static_cast<std::size_t>(s)]);
+    CHECK(order.actions[0] == detail::forwards_of(lists)[static_cast<std::size_t>(s)]);
+    CHECK(order.messages[1].size() == detail::message_order(lists, rep.round, p, m, chunks_v<S>, s).size());
+    CHECK(passes_of(prog) == order.actions[1]);  // the operations run in the stored order
+  }
+}
+}  // namespace
+
+TEST_CASE("the program's order of passes is its schedule's, and its operations follow it") {
+  using small_gpt = models::gpt_model<64, 16, 32, 2, 64, 4>;
+  check_order<two_stages>(2, 4);
+  check_order<pipeline<one_f_one_b, small_gpt>>(2, 4, 8, 16);
+  check_order<pipeline<zb_h1, small_gpt>>(2, 4, 8, 16);
+  check_order<pipeline<interleaved_1f1b<2>, small_gpt>>(2, 4, 8, 16);
+  check_order<pipeline<one_f_one_b, stage<recompute<sequential<linear<8, 16>, relu>>>, stage<linear<16, 4>, softmax_cross_entropy>>>(2, 4);
+  // without a pipeline: each micro-batch's forward then its backward (accumulation in one step)
+  lower_options o = batch(8);
+  o.micro_batches = 2;
+  const auto one = lower<mlp>(mesh_shape(1, 1, 1), 0, o);
+  const std::vector<pipe_action> fb{{pipe_action::forward, 0}, {pipe_action::backward, 0}, {pipe_action::forward, 1}, {pipe_action::backward, 1}};
+  CHECK(one.order.actions[1] == fb);
+  CHECK(passes_of(one) == fb);
+  CHECK(one.order.messages[1].empty());
+  // a schedule that cannot run the count is refused by lowering, naming it
+  lower_options bad = batch(8, 16);
+  bad.micro_batches = 3;  // interleaving needs a multiple of the pipe ranks
+  using interleaved = pipeline<interleaved_1f1b<2>, small_gpt>;
+  CHECK_THROWS_WITH_AS(lower<interleaved>(mesh_shape(1, 2, 1), 0, bad), doctest::Contains("interleaved"), std::invalid_argument);
+}
+
 TEST_CASE("lowering ZeRO: levels partition optimizer state, gradients and parameters") {
   for (int level = 1; level <= 3; ++level) {
     auto o = batch(8);

@@ -117,7 +117,6 @@ struct model_desc {
   bool split_backward = false;   ///< the schedule has W passes (zb_h1)
   int chunks = 1;                ///< model chunks per pipe rank (interleaved schedules)
   std::vector<pipe_action> (*actions)(int stage, int stages, int micro) = nullptr;
-  schedule_report (*check)(int stages, int micro) = nullptr;
   int elements = 0;              ///< top-level elements
   int repeat_element = -1;       ///< the top-level repeat a pipeline cuts (-1: none)
   int repeat_count = 0;
@@ -373,7 +372,6 @@ template <class P, class Prober> void describe_into(model_desc& d) {
     d.split_backward = splits_backward_v<typename P::schedule>;
     d.chunks = chunks_v<typename P::schedule>;
     d.actions = &P::schedule::actions;
-    d.check = &check_schedule<typename P::schedule>;
     describe_elements<typename P::flat::tuple_type, Prober>(d);
     describer<Prober> w{&d};
     w.template walk<typename P::flat>();

@@ -25,6 +25,34 @@
 
 namespace whale {
 
+/// The order pipe rank `stage` of `stages` runs a pass of plan `d` in, over `m`
+/// micro-batches (program::order): every rank's list checked and replayed
+/// (check_schedule's rules: throws std::invalid_argument naming the stages if a
+/// list is malformed or the lists deadlock), this rank's actions, and its
+/// messages in the order every rank issues them, for a training pass and a
+/// pass without training. Without a pipeline: 1F1B on one stage (F and B of each
+/// micro-batch in turn). Lowering stores it in the program; the executor runs it.
+inline pass_order pass_order_of(const model_desc& d, int stage, int stages, int m) {
+  const bool piped = d.pipeline && d.actions;
+  const auto actions = piped ? d.actions : &one_f_one_b::actions;
+  const int V = piped ? d.chunks : 1;
+  const std::string who = "whale::pipeline<" + (piped ? d.schedule : one_f_one_b::name()) + ", ...>: ";
+  if (stages < 1) throw std::invalid_argument(who + "a pipeline needs at least one stage");
+  if (m < 1) throw std::invalid_argument(who + "the micro-batch count must be at least 1 (got " + std::to_string(m) + ")");
+  std::vector<std::vector<pipe_action>> lists(static_cast<std::size_t>(stages));
+  for (int s = 0; s < stages; ++s) lists[static_cast<std::size_t>(s)] = actions(s, stages, m);
+  pass_order o;
+  o.report = detail::check_lists(lists, stages, m, piped && d.split_backward, who, V);
+  const auto fwd = detail::forwards_of(lists);
+  const auto fr = detail::replay(fwd, stages, m, V);
+  const auto at = static_cast<std::size_t>(stage);
+  o.actions = {fwd[at], lists[at]};
+  o.rounds = {fr.round[at], o.report.round[at]};
+  o.messages = {detail::message_order(fwd, fr.round, stages, m, V, stage), detail::message_order(lists, o.report.round, stages, m, V, stage)};
+  o.micro_batches = m;
+  return o;
+}
+
 namespace detail {
 
 /// Builds one rank's program; each member adds one kind of operation.
@@ -55,11 +83,7 @@ class lowering {
     validate();
     place();
     schedule();
-    const int m = p_.micro_batches;
-    std::vector<pipe_action> acts;
-    if (d_.pipeline) acts = d_.actions(s_, P_, m);
-    else
-      for (int j = 0; j < m; ++j) acts.push_back({pipe_action::forward, j}), acts.push_back({pipe_action::backward, j});
+    const auto acts = p_.order.actions[1];  // a training pass's
     if (zero_ == 3 && D_ > 1 && o_.zero_prefetch) {  // the order the leaves are used in, for gathers one ahead
       lowering dry = *this;
       dry.uses_ = &use_order_;
@@ -166,10 +190,9 @@ class lowering {
     } catch (const std::invalid_argument& e) {
       lower_fail(d_, e.what());
     }
-    if (d_.pipeline) {
-      d_.check(P_, m);  // throws, naming the stages, if the schedule is malformed or deadlocks
-      p_.schedule = d_.schedule;
-    }
+    if (d_.pipeline) p_.schedule = d_.schedule;
+    // throws, naming the stages, if the schedule is malformed or deadlocks
+    p_.order = d_.pipeline ? pass_order_of(d_, s_, P_, m) : pass_order_of(d_, 0, 1, m);
     p_.micro_batches = m;
     micro_seqs_ = n / m;
     per_bucket_ = bucket_elements(o_.bucket_mib);

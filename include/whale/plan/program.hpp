@@ -4,6 +4,7 @@
 // Plain data and printing; lowering is plan/lower.hpp, nothing here runs.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <iomanip>
 #include <ostream>
@@ -14,6 +15,7 @@
 #include "whale/comm/mesh.hpp"
 #include "whale/nn/layer.hpp"
 #include "whale/strategy/layout.hpp"
+#include "whale/strategy/schedule.hpp"
 
 namespace whale {
 
@@ -76,6 +78,22 @@ struct op {
   std::vector<int> deps;     ///< indices of operations that must be done first
 };
 
+/// The order one rank runs a pass in, decided once by lowering (pass_order_of,
+/// plan/lower.hpp) and run by the executor: the rank's actions, the round of
+/// the schedule's replay each runs in, and its pipeline messages in the order
+/// every rank issues them. Index 1 is a training pass, index 0 a pass without
+/// training (the forwards only, in the same order). Without a pipeline the
+/// actions are each micro-batch's forward and backward in turn.
+struct pass_order {
+  int micro_batches = 0;  ///< m; 0 while none is made
+  /// The replay of every stage's training list: activation slots, when each
+  /// slot is free, the most micro-batches alive, whether links stay in order.
+  schedule_report report;
+  std::array<std::vector<pipe_action>, 2> actions;  ///< [training] this rank's actions
+  std::array<std::vector<int>, 2> rounds;           ///< [training] per action: its round in the replay
+  std::array<std::vector<detail::pipe_op>, 2> messages;     ///< [training] this rank's messages in the order every rank issues them
+};
+
 /// Totals of a program (per step, this rank).
 struct program_totals {
   double flops = 0;
@@ -109,6 +127,8 @@ struct program {
   /// finishes them). Empty without data parallelism, and at ZeRO 2-3.
   std::vector<std::pair<index_t, index_t>> grad_buckets;
   std::vector<unit_holding> holds;
+  /// The order of the step's passes (ops below lists their operations in it).
+  pass_order order;
   std::vector<op> ops;
   int optimizer_bytes_per_param = 8;  ///< state bytes per parameter assumed for the totals (Adam: 8)
 

@@ -247,19 +247,6 @@ template <class P> class executor final : public detail::executor_core {
       throw std::logic_error(std::string("whale::executor::") + what + ": an interleaved pipe rank holds " + std::to_string(V) +
                              " chunks, not one range; use chunk_ranges() or full_params()");
   }
-  void schedule_for(int m) override {
-    if (m == m_) return;
-    rep_ = check_schedule<sched>(p_, m);
-    actions_ = sched::actions(stage_, p_, m);
-    // this rank's messages in the order every rank issues them (messenger): a training pass's and a forward-only one's
-    const auto all = schedule_lists<sched>(p_, m), fwd = detail::forwards_of(all);
-    const auto fr = detail::replay(fwd, p_, m, V);
-    round_[1] = rep_.round[static_cast<std::size_t>(stage_)];
-    round_[0] = fr.round[static_cast<std::size_t>(stage_)];
-    ops_[1] = detail::message_order(all, rep_.round, p_, m, V, stage_);
-    ops_[0] = detail::message_order(fwd, fr.round, p_, m, V, stage_);
-    m_ = m;
-  }
 
   /// (runtime/step.hpp) One pass of the schedule over this rank's rows `x`; with `logits`, they are kept there.
   double pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> labels, detail::pass_mode mode,

@@ -188,10 +188,15 @@ class executor_core {
   int replicas() const noexcept { return d_; }
   int model_degree() const noexcept { return model_comm_->size(); }
   int chunks() const noexcept { return facts_.chunks; }
-  int micro_batches() const noexcept { return m_; }
+  int micro_batches() const noexcept { return order_.micro_batches; }
   int peak_live_micro_batches() const noexcept { return peak_live_; }
   int activation_slots_used() const noexcept { return max_slot_; }
-  const schedule_report& schedule_info() const noexcept { return rep_; }
+  /// The order the last pass ran in (its actions, rounds and messages), and
+  /// whether it was the step program's (program::order) rather than made alone.
+  const pass_order& pass_order_run() const noexcept { return order_; }
+  bool runs_program_order() const noexcept { return order_from_program_; }
+  /// The replay of the schedule the last pass ran (peak live micro-batches, slots, bubble).
+  const schedule_report& schedule_info() const noexcept { return order_.report; }
   /// Split schedules: the layers' weight-gradient computations the last training step put off to W passes.
   std::size_t deferred_weight_grads() const noexcept { return deferred_; }
   std::size_t bucket_count() const noexcept { return sync_.size(); }
@@ -257,8 +262,11 @@ class executor_core {
   /// After binding: the program's gradient buckets, which must cover exactly
   /// the ranges binding found summed over data; the pipeline's messages; the trace.
   void finish_setup();
-  /// The schedule's lists for passes of m micro-batches (executor<P>: the plan's schedule).
-  virtual void schedule_for(int m) = 0;
+  /// The order passes of m micro-batches run in: that of the step's program
+  /// (lowered for the first training step's memory check) when it has m
+  /// micro-batches, else made alone by the same function (pass_order_of).
+  /// Throws, naming the stages, if the schedule cannot run them.
+  void order_for(int m);
   /// What a pass asks of this rank's chunk `ch` (executor<P> answers with its
   /// layers): its message widths and where its parameters begin; the forward
   /// of micro-batch `micro` (of mb sequences; the pass's own rows on the first
@@ -324,11 +332,9 @@ class executor_core {
   zero_engine zero_;
   grad_sync sync_;
   messenger msg_;
-  int m_ = 0;
-  schedule_report rep_;
-  std::vector<pipe_action> actions_, fwd_only_;  // [training] this rank's actions; a forward-only pass's
-  std::vector<int> round_[2];        // [training]: the replay's round of each of this rank's actions
-  std::vector<pipe_op> ops_[2];      // [training]: this rank's messages in the order every rank issues them
+  program step_prog_;             // the program of a training step (lowered by its memory check)
+  pass_order order_;              // what passes of order_.micro_batches run: actions, rounds, messages
+  bool order_from_program_ = false;  // order_ is step_prog_'s
   std::vector<std::vector<weight_task>> weight_queues_;  // per activation slot: the weight gradients its B put off
   std::size_t deferred_ = 0;
   std::vector<char> posted_;

@@ -377,7 +377,8 @@ inline void executor_core::check_step_memory(const step_ctx& c, std::int64_t dat
   const index_t global = (c.seq > 0 ? c.global_rows / c.seq : c.global_rows) * std::max(1, in_flight_);
   auto lo = step_lowering(global, c.seq, 8);
   if (in_flight_ > 0) lo.micro_batches = in_flight_;
-  const auto e = predict_memory(desc_, lower(desc_, ctx_->mesh().shape(), ctx_->rank(), lo), memory_options{o_.max_pending, o_.prefetch});
+  step_prog_ = lower(desc_, ctx_->mesh().shape(), ctx_->rank(), lo);  // its passes run in its order (order_for)
+  const auto e = predict_memory(desc_, step_prog_, memory_options{o_.max_pending, o_.prefetch});
   std::ostringstream what;
   what << "the activations of its step (" << mib_text(e.activations) << ": " << e.live_micro_batches
        << " micro-batch(es) of " << e.rows << " rows kept) and its communication buffers (" << mib_text(e.comm) << ")";
@@ -386,6 +387,13 @@ inline void executor_core::check_step_memory(const step_ctx& c, std::int64_t dat
                     "use a smaller batch, more micro-batches" + std::string(facts_.staged ? " (fewer kept under 1f1b)" : "") +
                         ", recompute<Block>, or more ranks",
                     be_);
+}
+
+inline void executor_core::order_for(int m) {
+  const bool programs = step_prog_.order.micro_batches == m;
+  if (m == order_.micro_batches && programs == order_from_program_) return;
+  order_ = programs ? step_prog_.order : pass_order_of(desc_, facts_.staged ? stage_ : 0, facts_.staged ? p_ : 1, m);
+  order_from_program_ = programs;
 }
 
 }  // namespace whale::detail

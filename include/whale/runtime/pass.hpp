@@ -39,7 +39,8 @@ inline void executor_core::check_pass(const step_ctx& c, pass_mode mode) const {
 inline double executor_core::run_pass(step_ctx& c, int m, cview<std::int32_t> labels, pass_mode mode, tensor<float>* logits,
                                       const std::array<step_ctx::host_mirror, 2>& mirrors) {
   const bool train = mode.train;
-  if (train && !memory_checked_) check_step_memory(c);
+  if (train && !memory_checked_) check_step_memory(c);  // lowers the step's program
+  order_for(m);  // the program's order of passes, if it has m micro-batches
   const index_t B = c.batch, T = c.seq, mb = B / m, rows = mb * T;
   const int V = facts_.chunks;
   // passes are keyed chunk·m + micro; chunk c of this rank is virtual stage c·p + stage
@@ -48,13 +49,10 @@ inline double executor_core::run_pass(step_ctx& c, int m, cview<std::int32_t> la
   auto key_of = [&](const pipe_action& a) { return a.chunk * m + a.micro; };
   // forward-only: the schedule's forwards in order; the layers keep nothing for a
   // backward, so all use activation slot 0, while each pass's receive has its own buffer
-  fwd_only_.clear();
-  if (!train)
-    for (const auto& a : actions_)
-      if (a.kind == pipe_action::forward) fwd_only_.push_back(a);
-  const auto& acts = train ? actions_ : fwd_only_;
-  const auto& slot = rep_.slot[static_cast<std::size_t>(stage_)];
-  const auto& free_at = rep_.free_at[static_cast<std::size_t>(stage_)];
+  const auto& acts = order_.actions[train];
+  const auto& rep = order_.report;
+  const auto& slot = rep.slot[static_cast<std::size_t>(facts_.staged ? stage_ : 0)];
+  const auto& free_at = rep.free_at[static_cast<std::size_t>(facts_.staged ? stage_ : 0)];
   auto msg_slot = [&](int key) { return train ? slot[static_cast<std::size_t>(key)] : key; };
   auto layer_slot = [&](int key) { return train ? slot[static_cast<std::size_t>(key)] : 0; };
   if (pv > 1) {
@@ -66,9 +64,9 @@ inline double executor_core::run_pass(step_ctx& c, int m, cview<std::int32_t> la
       acts_in = acts_in || vstage(ch) > 0;
       grads_in = grads_in || (train && vstage(ch) < pv - 1);
     }
-    msg_.start_step(keys, train ? rep_.peak_live[static_cast<std::size_t>(stage_)] : keys, rows, in_w, out_w, acts_in, grads_in,
-                    rep_.in_order);
-    if (msg_.channels()) msg_.set_order(ops_[train]);  // the order every rank issues its messages in
+    msg_.start_step(keys, train ? rep.peak_live[static_cast<std::size_t>(stage_)] : keys, rows, in_w, out_w, acts_in, grads_in,
+                    rep.in_order);
+    if (msg_.channels()) msg_.set_order(order_.messages[train]);  // the order every rank issues its messages in
   }
   posted_.assign(static_cast<std::size_t>(keys), 0);
   auto& posted = posted_;
@@ -98,7 +96,7 @@ inline double executor_core::run_pass(step_ctx& c, int m, cview<std::int32_t> la
         const peer_msg grad{train && v < pv - 1, (v + 1) % p_, 2 * (j * V + ch) + 1, chunk_out_width(ch)};
         msg_.post(key, msg_slot(key), act, grad);
       }
-    if (pv > 1 && msg_.channels()) msg_.issue_through(round_[train][k]);  // the messages read by this action's round
+    if (pv > 1 && msg_.channels()) msg_.issue_through(order_.rounds[train][k]);  // the messages read by this action's round
     const auto a = acts[k];
     const int key = key_of(a), v = vstage(a.chunk);
     const auto ku = static_cast<std::size_t>(key);

@@ -42,7 +42,7 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : detail::exec
   lower_program();
   for (int ch = 0; ch < V; ++ch) parts_[static_cast<std::size_t>(ch)].place(p_ * V, ch * p_ + stage_, prog_.stage_blocks);
   for (int ch = 0; ch < V; ++ch) chunk_at_[static_cast<std::size_t>(ch) + 1] = chunk_at_[static_cast<std::size_t>(ch)] + chunk_size(ch);
-  if (o_.micro_batches > 0 && staged) schedule_for(o_.micro_batches);  // a bad schedule fails here, on every rank
+  if (o_.micro_batches > 0 && staged) order_for(o_.micro_batches);  // a bad schedule fails here, on every rank
   check_placement();
   const index_t n = param_count();
   bind(s, n);

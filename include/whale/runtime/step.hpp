@@ -19,7 +19,6 @@ double executor<P>::pass(step_ctx& c, cview<input_type> x, cview<std::int32_t> l
   c.be = be_;
   const index_t B = c.batch;
   const int m = micro_count(B);
-  schedule_for(m);
   if (x.shape().rank() == 0 || x.shape()[0] != B)
     throw std::invalid_argument(who() + "the input has " +
                                 std::to_string(x.shape().rank() ? x.shape()[0] : 0) + " rows but step_ctx says " +
