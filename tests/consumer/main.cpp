@@ -1,6 +1,7 @@
 // whale consumer: one forward of a linear layer through whale's public headers,
-// checked against a plain loop. Built against whale::whale, whale::mpi and
-// whale::cuda (when those exist) to prove each target compiles, links and runs.
+// checked against a plain loop. Built against whale::whale, whale::mpi,
+// whale::core and whale::cuda (when those exist) to prove each target
+// compiles, links and runs.
 #include <cmath>
 #include <cstdio>
 

@@ -622,3 +622,5 @@ class backend_ref {
 };
 
 }  // namespace whale
+
+#include "whale/backend/cpu/instances.hpp"  // the compiled core's CPU loops (declared only with it)

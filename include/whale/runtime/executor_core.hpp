@@ -25,6 +25,7 @@
 #include "whale/backend/cpu.hpp"
 #include "whale/comm/device_comm.hpp"
 #include "whale/comm/trace.hpp"
+#include "whale/detail/compiled.hpp"
 #include "whale/plan/lower.hpp"
 #include "whale/plan/memory.hpp"
 #include "whale/runtime/agree.hpp"
@@ -352,5 +353,7 @@ class executor_core {
 
 }  // namespace whale::detail
 
+#if WHALE_CORE_DEFINITIONS  // header-only, or the compiled core's own unit (detail/compiled.hpp)
 #include "whale/runtime/executor_core_impl.hpp"
 #include "whale/runtime/pass.hpp"
+#endif

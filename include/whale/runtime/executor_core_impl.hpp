@@ -18,7 +18,7 @@
 
 namespace whale::detail {
 
-inline executor_core::executor_core(const context& ctx, plan_options o, plan_facts facts)
+WHALE_CORE_INLINE executor_core::executor_core(const context& ctx, plan_options o, plan_facts facts)
     : ctx_(&ctx), o_(std::move(o)), facts_(std::move(facts)), level_(facts_.zero_level) {
   const auto& shape = ctx.mesh().shape();
   const int V = facts_.chunks;
@@ -81,7 +81,7 @@ inline executor_core::executor_core(const context& ctx, plan_options o, plan_fac
   }
 }
 
-inline void executor_core::lower_program() {
+WHALE_CORE_INLINE void executor_core::lower_program() {
   const auto& ctx = *ctx_;
   const auto& shape = ctx.mesh().shape();
   const int V = facts_.chunks;
@@ -144,7 +144,7 @@ inline void executor_core::lower_program() {
   }
 }
 
-inline void executor_core::check_placement() {
+WHALE_CORE_INLINE void executor_core::check_placement() {
   const index_t n = param_count();
   const auto held = prog_.totals();
   if (n != held.params_held)
@@ -164,7 +164,7 @@ inline void executor_core::check_placement() {
   if (o_.balance && !o_.memory_caps_mib.empty() && o_.plan_batch > 0 && d_ > 1) fit_rows_to_caps();
 }
 
-inline void executor_core::finish_setup() {
+WHALE_CORE_INLINE void executor_core::finish_setup() {
   const index_t n = param_count();
   if (d_ > 1 && level_ < 2 && !o_.worker_cuts) {
     // the program's buckets; binding found which ranges are summed over data, and they must be the same
@@ -182,7 +182,7 @@ inline void executor_core::finish_setup() {
   }
 }
 
-inline std::pair<index_t, index_t> executor_core::local_batch(index_t global_batch) const {
+WHALE_CORE_INLINE std::pair<index_t, index_t> executor_core::local_batch(index_t global_batch) const {
   if (global_batch < d_)
     throw std::invalid_argument(who() + "the global batch (" + std::to_string(global_batch) +
                                 ") is smaller than the data-parallel degree (" + std::to_string(d_) +
@@ -202,7 +202,7 @@ inline std::pair<index_t, index_t> executor_core::local_batch(index_t global_bat
   return slice(global_batch, replica_);
 }
 
-inline void executor_core::grad_sum_squares_into(double* out) const {
+WHALE_CORE_INLINE void executor_core::grad_sum_squares_into(double* out) const {
   if (be_.on_cpu()) {  // grad_norm()'s square, as it is
     *out = grad_squares();
     all_reduce(ctx_->world(), view<double>(out, {1}));
@@ -223,7 +223,7 @@ inline void executor_core::grad_sum_squares_into(double* out) const {
   }
 }
 
-inline void executor_core::squares_into(const std::vector<std::pair<index_t, index_t>>& ranges, const float* g, double* out) const {
+WHALE_CORE_INLINE void executor_core::squares_into(const std::vector<std::pair<index_t, index_t>>& ranges, const float* g, double* out) const {
   const auto n = static_cast<index_t>(ranges.size());
   if (!sq_parts_.data() || sq_parts_.numel() < std::max<index_t>(n, 1)) {  // (an empty tensor counts 1 element)
     const place_scope on(be_.memory());
@@ -236,7 +236,7 @@ inline void executor_core::squares_into(const std::vector<std::pair<index_t, ind
   be_.launch(1, kernels::sum_in_order{sq_parts_.data(), n, 1.0, out, false});  // one running sum, as owned_squares() adds
 }
 
-inline void executor_core::gather_params(view<float> out) {
+WHALE_CORE_INLINE void executor_core::gather_params(view<float> out) {
   if (out.numel() != param_count())
     throw std::invalid_argument("whale::" + facts_.name + "::gather_params: the output holds " + std::to_string(out.numel()) +
                                 " floats, this rank's stage has " + std::to_string(param_count()));
@@ -249,7 +249,7 @@ inline void executor_core::gather_params(view<float> out) {
 
 // Found from the lowered program's holdings; run by the trainer after a
 // non-finite gradient norm, so it costs nothing in a healthy step.
-inline std::string executor_core::first_nonfinite_grad() const {
+WHALE_CORE_INLINE std::string executor_core::first_nonfinite_grad() const {
   std::vector<float> keep;  // on a device: the gradients' host copy
   std::int64_t u = level_ >= 2 ? first_nonfinite_unit(prog_, be_.host_readable(cview<float>(zero_.shard_grads()), keep).data(),
                                                       zero_.begin(), zero_.end())
@@ -264,7 +264,7 @@ inline std::string executor_core::first_nonfinite_grad() const {
          std::to_string(offset + unit.full_params) + ") of the unsplit flat order)";
 }
 
-inline void executor_core::fit_rows_to_caps() {
+WHALE_CORE_INLINE void executor_core::fit_rows_to_caps() {
   const int w = ctx_->size();
   const index_t global = o_.plan_batch;
   const double cap = o_.memory_cap_of(ctx_->rank(), w) * 1048576.0;
@@ -342,7 +342,7 @@ inline void executor_core::fit_rows_to_caps() {
                               "WHALE_MEMORY_CAPS); raise the caps or use a smaller batch");
 }
 
-inline void executor_core::check_state_memory(const program_totals& held, index_t n) const {
+WHALE_CORE_INLINE void executor_core::check_state_memory(const program_totals& held, index_t n) const {
   // Emulated per-rank memory (plan_options::memory_caps_mib): every rank learns every rank's
   // model state and cap, so that all of them fail with the same sentence, naming the first over.
   if (!o_.memory_caps_mib.empty()) {
@@ -369,7 +369,7 @@ inline void executor_core::check_state_memory(const program_totals& held, index_
                     who(), "spread the model over more ranks (split, pipeline, ZeRO-3) or more nodes", be_);
 }
 
-inline void executor_core::check_step_memory(const step_ctx& c, std::int64_t data_bytes) {
+WHALE_CORE_INLINE void executor_core::check_step_memory(const step_ctx& c, std::int64_t data_bytes) {
   if (memory_checked_) return;
   memory_checked_ = true;
   if (!be_.on_cpu()) data_bytes = 0;  // on a device the data source's buffers are host memory, apart
@@ -389,7 +389,7 @@ inline void executor_core::check_step_memory(const step_ctx& c, std::int64_t dat
                     be_);
 }
 
-inline void executor_core::order_for(int m) {
+WHALE_CORE_INLINE void executor_core::order_for(int m) {
   const bool programs = step_prog_.order.micro_batches == m;
   if (m == order_.micro_batches && programs == order_from_program_) return;
   order_ = programs ? step_prog_.order : pass_order_of(desc_, facts_.staged ? stage_ : 0, facts_.staged ? p_ : 1, m);

@@ -18,7 +18,7 @@
 
 namespace whale::detail {
 
-inline void executor_core::check_pass(const step_ctx& c, pass_mode mode) const {
+WHALE_CORE_INLINE void executor_core::check_pass(const step_ctx& c, pass_mode mode) const {
   if (c.accumulate && (level_ >= 2 || d_ > 1))
     throw std::invalid_argument(who() +
                                 "accumulating gradients across train_step calls (step_ctx::accumulate) is not "
@@ -36,7 +36,7 @@ inline void executor_core::check_pass(const step_ctx& c, pass_mode mode) const {
                                 "drop worker_cuts");
 }
 
-inline double executor_core::run_pass(step_ctx& c, int m, cview<std::int32_t> labels, pass_mode mode, tensor<float>* logits,
+WHALE_CORE_INLINE double executor_core::run_pass(step_ctx& c, int m, cview<std::int32_t> labels, pass_mode mode, tensor<float>* logits,
                                       const std::array<step_ctx::host_mirror, 2>& mirrors) {
   const bool train = mode.train;
   if (train && !memory_checked_) check_step_memory(c);  // lowers the step's program
@@ -203,7 +203,7 @@ inline double executor_core::run_pass(step_ctx& c, int m, cview<std::int32_t> la
 }
 
 
-inline void executor_core::keep_logits(tensor<float>& out, cview<float> y, int micro, int m) {
+WHALE_CORE_INLINE void executor_core::keep_logits(tensor<float>& out, cview<float> y, int micro, int m) {
   const index_t r = y.shape().rank() ? y.shape()[0] : 0, w = y.shape().rank() == 2 ? y.shape()[1] : y.numel() / (r ? r : 1);
   if (micro == 0) {
     const place_scope host(nullptr);  // the logits are returned in host memory

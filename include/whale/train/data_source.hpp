@@ -133,38 +133,46 @@ inline std::uint64_t epoch_order(std::uint64_t g, std::uint64_t n, bool shuffle,
   return shuffle ? permute(pos, n, mix64(key ^ mix64(epoch + 0x5eed))) : pos;
 }
 
-/// Why batch `b`, returned for rows (or sequences) [begin, begin + count) of a
-/// global batch of `global` in sequences of `seq`, is not those rows for model
-/// `M`; "" if it is. A short batch (a reader at the end of its data) would
-/// train on a wrong loss: the loss is divided by the whole global batch.
-template <class M, class In, class Target>
-std::string batch_problem(const batch_view<In, Target>& b, index_t begin, index_t count, index_t global, index_t seq) {
+/// Why a batch of `sequences` sequences of `batch_seq` tokens, with `labels`
+/// labels (or float targets) and `inputs` inputs, returned for rows (or
+/// sequences) [begin, begin + count) of a global batch of `global` in
+/// sequences of `seq`, is not those rows; "" if it is. `width`: inputs per row
+/// (0: any whole number), `per_row`: labels per row (0: any whole number). A
+/// short batch (a reader at the end of its data) would train on a wrong loss:
+/// the loss is divided by the whole global batch.
+inline std::string batch_problem_of(index_t sequences, index_t batch_seq, index_t labels, index_t inputs, bool targets,
+                                    index_t width, index_t per_row, index_t begin, index_t count, index_t global, index_t seq) {
   const index_t rows = count * seq;
-  index_t width = 0;  // inputs per row, where the model's first layer says
-  if constexpr (std::is_same_v<In, std::int32_t>) width = 1;
-  else if constexpr (requires { M::in_features; })
-    if (M::in_features != any_features) width = M::in_features;
-  // labels (or targets) per row, where the model's loss says; 0: any whole number
-  index_t per_row = 1;
-  if constexpr (requires { M::target_width; }) per_row = M::target_width == any_features ? 0 : M::target_width;
-  constexpr bool targets = std::is_same_v<Target, float>;
   const char* noun = targets ? " float targets" : " labels";
   std::string why;
-  if (b.sequences != count) why = std::to_string(b.sequences) + (seq > 1 ? " sequences" : " rows");
-  else if (b.seq != seq) why = "sequences of " + std::to_string(b.seq) + " tokens (its seq() says " + std::to_string(seq) + ")";
-  else if (per_row > 0 ? b.labels.numel() != rows * per_row : (rows > 0 && b.labels.numel() % rows != 0))
-    why = std::to_string(b.labels.numel()) + noun + " (for " + std::to_string(rows) + " rows" +
+  if (sequences != count) why = std::to_string(sequences) + (seq > 1 ? " sequences" : " rows");
+  else if (batch_seq != seq) why = "sequences of " + std::to_string(batch_seq) + " tokens (its seq() says " + std::to_string(seq) + ")";
+  else if (per_row > 0 ? labels != rows * per_row : (rows > 0 && labels % rows != 0))
+    why = std::to_string(labels) + noun + " (for " + std::to_string(rows) + " rows" +
           (per_row > 1 || (targets && per_row > 0)
                ? "; the model's loss takes " + std::to_string(per_row) + " a row, one per output of the layer before it"
                : std::string()) + ")";
-  else if (width > 0 ? b.inputs.numel() != rows * width : (rows > 0 && b.inputs.numel() % rows != 0))
-    why = std::to_string(b.inputs.numel()) + " inputs (for " + std::to_string(rows) + " rows" +
+  else if (width > 0 ? inputs != rows * width : (rows > 0 && inputs % rows != 0))
+    why = std::to_string(inputs) + " inputs (for " + std::to_string(rows) + " rows" +
           (width > 0 ? " of " + std::to_string(width) : std::string()) + ")";
   if (why.empty()) return why;
   return "the data source gave " + why + " for " + (seq > 1 ? "sequences [" : "rows [") + std::to_string(begin) + ", " +
          std::to_string(begin + count) + ") of the global batch of " + std::to_string(global) +
          " it asked for; a short batch would train on a wrong loss (it is divided by the whole batch). A data source "
          "returns every row asked for: at the end of its data, wrap around, or stop before that step";
+}
+/// batch_problem_of for batch `b` and model `M`: the inputs per row where the
+/// model's first layer says, the labels (or targets) per row where its loss says.
+template <class M, class In, class Target>
+std::string batch_problem(const batch_view<In, Target>& b, index_t begin, index_t count, index_t global, index_t seq) {
+  index_t width = 0;
+  if constexpr (std::is_same_v<In, std::int32_t>) width = 1;
+  else if constexpr (requires { M::in_features; })
+    if (M::in_features != any_features) width = M::in_features;
+  index_t per_row = 1;
+  if constexpr (requires { M::target_width; }) per_row = M::target_width == any_features ? 0 : M::target_width;
+  return batch_problem_of(b.sequences, b.seq, b.labels.numel(), b.inputs.numel(), std::is_same_v<Target, float>, width, per_row,
+                          begin, count, global, seq);
 }
 
 /// The bytes data source `d` holds for a batch of `count` rows (or sequences):

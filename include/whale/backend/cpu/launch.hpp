@@ -96,8 +96,9 @@ template <int R, class K>
 }
 #endif
 
-/// body(i) for i in [0, n), the flag (if any) fixed to R.
-template <int R, class K> inline void launch_loop(index_t n, const K& body);
+/// body(i) for i in [0, n), the flag (if any) fixed to R. Not inline, so that
+/// the compiled core can hold the library's own loops (cpu/instances.hpp).
+template <int R, class K> void launch_loop(index_t n, const K& body);
 }  // namespace detail
 
 /// The instruction set the kernels run with in this process (detected once).
@@ -106,7 +107,7 @@ inline isa active_isa() {
   return i;
 }
 
-template <int R, class K> inline void detail::launch_loop(index_t n, const K& body) {
+template <int R, class K> void detail::launch_loop(index_t n, const K& body) {
 #if WHALE_ISA_DISPATCH
   switch (active_isa()) {
     case isa::avx512: return detail::launch_avx512<R>(n, body);

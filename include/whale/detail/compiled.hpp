@@ -1,0 +1,23 @@
+// Header-only by default; optionally a compiled core, as fmt offers. The
+// model-independent runtime's larger functions (executor_core's, in
+// runtime/executor_core_impl.hpp and runtime/pass.hpp) are marked
+// WHALE_CORE_INLINE and their definitions sit behind WHALE_CORE_DEFINITIONS:
+// - by default both say "inline, here": every translation unit that uses them
+//   compiles them, as with any header-only library;
+// - with WHALE_COMPILED_CORE defined (CMake: link whale::core) a translation
+//   unit sees their declarations only, and the library whale_core, compiled
+//   once, defines them (include/whale/runtime/core.cpp defines
+//   WHALE_CORE_LIBRARY, which makes them ordinary, emitted functions).
+// Every unit of one program must agree: link whale::core to all or to none.
+#pragma once
+
+#if defined(WHALE_CORE_LIBRARY)
+#define WHALE_CORE_INLINE
+#define WHALE_CORE_DEFINITIONS 1
+#elif defined(WHALE_COMPILED_CORE)
+#define WHALE_CORE_INLINE
+#define WHALE_CORE_DEFINITIONS 0
+#else
+#define WHALE_CORE_INLINE inline
+#define WHALE_CORE_DEFINITIONS 1
+#endif
