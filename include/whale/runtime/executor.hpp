@@ -65,11 +65,11 @@ template <class P> class executor final : public detail::executor_core {
                 "pipeline for data parallelism");
   static constexpr bool split_backward = staged && splits_backward_v<sched>;
   /// Model chunks (virtual stages) per pipe rank: interleaved schedules hold several.
-  static constexpr int V = staged ? chunks_v<sched> : 1;
-  static_assert(V == 1 || level < 2,
+  static constexpr int chunks_per_rank = staged ? chunks_v<sched> : 1;
+  static_assert(chunks_per_rank == 1 || level < 2,
                 "whale::shard<pipeline<interleaved_1f1b<V>, ...>, 2|3>: ZeRO 2-3 map each layer's gradients into one "
                 "contiguous stage range, but an interleaved pipe rank holds V separate chunks; use ZeRO-1 or 1f1b");
-  static_assert(V == 1 || !split_backward, "whale::pipeline: a schedule cannot both interleave chunks and split the backward");
+  static_assert(chunks_per_rank == 1 || !split_backward, "whale::pipeline: a schedule cannot both interleave chunks and split the backward");
   static_assert(!split_backward || level < 2,
                 "whale::shard<pipeline<zb_h1, ...>, 2|3>: a schedule that splits the backward computes the weight "
                 "gradients in later W passes, but ZeRO 2-3 reduce-scatter each layer's gradients right after its "
@@ -107,7 +107,7 @@ template <class P> class executor final : public detail::executor_core {
                                             std::function<void(int)> done) {
     static_assert(level == 0, "whale::executor::in_flight_step: minibatches in flight keep whole per-minibatch "
                               "gradients on every rank; ZeRO (shard<..., L>) is not supported, drop shard<>");
-    static_assert(V == 1 && !split_backward,
+    static_assert(chunks_per_rank == 1 && !split_backward,
                   "whale::executor::in_flight_step: minibatches in flight hand over each one's gradients when its "
                   "backward ends; interleaved and split-backward schedules spread that over several passes; use "
                   "gpipe or one_f_one_b");
@@ -204,20 +204,20 @@ template <class P> class executor final : public detail::executor_core {
   auto& model() noexcept { return parts_[0].model(); }
   friend std::ostream& operator<<(std::ostream& os, const executor& e) {
     os << "plan: " << layer_name<P>() << " over " << e.ctx_->mesh().shape() << "\n";
-    if (e.p_ * V > 1)
-      for (int s = 0; s < e.p_ * V; ++s)
-        os << "  stage " << s % e.p_ << (V > 1 ? " chunk " + std::to_string(s / e.p_) : std::string()) << ": "
-           << e.parts_[0].describe(s) << (s % e.p_ == e.stage_ ? "  <- this rank" : "") << "\n";
-    if (level) os << "  ZeRO-" << level << " over data:" << e.d_ << "\n";
-    if (e.d_ > 1)
-      os << "  data: " << e.d_ << " replica(s); "
+    if (e.stages_ * chunks_per_rank > 1)
+      for (int s = 0; s < e.stages_ * chunks_per_rank; ++s)
+        os << "  stage " << s % e.stages_ << (chunks_per_rank > 1 ? " chunk " + std::to_string(s / e.stages_) : std::string()) << ": "
+           << e.parts_[0].describe(s) << (s % e.stages_ == e.stage_ ? "  <- this rank" : "") << "\n";
+    if (level) os << "  ZeRO-" << level << " over data:" << e.replicas_ << "\n";
+    if (e.replicas_ > 1)
+      os << "  data: " << e.replicas_ << " replica(s); "
          << (level >= 2 ? std::string("gradients reduce-scattered per leaf") + (e.o_.bf16_reduce ? " in bf16" : "") : "gradients all-reduced in " + std::to_string(e.sync_.size()) + " bucket(s)")
          << (level ? ", ZeRO-" + std::to_string(level) + " owns [" + std::to_string(e.range().first) + ", " + std::to_string(e.range().second) + ")" : "")
          << "\n";
-    if (e.p_ > 1 || e.o_.micro_batches > 1)
+    if (e.stages_ > 1 || e.o_.micro_batches > 1)
       os << "  schedule " << sched::name() << ", micro-batches "
          << (e.o_.micro_batches ? std::to_string(e.o_.micro_batches) : std::string(staged ? "auto (<= 4 x stages)" : "1")) << "\n";
-    if (e.d_ > 1 && level < 2)
+    if (e.replicas_ > 1 && level < 2)
       os << "  buckets of <= " << e.o_.bucket_mib << " MiB" << (e.blocking_buckets() ? ", blocking" : ", non-blocking")
          << (e.o_.overlap ? ", during backward" : ", after backward") << (e.o_.bf16_reduce ? ", summed in bf16" : "")
          << "\n";
@@ -243,8 +243,8 @@ template <class P> class executor final : public detail::executor_core {
   void bind(seed s, index_t n);
   index_t chunk_size(int ch) const { return parts_[static_cast<std::size_t>(ch)].end() - parts_[static_cast<std::size_t>(ch)].begin(); }
   void one_chunk(const char* what) const {
-    if (V > 1)
-      throw std::logic_error(std::string("whale::executor::") + what + ": an interleaved pipe rank holds " + std::to_string(V) +
+    if (chunks_per_rank > 1)
+      throw std::logic_error(std::string("whale::executor::") + what + ": an interleaved pipe rank holds " + std::to_string(chunks_per_rank) +
                              " chunks, not one range; use chunk_ranges() or full_params()");
   }
 
@@ -261,9 +261,9 @@ template <class P> class executor final : public detail::executor_core {
   view<float> chunk_backward(int ch, step_ctx& c, cview<float> dy) override;
   /// The pass's rows of micro-batch `micro` (mb sequences) for chunk `ch`: on the first virtual stage only.
   cview<input_type> first_rows(int ch, int micro, index_t mb) const {
-    return ch * p_ + stage_ == 0 ? x_.rows(micro * mb, mb) : cview<input_type>{};
+    return ch * stages_ + stage_ == 0 ? x_.rows(micro * mb, mb) : cview<input_type>{};
   }
-  std::array<stage_type, V> parts_;  // this rank's chunks (one without interleaving)
+  std::array<stage_type, chunks_per_rank> parts_;  // this rank's chunks (one without interleaving)
   tensor<input_type> in_;            // a device: this pass's rows, copied up
   cview<input_type> x_;              // this pass's rows (in_'s on a device)
   tensor<std::int32_t> labels_;      // and its labels

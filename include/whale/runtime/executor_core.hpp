@@ -185,8 +185,8 @@ class executor_core {
   /// This stage's local parameters (param_count() floats) into `out`: collective at ZeRO level 3.
   void gather_params(view<float> out);
   int stage() const noexcept { return stage_; }
-  int stages() const noexcept { return p_; }
-  int replicas() const noexcept { return d_; }
+  int stages() const noexcept { return stages_; }
+  int replicas() const noexcept { return replicas_; }
   int model_degree() const noexcept { return model_comm_->size(); }
   int chunks() const noexcept { return facts_.chunks; }
   int micro_batches() const noexcept { return order_.micro_batches; }
@@ -239,8 +239,8 @@ class executor_core {
   /// The lowering options of this rank's placement: p micro-batches of one
   /// sequence per replica, valid for every schedule (rows do not matter here).
   lower_options placement_lowering() const {
-    lower_options lo = lowering_of(o_, d_ * p_);
-    lo.micro_batches = facts_.staged ? p_ : 0;
+    lower_options lo = lowering_of(o_, replicas_ * stages_);
+    lo.micro_batches = facts_.staged ? stages_ : 0;
     return lo;
   }
   /// The lowering options of real steps (the memory checks before the
@@ -292,13 +292,13 @@ class executor_core {
   zero_engine::options zero_options() const { return {o_.bucket_mib, o_.prefetch, o_.max_pending, o_.bf16_reduce}; }
   /// Rows [first, first + count) of `global_batch` that replica `replica` takes.
   std::pair<index_t, index_t> slice(index_t global_batch, int replica) const {
-    return weighted_slice(global_batch, d_, replica, replica_weights_, std::max(1, o_.micro_batches));
+    return weighted_slice(global_batch, replicas_, replica, replica_weights_, std::max(1, o_.micro_batches));
   }
   /// The micro-batches of a pass of `batch` sequences on this rank.
   int micro_count(index_t batch) const {
     if (in_flight_ > 0) return in_flight_;  // in_flight_step checked that it divides
     try {
-      return micro_batch_count(batch, o_.micro_batches, facts_.staged, p_);
+      return micro_batch_count(batch, o_.micro_batches, facts_.staged, stages_);
     } catch (const std::invalid_argument& e) {
       throw std::invalid_argument(who() + e.what());
     }
@@ -324,7 +324,7 @@ class executor_core {
   std::unique_ptr<device_comm> dev_data_, dev_model_;
   std::unique_ptr<device_comm> dev_world_;  // on a device, over the world: the gradient norm's sum (grad_sum_squares_into)
   mutable tensor<double> sq_parts_;         // on a device: each counted range's squares
-  int p_ = 1, d_ = 1, stage_ = 0, replica_ = 0, model_rank_ = 0;
+  int stages_ = 1, replicas_ = 1, stage_ = 0, replica_ = 0, model_rank_ = 0;
   std::vector<std::pair<index_t, index_t>> no_sync_;  // ranges split over data (filled while binding)
   std::vector<tie_pair> ties_;                       // tied heads and tables this rank holds (runtime/tie.hpp)
   bool tied_model_ = false;                          // the model has a tied head somewhere

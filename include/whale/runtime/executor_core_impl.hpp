@@ -21,15 +21,15 @@ namespace whale::detail {
 WHALE_CORE_INLINE executor_core::executor_core(const context& ctx, plan_options o, plan_facts facts)
     : ctx_(&ctx), o_(std::move(o)), facts_(std::move(facts)), level_(facts_.zero_level) {
   const auto& shape = ctx.mesh().shape();
-  const int V = facts_.chunks;
+  const int chunk_count = facts_.chunks;
   const std::string who = this->who();
-  chunk_at_.assign(static_cast<std::size_t>(V) + 1, 0);
+  chunk_at_.assign(static_cast<std::size_t>(chunk_count) + 1, 0);
   // first: a rank launched differently is named before it can hang the others
   check_ranks_agree(ctx.world(), launch_fields(facts_.name, shape, o_), who);
   if (!(o_.bucket_mib > 0)) throw std::invalid_argument(who + "the bucket size must be positive (got " + std::to_string(o_.bucket_mib) + " MiB)");
-  if (o_.micro_batches * V > max_micro)
-    throw std::invalid_argument(who + "at most " + std::to_string(max_micro / V) + " micro-batches" +
-                                (V > 1 ? " with " + std::to_string(V) + " chunks per pipe rank" : std::string()));
+  if (o_.micro_batches * chunk_count > max_micro)
+    throw std::invalid_argument(who + "at most " + std::to_string(max_micro / chunk_count) + " micro-batches" +
+                                (chunk_count > 1 ? " with " + std::to_string(chunk_count) + " chunks per pipe rank" : std::string()));
   if (o_.micro_batches > 1 && facts_.splits_data)
     throw std::invalid_argument(who + "a split<..., axis::data> region needs the whole per-replica batch in one pass "
                                       "(it gathers every row of the global batch); use micro_batches 0 or 1");
@@ -48,14 +48,14 @@ WHALE_CORE_INLINE executor_core::executor_core(const context& ctx, plan_options 
   if (shape.size(axis::data) != 1 && !facts_.replicated && !facts_.has_split)
     throw std::invalid_argument(who + "the mesh " + shape.spec() + " has " + std::to_string(shape.size(axis::data)) +
                                 " ranks on the data axis, but the plan is not replicated; wrap it in replicate<...>");
-  if (const int fixed = facts_.fixed_stages; fixed > 0 && shape.size(axis::pipe) * V != fixed)
+  if (const int fixed = facts_.fixed_stages; fixed > 0 && shape.size(axis::pipe) * chunk_count != fixed)
     throw std::invalid_argument(who + "the pipeline has " + std::to_string(fixed) + " stages but the mesh's pipe axis has " +
                                 std::to_string(shape.size(axis::pipe)) + " rank(s) (" + shape.spec() + ")" +
-                                (V > 1 ? " holding " + std::to_string(V) + " chunks each" : std::string()) +
-                                "; every stage needs its own pipe rank" + (V > 1 ? " and chunk" : "") + ": launch with --mesh " +
-                                (facts_.replicated ? "data=D,pipe=" : "pipe=") + std::to_string(fixed / V));
+                                (chunk_count > 1 ? " holding " + std::to_string(chunk_count) + " chunks each" : std::string()) +
+                                "; every stage needs its own pipe rank" + (chunk_count > 1 ? " and chunk" : "") + ": launch with --mesh " +
+                                (facts_.replicated ? "data=D,pipe=" : "pipe=") + std::to_string(fixed / chunk_count));
   if (!o_.trace_path.empty()) check_output_path(ctx.world(), o_.trace_path, "whale: the trace file (--trace, WHALE_TRACE)");
-  p_ = shape.size(axis::pipe), d_ = shape.size(axis::data);
+  stages_ = shape.size(axis::pipe), replicas_ = shape.size(axis::data);
   stage_ = ctx.mesh().coord(axis::pipe), replica_ = ctx.mesh().coord(axis::data);
   model_rank_ = ctx.mesh().coord(axis::model);
   slow_.set_factor(o_.speed_of(ctx.rank(), ctx.size()));  // a list of the wrong length fails on every rank
@@ -63,7 +63,7 @@ WHALE_CORE_INLINE executor_core::executor_core(const context& ctx, plan_options 
     if (facts_.splits_data)
       throw std::invalid_argument(who + "plan_options::balance splits the batch by speed, but a split<..., axis::data> "
                                         "region gathers the same number of rows from every replica; balance plans without one");
-    std::vector<double> slowest(static_cast<std::size_t>(d_), 1.0);
+    std::vector<double> slowest(static_cast<std::size_t>(replicas_), 1.0);
     for (int r = 0; r < ctx.size(); ++r) {
       auto& f = slowest[static_cast<std::size_t>(shape.coord(r, axis::data))];
       f = std::max(f, o_.speed_of(r, ctx.size()));
@@ -84,12 +84,12 @@ WHALE_CORE_INLINE executor_core::executor_core(const context& ctx, plan_options 
 WHALE_CORE_INLINE void executor_core::lower_program() {
   const auto& ctx = *ctx_;
   const auto& shape = ctx.mesh().shape();
-  const int V = facts_.chunks;
+  const int chunk_count = facts_.chunks;
   const std::string who = this->who();
   if (o_.in_flight < 0 || o_.in_flight > max_micro || (o_.in_flight > 0 && o_.micro_batches > 0))
     throw std::invalid_argument(who + "plan_options::in_flight (N_m minibatches in flight, 1 to " + std::to_string(max_micro) +
                                 ") makes each minibatch one micro-batch; do not also set micro_batches");
-  const bool repeat_pipeline = facts_.staged && V == 1 && !facts_.explicit_stages;  // a pipeline that cuts a repeat
+  const bool repeat_pipeline = facts_.staged && chunk_count == 1 && !facts_.explicit_stages;  // a pipeline that cuts a repeat
   if (o_.worker_cuts) {  // what it means must be what it does
     if (!(repeat_pipeline && level_ == 0))
       throw std::invalid_argument(who + "plan_options::worker_cuts cuts each data replica's pipeline of a repeat for "
@@ -100,9 +100,9 @@ WHALE_CORE_INLINE void executor_core::lower_program() {
                                         "were given (--stage-blocks, WHALE_STAGE_BLOCKS); give one or the other");
   }
   // unequal ranks: slow stages get fewer blocks
-  if (repeat_pipeline && o_.blocks.empty() && (!o_.speeds.empty() || !o_.memory_caps_mib.empty()) && p_ > 1) {
-    std::vector<double> slow(static_cast<std::size_t>(p_), 1.0);  // a pipe position runs at its slowest rank's pace
-    std::vector<double> cap(static_cast<std::size_t>(p_), 0.0);   // and fits its smallest rank's memory
+  if (repeat_pipeline && o_.blocks.empty() && (!o_.speeds.empty() || !o_.memory_caps_mib.empty()) && stages_ > 1) {
+    std::vector<double> slow(static_cast<std::size_t>(stages_), 1.0);  // a pipe position runs at its slowest rank's pace
+    std::vector<double> cap(static_cast<std::size_t>(stages_), 0.0);   // and fits its smallest rank's memory
     for (int r = 0; r < ctx.size(); ++r) {
       // worker_cuts: only this replica's ranks; otherwise every replica's (one cut for all)
       if (o_.worker_cuts && shape.coord(r, axis::data) != replica_) continue;
@@ -114,7 +114,7 @@ WHALE_CORE_INLINE void executor_core::lower_program() {
     // the capped cut counts whole, unsharded stages; with ZeRO or split stages only the make-time check applies
     const bool capped = level_ == 0 && !facts_.has_split && std::any_of(cap.begin(), cap.end(), [](double c) { return c > 0; });
     if (capped || std::any_of(slow.begin(), slow.end(), [](double f) { return f != 1.0; })) {
-      lower_options lo = lowering_of(o_, d_ * p_);  // (o_.blocks is empty here)
+      lower_options lo = lowering_of(o_, replicas_ * stages_);  // (o_.blocks is empty here)
       lo.micro_batches = 0;
       lo.stage_slowness = slow;
       if (capped) {
@@ -125,10 +125,10 @@ WHALE_CORE_INLINE void executor_core::lower_program() {
         lo.balance_seq = o_.plan_batch > 0 ? o_.plan_seq : o_.balance_seq;
         if (o_.plan_batch > 0)  // rows of one micro-batch of one replica
           lo.cap_rows = o_.plan_batch * o_.plan_seq /
-                        (d_ * (o_.in_flight > 0 ? 1 : std::max(1, o_.micro_batches > 0 ? o_.micro_batches : p_)));
+                        (replicas_ * (o_.in_flight > 0 ? 1 : std::max(1, o_.micro_batches > 0 ? o_.micro_batches : stages_)));
       }
       try {
-        o_.blocks = stage_cut(desc_, p_, lo);
+        o_.blocks = stage_cut(desc_, stages_, lo);
       } catch (const std::invalid_argument& e) {
         throw std::invalid_argument(who + e.what());
       }
@@ -161,12 +161,12 @@ WHALE_CORE_INLINE void executor_core::check_placement() {
     });
   }
   check_state_memory(held, n);  // before the parameters are allocated: do they fit on this node?
-  if (o_.balance && !o_.memory_caps_mib.empty() && o_.plan_batch > 0 && d_ > 1) fit_rows_to_caps();
+  if (o_.balance && !o_.memory_caps_mib.empty() && o_.plan_batch > 0 && replicas_ > 1) fit_rows_to_caps();
 }
 
 WHALE_CORE_INLINE void executor_core::finish_setup() {
   const index_t n = param_count();
-  if (d_ > 1 && level_ < 2 && !o_.worker_cuts) {
+  if (replicas_ > 1 && level_ < 2 && !o_.worker_cuts) {
     // the program's buckets; binding found which ranges are summed over data, and they must be the same
     if (merged_ranges(prog_.grad_buckets) != complement(no_sync_, n))
       throw std::logic_error(who() + "the program's gradient buckets do not cover the ranges summed over the data axis");
@@ -174,7 +174,7 @@ WHALE_CORE_INLINE void executor_core::finish_setup() {
   }
   msg_.bind(*pipe_, be_);
   // on a device, pipeline messages take the device's own channels (collective over the pipe group, on every rank alike)
-  if (!be_.on_cpu() && o_.device_collectives && p_ > 1) msg_.open_channels(make_device_comm(*pipe_, be_));
+  if (!be_.on_cpu() && o_.device_collectives && stages_ > 1) msg_.open_channels(make_device_comm(*pipe_, be_));
   if (o_.trace || !o_.trace_path.empty()) {
     tr_.enable(ctx_->rank(), stage_, replica_);
     barrier(ctx_->world());
@@ -183,14 +183,14 @@ WHALE_CORE_INLINE void executor_core::finish_setup() {
 }
 
 WHALE_CORE_INLINE std::pair<index_t, index_t> executor_core::local_batch(index_t global_batch) const {
-  if (global_batch < d_)
+  if (global_batch < replicas_)
     throw std::invalid_argument(who() + "the global batch (" + std::to_string(global_batch) +
-                                ") is smaller than the data-parallel degree (" + std::to_string(d_) +
+                                ") is smaller than the data-parallel degree (" + std::to_string(replicas_) +
                                 "); every rank needs at least one sample");
   // the same checks on every rank; ZeRO 2-3 issue collectives per micro-batch over the data
   // axis, so every replica must run as many
   const int m0 = micro_count(slice(global_batch, 0).second);
-  for (int r = 1; r < d_; ++r) {
+  for (int r = 1; r < replicas_; ++r) {
     const int mr = micro_count(slice(global_batch, r).second);
     if (mr != m0 && level_ >= 2)
       throw std::invalid_argument(who() + "the global batch (" + std::to_string(global_batch) + ") gives the data replicas " +
@@ -269,10 +269,10 @@ WHALE_CORE_INLINE void executor_core::fit_rows_to_caps() {
   const index_t global = o_.plan_batch;
   const double cap = o_.memory_cap_of(ctx_->rank(), w) * 1048576.0;
   std::vector<double> speed = replica_weights_;  // by speed: 1 / the replica's slowest factor
-  std::vector<char> fixed(static_cast<std::size_t>(d_), 0);
+  std::vector<char> fixed(static_cast<std::size_t>(replicas_), 0);
   // Activations grow with a replica's rows, the rest does not: each round gives every
   // replica over a cap the rows that fit and the others the rest by speed, until none is over.
-  for (int round = 0; round <= d_; ++round) {
+  for (int round = 0; round <= replicas_; ++round) {
     const index_t rows = slice(global, replica_).second;
     const auto e = predicted_memory(global, o_.plan_seq);
     const double fixed_bytes = static_cast<double>(e.model_state() + e.comm), act = static_cast<double>(e.activations);
@@ -282,7 +282,7 @@ WHALE_CORE_INLINE void executor_core::fit_rows_to_caps() {
     double mine[2] = {most, static_cast<double>(rows)};
     if (w > 1) all_gather(ctx_->world(), view<double>(mine, {2}), view<double>(all.data(), {2 * static_cast<index_t>(w)}));
     else all.assign(mine, mine + 2);
-    std::vector<double> room(static_cast<std::size_t>(d_), std::numeric_limits<double>::infinity()), has(room.size(), 0);
+    std::vector<double> room(static_cast<std::size_t>(replicas_), std::numeric_limits<double>::infinity()), has(room.size(), 0);
     const auto& shape = ctx_->mesh().shape();
     for (int r = 0; r < w; ++r) {
       const auto k = static_cast<std::size_t>(shape.coord(r, axis::data));
@@ -290,7 +290,7 @@ WHALE_CORE_INLINE void executor_core::fit_rows_to_caps() {
       has[k] = all[static_cast<std::size_t>(2 * r + 1)];
     }
     bool over = false;
-    for (int k = 0; k < d_; ++k) {
+    for (int k = 0; k < replicas_; ++k) {
       const auto ku = static_cast<std::size_t>(k);
       if (room[ku] < 1)
         throw std::invalid_argument(who() + "data replica " + std::to_string(k) + "'s ranks fit no row of a step of " +
@@ -300,15 +300,15 @@ WHALE_CORE_INLINE void executor_core::fit_rows_to_caps() {
       if (has[ku] > room[ku]) over = true, fixed[ku] = 1;
     }
     if (!over) return;
-    if (round == d_) break;
+    if (round == replicas_) break;
     // whole shares (in micro-batch multiples when the slice uses them): the capped replicas
     // get what fits, the others the rest by speed, at least one each
-    const index_t q = o_.micro_batches > 1 && global % o_.micro_batches == 0 && global / o_.micro_batches >= d_ ? o_.micro_batches : 1;
+    const index_t q = o_.micro_batches > 1 && global % o_.micro_batches == 0 && global / o_.micro_batches >= replicas_ ? o_.micro_batches : 1;
     const index_t units = global / q;
-    std::vector<index_t> want(static_cast<std::size_t>(d_), 0);
+    std::vector<index_t> want(static_cast<std::size_t>(replicas_), 0);
     index_t capped = 0;
     std::vector<double> free_speeds;  // of the replicas that are not capped
-    for (int k = 0; k < d_; ++k) {
+    for (int k = 0; k < replicas_; ++k) {
       const auto ku = static_cast<std::size_t>(k);
       if (fixed[ku]) {
         want[ku] = static_cast<index_t>(std::min(std::floor(room[ku] / static_cast<double>(q)), has[ku] / static_cast<double>(q)));
@@ -319,7 +319,7 @@ WHALE_CORE_INLINE void executor_core::fit_rows_to_caps() {
     }
     const index_t rest = units - capped;
     const int free_count = static_cast<int>(free_speeds.size());
-    for (int k = 0; k < d_; ++k)
+    for (int k = 0; k < replicas_; ++k)
       if (fixed[static_cast<std::size_t>(k)] && want[static_cast<std::size_t>(k)] < 1)
         throw std::invalid_argument(who() + "data replica " + std::to_string(k) +
                                     "'s memory caps hold less than one micro-batch of rows; raise the caps (--memory-caps, "
@@ -329,12 +329,12 @@ WHALE_CORE_INLINE void executor_core::fit_rows_to_caps() {
                                           "data replicas hold fewer rows than a step of " + std::to_string(global) +
                                   " (plan_batch); raise the caps or use a smaller batch");
     // the others share the rest by speed, as the weighted slice splits any batch
-    for (int k = 0, i = 0; k < d_; ++k)
+    for (int k = 0, i = 0; k < replicas_; ++k)
       if (!fixed[static_cast<std::size_t>(k)]) want[static_cast<std::size_t>(k)] = weighted_slice(rest, free_count, i++, free_speeds).second;
     // weighted_slice gives each part one unit, then the rest by weight: weights want - 1 give exactly `want`
     double sum = 0;
-    for (int k = 0; k < d_; ++k) sum += static_cast<double>(want[static_cast<std::size_t>(k)] - 1);
-    for (int k = 0; k < d_; ++k)
+    for (int k = 0; k < replicas_; ++k) sum += static_cast<double>(want[static_cast<std::size_t>(k)] - 1);
+    for (int k = 0; k < replicas_; ++k)
       replica_weights_[static_cast<std::size_t>(k)] = sum > 0 ? static_cast<double>(want[static_cast<std::size_t>(k)] - 1) : 1.0;
   }
   throw std::invalid_argument(who() + "no split of a step of " + std::to_string(global) +
@@ -392,7 +392,7 @@ WHALE_CORE_INLINE void executor_core::check_step_memory(const step_ctx& c, std::
 WHALE_CORE_INLINE void executor_core::order_for(int m) {
   const bool programs = step_prog_.order.micro_batches == m;
   if (m == order_.micro_batches && programs == order_from_program_) return;
-  order_ = programs ? step_prog_.order : pass_order_of(desc_, facts_.staged ? stage_ : 0, facts_.staged ? p_ : 1, m);
+  order_ = programs ? step_prog_.order : pass_order_of(desc_, facts_.staged ? stage_ : 0, facts_.staged ? stages_ : 1, m);
   order_from_program_ = programs;
 }
 

@@ -148,10 +148,12 @@ class messenger {
     grad_[static_cast<std::size_t>(key)]->wait();
     return arrived(gin_, gin_host_, slot, width);
   }
+  /// What a pipeline message carries.
+  enum class message_kind { activation, gradient };
   /// Send `v` to pipe rank `dst` without blocking (copied into a pooled
-  /// buffer): an activation, or (`gradient`) an input gradient, of `width`
-  /// columns (the receiver reads rows x width).
-  void send(cview<float> v, int dst, int tag, bool gradient, index_t width) {
+  /// buffer): an activation, or an input gradient, of `width` columns (the
+  /// receiver reads rows x width).
+  void send(cview<float> v, int dst, int tag, message_kind kind, index_t width) {
     if (channels()) {
       if (v.numel() != rows_ * width)  // NCCL needs a message's two ends to agree on its size
         throw std::logic_error("whale::messenger: a pipeline message of " + std::to_string(v.numel()) + " elements, where the receiver reads " +
@@ -180,7 +182,7 @@ class messenger {
       ob.queued = true;
       ob.dst = dst;
       ob.n = v.numel();
-      ready_[gradient ? 1 : 0].push_back(at);  // sent when its turn in message_order() comes
+      ready_[kind == message_kind::gradient ? 1 : 0].push_back(at);  // sent when its turn in message_order() comes
       return;
     }
     outbox* ob = nullptr;

@@ -19,7 +19,7 @@
 namespace whale::detail {
 
 WHALE_CORE_INLINE void executor_core::check_pass(const step_ctx& c, pass_mode mode) const {
-  if (c.accumulate && (level_ >= 2 || d_ > 1))
+  if (c.accumulate && (level_ >= 2 || replicas_ > 1))
     throw std::invalid_argument(who() +
                                 "accumulating gradients across train_step calls (step_ctx::accumulate) is not "
                                 "supported with a data axis or ZeRO levels 2-3 (each call sums or scatters the "
@@ -29,7 +29,7 @@ WHALE_CORE_INLINE void executor_core::check_pass(const step_ctx& c, pass_mode mo
                                 "accumulating gradients across train_step calls (step_ctx::accumulate) is not "
                                 "supported with a tied head (tied_head): each call sums its gradients with the table's; "
                                 "accumulate inside one step: plan_options::micro_batches");
-  if (mode.train && mode.data_sum && d_ > 1 && o_.worker_cuts)
+  if (mode.train && mode.data_sum && replicas_ > 1 && o_.worker_cuts)
     throw std::invalid_argument(who() +
                                 "plan_options::worker_cuts gave each data replica its own stage cut, so gradients "
                                 "cannot be summed over the data axis; train it with wsp_trainer (no data-axis sum), or "
@@ -42,10 +42,10 @@ WHALE_CORE_INLINE double executor_core::run_pass(step_ctx& c, int m, cview<std::
   if (train && !memory_checked_) check_step_memory(c);  // lowers the step's program
   order_for(m);  // the program's order of passes, if it has m micro-batches
   const index_t B = c.batch, T = c.seq, mb = B / m, rows = mb * T;
-  const int V = facts_.chunks;
+  const int chunk_count = facts_.chunks;
   // passes are keyed chunk·m + micro; chunk c of this rank is virtual stage c·p + stage
-  const int pv = p_ * V, keys = m * V;
-  auto vstage = [&](int chunk) { return chunk * p_ + stage_; };
+  const int pv = stages_ * chunk_count, keys = m * chunk_count;
+  auto vstage = [&](int chunk) { return chunk * stages_ + stage_; };
   auto key_of = [&](const pipe_action& a) { return a.chunk * m + a.micro; };
   // forward-only: the schedule's forwards in order; the layers keep nothing for a
   // backward, so all use activation slot 0, while each pass's receive has its own buffer
@@ -58,7 +58,7 @@ WHALE_CORE_INLINE double executor_core::run_pass(step_ctx& c, int m, cview<std::
   if (pv > 1) {
     index_t in_w = 0, out_w = 0;
     bool acts_in = false, grads_in = false;
-    for (int ch = 0; ch < V; ++ch) {
+    for (int ch = 0; ch < chunk_count; ++ch) {
       in_w = std::max(in_w, chunk_in_width(ch));
       out_w = std::max(out_w, chunk_out_width(ch));
       acts_in = acts_in || vstage(ch) > 0;
@@ -71,15 +71,15 @@ WHALE_CORE_INLINE double executor_core::run_pass(step_ctx& c, int m, cview<std::
   posted_.assign(static_cast<std::size_t>(keys), 0);
   auto& posted = posted_;
   if (train) sync_.start_step();
-  const bool sum_data = train && mode.data_sum && d_ > 1 && level_ < 2;
+  const bool sum_data = train && mode.data_sum && replicas_ > 1 && level_ < 2;
   const bool zero_hooks = level_ == 3 || (train && level_ == 2);
   step_ctx zc = c;
   if (slow_.active()) zc.hooks = slow_.wrap(zc.hooks);  // inside ZeRO's: its gathers are not compute
-  if (zero_hooks) zero_.begin_pass(zc, false, train);
+  if (zero_hooks) zero_.begin_pass(zc, train ? zero_engine::pass_kind::training : zero_engine::pass_kind::forward_only);
 
   double share = 0;
   int backwards = 0, weights_done = 0;
-  std::vector<int> chunk_backwards(static_cast<std::size_t>(V), 0);
+  std::vector<int> chunk_backwards(static_cast<std::size_t>(chunk_count), 0);
   if (train) deferred_ = 0;
   // Split regions over data change the rows a pass carries (batch split <-> whole); a
   // backward starts from what its forward ended with.
@@ -92,8 +92,8 @@ WHALE_CORE_INLINE double executor_core::run_pass(step_ctx& c, int m, cview<std::
         if (posted[ku] || (train && free_at[ku] > static_cast<int>(k))) continue;
         posted[ku] = 1;
         const int ch = key / m, j = key % m, v = vstage(ch);
-        const peer_msg act{v > 0, v > 0 ? (v - 1) % p_ : 0, 2 * (j * V + ch), chunk_in_width(ch)};
-        const peer_msg grad{train && v < pv - 1, (v + 1) % p_, 2 * (j * V + ch) + 1, chunk_out_width(ch)};
+        const peer_msg act{v > 0, v > 0 ? (v - 1) % stages_ : 0, 2 * (j * chunk_count + ch), chunk_in_width(ch)};
+        const peer_msg grad{train && v < pv - 1, (v + 1) % stages_, 2 * (j * chunk_count + ch) + 1, chunk_out_width(ch)};
         msg_.post(key, msg_slot(key), act, grad);
       }
     if (pv > 1 && msg_.channels()) msg_.issue_through(order_.rounds[train][k]);  // the messages read by this action's round
@@ -134,7 +134,7 @@ WHALE_CORE_INLINE double executor_core::run_pass(step_ctx& c, int m, cview<std::
       tr_.add(span_kind::forward, step_, a.micro, t0, tr_.now());
       if (!last) {
         const auto t1 = tr_.now();
-        msg_.send(y, (v + 1) % p_, 2 * (a.micro * V + (v + 1) / p_), false, chunk_out_width(ch));
+        msg_.send(y, (v + 1) % stages_, 2 * (a.micro * chunk_count + (v + 1) / stages_), messenger::message_kind::activation, chunk_out_width(ch));
         tr_.add(span_kind::send_act, step_, a.micro, t1, tr_.now());
       }
       if (train) {
@@ -161,14 +161,14 @@ WHALE_CORE_INLINE double executor_core::run_pass(step_ctx& c, int m, cview<std::
       }
       const bool final_backward = ++backwards == m;
       const index_t base = chunk_begin(ch);
-      if (final_backward && sum_data && o_.overlap && !facts_.split_backward && V == 1)
+      if (final_backward && sum_data && o_.overlap && !facts_.split_backward && chunk_count == 1)
         mc.grads_ready = [this, base](index_t off) { sync_.ready(*data_, grads_.data(), off - base); };
       const auto t0 = tr_.now();
       auto dx = chunk_backward(ch, mc, dy);
       tr_.add(span_kind::backward, step_, a.micro, t0, tr_.now());
       if (!first) {
         const auto t1 = tr_.now();
-        msg_.send(dx, (v - 1) % p_, 2 * (a.micro * V + (v - 1) / p_) + 1, true, chunk_in_width(ch));
+        msg_.send(dx, (v - 1) % stages_, 2 * (a.micro * chunk_count + (v - 1) / stages_) + 1, messenger::message_kind::gradient, chunk_in_width(ch));
         tr_.add(span_kind::send_grad, step_, a.micro, t1, tr_.now());
       }
       if (!facts_.split_backward) --live_;

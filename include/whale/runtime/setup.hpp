@@ -19,10 +19,10 @@ template <class P> detail::plan_facts executor<P>::facts() {
   detail::plan_facts f;
   f.name = layer_name<P>();
   f.desc = describe<P>();
-  f.zero_level = level, f.chunks = V, f.staged = staged, f.replicated = replicated;
+  f.zero_level = level, f.chunks = chunks_per_rank, f.staged = staged, f.replicated = replicated;
   f.has_split = has_split, f.splits_data = stage_type::splits_data, f.split_backward = split_backward;
   if constexpr (staged) {
-    static_assert(X::fixed_stages % V == 0,
+    static_assert(X::fixed_stages % chunks_per_rank == 0,
                   "whale::pipeline<interleaved_1f1b<V>, ...>: the stage count must be a multiple of V (each pipe rank "
                   "holds V of them)");
     f.explicit_stages = X::explicit_stages, f.fixed_stages = X::fixed_stages;
@@ -40,22 +40,22 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : detail::exec
     for (auto& part : parts_) part.configure(env);
   }
   lower_program();
-  for (int ch = 0; ch < V; ++ch) parts_[static_cast<std::size_t>(ch)].place(p_ * V, ch * p_ + stage_, prog_.stage_blocks);
-  for (int ch = 0; ch < V; ++ch) chunk_at_[static_cast<std::size_t>(ch) + 1] = chunk_at_[static_cast<std::size_t>(ch)] + chunk_size(ch);
+  for (int ch = 0; ch < chunks_per_rank; ++ch) parts_[static_cast<std::size_t>(ch)].place(stages_ * chunks_per_rank, ch * stages_ + stage_, prog_.stage_blocks);
+  for (int ch = 0; ch < chunks_per_rank; ++ch) chunk_at_[static_cast<std::size_t>(ch) + 1] = chunk_at_[static_cast<std::size_t>(ch)] + chunk_size(ch);
   if (o_.micro_batches > 0 && staged) order_for(o_.micro_batches);  // a bad schedule fails here, on every rank
   check_placement();
   const index_t n = param_count();
   bind(s, n);
   if constexpr (level < 3) {  // replicated parameters start equal: rank 0 of each data group wins (split-over-data shards differ by design)
     // (worker_cuts: replicas hold other ranges; every layer starts from its own seeded streams anyway)
-    if (d_ > 1 && level == 0 && !o_.worker_cuts)
+    if (replicas_ > 1 && level == 0 && !o_.worker_cuts)
       for (auto [b, e] : detail::complement(no_sync_, n)) broadcast(*data_, params_.v().rows(b, e - b), 0);
   }
   if (!be_.on_cpu()) {  // initialised and made equal on the host: now into the device's memory, layers bound there
     if constexpr (level <= 1) detail::place_params(be_, params_, grads_);
     else if constexpr (level == 2) detail::move_to(be_, params_, mem_kind::params);  // gradients: ZeRO's own buffers
     if constexpr (level < 3)
-      for (int ch = 0; ch < V; ++ch) {
+      for (int ch = 0; ch < chunks_per_rank; ++ch) {
         const index_t at = chunk_at_[static_cast<std::size_t>(ch)];
         parts_[static_cast<std::size_t>(ch)].bind_and_init(params_.data() + at, level < 2 ? grads_.data() + at : nullptr, s, false);
       }
@@ -79,7 +79,7 @@ template <class P> void executor<P>::bind(seed s, index_t n) {
   } else {
     params_ = tensor<float>({n}, mem_kind::params);
     if (level < 2) grads_ = tensor<float>({n}, mem_kind::grads);
-    for (int ch = 0; ch < V; ++ch) {
+    for (int ch = 0; ch < chunks_per_rank; ++ch) {
       const index_t at = chunk_at_[static_cast<std::size_t>(ch)];
       parts_[static_cast<std::size_t>(ch)].bind_and_init(params_.data() + at, level < 2 ? grads_.data() + at : nullptr, s, true);
     }

@@ -65,11 +65,11 @@ template <class P> tensor<float> executor<P>::forward(step_ctx& c, cview<input_t
                 "softmax_cross_entropy>), or split the whole model (split<M>), to get logits");
   tensor<float> out;
   pass(c, x, {}, detail::evaluation_pass, &out);
-  if (p_ > 1) {  // the last stage holds them
+  if (stages_ > 1) {  // the last stage holds them
     index_t dims[2] = {out.shape().rank() == 2 ? out.shape()[0] : 0, out.shape().rank() == 2 ? out.shape()[1] : 0};
-    broadcast(*pipe_, view<index_t>(dims, {2}), p_ - 1);
-    if (stage_ != p_ - 1) out = tensor<float>({dims[0], dims[1]}, mem_kind::workspace);
-    broadcast(*pipe_, view<float>(out.data(), {dims[0] * dims[1]}), p_ - 1);
+    broadcast(*pipe_, view<index_t>(dims, {2}), stages_ - 1);
+    if (stage_ != stages_ - 1) out = tensor<float>({dims[0], dims[1]}, mem_kind::workspace);
+    broadcast(*pipe_, view<float>(out.data(), {dims[0] * dims[1]}), stages_ - 1);
   }
   return out;
 }

@@ -80,14 +80,17 @@ class zero_engine {
   /// Levels 1–2: where leaves find their parameters between uses.
   void set_full_params(float* p) noexcept { full_params_ = p; }
 
-  /// Put the engine's hooks around `c.hooks` for one pass (levels 2–3).
-  /// `accumulate`: add this pass's gradients to the owned ones (later micro-batches).
-  /// `training`: training and forward-only passes ask for parameters in different
-  /// orders; each kind keeps its own recorded order, so alternating them prefetches.
-  void begin_pass(step_ctx& c, bool accumulate, bool training = true) {
+  /// Which kind of pass asks for parameters: training and forward-only passes
+  /// ask in different orders; each kind keeps its own recorded order, so
+  /// alternating them prefetches.
+  enum class pass_kind { training, forward_only };
+  /// Put the engine's hooks around `c.hooks` for one pass (levels 2–3). Its
+  /// first backward starts the owned gradients; set_accumulate(true) makes
+  /// later ones (micro-batches) add to them.
+  void begin_pass(step_ctx& c, pass_kind kind) {
     if (level_ < 2) return;
-    accumulate_ = accumulate;
-    kind_ = training ? 0 : 1;
+    accumulate_ = false;
+    kind_ = kind == pass_kind::training ? 0 : 1;
     hooks_.next = c.hooks;
     c.hooks = &hooks_;
   }
