@@ -18,6 +18,7 @@ foreach(_mode find_package add_subdirectory)
       -DBUILD_TYPE=$<IF:$<CONFIG:>,Release,$<CONFIG>>
       -DENABLE_CUDA=${WHALE_ENABLE_CUDA}
       -DMPIEXEC=${_consumer_mpiexec}
+      -DEXPECT_CORE=$<TARGET_EXISTS:whale_core>
       -P ${CMAKE_CURRENT_SOURCE_DIR}/consumer/check.cmake)
   set_tests_properties(consumer_${_mode} PROPERTIES LABELS consumer TIMEOUT 240 PROCESSORS 2
     ENVIRONMENT "OMPI_ALLOW_RUN_AS_ROOT=1;OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1;OPENBLAS_NUM_THREADS=1")

@@ -135,6 +135,7 @@ void check_plan(const std::string& spec, Data make_data, index_t batch, index_t 
     CHECK(m.order.micro_batches == prog.micro_batches);
     CHECK(m.order.actions == prog.order.actions);
     CHECK(m.order.rounds == prog.order.rounds);
+    CHECK(m.order.messages == prog.order.messages);
     CHECK(m.order.report.slot == prog.order.report.slot);
     // every communicator's operations, in the order issued, are the program's over that group
     for (unsigned b = 1; b < 8; ++b) {

@@ -206,7 +206,11 @@ template <class Plan> void check_order(int p, int m, index_t rows = 8, index_t s
     CHECK(order.report.free_at == rep.free_at);
     CHECK(order.rounds[1] == rep.round[static_cast<std::size_t>(s)]);
     CHECK(order.actions[0] == detail::forwards_of(lists)[static_cast<std::size_t>(s)]);
-    CHECK(order.messages[1].size() == detail::message_order(lists, rep.round, p, m, chunks_v<S>, s).size());
+    CHECK(order.messages[1] == detail::message_order(lists, rep.round, p, m, chunks_v<S>, s));
+    const auto fwd = detail::forwards_of(lists);
+    const auto fr = detail::replay(fwd, p, m, chunks_v<S>);
+    CHECK(order.rounds[0] == fr.round[static_cast<std::size_t>(s)]);
+    CHECK(order.messages[0] == detail::message_order(fwd, fr.round, p, m, chunks_v<S>, s));
     CHECK(passes_of(prog) == order.actions[1]);  // the operations run in the stored order
   }
 }

@@ -1,7 +1,7 @@
 # Drives the consumer project (cmake -P): [install whale] → configure → build → run.
 # -DMODE=find_package|add_subdirectory -DSOURCE_DIR=<whale source> -DBINARY_DIR=<whale build>
 # -DWORK_DIR=<scratch> -DGENERATOR= -DMAKE_PROGRAM= -DCXX_COMPILER= -DBUILD_TYPE=
-# -DENABLE_CUDA=ON|OFF -DMPIEXEC=<mpiexec or empty>
+# -DENABLE_CUDA=ON|OFF -DMPIEXEC=<mpiexec or empty> -DEXPECT_CORE=0|1 (whale built whale::core)
 cmake_minimum_required(VERSION 3.25)
 
 function(step what)
@@ -42,6 +42,8 @@ elseif(MPIEXEC)
 endif()
 if(EXISTS ${WORK_DIR}/build/app_core)  # the compiled core (whale::core), where whale built it
   step("run app_core (whale::core)" ${WORK_DIR}/build/app_core)
+elseif(EXPECT_CORE AND MODE STREQUAL "find_package")
+  message(FATAL_ERROR "consumer (${MODE}): whale built whale::core but the installed package did not give it")
 endif()
 foreach(exe app_cuda app_cu)
   if(EXISTS ${WORK_DIR}/build/${exe})

@@ -10,7 +10,15 @@
 //   once, defines them (include/whale/runtime/core.cpp defines
 //   WHALE_CORE_LIBRARY, which makes them ordinary, emitted functions).
 // Every unit of one program must agree: link whale::core to all or to none.
+// The *_impl.hpp files refuse to be included directly under WHALE_COMPILED_CORE.
 #pragma once
+
+#if defined(WHALE_COMPILED_CORE) && (defined(__CUDACC__) || defined(WHALE_HAS_CUDA))
+#error "whale::core (WHALE_COMPILED_CORE) is the CPU build's compiled core; a CUDA unit or program (whale::cuda) links whale::mpi, header-only"
+#endif
+#if defined(WHALE_COMPILED_CORE) && !defined(WHALE_HAS_MPI)
+#error "whale::core (WHALE_COMPILED_CORE) is compiled with MPI (WHALE_HAS_MPI); link the target whale::core, which brings whale::mpi"
+#endif
 
 #if defined(WHALE_CORE_LIBRARY)
 #define WHALE_CORE_INLINE

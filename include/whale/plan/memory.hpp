@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <map>
 #include <ostream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -166,8 +167,11 @@ inline memory_estimate predict_memory(const model_desc& d, const program& p, con
   e.rows = micro_seqs * p.seq;
   const index_t all_rows = p.global_batch / m * p.seq;  // layers that see every row of the global batch
   int live = 1;
-  if (d.pipeline && static_cast<int>(p.order.report.peak_live.size()) > p.stage)  // the schedule's replay, from lowering
+  if (d.pipeline) {  // the schedule's replay, from lowering
+    if (static_cast<int>(p.order.report.peak_live.size()) <= p.stage)
+      throw std::logic_error("whale::predict_memory: the program of a pipeline has no order of its passes (program::order); lower it with lower()");
     live = p.order.report.peak_live[static_cast<std::size_t>(p.stage)];
+  }
   e.live_micro_batches = live;
   auto degree = [&](const unit_desc& u) { return u.split_axis < 0 ? 1 : p.mesh.size(static_cast<axis>(u.split_axis)); };
   std::map<int, double> group;  // recompute group -> its inner buffers for one micro-batch

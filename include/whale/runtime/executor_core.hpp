@@ -264,7 +264,7 @@ class executor_core {
   /// the ranges binding found summed over data; the pipeline's messages; the trace.
   void finish_setup();
   /// The order passes of m micro-batches run in: that of the step's program
-  /// (lowered for the first training step's memory check) when it has m
+  /// (lowered for the first training step's memory check; its order is kept) when it has m
   /// micro-batches, else made alone by the same function (pass_order_of).
   /// Throws, naming the stages, if the schedule cannot run them.
   void order_for(int m);
@@ -333,7 +333,7 @@ class executor_core {
   zero_engine zero_;
   grad_sync sync_;
   messenger msg_;
-  program step_prog_;             // the program of a training step (lowered by its memory check)
+  pass_order step_order_;         // the order of the training step's program (lowered by its memory check)
   pass_order order_;              // what passes of order_.micro_batches run: actions, rounds, messages
   bool order_from_program_ = false;  // order_ is step_prog_'s
   std::vector<std::vector<weight_task>> weight_queues_;  // per activation slot: the weight gradients its B put off

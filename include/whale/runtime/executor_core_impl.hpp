@@ -16,6 +16,10 @@
 
 #include "whale/runtime/executor_core.hpp"
 
+#if !WHALE_CORE_DEFINITIONS
+#error "whale/runtime/executor_core_impl.hpp holds the compiled core's definitions: include whale/runtime/executor_core.hpp, not this file"
+#endif
+
 namespace whale::detail {
 
 WHALE_CORE_INLINE executor_core::executor_core(const context& ctx, plan_options o, plan_facts facts)
@@ -377,8 +381,9 @@ WHALE_CORE_INLINE void executor_core::check_step_memory(const step_ctx& c, std::
   const index_t global = (c.seq > 0 ? c.global_rows / c.seq : c.global_rows) * std::max(1, in_flight_);
   auto lo = step_lowering(global, c.seq, 8);
   if (in_flight_ > 0) lo.micro_batches = in_flight_;
-  step_prog_ = lower(desc_, ctx_->mesh().shape(), ctx_->rank(), lo);  // its passes run in its order (order_for)
-  const auto e = predict_memory(desc_, step_prog_, memory_options{o_.max_pending, o_.prefetch});
+  auto step = lower(desc_, ctx_->mesh().shape(), ctx_->rank(), lo);
+  const auto e = predict_memory(desc_, step, memory_options{o_.max_pending, o_.prefetch});
+  step_order_ = std::move(step.order);  // the step's passes run in its order (order_for)
   std::ostringstream what;
   what << "the activations of its step (" << mib_text(e.activations) << ": " << e.live_micro_batches
        << " micro-batch(es) of " << e.rows << " rows kept) and its communication buffers (" << mib_text(e.comm) << ")";
@@ -390,9 +395,9 @@ WHALE_CORE_INLINE void executor_core::check_step_memory(const step_ctx& c, std::
 }
 
 WHALE_CORE_INLINE void executor_core::order_for(int m) {
-  const bool programs = step_prog_.order.micro_batches == m;
+  const bool programs = step_order_.micro_batches == m;
   if (m == order_.micro_batches && programs == order_from_program_) return;
-  order_ = programs ? step_prog_.order : pass_order_of(desc_, facts_.staged ? stage_ : 0, facts_.staged ? stages_ : 1, m);
+  order_ = programs ? step_order_ : pass_order_of(desc_, facts_.staged ? stage_ : 0, facts_.staged ? stages_ : 1, m);
   order_from_program_ = programs;
 }
 

@@ -16,6 +16,10 @@
 
 #include "whale/runtime/executor_core.hpp"
 
+#if !WHALE_CORE_DEFINITIONS
+#error "whale/runtime/pass.hpp holds the compiled core's definitions: include whale/runtime/executor_core.hpp, not this file"
+#endif
+
 namespace whale::detail {
 
 WHALE_CORE_INLINE void executor_core::check_pass(const step_ctx& c, pass_mode mode) const {

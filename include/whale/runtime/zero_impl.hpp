@@ -16,6 +16,10 @@
 
 #include "whale/runtime/zero.hpp"
 
+#if !WHALE_CORE_DEFINITIONS
+#error "whale/runtime/zero_impl.hpp holds the compiled core's definitions: include whale/runtime/zero.hpp, not this file"
+#endif
+
 namespace whale::detail {
 
 WHALE_CORE_INLINE void zero_engine::setup(world_comm& data, int level, index_t base, index_t n, options o) {

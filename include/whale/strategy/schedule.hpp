@@ -384,6 +384,7 @@ struct pipe_op {
   int key = 0;        ///< the pass (chunk·m + micro) that reads it, on the receiving rank
   int peer = 0;       ///< the pipe rank at the other end
   int round = 0;      ///< the round of the replay in which the receiver reads it
+  friend bool operator==(const pipe_op&, const pipe_op&) = default;
 };
 
 /// The messages of one pass over `lists` (every pipe rank's actions; a
