@@ -17,6 +17,7 @@
 
 #include "whale/backend/backend.hpp"
 #include "whale/backend/cpu.hpp"
+#include "whale/backend/device_ops.hpp"
 #include "whale/backend/kernels/attention.hpp"
 #include "whale/backend/kernels/elementwise.hpp"
 #include "whale/backend/kernels/rows.hpp"
@@ -39,7 +40,7 @@ class backend_ref {
   template <Backend G>
     requires std::same_as<typename G::space, cuda>
   explicit backend_ref(G& gpu) noexcept
-      : gpu_(&gpu), stream_(static_cast<void*>(gpu.compute_stream())), ops_(&gpu_table<G>) {}
+      : gpu_(&gpu), stream_(static_cast<void*>(gpu.compute_stream())), ops_(&detail::device_ops_of<G>) {}
   /// A backend whose kernel bodies run on the host between its `enter()` and
   /// `leave()` (the guarded backend): device memory rules, CPU arithmetic.
   template <Backend G>
@@ -48,7 +49,7 @@ class backend_ref {
       g.enter();
       g.leave();
     }
-  explicit backend_ref(G& dev) noexcept : gpu_(&dev), ops_(&gpu_table<G>) {}
+  explicit backend_ref(G& dev) noexcept : gpu_(&dev), ops_(&detail::device_ops_of<G>) {}
 
   /// Whether this is the CPU (host memory, which host code may read) or a
   /// device backend (a GPU, or the guarded backend): memory only its calls touch.
@@ -181,43 +182,17 @@ class backend_ref {
   /// CPU; on a device, sum_squares_into a double there, read back (the host
   /// waits). The CPU's value to the bit on the guarded backend; on a GPU to
   /// rounding (nvcc may fuse a multiply and an add).
-  double sum_squares(index_t n, const float* x) const {
-    if (!gpu_) return cpu::sum_squares(n, x);
-    const scratch total(*this, 3);
-    double* t = doubles(total);
-    sum_squares_into(n, x, t);
-    std::vector<double> host;
-    return host_readable(cview<double>(t, {1}), host)[0];
-  }
+  double sum_squares(index_t n, const float* x) const;
   /// *out = the sum of squares of x[0, n), with `out` in the backend's memory
   /// and nothing read back: per-block sums (kernels::sum_squares_blocks),
   /// those summed in groups (kernels::sum_blocks), and the groups in order
   /// (kernels::sum_in_order), as cpu::sum_squares adds them: the same bits.
-  void sum_squares_into(index_t n, const float* x, double* out) const {
-    if (!gpu_) {
-      *out = cpu::sum_squares(n, x);
-      return;
-    }
-    const index_t nb = kernels::sum_squares_blocks::blocks(n), ng = kernels::sum_blocks::blocks(nb);
-    const scratch partial(*this, 2 * (nb + ng) + 2);
-    double* part = doubles(partial);
-    if (nb > 0) {
-      launch(nb, kernels::sum_squares_blocks{x, part, n});
-      launch(ng, kernels::sum_blocks{part, part + nb, nb});
-    }
-    launch(1, kernels::sum_in_order{part + nb, ng, 1.0, out, false});
-  }
+  void sum_squares_into(index_t n, const float* x, double* out) const;
   /// *out = scale * (the sum of x[0, n)), or that added to *out (`add`), with
   /// x and out in the backend's memory and nothing read back: blocks of
   /// kernels::sum_blocks, then their sum in order, on every backend (the CPU
   /// included), so every backend adds in one order.
-  void sum_into(index_t n, const double* x, double scale, double* out, bool add) const {
-    const index_t nb = kernels::sum_blocks::blocks(n);
-    const scratch partial(*this, 2 * nb + 2);
-    double* part = doubles(partial);
-    if (nb > 0) launch(nb, kernels::sum_blocks{x, part, n});
-    launch(1, kernels::sum_in_order{part, nb, scale, out, add});
-  }
+  void sum_into(index_t n, const double* x, double scale, double* out, bool add) const;
 
   /// Causal self-attention as one call, on B sequences of T tokens and H heads
   /// of width hd (W = H * hd):
@@ -236,22 +211,7 @@ class backend_ref {
   /// `packed` (optional, from the caller while it keeps qkv, o and lse: see
   /// attention_packed_floats) keeps a fused attention's bf16 operands for the backward.
   void attention_forward(index_t B, index_t T, index_t H, index_t hd, const float* qkv, float* o, float* lse,
-                         bool bf16 = false, float* packed = nullptr) const {
-    if (gpu_ && ops_->attention &&
-        ops_->attention(gpu_, attention_args{B, T, H, hd, qkv, o, lse, nullptr, nullptr, bf16, packed}, false))
-      return;
-    const kernels::head_layout in{B, T, H, hd, 3}, out{B, T, H, hd, 1};
-    const index_t n = B * H, th = T * hd, tt = T * T;
-    const scratch heads(*this, in.elements()), s(*this, n * tt), oh(*this, out.elements());
-    const float* q = heads.p;
-    launch_rows(kernels::split_heads{qkv, heads.p, in});
-    gemm_strided_batched(trans::no, trans::yes, T, T, hd, attention_scale(hd), q, hd, th, q + n * th, hd, th, 0.f,
-                         s.p, T, tt, n);
-    launch(n * T, kernels::causal_softmax_forward{s.p, T, lse});
-    gemm_strided_batched(trans::no, trans::no, T, hd, T, 1.f, s.p, T, tt, q + 2 * n * th, hd, th, 0.f, oh.p, hd, th,
-                         n);
-    launch_rows(kernels::merge_heads{oh.p, o, out});
-  }
+                         bool bf16 = false, float* packed = nullptr) const;
   /// The backward of attention_forward: d(o) (B*T, W) to d(qkv) (B*T, 3W),
   /// from the forward's qkv and lse (o is for backends whose fused form reads
   /// it; these steps do not). S = Q K^T / sqrt(hd) and dP = dO V^T; then one
@@ -261,108 +221,46 @@ class backend_ref {
   /// kernel and three layout copies.
   void attention_backward(index_t B, index_t T, index_t H, index_t hd, const float* qkv, const float* o,
                           const float* lse, const float* dout, float* dqkv, bool bf16 = false,
-                          float* packed = nullptr) const {
-    if (gpu_ && ops_->attention &&
-        ops_->attention(gpu_, attention_args{B, T, H, hd, qkv, const_cast<float*>(o), const_cast<float*>(lse), dout, dqkv,
-                                             bf16, packed},
-                        true))
-      return;
-    const kernels::head_layout in{B, T, H, hd, 3}, one{B, T, H, hd, 1};
-    const index_t n = B * H, th = T * hd, tt = T * T;
-    const float scale = attention_scale(hd);
-    const scratch heads(*this, in.elements()), dheads(*this, in.elements()), dh(*this, one.elements());
-    const scratch p(*this, n * tt), dp(*this, n * tt);
-    const float *q = heads.p, *k = q + n * th, *v = k + n * th;
-    float *dq = dheads.p, *dk = dq + n * th, *dv = dk + n * th;
-    launch_rows(kernels::split_heads{qkv, heads.p, in});
-    launch_rows(kernels::split_heads{dout, dh.p, one});
-    gemm_strided_batched(trans::no, trans::yes, T, T, hd, scale, q, hd, th, k, hd, th, 0.f, p.p, T, tt, n);
-    gemm_strided_batched(trans::no, trans::yes, T, T, hd, 1.f, dh.p, hd, th, v, hd, th, 0.f, dp.p, T, tt, n);
-    launch(n * T, kernels::causal_softmax_backward{p.p, dp.p, lse, T});
-    gemm_strided_batched(trans::yes, trans::no, T, hd, T, 1.f, p.p, T, tt, dh.p, hd, th, 0.f, dv, hd, th, n);
-    gemm_strided_batched(trans::no, trans::no, T, hd, T, scale, dp.p, T, tt, k, hd, th, 0.f, dq, hd, th, n);
-    gemm_strided_batched(trans::yes, trans::no, T, hd, T, scale, dp.p, T, tt, q, hd, th, 0.f, dk, hd, th, n);
-    launch_rows(kernels::merge_heads{dheads.p, dqkv, in});
-  }
+                          float* packed = nullptr) const;
 
   /// Floats a caller of attention_forward keeps as its `packed` buffer, for
   /// rows of width W under bf16 (`bf16`): 2W a row where the backend fuses
   /// attention (a GPU with cuDNN's, or the guarded backend modelling it),
   /// otherwise 0 (nothing to keep).
-  index_t attention_packed_floats(index_t rows, index_t W, bool bf16) const {
-    return bf16 && gpu_ && ops_->attention_fused && ops_->attention_fused(gpu_) ? rows * 2 * W : 0;
-  }
+  index_t attention_packed_floats(index_t rows, index_t W, bool bf16) const;
 
   /// The scatter-add of an embedding's gradient rows into its table: the
   /// CPU's blocks of 256 columns, or the device's stripes of table rows
   /// (kernels::scatter_add_stripes); the same sums in the same order.
-  void scatter_add(const kernels::scatter_add_rows& body) const {
-    if (!gpu_) return launch(kernels::col_blocks(body.D), body);
-    const index_t stripes = kernels::scatter_add_stripes::stripes_for(body.D);
-    launch(stripes * body.D, kernels::scatter_add_stripes{body, stripes});
-  }
+  void scatter_add(const kernels::scatter_add_rows& body) const;
   /// y[r, :] += b over `rows` rows of width `cols`.
-  void add_row_bias(float* y, const float* b, index_t rows, index_t cols) const {
-    launch(rows, kernels::bias_rows{y, b, cols, true});
-  }
+  void add_row_bias(float* y, const float* b, index_t rows, index_t cols) const;
   /// db[c] (+)= the sum over rows of dy[r, c].
-  void sum_rows(const float* dy, float* db, index_t rows, index_t cols, bool accumulate) const {
-    reduce_columns(kernels::column_sums{dy, db, rows, cols, accumulate});
-  }
+  void sum_rows(const float* dy, float* db, index_t rows, index_t cols, bool accumulate) const;
   /// C (M, N) = op(A) op(B) + bias (N, added to every row; null: none), in
   /// fp32, contiguous operands. A device whose GEMM has a bias epilogue (the
   /// CUDA backend's cuBLASLt, or the guarded backend modelling it) adds the
   /// bias in the GEMM's call; otherwise C = bias, then the product added to
   /// it (the same values as y + b after the product: the product's sum, then the bias).
   void gemm_bias(trans ta, trans tb, index_t M, index_t N, index_t K, const float* A, const float* B,
-                 const float* bias, float* C) const {
-    if (!bias || K == 0) {
-      if (bias) launch(M, kernels::bias_rows{C, bias, N, false});
-      else gemm(ta, tb, M, N, K, 1.f, A, B, 0.f, C);
-      return;
-    }
-    if (gpu_ && ops_->bias_gemm && ops_->bias_gemm(gpu_, gemm_bias_args{ta, tb, M, N, K, A, B, bias, C})) return;
-    launch(M, kernels::bias_rows{C, bias, N, false});
-    gemm(ta, tb, M, N, K, 1.f, A, B, 1.f, C);
-  }
+                 const float* bias, float* C) const;
   /// A GEMM and GELU (gemm_gelu_args): forward, pre = op(A) op(B) + bias and
   /// out = GELU(pre); backward, out = (op(A) op(B)) GELU'(pre). A device
   /// whose GEMM has GELU epilogues (the CUDA backend's cuBLASLt, or the
   /// guarded backend modelling it) does it in the GEMM's call; otherwise the
   /// GEMM (gemm_bias), then kernels::gelu_forward or gelu_backward (in place
   /// on the product): the values of a linear layer followed by `gelu`.
-  void gemm_gelu(const gemm_gelu_args& a) const {
-    if (a.M == 0 || a.N == 0) return;
-    if (a.K > 0 && gpu_ && ops_->gelu_gemm && ops_->gelu_gemm(gpu_, a)) return;
-    unfused_gemm_gelu(*this, a);
-  }
+  void gemm_gelu(const gemm_gelu_args& a) const;
   /// What gemm_gelu computes, as separate calls on `be` (a backend that models
   /// the epilogue runs them on the CPU).
-  template <class Be> static void unfused_gemm_gelu(Be&& be, const gemm_gelu_args& a) {
-    if (!a.backward) {
-      be.gemm_bias(a.ta, a.tb, a.M, a.N, a.K, a.A, a.B, a.bias, a.pre);
-      be.launch(a.M * a.N, kernels::gelu_forward{a.pre, a.out, a.round});
-    } else {
-      be.gemm(a.ta, a.tb, a.M, a.N, a.K, 1.f, a.A, a.B, 0.f, a.out);
-      be.launch(a.M * a.N, kernels::gelu_backward{a.pre, a.out, a.out, a.round});
-    }
-  }
+  template <class Be> static void unfused_gemm_gelu(Be&& be, const gemm_gelu_args& a);
   /// A fully connected layer's parameter gradients from R rows: dW (out, in) =
   /// dy^T x and db (out) = the column sums of dy (db null: no bias); `accumulate` adds to them.
   /// A device that fuses the two (the CUDA backend's cuBLASLt epilogue, or
   /// the guarded backend modelling it) computes them in one call where they
   /// are overwritten; otherwise, and to accumulate, a GEMM and a column reduction.
   void linear_weight_grads(index_t R, index_t out, index_t in, const float* dy, const float* x, float* dw, float* db,
-                           bool accumulate) const {
-    if (!db) {  // no bias (linear<In, Out, no_bias>): the GEMM alone
-      gemm(trans::yes, trans::no, out, in, R, 1.f, dy, x, accumulate ? 1.f : 0.f, dw);
-      return;
-    }
-    if (gpu_ && !accumulate && ops_->weight_grads && ops_->weight_grads(gpu_, weight_grad_args{R, out, in, dy, x, dw, db}))
-      return;
-    gemm(trans::yes, trans::no, out, in, R, 1.f, dy, x, accumulate ? 1.f : 0.f, dw);
-    sum_rows(dy, db, R, out, accumulate);
-  }
+                           bool accumulate) const;
 
  private:
   /// A launch on the device: a host-executed backend notes it and runs the CPU
@@ -410,48 +308,6 @@ class backend_ref {
   }
   /// A row body over its own rows().
   template <kernels::RowBody K> void launch_rows(const K& body) const { launch(body.rows(), body); }
-  /// The CPU's scratch memory: one block used as a stack by the scratches of
-  /// a call (freed in reverse order), grown to the most they asked for at once
-  /// when the last is freed; until then what does not fit comes from the
-  /// heap. So steps after the first allocate nothing. One per thread.
-  class scratch_stack {
-   public:
-    static scratch_stack& local() {
-      static thread_local scratch_stack s;
-      return s;
-    }
-    float* take(index_t floats, bool& heap) {
-      const index_t n = rounded(floats);
-      demand_ += n;
-      high_ = demand_ > high_ ? demand_ : high_;
-      heap = top_ + n > cap_;
-      if (heap) return static_cast<float*>(detail::allocate_raw(static_cast<std::size_t>(n) * sizeof(float), mem_kind::workspace));
-      float* p = base_ + top_;
-      top_ += n;
-      return p;
-    }
-    void give(float* p, index_t floats, bool heap) noexcept {
-      const index_t n = rounded(floats);
-      demand_ -= n;
-      if (heap) detail::free_raw(p, static_cast<std::size_t>(n) * sizeof(float), mem_kind::workspace);
-      else top_ -= n;
-      if (demand_ == 0 && high_ > cap_) {  // nothing taken: the block may move
-        release();
-        base_ = static_cast<float*>(detail::allocate_raw(static_cast<std::size_t>(high_) * sizeof(float), mem_kind::workspace));
-        cap_ = high_;
-      }
-    }
-    ~scratch_stack() { release(); }
-
-   private:
-    static index_t rounded(index_t floats) noexcept { return (floats + 15) / 16 * 16; }  // 64-byte aligned pieces
-    void release() noexcept {
-      if (base_) detail::free_raw(base_, static_cast<std::size_t>(cap_) * sizeof(float), mem_kind::workspace);
-      base_ = nullptr, cap_ = 0;
-    }
-    float* base_ = nullptr;
-    index_t cap_ = 0, top_ = 0, demand_ = 0, high_ = 0;
-  };
   /// Floats in the backend's workspace memory for one call, not zeroed: on a
   /// device from its allocator (which caches), on the CPU from its scratch stack.
   struct scratch {
@@ -462,10 +318,10 @@ class backend_ref {
     scratch(const backend_ref& be, index_t n)
         : place(be.memory()), floats(n),
           p(place ? static_cast<float*>(detail::allocate_in(place, bytes(), mem_kind::workspace))
-                  : scratch_stack::local().take(n, heap)) {}
+                  : detail::scratch_stack::local().take(n, heap)) {}
     ~scratch() {
       if (place) detail::free_in(place, p, bytes(), mem_kind::workspace);
-      else scratch_stack::local().give(p, floats, heap);
+      else detail::scratch_stack::local().give(p, floats, heap);
     }
     std::size_t bytes() const noexcept { return static_cast<std::size_t>(floats) * sizeof(float); }
     scratch(const scratch&) = delete;
@@ -485,142 +341,13 @@ class backend_ref {
     opened(const opened&) = delete;
     opened& operator=(const opened&) = delete;
   };
-  struct table {
-    void (*gemm)(void*, trans, trans, index_t, index_t, index_t, float, const float*, index_t, const float*, index_t,
-                 float, float*, index_t);
-    void (*batched)(void*, trans, trans, index_t, index_t, index_t, float, const float*, index_t, index_t,
-                    const float*, index_t, index_t, float, float*, index_t, index_t, index_t);
-    void (*copy)(void*, void*, const void*, std::size_t);
-    void (*fill_zero)(void*, void*, std::size_t);
-    void (*synchronize)(void*);
-    const memory_place* (*memory)(void*);
-    std::int64_t (*memory_free)(void*);
-    const char* name;
-    void (*enter)(void*);  // host-executed backends only; null otherwise
-    void (*leave)(void*);
-    bool (*note)(void*, const launch_note&);  // the launch for its ledger; false: do not run it
-    // a fused attention call (forward, or backward when the flag is set); false: not taken, run the steps
-    bool (*attention)(void*, const attention_args&, bool);
-    // a layer's weight and bias gradients in one call; false: not taken, run the GEMM and the reduction
-    bool (*weight_grads)(void*, const weight_grad_args&);
-    // a GEMM with its bias added in the call; false: not taken, fill the bias and add the product
-    bool (*bias_gemm)(void*, const gemm_bias_args&);
-    // a GEMM with GELU or its gradient in the call; false: not taken, the GEMM and then the kernel
-    bool (*gelu_gemm)(void*, const gemm_gelu_args&);
-    bool (*attention_fused)(void*);  // whether bf16 attention calls are fused; null: never
-    void (*products)(void*, bool);  // bf16 products on or off; null: nothing to set
-    int (*time_begin)(void*, const char*);  // a timed launch's start (-1: not timing); null: no timing
-    void (*time_end)(void*, int) noexcept;
-  };
-  template <class G> static constexpr bool host_executed_v = requires { requires G::host_executed; };
-  template <class G> static void enter_of(void* g) {
-    if constexpr (host_executed_v<G>) static_cast<G*>(g)->enter();
-  }
-  template <class G> static void leave_of(void* g) {
-    if constexpr (host_executed_v<G>) static_cast<G*>(g)->leave();
-  }
-  template <class G> static bool note_to(void* g, const launch_note& n) {
-    if constexpr (host_executed_v<G>) return static_cast<G*>(g)->note(n);
-    else return (void)g, (void)n, true;
-  }
-  template <class G>
-  static constexpr bool fuses_attention_v = requires(G& g, const attention_args& a) {
-    { g.fused_attention(a, true) } -> std::same_as<bool>;
-  };
-  template <class G> static bool attention_fused_of(void* g) {
-    if constexpr (requires(G& b) { { b.fuses_attention() } -> std::same_as<bool>; })
-      return static_cast<G*>(g)->fuses_attention();
-    else return (void)g, false;
-  }
-  template <class G> static bool attention_of(void* g, const attention_args& a, bool backward) {
-    if constexpr (fuses_attention_v<G>) return static_cast<G*>(g)->fused_attention(a, backward);
-    else return (void)g, (void)a, (void)backward, false;
-  }
-  template <class G>
-  static constexpr bool fuses_weight_grads_v = requires(G& g, const weight_grad_args& a) {
-    { g.linear_weight_grads(a) } -> std::same_as<bool>;
-  };
-  template <class G> static bool weight_grads_of(void* g, const weight_grad_args& a) {
-    if constexpr (fuses_weight_grads_v<G>) return static_cast<G*>(g)->linear_weight_grads(a);
-    else return (void)g, (void)a, false;
-  }
-  template <class G>
-  static constexpr bool fuses_bias_v = requires(G& g, const gemm_bias_args& a) {
-    { g.gemm_bias(a) } -> std::same_as<bool>;
-  };
-  template <class G> static bool bias_gemm_of(void* g, const gemm_bias_args& a) {
-    if constexpr (fuses_bias_v<G>) return static_cast<G*>(g)->gemm_bias(a);
-    else return (void)g, (void)a, false;
-  }
-  template <class G>
-  static constexpr bool fuses_gelu_v = requires(G& g, const gemm_gelu_args& a) {
-    { g.gemm_gelu(a) } -> std::same_as<bool>;
-  };
-  template <class G> static bool gelu_gemm_of(void* g, const gemm_gelu_args& a) {
-    if constexpr (fuses_gelu_v<G>) return static_cast<G*>(g)->gemm_gelu(a);
-    else return (void)g, (void)a, false;
-  }
-  template <class G> static constexpr bool sets_products_v = requires(G& g) { g.set_bf16_products(true); };
-  template <class G> static void products_of(void* g, bool on) {
-    if constexpr (sets_products_v<G>) static_cast<G*>(g)->set_bf16_products(on);
-    else (void)g, (void)on;
-  }
-  template <class G> static constexpr bool times_v = requires(G& g) { g.time_end(g.time_begin("")); };
-  template <class G> static int time_begin_of(void* g, const char* what) {
-    if constexpr (times_v<G>) return static_cast<G*>(g)->time_begin(what);
-    else return (void)g, (void)what, -1;
-  }
-  template <class G> static void time_end_of(void* g, int i) noexcept {
-    if constexpr (times_v<G>) {
-      try {
-        static_cast<G*>(g)->time_end(i);
-      } catch (...) {  // a failed event record loses one timing; the launch's own errors surface elsewhere
-      }
-    } else {
-      (void)g, (void)i;
-    }
-  }
-  template <class G>
-  static constexpr table gpu_table{
-      [](void* g, trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
-         const float* B, index_t ldb, float beta, float* C, index_t ldc) {
-        static_cast<G*>(g)->gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
-      },
-      [](void* g, trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
-         index_t sA, const float* B, index_t ldb, index_t sB, float beta, float* C, index_t ldc, index_t sC,
-         index_t count) {
-        static_cast<G*>(g)->gemm_strided_batched(ta, tb, M, N, K, alpha, A, lda, sA, B, ldb, sB, beta, C, ldc, sC,
-                                                 count);
-      },
-      [](void* g, void* dst, const void* src, std::size_t bytes) { static_cast<G*>(g)->copy(dst, src, bytes); },
-      [](void* g, void* p, std::size_t bytes) { static_cast<G*>(g)->fill_zero(p, bytes); },
-      [](void* g) { static_cast<G*>(g)->synchronize(); },
-      [](void* g) -> const memory_place* { return static_cast<G*>(g)->memory(); },
-      [](void* g) -> std::int64_t {
-        if constexpr (requires(G& b) { b.memory_free(); })
-          return static_cast<std::int64_t>(static_cast<G*>(g)->memory_free());
-        else
-          return (void)g, std::int64_t{-1};
-      },
-      G::name(),
-      host_executed_v<G> ? &enter_of<G> : nullptr,
-      host_executed_v<G> ? &leave_of<G> : nullptr,
-      host_executed_v<G> ? &note_to<G> : nullptr,
-      fuses_attention_v<G> ? &attention_of<G> : nullptr,
-      fuses_weight_grads_v<G> ? &weight_grads_of<G> : nullptr,
-      fuses_bias_v<G> ? &bias_gemm_of<G> : nullptr,
-      fuses_gelu_v<G> ? &gelu_gemm_of<G> : nullptr,
-      fuses_attention_v<G> ? &attention_fused_of<G> : nullptr,
-      sets_products_v<G> ? &products_of<G> : nullptr,
-      times_v<G> ? &time_begin_of<G> : nullptr,
-      times_v<G> ? &time_end_of<G> : nullptr,
-  };
 
   void* gpu_ = nullptr;     // the GPU backend; null: the CPU
   void* stream_ = nullptr;  // its compute stream (a cudaStream_t)
-  const table* ops_ = nullptr;
+  const detail::device_ops* ops_ = nullptr;
 };
 
 }  // namespace whale
 
+#include "whale/backend/compositions.hpp"  // the compositions' definitions
 #include "whale/backend/cpu/instances.hpp"  // the compiled core's CPU loops (declared only with it)

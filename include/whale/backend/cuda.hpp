@@ -137,12 +137,7 @@ class cuda_backend {
   /// How the GEMMs use the tensor cores (gemm_math; fp32 by default). The
   /// strided-batched GEMMs (attention's steps) follow it, except that under
   /// gemm_math::bf16 they stay fp32 (their operands are not bf16 values).
-  void set_math(gemm_math m) {
-    math_ = m;
-    detail::cublas_check(
-        cublasSetMathMode(blas_, m == gemm_math::tf32 ? CUBLAS_TF32_TENSOR_OP_MATH : CUBLAS_DEFAULT_MATH),
-        "cublasSetMathMode");
-  }
+  void set_math(gemm_math m);
   gemm_math math() const noexcept { return math_; }
   /// While on, every non-batched GEMM runs as gemm_math::bf16 whatever
   /// set_math chose: bf16 mixed precision, whose layers round every GEMM
@@ -153,43 +148,13 @@ class cuda_backend {
   // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands.
   // cuBLASLt in the backend's math; cuBLAS where cuBLASLt has no algorithm for the call.
   void gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
-            const float* B, index_t ldb, float beta, float* C, index_t ldc) {
-    if (M == 0 || N == 0) return;
-    const timed t(*this, "gemm");
-    if (lt_gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, detail::lt::epilogue::none, nullptr)) return;
-    if (products() == gemm_math::bf16) {
-      detail::cublas_check(cublasGemmEx(blas_, op(tb), op(ta), i32(N), i32(M), i32(K), &alpha, B, CUDA_R_32F,
-                                        i32(ldb), A, CUDA_R_32F, i32(lda), &beta, C, CUDA_R_32F, i32(ldc),
-                                        CUBLAS_COMPUTE_32F_FAST_16BF, CUBLAS_GEMM_DEFAULT),
-                           "cublasGemmEx (32F_FAST_16BF)");
-      return;
-    }
-    detail::cublas_check(cublasSgemm(blas_, op(tb), op(ta), i32(N), i32(M), i32(K), &alpha, B, i32(ldb), A,
-                                     i32(lda), &beta, C, i32(ldc)),
-                         "cublasSgemm");
-  }
+            const float* B, index_t ldb, float beta, float* C, index_t ldc);
   /// A fully connected layer's parameter gradients from R rows in one
   /// cuBLASLt call: dW (out, in) = dy^T x and db (out) = the column sums of
   /// dy (the BGRADB epilogue), both overwritten. False, with nothing queued,
   /// where cuBLASLt has no algorithm for it (said once on stderr): the caller
   /// then runs a GEMM and a column reduction.
-  bool linear_weight_grads(const weight_grad_args& a) {
-    if (a.R == 0 || a.out == 0 || a.in == 0 || a.db == nullptr) return false;
-    // row-major dW (out x in) = dy^T (out x R) x (R x in): column-major dW^T = x^T dy, reduced over R
-    timed t(*this, "gemm");
-    if (lt_gemm(trans::yes, trans::no, a.out, a.in, a.R, 1.f, a.dy, a.out, a.x, a.in, 0.f, a.dw, a.in,
-                detail::lt::epilogue::bias_grad, a.db)) {
-      ++fused_bias_grads_;
-      return true;
-    }
-    t.cancel();  // nothing was queued: the caller's GEMM is timed instead
-    if (!bias_grad_refused_)
-      std::fprintf(stderr, "whale::cuda_backend: cuBLASLt has no bias-gradient epilogue for R %lld, out %lld, in %lld; "
-                   "the bias gradients run as a column reduction\n", static_cast<long long>(a.R),
-                   static_cast<long long>(a.out), static_cast<long long>(a.in));
-    bias_grad_refused_ = true;
-    return false;
-  }
+  bool linear_weight_grads(const weight_grad_args& a);
   /// C = op(A) op(B) + bias in one cuBLASLt call (the BIAS epilogue). False,
   /// with nothing queued, where cuBLASLt has no algorithm for it (said once on
   /// stderr): the caller then writes the bias and adds the product to it.
@@ -222,26 +187,12 @@ class cuda_backend {
   std::size_t lt_refused_plans() const noexcept { return lt_ ? lt_->refused() : 0; }
   void gemm_strided_batched(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A,
                             index_t lda, index_t strideA, const float* B, index_t ldb, index_t strideB, float beta,
-                            float* C, index_t ldc, index_t strideC, index_t count) {
-    if (M == 0 || N == 0 || count == 0) return;
-    const timed t(*this, "attention");  // only attention's steps run batched GEMMs
-    detail::cublas_check(cublasSgemmStridedBatched(blas_, op(tb), op(ta), i32(N), i32(M), i32(K), &alpha, B,
-                                                   i32(ldb), strideB, A, i32(lda), strideA, &beta, C, i32(ldc),
-                                                   strideC, i32(count)),
-                         "cublasSgemmStridedBatched");
-  }
+                            float* C, index_t ldc, index_t strideC, index_t count);
   /// C (fp32 or bf16, `c_bf16`) = alpha op(A) op(B) + beta C with A and B in
   /// bf16 (the bits of __nv_bfloat16), accumulated in fp32: the GEMM of bf16
   /// mixed precision.
   void gemm_bf16(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const void* A, index_t lda,
-                 const void* B, index_t ldb, float beta, void* C, index_t ldc, bool c_bf16) {
-    if (M == 0 || N == 0) return;
-    detail::cublas_check(cublasGemmEx(blas_, op(tb), op(ta), i32(N), i32(M), i32(K), &alpha, B, CUDA_R_16BF,
-                                      i32(ldb), A, CUDA_R_16BF, i32(lda), &beta, C,
-                                      c_bf16 ? CUDA_R_16BF : CUDA_R_32F, i32(ldc), CUBLAS_COMPUTE_32F,
-                                      CUBLAS_GEMM_DEFAULT),
-                         "cublasGemmEx (bf16)");
-  }
+                 const void* B, index_t ldb, float beta, void* C, index_t ldc, bool c_bf16);
 
   /// body(i) for i in [0, n) on the compute stream, asynchronously.
   template <kernels::KernelBody K> void launch(index_t n, const K& body) {
@@ -305,61 +256,7 @@ class cuda_backend {
   /// the results unpacked to fp32. False, and the caller runs its batched-GEMM
   /// steps, in fp32, in a program built without the cuDNN frontend (link
   /// whale::cudnn), or for a shape cuDNN refuses (said once on stderr).
-  bool fused_attention(const attention_args& a, bool backward) {
-#if defined(WHALE_HAS_CUDNN_FRONTEND) && defined(__CUDACC__)
-    if (!a.bf16) return false;
-    namespace dnn = detail::cudnn;
-    if (!attention_) attention_ = dnn::make_engine(compute_);
-    auto& att = *attention_;
-    std::string why;
-    if (!dnn::supports(att, a.B, a.T, a.H, a.hd, why)) {
-      if (!attention_refused_)
-        std::fprintf(stderr, "whale::cuda_backend: cuDNN's fused attention refuses B %lld, T %lld, H %lld, hd %lld (%s); "
-                     "attention runs as batched GEMMs in fp32\n", static_cast<long long>(a.B), static_cast<long long>(a.T),
-                     static_cast<long long>(a.H), static_cast<long long>(a.hd), why.c_str());
-      attention_refused_ = true;
-      return false;
-    }
-    const index_t W = a.H * a.hd, R = a.B * a.T;
-    struct block {  // device memory from the cache for this call
-      cuda_backend& g;
-      std::size_t bytes;
-      void* p = bytes ? g.allocate(bytes) : nullptr;
-      ~block() { if (p) g.deallocate(p, bytes); }
-    };
-    const auto u16 = [](void* p) { return static_cast<std::uint16_t*>(p); };
-    // bf16 Q, K, V and O: in the caller's kept buffer (a.packed) from the forward to the backward, or packed per call
-    const bool kept = a.packed != nullptr;
-    const block own{*this, kept ? 0 : static_cast<std::size_t>(R * 4 * W) * 2};
-    std::uint16_t* const qkv16 = u16(kept ? a.packed : own.p);
-    std::uint16_t* const o16 = qkv16 + R * 3 * W;
-    if (!backward || !kept) launch(R * 3 * W, kernels::pack_bf16{a.qkv, qkv16});
-    if (!backward) {
-      const block ws{*this, static_cast<std::size_t>(dnn::forward_workspace(att, a.B, a.T, a.H, a.hd))};
-      {
-        const timed t(*this, "attention");
-        dnn::forward(att, a.B, a.T, a.H, a.hd, qkv16, o16, a.lse, ws.p);
-      }
-      launch(R * W, kernels::unpack_bf16{o16, a.o});
-      ++fused_attention_calls_;
-      return true;
-    }
-    const block do16{*this, static_cast<std::size_t>(R * W) * 2}, dqkv16{*this, static_cast<std::size_t>(R * 3 * W) * 2};
-    const block ws{*this, static_cast<std::size_t>(dnn::backward_workspace(att, a.B, a.T, a.H, a.hd))};
-    if (!kept) launch(R * W, kernels::pack_bf16{a.o, o16});
-    launch(R * W, kernels::pack_bf16{a.dout, u16(do16.p)});
-    {
-      const timed t(*this, "attention");
-      dnn::backward(att, a.B, a.T, a.H, a.hd, qkv16, o16, a.lse, do16.p, dqkv16.p, ws.p);
-    }
-    launch(R * 3 * W, kernels::unpack_bf16{u16(dqkv16.p), a.dqkv});
-    ++fused_attention_calls_;
-    return true;
-#else
-    (void)a, (void)backward;
-    return false;
-#endif
-  }
+  bool fused_attention(const attention_args& a, bool backward);
   /// Whether attention calls under bf16 go to cuDNN: built with the cuDNN
   /// frontend (whale::cudnn) and no shape refused so far.
   bool fuses_attention() const noexcept {
@@ -384,33 +281,9 @@ class cuda_backend {
     double ms = 0;
     std::int64_t calls = 0;
   };
-  std::map<std::string, kernel_time> kernel_times() {
-    synchronize();
-    std::map<std::string, kernel_time> out;
-    for (const auto& m : marks_) {
-      float ms = 0;
-      detail::cuda_check(cudaEventElapsedTime(&ms, events_[m.pair].first, events_[m.pair].second), "cudaEventElapsedTime");
-      auto& k = out[m.what];
-      k.ms += ms, ++k.calls;
-    }
-    marks_.clear();
-    return out;
-  }
+  std::map<std::string, kernel_time> kernel_times();
   /// Mark the start of a call of kind `what` (-1 while timing is off), and its end.
-  int time_begin(const char* what) {
-    if (!timing_ || in_timed_) return -1;
-    const auto i = marks_.size();
-    if (i == events_.size()) {
-      std::pair<cudaEvent_t, cudaEvent_t> e{};
-      detail::cuda_check(cudaEventCreate(&e.first), "cudaEventCreate");
-      detail::cuda_check(cudaEventCreate(&e.second), "cudaEventCreate");
-      events_.push_back(e);
-    }
-    marks_.push_back({what, i});
-    detail::cuda_check(cudaEventRecord(events_[i].first, compute_), "cudaEventRecord");
-    in_timed_ = true;
-    return static_cast<int>(i);
-  }
+  int time_begin(const char* what);
   void time_end(int i) {
     if (i < 0) return;
     in_timed_ = false;
@@ -452,21 +325,7 @@ class cuda_backend {
   /// cuBLASLt call, counted in `count`; false where cuBLASLt has none, said once (`refused`) on stderr.
   bool epilogue_gemm(trans ta, trans tb, index_t M, index_t N, index_t K, const float* A, const float* B, float* C,
                      detail::lt::epilogue e, const void* bias, const void* aux, std::int64_t& count, bool& refused,
-                     const char* what, const char* instead) {
-    if (M == 0 || N == 0 || K == 0) return false;
-    timed t(*this, "gemm");
-    const index_t lda = ta == trans::yes ? M : K, ldb = tb == trans::yes ? K : N;
-    if (lt_gemm(ta, tb, M, N, K, 1.f, A, lda, B, ldb, 0.f, C, N, e, bias, aux, aux ? N : 0)) {
-      ++count;
-      return true;
-    }
-    t.cancel();
-    if (!refused)
-      std::fprintf(stderr, "whale::cuda_backend: cuBLASLt has no %s epilogue for M %lld, N %lld, K %lld; %s\n", what,
-                   static_cast<long long>(M), static_cast<long long>(N), static_cast<long long>(K), instead);
-    refused = true;
-    return false;
-  }
+                     const char* what, const char* instead);
   bool lt_gemm(trans ta, trans tb, index_t M, index_t N, index_t K, float alpha, const float* A, index_t lda,
                const float* B, index_t ldb, float beta, float* C, index_t ldc, detail::lt::epilogue e,
                const void* bias, const void* aux = nullptr, index_t aux_ld = 0) {
@@ -476,20 +335,7 @@ class cuda_backend {
     return lt_->run(products(), tb == trans::yes, ta == trans::yes, N, M, K, alpha, B, ldb, A, lda, beta, C, ldc, e,
                     bias, lt_workspace_, compute_, aux, aux_ld);
   }
-  void destroy() noexcept {
-    if (compute_) cudaStreamSynchronize(compute_);
-    attention_.reset();
-    for (auto& e : events_) cudaEventDestroy(e.first), cudaEventDestroy(e.second);
-    events_.clear();
-    if (lt_workspace_) alloc_.deallocate(lt_workspace_, detail::lt::gemms::workspace_bytes);
-    lt_workspace_ = nullptr;
-    lt_.reset();
-    alloc_.release();
-    if (blas_) cublasDestroy(blas_);
-    if (comm_) cudaStreamDestroy(comm_);
-    if (compute_) cudaStreamDestroy(compute_);
-    blas_ = nullptr, comm_ = nullptr, compute_ = nullptr;
-  }
+  void destroy() noexcept;
   static cublasOperation_t op(trans t) noexcept { return t == trans::yes ? CUBLAS_OP_T : CUBLAS_OP_N; }
   static int i32(index_t v) {
     if (v < 0 || v > INT_MAX)
@@ -524,3 +370,5 @@ class cuda_backend {
 static_assert(Backend<cuda_backend>, "whale::cuda_backend must model the Backend concept");
 
 }  // namespace whale
+
+#include "whale/backend/cuda/backend_calls.hpp"  // the larger calls' definitions

@@ -29,6 +29,7 @@
 #include "whale/comm/detail/mpi_state.hpp"
 #include "whale/comm/detail/watchdog.hpp"
 #include "whale/comm/failure.hpp"
+#include "whale/detail/compiled.hpp"
 
 namespace whale {
 
@@ -137,13 +138,7 @@ class mpi_comm {
       : s_(std::make_unique<detail::mpi_comm_state>(c, std::move(name))) {}
 
   /// A duplicate of MPI_COMM_WORLD named "world". Collective; MPI must be initialized.
-  static mpi_comm world() {
-    if (!detail::mpi_active())
-      throw std::logic_error("whale::mpi_comm::world: MPI is not initialized; create a whale::context first");
-    MPI_Comm c;
-    MPI_Comm_dup(MPI_COMM_WORLD, &c);
-    return mpi_comm(c, "world");
-  }
+  static mpi_comm world();
 
   bool valid() const noexcept { return s_ != nullptr; }
   int rank() const noexcept { return s_ ? s_->rank : -1; }
@@ -206,16 +201,7 @@ class mpi_comm {
   /// Collective: the ranks of equal `color` form a new communicator, ordered by
   /// `key` (then by rank). A negative color gives a null communicator.
   mpi_comm split(int color, int key = 0) { return split(color, key, name() + "/" + std::to_string(color)); }
-  mpi_comm split(int color, int key, std::string name) {
-    auto& s = state();
-    const auto seq = s.enter(detail::coll::split);
-    const auto ticket = detail::flight_recorder::instance().begin("split", s.name, seq, 0, "");
-    MPI_Comm c = MPI_COMM_NULL;
-    s.check(MPI_Comm_split(s.comm, color < 0 ? MPI_UNDEFINED : color, key, &c), "MPI_Comm_split");
-    detail::flight_recorder::instance().done(ticket);
-    if (c == MPI_COMM_NULL) return {};
-    return mpi_comm(c, std::move(name));
-  }
+  mpi_comm split(int color, int key, std::string name);
 
  private:
   // Each operation once: Blocking picks the blocking MPI call under the watchdog,
@@ -377,55 +363,16 @@ class mpi_comm {
     if (!s_) throw std::logic_error("whale::mpi_comm: operation on a null communicator");
     return *s_;
   }
-  request start(detail::coll op, index_t n, dtype t) {
-    request r;
-    r.c_ = s_.get();
-    r.active_ = true;
-    r.op_ = op;
-    r.count_ = n;
-    r.type_ = t;
-    r.seq_ = s_->enter(op);
-    r.flight_ = detail::flight_recorder::instance().begin(detail::to_string(op), s_->name, r.seq_, n, whale::to_string(t));
-    if (s_->recording) s_->calls.push_back({op, n, 0, -1});
-    return r;
-  }
-  request p2p(detail::coll op, index_t n, dtype t, int peer, int tag) {
-    request r;
-    r.c_ = s_.get();
-    r.active_ = true;
-    r.op_ = op;
-    r.count_ = n;
-    r.type_ = t;
-    r.peer_ = peer;
-    r.tag_ = tag;
-    r.flight_ = detail::flight_recorder::instance().begin(detail::to_string(op), s_->name, 0, n, whale::to_string(t));
-    if (s_->recording)  // the peer in world numbering, as the program names it
-      s_->calls.push_back({op, n, 0, peer >= 0 && peer < s_->size ? s_->world_ranks[static_cast<std::size_t>(peer)] : peer});
-    return r;
-  }
+  request start(detail::coll op, index_t n, dtype t);
+  request p2p(detail::coll op, index_t n, dtype t, int peer, int tag);
   void check_rank(int r, const char* op) const {
     if (r < 0 || r >= s_->size)
       throw std::invalid_argument(std::string("whale::") + op + ": rank " + std::to_string(r) +
                                   " is not in communicator '" + s_->name + "' of " +
                                   std::to_string(s_->size) + " ranks");
   }
-  void check_counts(std::span<const index_t> counts, const char* op) const {
-    if (static_cast<int>(counts.size()) != s_->size)
-      throw std::invalid_argument(std::string("whale::") + op + ": " + std::to_string(counts.size()) +
-                                  " counts for communicator '" + s_->name + "' of " +
-                                  std::to_string(s_->size) + " ranks; give one count per rank");
-  }
-  void fill_v(request& r, std::span<const index_t> counts, const char* op) const {
-    r.counts_.resize(counts.size());
-    r.displs_.resize(counts.size());
-    index_t at = 0;
-    for (std::size_t i = 0; i < counts.size(); ++i) {
-      r.counts_[i] = s_->to_int(counts[i], op);
-      r.displs_[i] = s_->to_int(at, op);
-      at += counts[i];
-    }
-    s_->to_int(at, op);
-  }
+  void check_counts(std::span<const index_t> counts, const char* op) const;
+  void fill_v(request& r, std::span<const index_t> counts, const char* op) const;
 
   std::unique_ptr<detail::mpi_comm_state> s_;
 };
@@ -435,3 +382,7 @@ static_assert(Communicator<mpi_comm>);
 }  // namespace whale
 
 #include "whale/comm/detail/mpi_reports.hpp"
+
+#if WHALE_CORE_DEFINITIONS  // header-only, or the compiled core's own unit (detail/compiled.hpp)
+#include "whale/comm/mpi_comm_impl.hpp"
+#endif

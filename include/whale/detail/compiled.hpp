@@ -1,8 +1,10 @@
 // Header-only by default; optionally a compiled core, as fmt offers. The
 // model-independent runtime's larger functions (executor_core's, in
-// runtime/executor_core_impl.hpp and runtime/pass.hpp; zero_engine's, in
-// runtime/zero_impl.hpp) are marked
-// WHALE_CORE_INLINE and their definitions sit behind WHALE_CORE_DEFINITIONS:
+// runtime/executor_core_impl.hpp, runtime/executor_memory_impl.hpp and
+// runtime/pass.hpp; zero_engine's, in runtime/zero_impl.hpp; mpi_comm's, in
+// comm/mpi_comm_impl.hpp; the checkpoints' save and load, in
+// train/checkpoint_impl.hpp) are marked WHALE_CORE_INLINE and their
+// definitions sit behind WHALE_CORE_DEFINITIONS:
 // - by default both say "inline, here": every translation unit that uses them
 //   compiles them, as with any header-only library;
 // - with WHALE_COMPILED_CORE defined (CMake: link whale::core) a translation

@@ -355,5 +355,6 @@ class executor_core {
 
 #if WHALE_CORE_DEFINITIONS  // header-only, or the compiled core's own unit (detail/compiled.hpp)
 #include "whale/runtime/executor_core_impl.hpp"
+#include "whale/runtime/executor_memory_impl.hpp"
 #include "whale/runtime/pass.hpp"
 #endif
