@@ -33,6 +33,7 @@
 #include "whale/train/progress.hpp"
 #include "whale/train/run_record.hpp"
 #include "whale/train/trainer_options.hpp"
+#include "whale/train/trainer_start.hpp"
 
 namespace whale {
 

@@ -1,6 +1,6 @@
-// The trainer's construction (the checks of its options, the checkpoint
-// directory and the metrics log, made before any work) and its loop (run()
-// and run(data, steps, eval)): resuming,
+// The trainer's construction (what its start, train/trainer_start.hpp, needs
+// to know of the network and optimizer) and its loop (run() and run(data,
+// steps, eval)): resuming,
 // checkpoints every save_every steps, evaluation every eval_every steps with
 // its optional metric, and the steps queued on a device. Member definitions
 // of trainer (train/trainer.hpp, which includes this file at its end).
@@ -13,57 +13,17 @@ namespace whale {
 template <Trainable Net, Optimizer Opt>
 trainer<Net, Opt>::trainer(Net& net, Opt opt, trainer_options o)
     : net_(net), opt_(std::move(opt)), o_(std::move(o)), state_(net.make_optimizer_state(opt_)), next_(o_.first_step) {
-  detail::check_trainer_options(o_);
-  if constexpr (!requires { net_.params(); })
-    if (o_.precision == precision::bf16)
-      throw std::invalid_argument("whale::trainer: bf16 mixed precision needs the network's params() (the weights it rounds); "
-                                  "this network type does not have it");
-  bool zero3 = false;
-  if constexpr (requires { Net::zero_level; }) zero3 = Net::zero_level == 3;
-  if constexpr (requires { net.zero_level_now(); }) zero3 = net.zero_level_now() == 3;
-  if (zero3 && o_.precision == precision::bf16)
-      throw std::invalid_argument("whale::trainer: bf16 mixed precision with ZeRO-3 (shard<..., 3>) is not implemented: "
-                                  "its gathered weights are not rounded; use ZeRO 0-2 or fp32");
-  if (bf16()) {  // the fp32 master weights, beside the parameters (on a device, in its memory) for the whole run
-    std::string err = ckpt::catching([&] {
-      const place_scope where(backend().memory());
-      master_.resize(local_params().shape());
-    });
-    if (!err.empty()) err = "whale::trainer: bf16 mixed precision keeps fp32 master weights beside the parameters (" +
-                            std::to_string(local_params().bytes()) + " bytes): " + err;
-    if constexpr (Checkpointable<Net>) ckpt::agree(net_, err);  // every rank fails alike
-    else if (!err.empty()) throw std::runtime_error(err);
-  }
-  if (o_.handle_signals) {
-    detail::install_interrupt_handlers(net_.rank() == 0);
-    rec_.note_progress(o_, next_);
-  }
-  detail::check_checkpoint_options(o_);
-  if ((o_.save_every > 0 || o_.resume) && !checkpoints)
-    throw std::invalid_argument("whale::trainer: save_every and resume need a Checkpointable network (network<M> or a plan "
-                                "made by make<P>) and an optimizer whose state has vectors() (sgd, adamw)");
-  if constexpr (!requires { opt_.lr; })
-    if (o_.lr_schedule) throw std::invalid_argument(std::string("whale::trainer: lr_schedule needs an optimizer with a member `lr`; ") + Opt::name() + " has none");
-  if constexpr (checkpoints) {
-    if (!o_.checkpoint_dir.empty()) {  // made and checked before any work, on every rank
-      std::string err;
-      if (net_.rank() == 0) {
-        std::error_code ec;
-        std::filesystem::create_directories(o_.checkpoint_dir, ec);
-        if (ec) err = "cannot create it: " + ec.message();
-        else err = detail::output_path_problem(o_.checkpoint_dir + "/.whale-probe");
-        if (!err.empty()) err = "whale::trainer: the checkpoint directory (trainer_options::checkpoint_dir, --save) '" + o_.checkpoint_dir + "': " + err + "; nothing was run";
-        else if (err = ckpt::catching([&] { ckpt::hold_folder(o_.checkpoint_dir, "whale::trainer"); }); !err.empty()) err += "; nothing was run";
-      }
-      ckpt::agree(net_, err);
-    }
-  }
-  if (!o_.log_path.empty()) {  // checked on every rank (collective when the network has a world)
-    std::string err;
-    if (net_.rank() == 0) err = rec_.open_log(o_);
-    if constexpr (Checkpointable<Net>) ckpt::agree(net_, err);
-    else if (!err.empty()) throw std::runtime_error(err);
-  }
+  detail::trainer_facts f;  // what the start needs of Net and Opt; the rest is detail::start_trainer's
+  f.rank = net_.rank();
+  if constexpr (Checkpointable<Net>) f.world = ckpt::world_of(net_);
+  f.has_params = requires { net_.params(); };
+  if constexpr (requires { Net::zero_level; }) f.zero3 = Net::zero_level == 3;
+  if constexpr (requires { net.zero_level_now(); }) f.zero3 = net.zero_level_now() == 3;
+  f.checkpoints = checkpoints;
+  f.has_lr = requires { opt_.lr; };
+  f.optimizer = Opt::name();
+  if (bf16() && f.has_params) f.params = local_params(), f.backend = backend();
+  detail::start_trainer(o_, f, rec_, master_, next_);
 }
 
 template <Trainable Net, Optimizer Opt>
