@@ -196,12 +196,12 @@ void check_plan(const std::string& spec, Data make_data, index_t batch, index_t 
     const auto comm = m.memory.peak_of(mem_kind::comm);
     if (!(prog.zero_level >= 2 && ctx.mesh().shape().size(axis::data) == 1)) {  // (ZeRO on one data rank: buffers for no collective, not predicted)
       INFO("comm predicted " << e.comm << " bytes, measured " << comm);
-      // Not modelled yet: ZeRO-3 inside a pipeline over several data ranks, whose
-      // engine pool under 1F1B's interleaved micro-batches held 6 KB (5%) more than
-      // the replay of plan/memory.hpp predicts (shard<pipeline<1f1b, small_gpt>, 3>
-      // on data=2,pipe=2); its upper bound is checked.
+      // Not modelled exactly yet: ZeRO-3 inside a pipeline over several data ranks,
+      // whose engine pool under 1F1B's interleaved micro-batches held 6 KB (5%) more
+      // than the replay of plan/memory.hpp predicts (shard<pipeline<1f1b, small_gpt>, 3>
+      // on data=2,pipe=2): held to within 10% there, to 4 KiB elsewhere.
       const bool zero3_pipeline = prog.zero_level == 3 && prog.stages > 1;
-      if (!zero3_pipeline) CHECK(e.comm >= comm - 4096);
+      CHECK(e.comm >= comm - 4096 - (zero3_pipeline ? comm / 10 : 0));
       CHECK(e.comm <= 2 * comm + 4096);
     }
   } catch (const std::exception& e) {

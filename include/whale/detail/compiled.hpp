@@ -4,7 +4,8 @@
 // runtime/pass.hpp; zero_engine's, in runtime/zero_impl.hpp; mpi_comm's, in
 // comm/mpi_comm_impl.hpp; the checkpoints' save and load, in
 // train/checkpoint_impl.hpp; the trainer's start, in
-// train/trainer_start_impl.hpp) are marked WHALE_CORE_INLINE and their
+// train/trainer_start_impl.hpp; lower() and pass_order_of, in
+// plan/lower_impl.hpp and plan/lower_pass.hpp) are marked WHALE_CORE_INLINE and their
 // definitions sit behind WHALE_CORE_DEFINITIONS:
 // - by default both say "inline, here": every translation unit that uses them
 //   compiles them, as with any header-only library;

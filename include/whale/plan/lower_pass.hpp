@@ -1,5 +1,5 @@
 // The operations each pass of a step adds to a rank's program (detail::lowering,
-// plan/lower.hpp): ZeRO gathers and scatters, computations, pipeline messages,
+// plan/lower_impl.hpp): ZeRO gathers and scatters, computations, pipeline messages,
 // gradient buckets, the step's end. Not the placement, schedule or op primitives.
 #pragma once
 
@@ -12,7 +12,11 @@
 #include <vector>
 
 #include "whale/comm/detail/cost.hpp"
-#include "whale/plan/lower.hpp"
+#include "whale/plan/lower_impl.hpp"
+
+#if !WHALE_CORE_DEFINITIONS
+#error "whale/plan/lower_pass.hpp holds the compiled core's definitions: include whale/plan/lower.hpp, not this file"
+#endif
 
 namespace whale::detail {
 

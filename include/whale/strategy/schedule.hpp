@@ -133,7 +133,7 @@ struct interleaved_1f1b {
 };
 
 namespace detail {
-/// The zb_h1 lists of all `p` stages, from a replay with unit-time passes (below).
+/// The zb_h1 lists of all `p` stages, from a replay with unit-time passes (schedule_check.hpp).
 inline std::vector<std::vector<pipe_action>> zb_h1_lists(int p, int m);
 }  // namespace detail
 

@@ -5,12 +5,6 @@
 // of the reference workloads is in train/data.hpp.
 #pragma once
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <cmath>
 #include <concepts>
 #include <cstdint>

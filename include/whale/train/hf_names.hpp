@@ -16,6 +16,9 @@
 
 namespace whale::hf {
 
+/// One tensor of a Hugging Face checkpoint and where whale's unsplit flat
+/// parameters hold it: `count` floats from `offset`, in the same row-major
+/// order as the file's `shape`.
 using tensor_map = ckpt::tensor_map;
 
 /// The kind of a layer's name ("rms_norm<64>" -> "rms_norm") and its leading

@@ -29,11 +29,6 @@ namespace whale {
 
 namespace hf {
 
-/// One tensor of a Hugging Face checkpoint and where whale's unsplit flat
-/// parameters hold it: `count` floats from `offset`, in the same row-major
-/// order as the file's `shape`.
-using tensor_map = ckpt::tensor_map;
-
 /// Tensor `m`'s values from the file (row-major in the file's shape) in
 /// whale's order: a transposed one turned back into (out, in).
 inline std::vector<float> whale_order(const tensor_map& m, std::vector<float> v) {

@@ -217,4 +217,4 @@ template <class Net, class Opt> class wsp_trainer {
 
 }  // namespace whale
 
-#include "whale/train/wsp_wave_impl.hpp"  // the larger members' definitions
+#include "whale/train/wsp_trainer_run.hpp"  // the larger members' definitions
