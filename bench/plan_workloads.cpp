@@ -186,7 +186,7 @@ int run(int argc, char** argv) {
   program mine;
   const bool simulating = !a.profile.empty();
   const device_profile dev = simulating ? device_profile::load(a.profile) : device_profile{};
-  a.o.bf16 = dev.kernel_precision == "bf16";  // a GPU profile's precision: its master weights, its refusals
+  a.o.bf16 = dev.prices_bf16();  // a GPU profile's precision: its master weights, its refusals
   if (!a.trace.empty()) {
     if (const auto why = detail::output_path_problem(a.trace); !why.empty()) usage("whale_plan: --trace '" + a.trace + "': " + why);
   }

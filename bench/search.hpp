@@ -295,7 +295,7 @@ inline std::vector<candidate> rank_plans(const plan_query& base, int n, const de
       if (o.seq < 0) o.seq = w.seq;
       o.balance_seq = o.seq;  // the stage balancer prices attention at the context it runs
       o.zero_level = c.a.zero;
-      o.bf16 = dev.kernel_precision == "bf16";  // a GPU profile's precision: its master weights, its refusals
+      o.bf16 = dev.prices_bf16();  // a GPU profile's precision: its master weights, its refusals
       o.placement = false;  // priced, not run
       std::vector<program> all;
       std::int64_t mem = 0;

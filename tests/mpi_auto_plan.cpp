@@ -54,7 +54,8 @@ plan_options auto_options(double memory_limit_mib = 0) {
 
 // A profile file on every rank's path (rank 0 writes it): collectives of `coll_gbps`
 // and point-to-point messages of `p2p_gbps` (GB/s, 1 us latency), GEMMs at 100 GFLOP/s.
-std::string temp_profile(const context& ctx, const std::string& name, double coll_gbps, double p2p_gbps) {
+std::string temp_profile(const context& ctx, const std::string& name, double coll_gbps, double p2p_gbps,
+                         const std::string& extra = "") {
   long id = static_cast<long>(::getpid());
   broadcast(ctx.world(), view<long>(&id, {1}), 0);
   const auto path = (std::filesystem::temp_directory_path() / ("whale-" + name + "-" + std::to_string(id) + ".txt")).string();
@@ -63,7 +64,7 @@ std::string temp_profile(const context& ctx, const std::string& name, double col
     f << "device " << name << "\ngemm 64 64 64 0 0 100\nbandwidth 10\n";
     for (const char* k : {"all_reduce", "all_gather", "reduce_scatter", "broadcast"})
       f << "link node " << k << " 2 1 " << coll_gbps << "\n";
-    f << "link node p2p 2 1 " << p2p_gbps << "\n";
+    f << "link node p2p 2 1 " << p2p_gbps << "\n" << extra;
   }
   barrier(ctx.world());
   return path;
@@ -179,6 +180,33 @@ TEST_CASE("auto_plan without a batch to price, or with a profile it cannot read,
   o = auto_options();
   o.profile = "/nonexistent/profile.txt";
   CHECK_THROWS_AS(make<auto_plan<small_gpt>>(ctx, seed{42}, o), std::exception);
+}
+
+// One precision: auto_plan prices in its profile's (`kernels bf16`: bf16's master
+// weights, and no ZeRO-3, which bf16 refuses), and the trainer trains in it or refuses,
+// naming both, on every rank before any step; an analytic profile prices in none.
+TEST_CASE("auto_plan under a bf16 profile: the trainer trains its choice in bf16, and refuses fp32 naming both") {
+  auto ctx = context::init();
+  auto o = auto_options();
+  o.profile = temp_profile(ctx, "bf16-kernels", 10, 10, "kernels bf16 3\n");
+  auto net = make<auto_plan<small_gpt>>(ctx, seed{42}, o);
+  REQUIRE(net.priced_bf16().has_value());
+  CHECK(*net.priced_bf16());
+  CHECK(net.zero_level_now() != 3);
+  for (const auto& c : net.ranking())
+    if (c.label.find("zero3") != std::string::npos) CHECK(c.why.find("bf16 mixed precision with ZeRO-3") != std::string::npos);
+  auto to = test::quiet();
+  CHECK_THROWS_WITH_AS(trainer(net, sgd{.lr = 0.05f}, to),
+                       doctest::Contains("auto_plan chose this plan pricing bf16 kernels (its device profile's 'kernels' line), "
+                                         "but the trainer trains in fp32"),
+                       std::invalid_argument);
+  to.precision = precision::bf16;
+  trainer t(net, sgd{.lr = 0.05f}, to);
+  auto d = markov_data(seed{7}, small_gpt::vocab, seq, batch);
+  const auto r = t.run(d, steps{2});
+  CHECK(std::isfinite(r.losses.back()));
+  if (ctx.rank() == 0) std::filesystem::remove(o.profile);
+  CHECK_FALSE(make<auto_plan<small_gpt>>(ctx, seed{42}, auto_options()).priced_bf16().has_value());
 }
 
 // plan_options::plan_tie: candidates predicted within that fraction of the

@@ -11,6 +11,7 @@
 #include "whale/comm/mesh.hpp"
 #include "whale/plan/describe.hpp"
 #include "whale/plan/partition.hpp"
+#include "whale/plan/precision_rule.hpp"
 
 namespace whale {
 
@@ -62,9 +63,7 @@ inline void check_plan(const model_desc& d, const mesh_shape& m, const lower_opt
   if (o.global_batch < 1) lower_fail(d, "the global batch must be at least 1 sequence");
   if (o.seq < 1) lower_fail(d, "the sequence length must be at least 1");
   if (zero < 0 || zero > 3) lower_fail(d, "the ZeRO level must be 0, 1, 2 or 3");
-  if (o.bf16 && zero == 3)
-    lower_fail(d, "bf16 mixed precision with ZeRO-3 is not implemented (the trainer refuses it: its master weights would "
-                  "need the same partition as the parameters)");
+  if (const auto why = precision_refusal(o.bf16, zero); !why.empty()) lower_fail(d, why);
   if (!(o.bucket_mib > 0)) lower_fail(d, "the bucket size must be positive");
   if (!o.replica_weights.empty() && static_cast<int>(o.replica_weights.size()) != D)
     lower_fail(d, "the batch split has " + std::to_string(o.replica_weights.size()) + " weights for " + std::to_string(D) +

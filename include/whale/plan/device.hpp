@@ -156,6 +156,10 @@ struct device_profile {
   /// plus LAUNCH_US per launch; empty: from the layers' analytic costs.
   std::string kernel_precision;
   double launch_s = 0;
+  /// Whether this profile prices bf16 mixed precision (`kernels bf16`): its
+  /// kernels in bf16, and the fp32 master weights and bf16's refusals in the
+  /// plans it prices. The one reader of `kernel_precision` for that question.
+  bool prices_bf16() const noexcept { return kernel_precision == "bf16"; }
   /// `peak TFLOPS`: the device's dense peak for model FLOPs utilisation (0: none given).
   double peak_flops = 0;
 

@@ -24,20 +24,20 @@ namespace whale {
 WHALE_CORE_INLINE pass_order pass_order_of(const model_desc& d, int stage, int stages, int m) {
   const bool piped = d.pipeline && d.actions;
   const auto actions = piped ? d.actions : &one_f_one_b::actions;
-  const int V = piped ? d.chunks : 1;
+  const int chunks_per_rank = piped ? d.chunks : 1;
   const std::string who = "whale::pipeline<" + (piped ? d.schedule : one_f_one_b::name()) + ", ...>: ";
   if (stages < 1) throw std::invalid_argument(who + "a pipeline needs at least one stage");
   if (m < 1) throw std::invalid_argument(who + "the micro-batch count must be at least 1 (got " + std::to_string(m) + ")");
   std::vector<std::vector<pipe_action>> lists(static_cast<std::size_t>(stages));
   for (int s = 0; s < stages; ++s) lists[static_cast<std::size_t>(s)] = actions(s, stages, m);
   pass_order o;
-  o.report = detail::check_lists(lists, stages, m, piped && d.split_backward, who, V);
+  o.report = detail::check_lists(lists, stages, m, piped && d.split_backward, who, chunks_per_rank);
   const auto fwd = detail::forwards_of(lists);
-  const auto fr = detail::replay(fwd, stages, m, V);
+  const auto fr = detail::replay(fwd, stages, m, chunks_per_rank);
   const auto at = static_cast<std::size_t>(stage);
   o.actions = {fwd[at], lists[at]};
   o.rounds = {fr.round[at], o.report.round[at]};
-  o.messages = {detail::message_order(fwd, fr.round, stages, m, V, stage), detail::message_order(lists, o.report.round, stages, m, V, stage)};
+  o.messages = {detail::message_order(fwd, fr.round, stages, m, chunks_per_rank, stage), detail::message_order(lists, o.report.round, stages, m, chunks_per_rank, stage)};
   o.micro_batches = m;
   return o;
 }

@@ -75,7 +75,7 @@ inline double kernel_seconds(const model_desc& d, const program& p, const op& o,
   if (!u.kernels || o.rows < 1 || u.in_width == any_features || u.out_width == any_features) return -1;
   const index_t seq = std::max<index_t>(1, p.seq);
   if (o.rows % seq != 0) return -1;
-  const bool bf16 = dev.kernel_precision == "bf16";
+  const bool bf16 = dev.prices_bf16();
   const index_t batch = o.rows / seq;
   const unit_kernels k = u.kernels(batch, seq, u.in_width, u.out_width, bf16);
   const bool fwd = o.kind == op_kind::forward || o.kind == op_kind::recompute;
@@ -97,7 +97,7 @@ inline double compute_seconds(const model_desc& d, const program& p, const op& o
     // as the GPU step's ledger counts them: AdamW's fused update, 28 bytes an element
     // (32 under bf16, with the fp32 master weights), in one launch; the trainer's
     // gradient norm, 4 bytes an element, then its partial sums and check: 6 launches
-    const double per = (dev.kernel_precision == "bf16" ? 32.0 : 28.0) + (p.grad_norm ? 4.0 : 0.0);
+    const double per = (dev.prices_bf16() ? 32.0 : 28.0) + (p.grad_norm ? 4.0 : 0.0);
     return per * static_cast<double>(o.elements) / dev.bandwidth_bps + (p.grad_norm ? 7 : 1) * dev.launch_s;
   }
   const auto& u = d.units[static_cast<std::size_t>(o.unit)];

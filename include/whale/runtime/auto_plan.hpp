@@ -96,7 +96,7 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
       const bool kernels = !dev.kernel_precision.empty();
       const auto d = kernels ? describe_kernels<P>() : describe<P>();
       lower_options lo = lowering_of(o, o.plan_batch, o.plan_seq);
-      lo.bf16 = dev.kernel_precision == "bf16";
+      lo.bf16 = dev.prices_bf16();
       lo.micro_batches = micro;
       lo.stage_blocks.clear();  // each candidate is cut by cost
       lo.placement = false;  // priced, not run: the chosen plan lowers its own program
@@ -242,7 +242,9 @@ class auto_executor {
     // a profile that one node cannot read, or a ranking that fails there, fails every rank (no collective is entered alone)
     std::string err;
     try {
-      ranking_ = rank_auto_plans<M, S>(ctx.mesh().shape(), o, at_start ? *at_start : device_profile::load(o.profile));
+      const device_profile dev = at_start ? *at_start : device_profile::load(o.profile);
+      if (!dev.kernel_precision.empty()) priced_bf16_ = dev.prices_bf16();
+      ranking_ = rank_auto_plans<M, S>(ctx.mesh().shape(), o, dev);
     } catch (const std::exception& e) {
       err = e.what();
     }
@@ -270,6 +272,10 @@ class auto_executor {
   /// Where the profile the plans were priced with came from: "the profile file PATH", or
   /// the line rank 0 printed when it was measured at start or loaded from the cache.
   const std::string& profile_origin() const noexcept { return profile_origin_; }
+  /// Whether the plans were priced in bf16 mixed precision (a profile's `kernels bf16`) or
+  /// fp32 (`kernels fp32`); unset: priced from the layers' analytic costs, in no precision.
+  /// The trainer refuses to train in another precision than the one priced.
+  std::optional<bool> priced_bf16() const noexcept { return priced_bf16_; }
   /// The ZeRO level of the plan that runs (0 for dp and the pipeline).
   int zero_level_now() const {
     return std::visit([](const auto& e) { return std::remove_cvref_t<decltype(*e)>::zero_level; }, v_);
@@ -345,6 +351,7 @@ class auto_executor {
   }
   std::vector<plan_choice> ranking_;
   std::string profile_origin_;
+  std::optional<bool> priced_bf16_;  // the precision the plans were priced in (unset: analytic)
   // the chosen plan's context when its mesh is not the job's: on the heap, so that the
   // executor's pointer to it survives a move of this object; destroyed after v_
   std::unique_ptr<context> reshaped_;

@@ -289,7 +289,7 @@ class executor_core {
   /// forward(): micro-batch `micro`'s logits `y` into `out` (host memory).
   void keep_logits(tensor<float>& out, cview<float> y, int micro, int m);
   /// The ZeRO engine's settings, from the plan's options.
-  zero_engine::options zero_options() const { return {o_.bucket_mib, o_.prefetch, o_.max_pending, o_.bf16_reduce}; }
+  zero_engine::options zero_engine_options() const { return {o_.bucket_mib, o_.prefetch, o_.max_pending, o_.bf16_reduce}; }
   /// Rows [first, first + count) of `global_batch` that replica `replica` takes.
   std::pair<index_t, index_t> slice(index_t global_batch, int replica) const {
     return weighted_slice(global_batch, replicas_, replica, replica_weights_, std::max(1, o_.micro_batches));

@@ -70,7 +70,7 @@ executor<P>::executor(const context& ctx, seed s, plan_options o) : detail::exec
 template <class P> void executor<P>::bind(seed s, index_t n) {
   if constexpr (level == 3) {
     auto& part_ = parts_[0];
-    zero_.setup(*data_, level, part_.begin(), n, zero_options());
+    zero_.setup(*data_, level, part_.begin(), n, zero_engine_options());
     tensor<float> tmp({n}, mem_kind::workspace);  // init from the whole stage's streams, keep the owned range
     part_.bind_and_init(tmp.data(), nullptr, s, true);
     detail::tie_params(ties_, tmp.data(), pipe_);
@@ -85,7 +85,7 @@ template <class P> void executor<P>::bind(seed s, index_t n) {
     }
     detail::tie_params(ties_, params_.data(), pipe_);
     if (level > 0) {
-      zero_.setup(*data_, level, parts_[0].begin(), n, zero_options());
+      zero_.setup(*data_, level, parts_[0].begin(), n, zero_engine_options());
       zero_.set_full_params(params_.data());
     }
   }

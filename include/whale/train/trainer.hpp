@@ -264,6 +264,7 @@ class trainer {
       c.batch = count;
       c.seq = data.seq();
       c.global_rows = data.global_batch() * data.seq();
+      c.bf16 = bf16();
       net_.check_step_memory(c, detail::data_source_bytes<typename Net::model_type>(data, count));
     }
   }

@@ -22,6 +22,7 @@ trainer<Net, Opt>::trainer(Net& net, Opt opt, trainer_options o)
   f.checkpoints = checkpoints;
   f.has_lr = requires { opt_.lr; };
   f.optimizer = Opt::name();
+  if constexpr (requires { net.priced_bf16(); }) f.priced_bf16 = net.priced_bf16();
   if (bf16() && f.has_params) f.params = local_params(), f.backend = backend();
   detail::start_trainer(o_, f, rec_, master_, next_);
 }

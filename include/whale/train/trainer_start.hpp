@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "whale/backend/backend_ref.hpp"
@@ -29,6 +30,8 @@ struct trainer_facts {
   std::string optimizer;        ///< its name, for the message
   view<float> params;           ///< bf16: the parameters the master weights mirror; else empty
   backend_ref backend;          ///< where the parameters live
+  /// auto_plan: whether it priced its choice in bf16 (a profile's `kernels` line); unset: not priced in a precision
+  std::optional<bool> priced_bf16;
 };
 
 /// The trainer's checks and preparations before any work (std::invalid_argument

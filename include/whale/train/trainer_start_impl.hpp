@@ -9,6 +9,7 @@
 #include <system_error>
 
 #include "whale/detail/io.hpp"
+#include "whale/plan/precision_rule.hpp"
 #include "whale/train/checkpoint.hpp"
 #include "whale/train/interrupt.hpp"
 #include "whale/train/trainer_start.hpp"
@@ -26,9 +27,12 @@ WHALE_CORE_INLINE void start_trainer(const trainer_options& o, const trainer_fac
   if (bf16 && !f.has_params)
     throw std::invalid_argument("whale::trainer: bf16 mixed precision needs the network's params() (the weights it rounds); "
                                 "this network type does not have it");
-  if (f.zero3 && bf16)
-    throw std::invalid_argument("whale::trainer: bf16 mixed precision with ZeRO-3 (shard<..., 3>) is not implemented: "
-                                "its gathered weights are not rounded; use ZeRO 0-2 or fp32");
+  if (const auto why = precision_refusal(bf16, f.zero3 ? 3 : 0); !why.empty()) throw std::invalid_argument("whale::trainer: " + why);
+  if (f.priced_bf16 && *f.priced_bf16 != bf16)  // the same on every rank: auto_plan's ranks agreed on their choice
+    throw std::invalid_argument(std::string("whale::trainer: auto_plan chose this plan pricing ") +
+                                (*f.priced_bf16 ? "bf16" : "fp32") + " kernels (its device profile's 'kernels' line), but the trainer "
+                                "trains in " + to_string(o.precision) + " (trainer_options::precision, --precision); train in " +
+                                (*f.priced_bf16 ? "bf16" : "fp32") + ", or give auto_plan a profile priced in " + to_string(o.precision));
   if (bf16) {  // the fp32 master weights, beside the parameters (on a device, in its memory) for the whole run
     std::string err = ckpt::catching([&] {
       const place_scope where(f.backend.memory());
