@@ -54,13 +54,13 @@ class wsp_holders {
     float* base = nullptr;
     check(MPI_Win_allocate(static_cast<MPI_Aint>(std::max<index_t>(1, counts_[me]) * sizeof(float)), sizeof(float),
                            MPI_INFO_NULL, comm_, &base, &params_win_),
-          "MPI_Win_allocate (parameters)");
+          "MPI_Win_allocate (parameters)", window_hint);
     std::fill_n(base, counts_[me], 0.f);
     std::int64_t* clocks = nullptr;
     const index_t words = rank_ == 0 ? 3 * size_ + 2 : 0;  // clocks, pulls, stop, finished, published values
     check(MPI_Win_allocate(static_cast<MPI_Aint>(std::max<index_t>(1, words) * sizeof(std::int64_t)),
                            sizeof(std::int64_t), MPI_INFO_NULL, comm_, &clocks, &clock_win_),
-          "MPI_Win_allocate (clocks)");
+          "MPI_Win_allocate (clocks)", window_hint);
     std::fill_n(clocks, words, std::int64_t{0});
     clocks_.assign(3 * static_cast<std::size_t>(size_) + 2, 0);
     MPI_Barrier(comm_);  // every holder initialised before anyone pushes
@@ -179,8 +179,14 @@ class wsp_holders {
            " s at '" + h.what_ + "' for the ranks' waves to reach " + std::to_string(h.need_) + " (waves per rank " +
            behind + "); a rank has died, hangs, or is more than WHALE_WATCHDOG_S slower than the others";
   }
-  static void check(int rc, const char* call) {
-    if (rc != MPI_SUCCESS) throw std::runtime_error(std::string("whale::wsp: ") + call + " failed: " + mpi_error_text(rc));
+  // What a window that cannot be made across nodes needs (Open MPI 4's one-sided "rdma"
+  // component takes InfiniBand or UCX transports, not TCP; its "pt2pt" one works over any).
+  static constexpr const char* window_hint =
+      "; WSP's windows span every rank: where the ranks' nodes talk over TCP only, Open MPI 4 needs a one-sided "
+      "component that works there (mpirun --mca osc sm,pt2pt), as its default 'rdma' one needs InfiniBand or UCX";
+  static void check(int rc, const char* call, const char* hint = "") {
+    if (rc != MPI_SUCCESS)
+      throw std::runtime_error(std::string("whale::wsp: ") + call + " failed: " + mpi_error_text(rc) + hint);
   }
 
   MPI_Comm comm_;

@@ -113,6 +113,22 @@ inline std::string mpi_error_text(int rc) {
   return std::string(s, static_cast<std::size_t>(len));
 }
 
+/// Stops the heartbeat when MPI finalizes, whoever finalizes it: MPI_Finalize
+/// deletes MPI_COMM_SELF's attributes first, and this one's deleter stops it.
+/// Set once, before the first heartbeat word is registered.
+inline void stop_heartbeat_at_finalize() {
+  static const bool set = [] {
+    int key = MPI_KEYVAL_INVALID;
+    auto stop = [](MPI_Comm, int, void*, void*) -> int {
+      heartbeat::instance().stop();
+      return MPI_SUCCESS;
+    };
+    return MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, stop, &key, nullptr) == MPI_SUCCESS &&
+           MPI_Comm_set_attr(MPI_COMM_SELF, key, nullptr) == MPI_SUCCESS;
+  }();
+  (void)set;
+}
+
 /// One communicator's state; its address is stable (requests point to it).
 struct mpi_comm_state {
   MPI_Comm comm = MPI_COMM_NULL;
@@ -166,6 +182,7 @@ struct mpi_comm_state {
       slot = static_cast<std::int64_t*>(base);
       slot[0] = slot[1] = 0;
       slot[3] = static_cast<std::int64_t>(::getpid());
+      stop_heartbeat_at_finalize();
       heartbeat::instance().add(&slot[2]);
       int nsize = 0;
       MPI_Comm_size(node, &nsize);

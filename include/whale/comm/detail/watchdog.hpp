@@ -49,6 +49,7 @@ class heartbeat {
   void add(std::int64_t* word) {
     std::lock_guard<std::mutex> l(m_);
     std::atomic_ref<std::int64_t>(*word).store(monotonic_ms(), std::memory_order_relaxed);
+    if (stopped_) return;
     words_.push_back(word);
     if (!started_) {
       started_ = true;
@@ -58,6 +59,14 @@ class heartbeat {
   void remove(std::int64_t* word) {
     std::lock_guard<std::mutex> l(m_);
     words_.erase(std::remove(words_.begin(), words_.end(), word), words_.end());
+  }
+  /// Writes no word again: MPI is finalizing, and the node-shared windows the
+  /// words live in are about to be unmapped (a communicator still alive then, or
+  /// one left to the job's end, would otherwise be written after it).
+  void stop() {
+    std::lock_guard<std::mutex> l(m_);
+    stopped_ = true;
+    words_.clear();
   }
 
  private:
@@ -73,7 +82,7 @@ class heartbeat {
   std::mutex m_;
   std::condition_variable cv_;
   std::vector<std::int64_t*> words_;
-  bool started_ = false;
+  bool started_ = false, stopped_ = false;
 };
 
 class watchdog {
