@@ -25,7 +25,9 @@ WHALE_CORE_INLINE mpi_comm mpi_comm::world() {
     throw std::logic_error("whale::mpi_comm::world: MPI is not initialized; create a whale::context first");
   MPI_Comm c;
   MPI_Comm_dup(MPI_COMM_WORLD, &c);
-  return mpi_comm(c, "world");
+  mpi_comm w(c, "world");
+  detail::remote_heartbeat::instance().start();  // collective over MPI_COMM_WORLD; the first time only
+  return w;
 }
 
 WHALE_CORE_INLINE mpi_comm mpi_comm::split(int color, int key, std::string name) {

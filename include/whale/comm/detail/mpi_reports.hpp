@@ -6,6 +6,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <cstdio>
@@ -95,7 +96,9 @@ inline std::string mpi_comm::request::operation() const {
 
 /// The heartbeat check, from the watchdog thread while this rank waits: the
 /// first member of this communicator on this node whose process is gone, or
-/// whose heartbeat is older than heartbeat_timeout(); empty if none.
+/// whose heartbeat is older than heartbeat_timeout(); else the members on
+/// other nodes not heard from for that long (remote_heartbeat), all of them,
+/// with their hosts; empty if none.
 inline std::string mpi_comm::request::peer_problem() const {
   const double limit = heartbeat_timeout();
   if (limit <= 0) return {};
@@ -126,7 +129,38 @@ inline std::string mpi_comm::request::peer_problem() const {
            "); this rank's last communication calls, oldest first: " + detail::flight_recorder::instance().dump() +
            "; aborting the job (WHALE_HEARTBEAT_S=" + std::to_string(static_cast<int>(limit)) + ")";
   }
-  return {};
+  // members on other nodes: when one has been silent for longer than the limit, every
+  // one silent for nearly as long (the same outage: beats come every 0.5 s), with its host
+  const auto& remote = detail::remote_heartbeat::instance();
+  auto quiet_of = [&](int i) -> std::int64_t {
+    if (i == s.rank || s.peer_slot[static_cast<std::size_t>(i)]) return -1;
+    return remote.silence_ms(s.world_ranks[static_cast<std::size_t>(i)]);
+  };
+  bool over = false;
+  for (int i = 0; i < s.size && !over; ++i) over = static_cast<double>(quiet_of(i)) > 1000 * limit;
+  if (!over) return {};
+  const double near = std::max(500 * limit, 1000 * limit - 2000);
+  std::string silent;
+  int count = 0;
+  std::int64_t longest = 0;
+  for (int i = 0; i < s.size; ++i) {
+    const int w = s.world_ranks[static_cast<std::size_t>(i)];
+    const auto quiet = quiet_of(i);
+    if (quiet < 0 || static_cast<double>(quiet) <= near) continue;
+    silent += std::string(count++ ? ", " : "") + "rank " + std::to_string(w) + " (pid " + std::to_string(remote.pid(w)) +
+              " on " + remote.host(w) + ")";
+    longest = std::max(longest, quiet);
+  }
+  if (count == 0) return {};
+  char b[64];
+  std::snprintf(b, sizeof b, "%.1f", static_cast<double>(longest) / 1000);
+  char host[256] = "this node";
+  ::gethostname(host, sizeof host - 1);
+  return "heartbeat: " + silent + (count > 1 ? " have" : " has") + " not been heard from " + host + " for up to " + b +
+         " s (stopped, frozen, or " + (count > 1 ? "their nodes" : "its node") + " cannot be reached); this rank waits in " + operation() + " (collective #" +
+         std::to_string(seq_) + "); this rank's last communication calls, oldest first: " +
+         detail::flight_recorder::instance().dump() + "; aborting the job (WHALE_HEARTBEAT_S=" +
+         std::to_string(static_cast<int>(limit)) + ")";
 }
 
 }  // namespace whale

@@ -22,6 +22,7 @@
 
 #include "whale/backend/kernels/elementwise.hpp"
 #include "whale/comm/communicator.hpp"
+#include "whale/comm/detail/remote_heartbeat.hpp"
 #include "whale/comm/detail/watchdog.hpp"
 #include "whale/comm/failure.hpp"
 

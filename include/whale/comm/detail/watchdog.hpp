@@ -51,10 +51,15 @@ class heartbeat {
     std::atomic_ref<std::int64_t>(*word).store(monotonic_ms(), std::memory_order_relaxed);
     if (stopped_) return;
     words_.push_back(word);
-    if (!started_) {
-      started_ = true;
-      std::thread([this] { loop(); }).detach();
-    }
+    start_thread();
+  }
+  /// `tick` runs on the heartbeat thread at each beat, after the words are
+  /// written (the beats to other nodes: remote_heartbeat.hpp); nullptr: none.
+  void set_tick(void (*tick)()) {
+    std::lock_guard<std::mutex> l(m_);
+    if (stopped_) return;
+    tick_ = tick;
+    start_thread();
   }
   void remove(std::int64_t* word) {
     std::lock_guard<std::mutex> l(m_);
@@ -67,21 +72,29 @@ class heartbeat {
     std::lock_guard<std::mutex> l(m_);
     stopped_ = true;
     words_.clear();
+    tick_ = nullptr;
   }
 
  private:
   heartbeat() = default;
+  void start_thread() {  // under m_
+    if (started_) return;
+    started_ = true;
+    std::thread([this] { loop(); }).detach();
+  }
   void loop() {
     std::unique_lock<std::mutex> l(m_);
     for (;;) {
       const auto now = monotonic_ms();
       for (auto* w : words_) std::atomic_ref<std::int64_t>(*w).store(now, std::memory_order_relaxed);
+      if (tick_) tick_();
       cv_.wait_for(l, std::chrono::milliseconds(500));
     }
   }
   std::mutex m_;
   std::condition_variable cv_;
   std::vector<std::int64_t*> words_;
+  void (*tick_)() = nullptr;
   bool started_ = false, stopped_ = false;
 };
 
