@@ -17,6 +17,7 @@
 
 #include "whale/plan/describe.hpp"
 #include "whale/plan/program.hpp"
+#include "whale/plan/zero_options.hpp"
 #include "whale/strategy/split_linear.hpp"
 
 namespace whale {
@@ -52,12 +53,6 @@ struct memory_estimate {
   }
 };
 
-/// The runtime options that change buffers but not the program (plan_options' names).
-struct memory_options {
-  int max_pending = 2;   ///< ZeRO 2-3: leaves whose reduce-scatters may be in flight
-  bool prefetch = true;  ///< ZeRO 3: the next leaf gathered while the current one runs
-};
-
 namespace detail {
 /// Bytes of the ZeRO engine's buffer pool after one step of program `p`: a
 /// gradient buffer per leaf in backward (back to the pool when its
@@ -67,7 +62,7 @@ namespace detail {
 /// of each bucket and a bf16 piece instead, the gradient buffer going back as
 /// soon as the leaf is packed — and at level 3 the gathered
 /// parameters of the running leaf and of the prefetched one.
-inline std::int64_t zero_pool_bytes(const program& p, const memory_options& o) {
+inline std::int64_t zero_pool_bytes(const program& p, const zero_options& o) {
   struct size_pool {  // buffers taken by exact size: size -> (buffers, free), as the engine's pools
     std::map<std::int64_t, std::pair<int, int>> by;
     void take(std::int64_t n) {
@@ -157,7 +152,7 @@ inline void convert_bytes(const unit_desc& u, int p, index_t rows_local, index_t
 /// The memory rank `p.rank` needs to run program `p` of plan `d` (lower(d, ...)):
 /// the optimizer at p.optimizer_bytes_per_param per owned parameter. Data
 /// batches and short-lived temporaries (the tracker's `workspace`) are not included.
-inline memory_estimate predict_memory(const model_desc& d, const program& p, const memory_options& o = {}) {
+inline memory_estimate predict_memory(const model_desc& d, const program& p, const zero_options& o = {}) {
   memory_estimate e;
   const auto t = p.totals();
   e.params = t.param_bytes, e.grads = t.grad_bytes, e.optimizer = t.optimizer_bytes;

@@ -259,6 +259,13 @@ class auto_executor {
     if (lo != hi)
       throw std::invalid_argument(who + "the ranks chose different plans (this rank: " + ranking_.front().label +
                                   "); give every rank the same profile file and options");
+    // ... and priced in one precision (the trainer refuses another on every rank alike)
+    std::int64_t prec[2] = {priced_bf16_ ? 1 + static_cast<std::int64_t>(*priced_bf16_) : 0, 0};
+    prec[1] = -prec[0];
+    all_reduce(ctx.world(), view<std::int64_t>(prec, {2}), reduce_op::max);
+    if (prec[0] != -prec[1])
+      throw std::invalid_argument(who + "the ranks' device profiles price in different precisions (a 'kernels bf16' line, "
+                                  "'kernels fp32', or none); give every rank the same profile file");
     o.micro_batches = ranking_.front().micro_batches;
     // a reshaped mesh: the chosen plan runs in a context of its own over the same ranks, in their order
     if (ranking_.front().mesh != ctx.mesh().shape().spec())

@@ -165,7 +165,7 @@ class executor_core {
   /// `optimizer_bytes_per_param` per owned parameter (AdamW 8, SGD with momentum 4).
   memory_estimate predicted_memory(index_t global_batch, index_t seq, int optimizer_bytes_per_param = 8) const {
     const auto prog = lower(desc_, ctx_->mesh().shape(), ctx_->rank(), step_lowering(global_batch, seq, optimizer_bytes_per_param));
-    return predict_memory(desc_, prog, memory_options{o_.max_pending, o_.prefetch});
+    return predict_memory(desc_, prog, o_);
   }
 
   // ---- what this rank holds ----

@@ -136,7 +136,7 @@ WHALE_CORE_INLINE void executor_core::check_step_memory(const step_ctx& c, std::
   if (in_flight_ > 0) lo.micro_batches = in_flight_;
   lo.bf16 = c.bf16;  // the step's precision: its master weights and bf16's refusals (precision_refusal)
   auto step = lower(desc_, ctx_->mesh().shape(), ctx_->rank(), lo);
-  const auto e = predict_memory(desc_, step, memory_options{o_.max_pending, o_.prefetch});
+  const auto e = predict_memory(desc_, step, o_);
   step_order_ = std::move(step.order);  // the step's passes run in its order (order_for)
   std::ostringstream what;
   what << "the activations of its step (" << mib_text(e.activations) << ": " << e.live_micro_batches

@@ -1,6 +1,7 @@
 // The run-time choices of a plan, one struct per concern: where the rank
 // computes (placement), pipelines, data parallelism, ZeRO, debugging,
-// heterogeneous devices and the planner. `plan_options` (runtime/options.hpp)
+// heterogeneous devices and the planner (ZeRO's group, which the memory
+// model reads too, is in plan/zero_options.hpp). `plan_options` (runtime/options.hpp)
 // is all of them; each part of the runtime takes the group it reads. Each
 // group reads its own environment variables (`read_env`) and command-line
 // flags (`take_flag`) with strict parsing: an error names the flag or
@@ -15,6 +16,7 @@
 #include "whale/backend/backend_ref.hpp"
 #include "whale/detail/environment.hpp"
 #include "whale/detail/parse.hpp"
+#include "whale/plan/zero_options.hpp"
 #include "whale/tensor/tensor.hpp"
 
 namespace whale {
@@ -106,17 +108,6 @@ struct data_parallel_options {
     else if (a == "--bf16-reduce") bf16_reduce = true;
     else return false;
     return true;
-  }
-};
-
-/// ZeRO: how a sharded plan gathers parameters and scatters gradients.
-struct zero_options {
-  bool prefetch = true;  ///< level 3: gather the next leaf while the current one runs
-  int max_pending = 2;   ///< levels 2–3: leaves whose reduce-scatters may be in flight
-
-  /// WHALE_ZERO_PREFETCH.
-  void read_env() {
-    if (auto v = env::boolean("WHALE_ZERO_PREFETCH")) prefetch = *v;
   }
 };
 
