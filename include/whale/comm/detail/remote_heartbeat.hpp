@@ -9,15 +9,24 @@
 // datagram needs nothing of its receiver, so a frozen peer cannot block the
 // channel, as it could a TCP connection or an MPI call.
 //
+// A peer is watched once it has been heard from: where UDP between the nodes
+// is blocked, nothing is ever heard and nothing is reported (the watchdog's
+// timeout still ends a job that waits for ever). The beats go to every rank
+// of another node (two datagrams a second each way per pair; meant for jobs
+// of up to a few hundred ranks), to each of its addresses.
+//
 // The socket calls go through syscall(2) with the kernel's own structure
-// layouts (Linux, 64-bit): the C library's socket headers declare ::send and
-// ::recv, which would make a user's unqualified whale::send and whale::recv
-// ambiguous under `using namespace whale`.
+// layouts (Linux on x86-64 or aarch64; elsewhere there is no remote
+// heartbeat): the C library's socket headers declare ::send and ::recv, which
+// would make a user's unqualified whale::send and whale::recv ambiguous under
+// `using namespace whale`.
 #pragma once
 
 #include <mpi.h>
-#include <sys/syscall.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#endif
 
 #include <atomic>
 #include <cstdint>
@@ -27,6 +36,13 @@
 #include <vector>
 
 #include "whale/comm/detail/watchdog.hpp"
+#include "whale/comm/failure.hpp"
+
+#if defined(__linux__) && (defined(__x86_64__) || defined(__aarch64__))
+#define WHALE_REMOTE_HEARTBEAT 1
+#else
+#define WHALE_REMOTE_HEARTBEAT 0
+#endif
 
 namespace whale::detail {
 
@@ -34,6 +50,7 @@ namespace whale::detail {
 namespace net {
 inline constexpr std::uint16_t af_inet = 2;
 inline constexpr int sock_dgram = 2, sock_nonblock = 04000, sock_cloexec = 02000000, msg_dontwait = 0x40;
+inline constexpr int sol_socket = 1, so_rcvbuf = 8;
 inline constexpr unsigned long siocgifconf = 0x8912, siocgifflags = 0x8913;
 inline constexpr std::int16_t iff_up = 0x1, iff_loopback = 0x8;
 /// struct sockaddr_in: family, port and address in network order, padding.
@@ -53,7 +70,7 @@ struct ifconf {
   int len;
   ifreq* req;
 };
-static_assert(sizeof(in4) == 16 && sizeof(ifreq) == 40 && sizeof(ifconf) == 16 && sizeof(void*) == 8,
+static_assert(!WHALE_REMOTE_HEARTBEAT || (sizeof(in4) == 16 && sizeof(ifreq) == 40 && sizeof(ifconf) == 16 && sizeof(void*) == 8),
               "whale's remote heartbeat assumes Linux's 64-bit socket structures");
 }  // namespace net
 
@@ -69,7 +86,7 @@ class remote_heartbeat {
   /// exchanges the addresses, later ones do nothing. A rank without a socket or
   /// an IPv4 address of its own is not watched (its peers skip it).
   void start() {
-    if (started_) return;
+    if (started_ || !WHALE_REMOTE_HEARTBEAT) return;
     started_ = true;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
     MPI_Comm_size(MPI_COMM_WORLD, &size_);
@@ -84,8 +101,11 @@ class remote_heartbeat {
       MPI_Comm_free(&node);
     }
     mine.node = leader;
+#if WHALE_REMOTE_HEARTBEAT
     fd_ = static_cast<int>(::syscall(SYS_socket, net::af_inet, net::sock_dgram | net::sock_nonblock | net::sock_cloexec, 0));
     if (fd_ >= 0) {
+      const int room = 4 << 20;  // a tick's beats from every remote rank, with room to spare
+      (void)::syscall(SYS_setsockopt, fd_, net::sol_socket, net::so_rcvbuf, &room, sizeof room);
       net::in4 a{net::af_inet, 0, 0, {}};  // any address, a port the kernel picks
       std::uint32_t len = sizeof a;
       if (::syscall(SYS_bind, fd_, &a, sizeof a) == 0 && ::syscall(SYS_getsockname, fd_, &a, &len) == 0) {
@@ -94,6 +114,7 @@ class remote_heartbeat {
         for (std::uint32_t x : own) mine.addr[mine.count++] = x;
       }
     }
+#endif
     // one token a job: a datagram of another job (a port used again) is not a beat
     std::uint64_t token = (static_cast<std::uint64_t>(::getpid()) << 32) ^ static_cast<std::uint64_t>(monotonic_ms());
     MPI_Bcast(&token, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
@@ -101,9 +122,8 @@ class remote_heartbeat {
     peers_.resize(static_cast<std::size_t>(size_));
     MPI_Allgather(&mine, sizeof(entry), MPI_BYTE, peers_.data(), sizeof(entry), MPI_BYTE, MPI_COMM_WORLD);
     heard_ = std::make_unique<std::atomic<std::int64_t>[]>(static_cast<std::size_t>(size_));
-    const auto now = monotonic_ms();
     for (int r = 0; r < size_; ++r) {
-      heard_[static_cast<std::size_t>(r)].store(now, std::memory_order_relaxed);
+      heard_[static_cast<std::size_t>(r)].store(0, std::memory_order_relaxed);  // never heard: not watched yet
       const auto& p = peers_[static_cast<std::size_t>(r)];
       if (r != rank_ && p.node != mine.node && p.count > 0 && p.port != 0 && mine.count > 0) remote_.push_back(r);
     }
@@ -113,10 +133,11 @@ class remote_heartbeat {
   }
 
   /// Milliseconds since world rank `r` was last heard; -1 if it is not watched
-  /// (this rank's node, or no address on either side).
+  /// (this rank's node, no address on either side, or never heard from).
   std::int64_t silence_ms(int r) const {
     if (!watched(r)) return -1;
-    return monotonic_ms() - heard_[static_cast<std::size_t>(r)].load(std::memory_order_relaxed);
+    const auto heard = heard_[static_cast<std::size_t>(r)].load(std::memory_order_relaxed);
+    return heard > 0 ? monotonic_ms() - heard : -1;
   }
   bool watched(int r) const { return r >= 0 && r < static_cast<int>(watched_.size()) && watched_[static_cast<std::size_t>(r)]; }
   /// World rank `r`'s host name and pid, as it said when the job started.
@@ -124,7 +145,7 @@ class remote_heartbeat {
   std::int64_t pid(int r) const { return peers_.empty() ? 0 : peers_[static_cast<std::size_t>(r)].pid; }
 
  private:
-  static constexpr int max_addresses = 4;
+  static constexpr int max_addresses = 16;
   struct entry {
     std::uint32_t addr[max_addresses] = {};  // network order
     std::int32_t count = 0;                  // addresses; 0: not reachable
@@ -134,16 +155,17 @@ class remote_heartbeat {
     char host[64] = {};
   };
   struct beat {
-    std::uint64_t token;
-    std::int32_t rank;
+    std::uint64_t token = 0;
+    std::int32_t rank = 0, unused = 0;  // no padding: every byte sent is set
   };
   remote_heartbeat() = default;
 
   // This host's IPv4 addresses (network order) on interfaces that are up and not
   // loopback, at most `most` (SIOCGIFCONF, then SIOCGIFFLAGS per interface).
-  static std::vector<std::uint32_t> own_addresses(int fd, std::size_t most) {
+  static std::vector<std::uint32_t> own_addresses([[maybe_unused]] int fd, [[maybe_unused]] std::size_t most) {
     std::vector<std::uint32_t> out;
-    net::ifreq reqs[32] = {};
+#if WHALE_REMOTE_HEARTBEAT
+    net::ifreq reqs[128] = {};
     net::ifconf conf{};
     conf.len = static_cast<int>(sizeof reqs);
     conf.req = reqs;
@@ -159,6 +181,7 @@ class remote_heartbeat {
       std::memcpy(&flags, q.data, sizeof flags);
       if ((flags & net::iff_up) && !(flags & net::iff_loopback)) out.push_back(a.addr);
     }
+#endif
     return out;
   }
   static void tick_hook() { instance().tick(); }
@@ -166,11 +189,19 @@ class remote_heartbeat {
   // A peer's every address gets the beat: those the network cannot carry are
   // dropped, and a beat that reaches another socket is not of this job or rank.
   void tick() {
+#if WHALE_REMOTE_HEARTBEAT
     const auto now = monotonic_ms();
-    beat b{};
-    while (::syscall(SYS_recvfrom, fd_, &b, sizeof b, net::msg_dontwait, nullptr, nullptr) == static_cast<long>(sizeof b))
-      if (b.token == token_ && b.rank >= 0 && b.rank < size_) heard_[static_cast<std::size_t>(b.rank)].store(now, std::memory_order_relaxed);
-    const beat me{token_, rank_};
+    for (;;) {  // until nothing is left; a datagram of another size or job is skipped
+      beat b{};
+      const long got = ::syscall(SYS_recvfrom, fd_, &b, sizeof b, net::msg_dontwait, nullptr, nullptr);
+      if (got < 0) break;
+      if (got == static_cast<long>(sizeof b) && b.token == token_ && b.rank >= 0 && b.rank < size_)
+        heard_[static_cast<std::size_t>(b.rank)].store(now, std::memory_order_relaxed);
+    }
+    if (!(heartbeat_timeout() > 0)) return;  // WHALE_HEARTBEAT_S=0: no beats sent
+    beat me{};
+    me.token = token_;
+    me.rank = rank_;
     for (int r : remote_) {
       const auto& p = peers_[static_cast<std::size_t>(r)];
       for (int k = 0; k < p.count; ++k) {
@@ -178,6 +209,7 @@ class remote_heartbeat {
         (void)::syscall(SYS_sendto, fd_, &me, sizeof me, net::msg_dontwait, &to, sizeof to);
       }
     }
+#endif
   }
 
   bool started_ = false;

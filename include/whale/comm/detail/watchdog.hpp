@@ -13,6 +13,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <limits>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -67,12 +68,15 @@ class heartbeat {
   }
   /// Writes no word again: MPI is finalizing, and the node-shared windows the
   /// words live in are about to be unmapped (a communicator still alive then, or
-  /// one left to the job's end, would otherwise be written after it).
+  /// one left to the job's end, would otherwise be written after it). Each word
+  /// is left at a beat from the far future, so that a peer still waiting on this
+  /// rank does not take a rank in MPI_Finalize for a frozen one (a dead one it
+  /// still sees by its pid). The tick (UDP, no MPI) goes on.
   void stop() {
     std::lock_guard<std::mutex> l(m_);
     stopped_ = true;
+    for (auto* w : words_) std::atomic_ref<std::int64_t>(*w).store(std::numeric_limits<std::int64_t>::max() / 2, std::memory_order_relaxed);
     words_.clear();
-    tick_ = nullptr;
   }
 
  private:
