@@ -19,7 +19,7 @@ namespace whale {
 struct lower_options {
   index_t global_batch = 0;     ///< sequences (or samples) per step; required
   index_t seq = 1;              ///< tokens per sequence
-  int micro_batches = 0;        ///< 0: the runtime's default (pipelines: <= 4 x stages; otherwise 1)
+  int micro_batches = 0;        ///< 0: the runtime's default (pipelines of 2+ stages: <= 4 x stages; otherwise 1)
   std::vector<int> stage_blocks;  ///< pipelines of a repeat: blocks per stage (empty: balanced)
   index_t balance_seq = 128;    ///< context length the stage balancer assumes
   double bucket_mib = 25.0;     ///< gradient bucket size

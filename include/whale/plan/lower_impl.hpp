@@ -175,7 +175,7 @@ class lowering {
     p_.local_sequences = n;
     int m = 1;  // without a pipeline, more than one is gradient accumulation inside one step
     try {
-      m = micro_batch_count(n, o_.micro_batches, d_.pipeline, P_);
+      m = micro_batch_count(n, o_.micro_batches, d_.pipeline, P_, d_.pipeline ? d_.chunks : 1);
     } catch (const std::invalid_argument& e) {
       lower_fail(d_, e.what());
     }

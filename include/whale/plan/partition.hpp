@@ -200,17 +200,18 @@ inline int default_micro_batches(index_t batch, int stages) {
 
 /// Micro-batches of one replica's `batch` sequences a step: `requested` when
 /// given (it must divide the batch), else the pipeline's default
-/// (default_micro_batches over `stages`) or, without a pipeline, 1. The one
+/// (default_micro_batches over `stages`) or, without a pipeline or with one
+/// stage of one chunk (no bubble to fill: smaller GEMMs would only cost), 1. The one
 /// rule lowering and the executor both apply. Throws std::invalid_argument
 /// saying why; the caller names the plan.
-inline int micro_batch_count(index_t batch, int requested, bool pipelined, int stages) {
+inline int micro_batch_count(index_t batch, int requested, bool pipelined, int stages, int chunks = 1) {
   if (requested > 0) {
     if (batch % requested != 0 || batch < requested)
       throw std::invalid_argument(std::to_string(requested) + " micro-batches do not divide the per-replica batch of " +
                                   std::to_string(batch) + " sequences; choose a micro-batch count that divides it");
     return requested;
   }
-  return pipelined ? default_micro_batches(batch, stages) : 1;
+  return pipelined && stages * chunks > 1 ? default_micro_batches(batch, stages) : 1;
 }
 
 /// `ranges` sorted, with touching or overlapping ranges joined.

@@ -298,7 +298,7 @@ class executor_core {
   int micro_count(index_t batch) const {
     if (in_flight_ > 0) return in_flight_;  // in_flight_step checked that it divides
     try {
-      return micro_batch_count(batch, o_.micro_batches, facts_.staged, stages_);
+      return micro_batch_count(batch, o_.micro_batches, facts_.staged, stages_, facts_.chunks);
     } catch (const std::invalid_argument& e) {
       throw std::invalid_argument(who() + e.what());
     }

@@ -43,7 +43,7 @@ struct placement_options {
 /// Pipelines and gradient accumulation: micro-batches and stage cuts.
 struct pipeline_options {
   /// Micro-batches per step (m). 0: 1 without a pipeline; with one, the largest
-  /// divisor of the per-replica batch that is at most 4 × stages.
+  /// divisor of the per-replica batch that is at most 4 × stages (1 with one stage of one chunk).
   int micro_batches = 0;
   /// pipeline<S, M>: blocks of the repeat on each stage (one count per stage,
   /// summing to N; inner stages need at least one). Empty: balanced by cost.

@@ -32,15 +32,19 @@ namespace whale::detail {
 ///
 /// - Holders: world rank r holds block r of the flat model [0, n) (near-even
 ///   blocks) in an MPI window; a push adds a delta to every block it overlaps
-///   (MPI_Accumulate, MPI_SUM, under a shared lock: element-wise atomic), a pull
+///   (MPI_Accumulate, MPI_SUM: element-wise atomic), a pull
 ///   reads them (MPI_Get_accumulate with MPI_NO_OP, atomic against pushes).
 /// - Clocks: rank 0's window holds one int64 per world rank (waves pushed) and a
 ///   stop word; a rank advances its own clock after its push completed at the
-///   holders (the unlock), so a clock of c means "every update of waves <= c is in";
+///   holders (the flush), so a clock of c means "every update of waves <= c is in";
 ///   a second count per rank says how many waves' weights it has pulled, and
 ///   a third word per rank holds a number it published (e.g. its recent loss).
 /// Nothing here waits for a peer's participation: a rank makes progress alone
-/// (on one node Open MPI serves these windows from shared memory).
+/// (on one node Open MPI serves these windows from shared memory). Each rank
+/// opens one passive-target epoch on both windows for the holders' whole life
+/// (MPI_Win_lock_all, no exclusive lock is ever taken) and completes each
+/// operation with a flush, so no call pays a lock and an unlock (on a network,
+/// a message each).
 class wsp_holders {
  public:
   /// Collective over `world`; the weights start at zero (fill them with push()).
@@ -64,34 +68,35 @@ class wsp_holders {
     std::fill_n(clocks, words, std::int64_t{0});
     clocks_.assign(3 * static_cast<std::size_t>(size_) + 2, 0);
     MPI_Barrier(comm_);  // every holder initialised before anyone pushes
+    check(MPI_Win_lock_all(MPI_MODE_NOCHECK, params_win_), "MPI_Win_lock_all (parameters)");
+    check(MPI_Win_lock_all(MPI_MODE_NOCHECK, clock_win_), "MPI_Win_lock_all (clocks)");
   }
   wsp_holders(const wsp_holders&) = delete;
   wsp_holders& operator=(const wsp_holders&) = delete;
   /// Collective (MPI_Win_free).
   ~wsp_holders() {
-    if (params_win_ != MPI_WIN_NULL) MPI_Win_free(&params_win_);
-    if (clock_win_ != MPI_WIN_NULL) MPI_Win_free(&clock_win_);
+    if (params_win_ != MPI_WIN_NULL) MPI_Win_unlock_all(params_win_), MPI_Win_free(&params_win_);
+    if (clock_win_ != MPI_WIN_NULL) MPI_Win_unlock_all(clock_win_), MPI_Win_free(&clock_win_);
   }
 
   /// Adds `delta` to the global weights [offset, offset + delta.numel()).
+  /// Complete at every holder when it returns.
   void push(cview<float> delta, index_t offset) {
     each_block(offset, delta.numel(), [&](int h, index_t at, index_t len, index_t src) {
-      check(MPI_Win_lock(MPI_LOCK_SHARED, h, 0, params_win_), "MPI_Win_lock");
       check(MPI_Accumulate(delta.data() + src, static_cast<int>(len), MPI_FLOAT, h, static_cast<MPI_Aint>(at),
                            static_cast<int>(len), MPI_FLOAT, MPI_SUM, params_win_),
             "MPI_Accumulate");
-      check(MPI_Win_unlock(h, params_win_), "MPI_Win_unlock");
     });
+    each_block(offset, delta.numel(), [&](int h, index_t, index_t, index_t) { check(MPI_Win_flush(h, params_win_), "MPI_Win_flush"); });
   }
   /// Reads the global weights [offset, offset + out.numel()) into `out`.
   void pull(view<float> out, index_t offset) {
     each_block(offset, out.numel(), [&](int h, index_t at, index_t len, index_t dst) {
-      check(MPI_Win_lock(MPI_LOCK_SHARED, h, 0, params_win_), "MPI_Win_lock");
       check(MPI_Get_accumulate(nullptr, 0, MPI_FLOAT, out.data() + dst, static_cast<int>(len), MPI_FLOAT, h,
                                static_cast<MPI_Aint>(at), static_cast<int>(len), MPI_FLOAT, MPI_NO_OP, params_win_),
             "MPI_Get_accumulate");
-      check(MPI_Win_unlock(h, params_win_), "MPI_Win_unlock");
     });
+    each_block(offset, out.numel(), [&](int h, index_t, index_t, index_t) { check(MPI_Win_flush(h, params_win_), "MPI_Win_flush"); });
   }
   /// This rank has pushed one more wave.
   void advance() { add_word(rank_, 1); }
@@ -101,10 +106,9 @@ class wsp_holders {
   void publish(double v) {
     std::int64_t bits = 0;
     std::memcpy(&bits, &v, sizeof bits);
-    check(MPI_Win_lock(MPI_LOCK_SHARED, 0, 0, clock_win_), "MPI_Win_lock");
     check(MPI_Accumulate(&bits, 1, MPI_INT64_T, 0, 2 * size_ + 2 + rank_, 1, MPI_INT64_T, MPI_REPLACE, clock_win_),
           "MPI_Accumulate");
-    check(MPI_Win_unlock(0, clock_win_), "MPI_Win_unlock");
+    check(MPI_Win_flush(0, clock_win_), "MPI_Win_flush");
   }
   /// What rank r published last, as last read (0 if nothing yet).
   double published(int r) const {
@@ -116,12 +120,11 @@ class wsp_holders {
   void request_stop() { add_word(2 * size_, 1); }
   /// Reads every clock; returns the smallest. stop_requested() tells the stop word.
   std::int64_t read_clocks() {
-    check(MPI_Win_lock(MPI_LOCK_SHARED, 0, 0, clock_win_), "MPI_Win_lock");
     const int words = 3 * size_ + 2;
     check(MPI_Get_accumulate(nullptr, 0, MPI_INT64_T, clocks_.data(), words, MPI_INT64_T, 0, 0, words, MPI_INT64_T,
                              MPI_NO_OP, clock_win_),
           "MPI_Get_accumulate");
-    check(MPI_Win_unlock(0, clock_win_), "MPI_Win_unlock");
+    check(MPI_Win_flush(0, clock_win_), "MPI_Win_flush");
     return *std::min_element(clocks_.begin(), clocks_.begin() + size_);
   }
   /// The smallest clock of any rank, as last read.
@@ -154,7 +157,10 @@ class wsp_holders {
  private:
   template <class F> void each_block(index_t offset, index_t count, F&& f) {
     if (offset < 0 || offset + count > n_) throw std::out_of_range("whale::wsp: a range outside the model");
-    for (int h = 0; h < size_; ++h) {
+    // each rank starts at its own holder: ranks that push or pull at once do not
+    // queue on one holder after another (a holder serves one accumulate at a time)
+    for (int i = 0; i < size_; ++i) {
+      const int h = (rank_ + i) % size_;
       const auto hu = static_cast<std::size_t>(h);
       const index_t lo = std::max(offset, starts_[hu]), hi = std::min(offset + count, starts_[hu] + counts_[hu]);
       if (hi - lo > INT_MAX)
@@ -164,9 +170,8 @@ class wsp_holders {
     }
   }
   void add_word(int word, std::int64_t v) {
-    check(MPI_Win_lock(MPI_LOCK_SHARED, 0, 0, clock_win_), "MPI_Win_lock");
     check(MPI_Accumulate(&v, 1, MPI_INT64_T, 0, word, 1, MPI_INT64_T, MPI_SUM, clock_win_), "MPI_Accumulate");
-    check(MPI_Win_unlock(0, clock_win_), "MPI_Win_unlock");
+    check(MPI_Win_flush(0, clock_win_), "MPI_Win_flush");
   }
   static std::string describe_wait(const void* self, double seconds) {
     const auto& h = *static_cast<const wsp_holders*>(self);
