@@ -920,6 +920,56 @@ TEST_CASE("placement: stages across nodes, and a group with k ranks on each node
   for (const auto& op : ps[0].ops)
     if (op.kind == op_kind::collective && op.group_size > 1) comm += 50e-6 + static_cast<double>(op.bytes_sent) / 4e9;
   CHECK(two_nodes.ranks[0].comm_s == doctest::Approx(comm));
+  // inter-node bytes, by hand: each ring step's sender whose next rank is on another node
+  double sent = 0;  // one rank's bytes over every collective of the step
+  for (const auto& op : ps[0].ops)
+    if (op.kind == op_kind::collective && op.group_size > 1) sent += static_cast<double>(op.bytes_sent);
+  REQUIRE(sent > 0);
+  std::istringstream in3(in2.str());
+  const auto nic = device_profile::parse(in3, "nic3");
+  CHECK(simulate(d, ps, nic, 8).inter_node_bytes == 0);  // one node
+  CHECK(two_nodes.inter_node_bytes == doctest::Approx(2 * sent));  // ranks 3 -> 4 and 7 -> 0 cross
+  std::vector<int> round_robin;  // rank r on node r % 2: every ring step crosses
+  for (int r = 0; r < 8; ++r) round_robin.push_back((r % 2) * 4 + r / 2);
+  CHECK(simulate(d, ps, nic, 4, round_robin).inter_node_bytes == doctest::Approx(8 * sent));
+  // a pipeline's messages cross where its stages sit on two nodes; one rank per stage
+  // stands for the 4 replicas of data=4 x pipe=2 (2 ranks a node: each replica's stages on one)
+  {
+    auto m = batch(16);
+    m.micro_batches = 4;
+    std::istringstream in4("gemm 64 64 64 0 0 100\nbandwidth 10\nlink node all_reduce 8 10 100\nlink net all_reduce 8 50 1\n"
+                           "link node p2p 2 10 100\nlink net p2p 2 50 1\n");
+    const auto links = device_profile::parse(in4, "nic4");
+    const auto d2 = describe<replicate<two_stages>>();
+    const auto mesh = mesh_shape(4, 2, 1);
+    std::vector<program> all, first;
+    for (int r = 0; r < 8; ++r) {
+      all.push_back(lower(d2, mesh, r, m));
+      if (mesh.coord(r, axis::data) == 0) first.push_back(all.back());
+    }
+    // one replica's activations and gradients; each stage's gradient all-reduce over
+    // data (one member's bytes); the step's loss, summed over all 8 ranks
+    double messages = 0, grads = 0, loss = 0;
+    for (const auto& q : first)
+      for (const auto& op : q.ops) {
+        if (op.kind == op_kind::send) messages += static_cast<double>(op.bytes_sent);
+        if (op.kind == op_kind::collective && op.group_size == 4) grads += static_cast<double>(op.bytes_sent);
+        if (op.kind == op_kind::collective && op.group_size == 8 && q.rank == 0) loss += static_cast<double>(op.bytes_sent);
+      }
+    REQUIRE(messages > 0);
+    REQUIRE(loss > 0);
+    // pipe-inner (whale's order): a replica's two stages on one node, the messages stay
+    // there; each stage's data ring has its 4 members on 4 nodes, so every step crosses,
+    // and the loss's ring of ranks 0-7 crosses at 4 of its 8 steps
+    const auto inner = simulate(d2, all, links, 2);
+    CHECK(inner.inter_node_bytes == doctest::Approx(4 * grads + 4 * loss));
+    CHECK(simulate(d2, first, links, 2).inter_node_bytes == doctest::Approx(inner.inter_node_bytes));
+    // pipe-outer (stages across nodes): every message crosses, the data rings stay on
+    // their node, the loss's ring alternates nodes
+    const auto outer = pipe_outer_devices(mesh);
+    CHECK(simulate(d2, all, links, 4, outer).inter_node_bytes == doctest::Approx(4 * messages + 8 * loss));
+    CHECK(simulate(d2, first, links, 4, outer).inter_node_bytes == doctest::Approx(4 * messages + 8 * loss));
+  }
 }
 
 TEST_CASE("the program cuts a pipelined repeat once, and refuses cuts that leave a stage without a layer, in words") {

@@ -13,6 +13,7 @@
 
 #include "../bench_common.hpp"
 #include "hetero.hpp"
+#include "../inter_node.hpp"
 #include "whale/runtime/make.hpp"
 #include "whale/comm/collectives.hpp"
 #include "whale/optim/sgd.hpp"
@@ -144,6 +145,7 @@ struct dp {
       if (r > 0) bucketed.push_back(dt);
     }
     const double comm_s = median(one), comm_b_s = median(bucketed);
+    const auto hosts = gather_hosts(ctx);
     if (ctx.rank() != 0) return;
 
     char plan[160];
@@ -156,6 +158,7 @@ struct dp {
     j.add("precision", to_string(prec));
     j.add("grad_reduce", o.bf16_reduce ? "bf16" : "fp32");
     j.add("comm_bytes_per_rank_per_step", static_cast<long long>(sent / timed_steps));
+    add_inter_node_fields(j, net, hosts, global, data.seq());
     j.add("peak_rss_mib_per_rank", rss);
     j.raw("memory_mib", memory_json(mem));
     j.add("memory_busiest_rank_mib", busiest_mib);

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../bench_common.hpp"
+#include "../inter_node.hpp"
 #include "whale/runtime/make.hpp"
 #include "whale/comm/collectives.hpp"
 #include "whale/optim/sgd.hpp"
@@ -84,6 +85,7 @@ struct pipeline {
     all_gather(ctx.world(), view<double>(&my_bytes, {1}), view<double>(bytes.data(), {P}));
     const auto ev = net.finish_trace();  // collective; writes --trace on rank 0
     const auto bub = measure_bubble(ev, 2);
+    const auto hosts = gather_hosts(ctx);
     if (ctx.rank() != 0) return;
 
     auto list = [](const std::vector<double>& v) {
@@ -108,6 +110,7 @@ struct pipeline {
     j.add("schedule", S::name()).add("micro_batches", m);
     j.add("comm_bytes_per_rank_per_step", static_cast<long long>(*std::max_element(bytes.begin(), bytes.end())));
     j.raw("comm_bytes_per_stage_per_step", list(bytes));
+    add_inter_node_fields(j, net, hosts, global, data.seq());
     j.add("peak_rss_mib_per_rank", rss);
     j.raw("memory_mib", memory_json(mem));
     j.add("memory_busiest_rank_mib", busiest_mib);

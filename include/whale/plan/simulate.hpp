@@ -53,6 +53,13 @@ struct step_simulation {
   double step_s = 0;  ///< the slowest rank's end
   std::vector<rank_time> ranks;
   std::vector<trace_event> spans;  ///< Chrome trace spans (write_trace), one per operation
+  /// Bytes that cross between nodes in the step, over every link and both
+  /// directions (the ranks left out by symmetry counted too). The traffic model
+  /// is comm_stats' ring: a collective runs as a ring over its group in rank
+  /// order, each member sending its bytes to the next, so a member's bytes
+  /// cross when the next member sits on another node; a message crosses when
+  /// its two ranks do. 0 on one node.
+  double inter_node_bytes = 0;
   /// The busiest rank's idle fraction (waits over its end time).
   double bubble() const {
     double b = 0;
@@ -177,6 +184,8 @@ inline step_simulation simulate_pass(const model_desc& d, const std::vector<prog
     std::vector<int> simulated;  // its members among the programs (their indices)
     link_level level = link_level::node;
     int local = 1;               // its members on one node
+    std::vector<int> crossing;   // its members whose next in the ring is on another node (mesh ranks)
+    double copies = 1;           // the groups it stands for (those of ranks left out by symmetry)
   };
   std::map<std::int64_t, group_info> member_cache;  // group -> its ranks and where they are
   std::vector<std::map<std::int64_t, int>> coll_index(static_cast<std::size_t>(n));  // per rank: collectives entered per group
@@ -233,6 +242,10 @@ inline step_simulation simulate_pass(const model_desc& d, const std::vector<prog
               if (index[static_cast<std::size_t>(q)] >= 0) g.simulated.push_back(index[static_cast<std::size_t>(q)]);
             g.level = level_of(all);
             g.local = local_of(all);
+            for (std::size_t k = 0; k < all.size(); ++k)
+              if (node_of(all[k]) != node_of(all[(k + 1) % all.size()])) g.crossing.push_back(all[k]);
+            for (int a = 0; a < axis_count; ++a)  // a group without an axis replayed by symmetry stands for one per coordinate
+              if (((by_symmetry >> a) & 1u) && !((o.group.bits() >> a) & 1u)) g.copies *= mesh.size(static_cast<axis>(a));
             cached = member_cache.emplace(key, std::move(g)).first;
           }
           const auto& m = cached->second.simulated;
@@ -245,6 +258,11 @@ inline step_simulation simulate_pass(const model_desc& d, const std::vector<prog
           const double bytes = static_cast<double>(std::max({o.slowest_bytes, o.bytes_sent, o.bytes_received}));
           const double even = o.even_bytes > 0 ? std::min(bytes, static_cast<double>(o.even_bytes)) : bytes;
           const double dur = dev.link_time(cached->second.level, link_of(o), o.group_size, bytes, cached->second.local, even);
+          for (int q : cached->second.crossing) {  // a member left out by symmetry sends as this rank does
+            const int iq = index[static_cast<std::size_t>(q)];
+            const auto& oq = iq >= 0 ? progs[static_cast<std::size_t>(iq)].ops[next[static_cast<std::size_t>(iq)]] : o;
+            sim.inter_node_bytes += static_cast<double>(oq.bytes_sent) * cached->second.copies;
+          }
           for (int q : m) {
             const auto& pq = progs[static_cast<std::size_t>(q)];
             const std::size_t iq = next[static_cast<std::size_t>(q)];
@@ -271,6 +289,8 @@ inline step_simulation simulate_pass(const model_desc& d, const std::vector<prog
             if (ready > t) rt.wait_s += ready - t, t = ready;
           }
           const double dur = dev.link_time(level_of({me, o.peer}), link_kind::p2p, 2, static_cast<double>(o.bytes_sent));
+          if (node_of(me) != node_of(o.peer))  // one message for each rank this program stands for
+            sim.inter_node_bytes += static_cast<double>(o.bytes_sent) * static_cast<double>(full / n);
           mailbox[{me, o.peer}].push_back(t + dur);
           span(r, span_kind::send_act, o.micro, t, t);
           done[static_cast<std::size_t>(r)][i] = t;

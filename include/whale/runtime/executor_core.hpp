@@ -168,6 +168,17 @@ class executor_core {
     return predict_memory(desc_, prog, o_);
   }
 
+  /// Every rank's program of a step of `global_batch` sequences of `seq` tokens,
+  /// lowered as predicted_memory lowers this rank's, for a replay of the whole
+  /// step (plan/simulate.hpp: its time, its bytes between nodes). Pure.
+  std::vector<program> step_programs(index_t global_batch, index_t seq) const {
+    std::vector<program> all;
+    for (int r = 0; r < ctx_->size(); ++r) all.push_back(lower(desc_, ctx_->mesh().shape(), r, step_lowering(global_batch, seq, 4)));
+    return all;
+  }
+  /// The plan's description (plan/describe.hpp), as lowering reads it.
+  const model_desc& description() const noexcept { return desc_; }
+
   // ---- what this rank holds ----
   const program& placement() const noexcept { return prog_; }
   /// This rank's parameters and gradients: its stage's flat range [param_begin(), param_end())
