@@ -216,7 +216,7 @@ template <class P> class executor final : public detail::executor_core {
          << "\n";
     if (e.stages_ > 1 || e.o_.micro_batches > 1)
       os << "  schedule " << sched::name() << ", micro-batches "
-         << (e.o_.micro_batches ? std::to_string(e.o_.micro_batches) : std::string(staged ? "auto (<= 4 x stages; 1 with one stage of one chunk)" : "1")) << "\n";
+         << (e.o_.micro_batches ? std::to_string(e.o_.micro_batches) : std::string(staged ? "auto (<= 4 x stages)" : "1")) << "\n";
     if (e.replicas_ > 1 && level < 2)
       os << "  buckets of <= " << e.o_.bucket_mib << " MiB" << (e.blocking_buckets() ? ", blocking" : ", non-blocking")
          << (e.o_.overlap ? ", during backward" : ", after backward") << (e.o_.bf16_reduce ? ", summed in bf16" : "")

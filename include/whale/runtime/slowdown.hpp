@@ -1,8 +1,12 @@
 // Emulated heterogeneity: layer hooks that make this rank behave as a device
 // `f` times slower, by sleeping (f - 1) times each leaf's forward and backward
-// after it ran. Compiled once (no model types); it does not touch the results.
+// after it ran (the time its thread ran, not the time it waited for a core).
+// Compiled once (no model types); it does not touch the results.
 #pragma once
 
+#include <time.h>
+
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -28,7 +32,7 @@ class slowdown_hooks final : public layer_hooks {
 
   void before_forward(const leaf_ref& r) override {
     if (next_) next_->before_forward(r);
-    t0_ = clock::now();
+    t0_ = ran_s();
   }
   void after_forward(const leaf_ref& r) override {
     stall();
@@ -36,7 +40,7 @@ class slowdown_hooks final : public layer_hooks {
   }
   void before_backward(const leaf_ref& r) override {
     if (next_) next_->before_backward(r);
-    t0_ = clock::now();
+    t0_ = ran_s();
   }
   void after_backward(const leaf_ref& r) override {
     stall();
@@ -44,16 +48,21 @@ class slowdown_hooks final : public layer_hooks {
   }
 
  private:
-  using clock = std::chrono::steady_clock;
-  void stall() {
-    const auto ran = clock::now() - t0_;
-    const auto extra = std::chrono::duration_cast<clock::duration>(ran * (factor_ - 1.0));
-    std::this_thread::sleep_for(extra);
-    waited_ += std::chrono::duration<double>(extra).count();
+  /// Seconds this thread has run (its CPU time): where ranks share cores, the
+  /// time a leaf waited for one is not stretched too, so the emulated slowness
+  /// does not grow with what the other ranks do meanwhile.
+  static double ran_s() noexcept {
+    timespec t{};
+    ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+    return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
   }
-  double factor_ = 1.0, waited_ = 0.0;
+  void stall() {
+    const double extra = std::max(0.0, ran_s() - t0_) * (factor_ - 1.0);
+    std::this_thread::sleep_for(std::chrono::duration<double>(extra));
+    waited_ += extra;
+  }
+  double factor_ = 1.0, waited_ = 0.0, t0_ = 0.0;
   layer_hooks* next_ = nullptr;
-  clock::time_point t0_{};
 };
 
 }  // namespace whale::detail

@@ -157,16 +157,20 @@ class wsp_holders {
  private:
   template <class F> void each_block(index_t offset, index_t count, F&& f) {
     if (offset < 0 || offset + count > n_) throw std::out_of_range("whale::wsp: a range outside the model");
+    auto part = [&](int h) {  // [lo, hi) of the range that holder h keeps
+      const auto hu = static_cast<std::size_t>(h);
+      return std::pair<index_t, index_t>{std::max(offset, starts_[hu]), std::min(offset + count, starts_[hu] + counts_[hu])};
+    };
+    for (int h = 0; h < size_; ++h)  // every part checked before any operation is issued (none left unflushed)
+      if (const auto [lo, hi] = part(h); hi - lo > INT_MAX)
+        throw std::length_error("whale::wsp: a holder's block of " + std::to_string(hi - lo) +
+                                " parameters exceeds MPI's count limit (INT_MAX); use more ranks");
     // each rank starts at its own holder: ranks that push or pull at once do not
     // queue on one holder after another (a holder serves one accumulate at a time)
     for (int i = 0; i < size_; ++i) {
       const int h = (rank_ + i) % size_;
-      const auto hu = static_cast<std::size_t>(h);
-      const index_t lo = std::max(offset, starts_[hu]), hi = std::min(offset + count, starts_[hu] + counts_[hu]);
-      if (hi - lo > INT_MAX)
-        throw std::length_error("whale::wsp: a holder's block of " + std::to_string(hi - lo) +
-                                " parameters exceeds MPI's count limit (INT_MAX); use more ranks");
-      if (hi > lo) f(h, lo - starts_[hu], hi - lo, lo - offset);
+      const auto [lo, hi] = part(h);
+      if (hi > lo) f(h, lo - starts_[static_cast<std::size_t>(h)], hi - lo, lo - offset);
     }
   }
   void add_word(int word, std::int64_t v) {
