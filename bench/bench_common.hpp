@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <stdexcept>
@@ -26,6 +27,7 @@
 #include "whale/models/llama.hpp"
 #include "whale/models/mlp.hpp"
 #include "whale/models/xc.hpp"
+#include "whale/plan/device.hpp"
 #include "whale/plan/lower.hpp"
 #include "whale/plan/memory.hpp"
 #include "whale/tensor/memory.hpp"
@@ -221,6 +223,9 @@ struct config {
   whale::context* ctx = nullptr;
   std::string workload, plan;
   int steps = 7;  ///< 2 warm-up steps + the timed ones
+  /// --simulate PROFILE (plans dp and pipeline): the simulator's step on that
+  /// profile, for where the ranks really are, printed as predicted_step_s.
+  std::optional<whale::device_profile> simulate;
   plan_args args;
   int rank() const { return ctx->rank(); }
   int ranks() const { return ctx->size(); }

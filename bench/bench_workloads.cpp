@@ -1,6 +1,9 @@
 // The reference-workload benchmark (shared/workloads.md): trains `mlp`, `xc` or
 // `gpt` under a plan and prints one JSON line (rank 0 only) on stdout.
-//   bench_workloads --workload mlp|xc|gpt|deep-mlp|llama-small|gpt2-small --plan P [--steps S] [--threads-per-rank T] [plan options]
+//   bench_workloads --workload mlp|xc|gpt|deep-mlp|llama-small|gpt2-small --plan P [--steps S] [--threads-per-rank T]
+//                   [--simulate PROFILE] [plan options]
+// --simulate (plans dp and pipeline): also the simulator's step on that device
+// profile, for where the ranks are (predicted_step_s).
 // scripts/bench builds it and launches mpirun for several ranks; use that.
 //
 // Adding a plan (hybrid, pipeline, zero1/2/3, ...):
@@ -22,6 +25,7 @@
 
 #include "bench_common.hpp"
 #include "whale/detail/parse.hpp"
+#include "whale/plan/device_text.hpp"
 
 namespace bench {  // plans/entries_*.cpp
 plan_entry entry_single();
@@ -76,15 +80,24 @@ bench::config parse(int argc, char** argv, whale::context& ctx) {
     if (a == "--workload") c.workload = next();
     else if (a == "--plan") c.plan = next();
     else if (a == "--steps") c.steps = static_cast<int>(whale::detail::parse_int(next(), "--steps", 3, 1000000));
-    else if (a == "--threads-per-rank")
+    else if (a == "--simulate") {
+      const std::string path = next();
+      try {  // every rank reads it before any work: a bad file is a usage error on each
+        c.simulate = whale::device_profile::load(path);
+      } catch (const std::exception& e) {
+        throw bench::usage_error(std::string("bench: --simulate: ") + e.what());
+      }
+    } else if (a == "--threads-per-rank")
       whale::cpu::set_threads(static_cast<int>(whale::detail::parse_int(next(), "--threads-per-rank", 1, 4096)));
     else if (a == "--help" || a == "-h")
       throw bench::usage_error("usage: bench_workloads --workload mlp|xc|gpt|deep-mlp|llama-small|gpt2-small --plan P [--steps S] "
-                               "[--threads-per-rank T] [plan options]\nplans:" + plan_list());
+                               "[--threads-per-rank T] [--simulate PROFILE] [plan options]\nplans:" + plan_list());
     else rest.push_back(a);
   }
   if (c.workload.empty() || c.plan.empty()) throw bench::usage_error("bench: --workload and --plan are required");
   if (c.steps < 3) throw bench::usage_error("bench: --steps must be at least 3 (2 are warm-up)");
+  if (c.simulate && c.plan != "dp" && c.plan != "pipeline")
+    throw bench::usage_error("bench: --simulate is for --plan dp and --plan pipeline (this is '" + c.plan + "')");
   c.args = bench::plan_args(std::move(rest));
   return c;
 }

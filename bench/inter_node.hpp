@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -66,12 +67,22 @@ template <class Net> double predicted_inter_node_bytes(const Net& net, const hos
 }
 
 /// The fields a plan's line carries on several hosts: the hosts, and the
-/// predicted inter-node bytes of a step (nothing on one host).
+/// predicted inter-node bytes of a step (nothing on one host). With a profile
+/// (--simulate), on any number of hosts: the simulated step on it for the ranks
+/// where they are (predicted_step_s), and the busiest rank's communication and
+/// wait in it.
 template <class Net> void add_inter_node_fields(json_line& j, const Net& net, const host_map& hosts, whale::index_t global,
-                                                whale::index_t seq) {
-  if (hosts.hosts < 2) return;
-  j.add("hosts", static_cast<long long>(hosts.hosts));
-  j.add("inter_node_bytes_predicted_per_step", predicted_inter_node_bytes(net, hosts, global, seq));
+                                                whale::index_t seq, const std::optional<whale::device_profile>& profile) {
+  if (hosts.hosts >= 2) {
+    j.add("hosts", static_cast<long long>(hosts.hosts));
+    j.add("inter_node_bytes_predicted_per_step", predicted_inter_node_bytes(net, hosts, global, seq));
+  }
+  if (!profile) return;
+  const auto sim = whale::simulate(net.description(), net.step_programs(global, seq), *profile, hosts.per_node, hosts.devices);
+  double comm = 0, wait = 0;
+  for (const auto& r : sim.ranks) comm = std::max(comm, r.comm_s), wait = std::max(wait, r.wait_s);
+  j.add("profile", profile->name);
+  j.add("predicted_step_s", sim.step_s).add("predicted_comm_s", comm).add("predicted_wait_s", wait);
 }
 
 }  // namespace bench

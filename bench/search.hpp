@@ -329,9 +329,17 @@ inline std::vector<candidate> rank_plans(const plan_query& base, int n, const de
     if (x.fits != y.fits) return x.fits;
     return x.step_s < y.step_s;
   });
-  if (cs.empty() || !cs.front().valid || !cs.front().fits)
+  if (cs.empty() || !cs.front().valid || !cs.front().fits) {
+    std::string why;  // the first reason given, where none was valid (e.g. a profile without net figures)
+    for (const auto& c : cs)
+      if (!c.valid && !c.why.empty()) {
+        why = " (" + c.label() + ": " + c.why + ")";
+        break;
+      }
     throw std::invalid_argument("plan search: no plan of " + base.workload + " runs on " + N + " ranks" +
-                                (memory_limit_mib > 0 ? " within " + std::to_string(memory_limit_mib) + " MiB" : std::string()));
+                                (memory_limit_mib > 0 ? " within " + std::to_string(memory_limit_mib) + " MiB" : std::string()) +
+                                (cs.empty() || !cs.front().valid ? why : std::string()));
+  }
   prefer_simpler(cs, base.plan_tie, memory_limit_mib);
   return cs;
 }

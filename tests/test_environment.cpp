@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "whale/backend/cpu.hpp"
+#include "whale/comm/failure.hpp"
 #include "whale/detail/environment.hpp"
 #include "whale/runtime/options.hpp"
 #include "support/scoped_env.hpp"
@@ -115,6 +116,14 @@ TEST_CASE("the readers parse whole values in range and name the variable") {
     CHECK_THROWS_WITH_AS(env::heartbeat_seconds(), doctest::Contains("WHALE_HEARTBEAT_S '-1'"), detail::parse_error);
   }
   CHECK_THROWS_AS(env::text_of("WHALE_NOT_A_VARIABLE"), std::logic_error);
+}
+
+TEST_CASE("heartbeat: a peer counts as frozen 2 s before the bound (half the bound under 4 s)") {
+  static_assert(heartbeat_silence_limit(10) == 8);  // the job then ends within the 10 s
+  CHECK(heartbeat_silence_limit(4) == 2);
+  CHECK(heartbeat_silence_limit(3) == 1.5);
+  CHECK(heartbeat_silence_limit(2) == 1);
+  CHECK(heartbeat_silence_limit(3600) == 3598);
 }
 
 TEST_CASE("threads: WHALE_THREADS, else OPENBLAS_NUM_THREADS, else 1, each parsed whole") {

@@ -931,7 +931,14 @@ TEST_CASE("placement: stages across nodes, and a group with k ranks on each node
   CHECK(two_nodes.inter_node_bytes == doctest::Approx(2 * sent));  // ranks 3 -> 4 and 7 -> 0 cross
   std::vector<int> round_robin;  // rank r on node r % 2: every ring step crosses
   for (int r = 0; r < 8; ++r) round_robin.push_back((r % 2) * 4 + r / 2);
-  CHECK(simulate(d, ps, nic, 4, round_robin).inter_node_bytes == doctest::Approx(8 * sent));
+  const auto dealt = simulate(d, ps, nic, 4, round_robin);
+  CHECK(dealt.inter_node_bytes == doctest::Approx(8 * sent));
+  // and each node's link carries 4 members' bytes (the ring leaves it 4 times), not 1
+  double comm_dealt = 0;
+  for (const auto& op : ps[0].ops)
+    if (op.kind == op_kind::collective && op.group_size > 1) comm_dealt += 50e-6 + static_cast<double>(op.bytes_sent) / 1e9;
+  CHECK(dealt.ranks[0].comm_s == doctest::Approx(comm_dealt));
+  CHECK(p.link_time(link_level::net, link_kind::all_reduce, 16, 8e9, 8, 0, 2) == doctest::Approx(50e-6 + 2.0));
   // a pipeline's messages cross where its stages sit on two nodes; one rank per stage
   // stands for the 4 replicas of data=4 x pipe=2 (2 ranks a node: each replica's stages on one)
   {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "../bench_common.hpp"
+#include "../inter_node.hpp"
 #include "../search.hpp"
 
 namespace bench::plans {
@@ -22,7 +23,8 @@ struct auto_choice {
   static constexpr const char* help =
       "the plan search chooses the plan (fastest predicted that fits, or the simplest within --plan-tie F of it, "
       "default 0.02) on --profile FILE (default "
-      "bench/profiles/vm-<ranks>.txt; --ranks-per-node K for a cluster's profile), optionally under --memory-limit-mib X, "
+      "bench/profiles/vm-<ranks>.txt; --ranks-per-node K for a cluster's profile; on several hosts, checked against "
+      "where the ranks are, and taken from them if not given), optionally under --memory-limit-mib X, "
       "and runs it; the line adds "
       "auto_plan, predicted_step_s, auto_tie, predicted_memory_mib and the runners-up";
   template <class W> static constexpr bool supports = !W::time_to_loss;
@@ -39,12 +41,13 @@ struct auto_choice {
                         "'; measure this machine with scripts/profile --ranks " + std::to_string(c.ranks()) +
                         " or give --profile FILE");
     const auto dev = device_profile::load(profile);
+    const int planned = placed_per_node(c, per_node, dev);
     search::plan_query q;
     q.workload = W::name;
     q.o.global_batch = -1;
     q.o.seq = -1;
     q.o.optimizer_bytes_per_param = 4;  // the benchmarks' SGD with momentum
-    q.per_node = per_node;              // 0: one node (this machine)
+    q.per_node = planned;               // 0: the profile's node line, else one node
     q.plan_tie = tie;
     const auto cs = search::rank_plans(q, c.ranks(), dev, limit);
     const auto& best = cs.front();
@@ -80,6 +83,7 @@ struct auto_choice {
     extra.clear();
     extra.emplace_back("auto_plan", "\"" + best.label() + "\"");
     extra.emplace_back("auto_profile", "\"" + dev.name + "\"");
+    if (planned > 0) extra.emplace_back("auto_ranks_per_node", std::to_string(planned));
     std::snprintf(num, sizeof num, "%.6g", best.step_s);
     extra.emplace_back("predicted_step_s", num);
     extra.emplace_back("auto_tie", best.tie ? "true" : "false");
@@ -100,6 +104,30 @@ struct auto_choice {
     chosen.args = plan_args(args);
     entry->run(chosen);
     extra.clear();
+  }
+
+  /// The ranks per node the search assumes (0: the profile's node line, else
+  /// one node), checked against where the ranks are: on several hosts, the
+  /// ranks must sit host by host, as many on each as the search assumes
+  /// (--ranks-per-node K, else the profile's node line); without either, the
+  /// hosts' count is taken. On one host the search's placement is not checked
+  /// (a cluster's profile may be tried here). Collective over the world.
+  static int placed_per_node(config& c, int given, const whale::device_profile& dev) {
+    const auto hosts = gather_hosts(*c.ctx);
+    if (hosts.hosts < 2) return given;
+    bool by_host = true;
+    for (std::size_t r = 0; r < hosts.devices.size(); ++r) by_host = by_host && hosts.devices[r] == static_cast<int>(r);
+    by_host = by_host && static_cast<int>(hosts.devices.size()) == hosts.hosts * hosts.per_node;
+    if (!by_host)
+      throw usage_error("bench: --plan auto: the ranks are not placed host by host (rank r on host r / " + std::to_string(hosts.per_node) +
+                        "), which the plan search assumes; launch with mpirun --map-by slot and the same number of ranks on each host");
+    const int assumed = given > 0 ? given : dev.ranks_per_node;
+    const char* from = given > 0 ? "--ranks-per-node" : "the profile's node line";
+    if (assumed > 0 && assumed != hosts.per_node)
+      throw usage_error("bench: --plan auto: " + std::string(from) + " says " + std::to_string(assumed) + " ranks a node, but the " +
+                        std::to_string(c.ranks()) + " ranks sit " + std::to_string(hosts.per_node) + " on each of " +
+                        std::to_string(hosts.hosts) + " hosts");
+    return hosts.per_node;
   }
 };
 

@@ -34,6 +34,7 @@ struct dp {
   template <class W> static void run(config& c) {
     using namespace whale;
     if constexpr (W::time_to_loss) {
+      if (c.simulate) throw usage_error(std::string("bench: --simulate is not for the time-to-loss workload ") + W::name);
       ttl_dp<W>(c);
       return;
     } else {
@@ -158,7 +159,7 @@ struct dp {
     j.add("precision", to_string(prec));
     j.add("grad_reduce", o.bf16_reduce ? "bf16" : "fp32");
     j.add("comm_bytes_per_rank_per_step", static_cast<long long>(sent / timed_steps));
-    add_inter_node_fields(j, net, hosts, global, data.seq());
+    add_inter_node_fields(j, net, hosts, global, data.seq(), c.simulate);
     j.add("peak_rss_mib_per_rank", rss);
     j.raw("memory_mib", memory_json(mem));
     j.add("memory_busiest_rank_mib", busiest_mib);

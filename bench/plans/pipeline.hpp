@@ -110,7 +110,7 @@ struct pipeline {
     j.add("schedule", S::name()).add("micro_batches", m);
     j.add("comm_bytes_per_rank_per_step", static_cast<long long>(*std::max_element(bytes.begin(), bytes.end())));
     j.raw("comm_bytes_per_stage_per_step", list(bytes));
-    add_inter_node_fields(j, net, hosts, global, data.seq());
+    add_inter_node_fields(j, net, hosts, global, data.seq(), c.simulate);
     j.add("peak_rss_mib_per_rank", rss);
     j.raw("memory_mib", memory_json(mem));
     j.add("memory_busiest_rank_mib", busiest_mib);

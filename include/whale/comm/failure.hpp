@@ -3,10 +3,12 @@
 // _Exit otherwise), and the std::terminate handler. No communication here.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <string>
 #include <string_view>
@@ -45,15 +47,52 @@ inline std::atomic<double>& heartbeat_seconds() noexcept {
 }
 }  // namespace detail
 
-/// Seconds without a heartbeat after which a rank on this node counts as
-/// frozen (stopped, or hung where its heartbeat thread cannot run): a rank
-/// blocked in a communication call checks the peers of that communicator once
-/// a second and ends the job naming a dead or frozen one. Default 10, or
-/// WHALE_HEARTBEAT_S (seconds in [0, 3600]; anything else is an error of
-/// context::init); 0 turns the check off. A slow rank keeps beating, so only
-/// the watchdog's timeout ends a job waiting for it.
+/// The bound, in seconds, within which a job whose rank froze (stopped, or
+/// hung where its heartbeat thread cannot run; on another node also: its
+/// node cut off) ends: a rank blocked in a communication call checks the peers
+/// of that communicator four times a second and ends the job naming a dead or
+/// frozen one. Default 10, or WHALE_HEARTBEAT_S (seconds in [0, 3600];
+/// anything else is an error of context::init); 0 turns the check off. A slow
+/// rank keeps beating, so only the watchdog's timeout ends a job waiting for it.
 inline double heartbeat_timeout() noexcept { return detail::heartbeat_seconds().load(); }
 inline void set_heartbeat_timeout(double seconds) noexcept { detail::heartbeat_seconds().store(seconds); }
+
+namespace detail {
+/// What the heartbeat learnt of peers that died on other nodes, for the line a
+/// signal's handler prints when mpirun ends this rank before the heartbeat
+/// check does (train/interrupt.hpp): two fixed buffers, read without locks.
+struct peer_note_state {
+  std::atomic<int> current{0};
+  std::atomic<int> lengths[2] = {0, 0};
+  char text[2][1024] = {};
+};
+inline peer_note_state& peer_notes() noexcept {
+  static peer_note_state s;
+  return s;
+}
+/// Asks the peers on other nodes, from a signal's handler (async-signal-safe),
+/// which are gone, and writes what it found into `out` (at most `cap` bytes);
+/// the byte count, 0 for nothing. Set by the remote heartbeat when it starts.
+inline std::atomic<std::size_t (*)(char* out, std::size_t cap) noexcept>& peer_probe() noexcept {
+  static std::atomic<std::size_t (*)(char*, std::size_t) noexcept> f{nullptr};
+  return f;
+}
+/// Writes `note` into the buffer not being read (the heartbeat thread only).
+inline void set_peer_note(const std::string& note) noexcept {
+  auto& s = peer_notes();
+  const int next = 1 - s.current.load();
+  const auto n = std::min(note.size(), sizeof s.text[0]);
+  std::memcpy(s.text[next], note.data(), n);
+  s.lengths[next].store(static_cast<int>(n));
+  s.current.store(next);
+}
+}  // namespace detail
+
+/// How long a peer may be silent before the check takes it for frozen: the
+/// bound less the time to notice and end (a beat every 0.5 s, heard at the
+/// next beat on another node; a check every 0.25 s; the abort): `bound` − 2 s,
+/// or half the bound below 4 s.
+constexpr double heartbeat_silence_limit(double bound) noexcept { return bound - (bound / 2 < 2 ? bound / 2 : 2); }
 
 /// Seconds a blocking operation (or request::wait) may take before the
 /// watchdog reports it and aborts the job. Default 300, or WHALE_WATCHDOG_S

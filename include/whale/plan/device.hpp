@@ -305,11 +305,15 @@ struct device_profile {
   /// times the net figure (which is one rank's share when every rank of a node is in
   /// another group): its ring leaves each node once, over the node's shared links,
   /// so a group of 8 ranks per node gets the whole NIC. Never more than the node figure.
+  /// `leaving` (1: the ring leaves each node once): the most of the ring's steps
+  /// that leave one node; where ranks are dealt round robin, a ring of 4 over 2
+  /// nodes leaves each twice, and each node's links carry two members' bytes.
   /// `even` (0: `bytes`): what each rank would send with the same buffer split evenly,
   /// as the measured points were; an uneven collective (ZeRO's pieces, one bucket
   /// owned by one rank) reads the points there, in the cache regime of its buffer,
   /// and scales their time past the latency by bytes / even.
-  double link_time(link_level level, link_kind kind, int ranks, double bytes, int local = 1, double even = 0) const {
+  double link_time(link_level level, link_kind kind, int ranks, double bytes, int local = 1, double even = 0,
+                   int leaving = 1) const {
     if (ranks <= 1 && kind != link_kind::p2p) return 0;
     const auto& f = links[static_cast<int>(level)][static_cast<int>(kind)];
     if (f.ranks == 0 || !(f.beta_bps > 0))
@@ -318,8 +322,8 @@ struct device_profile {
     // a ring's latency grows with its steps: (p-1) of them, against (p0-1) measured
     const double steps = kind == link_kind::p2p || f.ranks <= 1 ? 1.0 : static_cast<double>(ranks - 1) / static_cast<double>(f.ranks - 1);
     double beta = f.beta_bps;
-    if (level == link_level::net && kind != link_kind::p2p && local > 1) {
-      beta *= local;
+    if (level == link_level::net && kind != link_kind::p2p && (local > 1 || leaving > 1)) {
+      beta *= static_cast<double>(local) / static_cast<double>(std::max(1, leaving));
       const auto& inside = links[static_cast<int>(link_level::node)][static_cast<int>(kind)];
       if (inside.ranks && inside.beta_bps > 0) beta = std::min(beta, inside.beta_bps);
       return f.alpha_s * steps + bytes / beta;
@@ -384,18 +388,6 @@ struct device_profile {
   mutable std::vector<std::pair<double, double>> size_curve_;
   mutable std::vector<std::pair<double, std::vector<std::pair<double, double>>>> thin_factors_;
 };
-
-/// The link kind of a program operation (collectives and messages).
-inline link_kind link_of(const op& o) {
-  if (o.kind == op_kind::send || o.kind == op_kind::recv) return link_kind::p2p;
-  switch (o.coll) {
-    case coll_kind::all_reduce: return link_kind::all_reduce;
-    case coll_kind::all_gather: return link_kind::all_gather;
-    case coll_kind::reduce_scatter: return link_kind::reduce_scatter;
-    case coll_kind::broadcast: return link_kind::broadcast;
-  }
-  return link_kind::all_reduce;
-}
 
 }  // namespace whale
 

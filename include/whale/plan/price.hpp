@@ -17,6 +17,22 @@
 #include "whale/plan/program.hpp"
 #include "whale/strategy/split_linear.hpp"
 
+namespace whale {
+
+/// The link kind of a program operation (collectives and messages).
+inline link_kind link_of(const op& o) {
+  if (o.kind == op_kind::send || o.kind == op_kind::recv) return link_kind::p2p;
+  switch (o.coll) {
+    case coll_kind::all_reduce: return link_kind::all_reduce;
+    case coll_kind::all_gather: return link_kind::all_gather;
+    case coll_kind::reduce_scatter: return link_kind::reduce_scatter;
+    case coll_kind::broadcast: return link_kind::broadcast;
+  }
+  return link_kind::all_reduce;
+}
+
+}  // namespace whale
+
 namespace whale::detail {
 
 /// Seconds of one pass's kernels (plan/probe.hpp) on `dev`: its GEMM FLOPs at

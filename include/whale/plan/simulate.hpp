@@ -32,6 +32,7 @@
 #include "whale/plan/device.hpp"
 #include "whale/plan/placement.hpp"
 #include "whale/plan/price.hpp"
+#include "whale/plan/sharing.hpp"
 #include "whale/plan/program.hpp"
 
 namespace whale {
@@ -83,11 +84,6 @@ inline std::string what_key(const std::string& what) {
 }  // namespace detail
 
 namespace detail {
-/// Per rank (an index in progs), per operation: a factor on its compute time, and
-/// where the replay put it ({start, end}; {0, 0} for operations that do not compute).
-using per_op = std::vector<std::vector<double>>;
-using op_spans = std::vector<std::vector<std::array<double, 2>>>;
-
 /// Every rank's program (`progs[r]` for rank r, from lower(d, mesh, r, ...)) replayed
 /// on `dev`; ranks in nodes of `ranks_per_node` (0: the profile's `node` entry,
 /// and without one every rank on one node); mesh rank r on device `devices[r]`
@@ -185,6 +181,7 @@ inline step_simulation simulate_pass(const model_desc& d, const std::vector<prog
     link_level level = link_level::node;
     int local = 1;               // its members on one node
     std::vector<int> crossing;   // its members whose next in the ring is on another node (mesh ranks)
+    int leaving = 1;             // the most of them on one node: the ring's steps out of its busiest node
     double copies = 1;           // the groups it stands for (those of ranks left out by symmetry)
   };
   std::map<std::int64_t, group_info> member_cache;  // group -> its ranks and where they are
@@ -242,8 +239,12 @@ inline step_simulation simulate_pass(const model_desc& d, const std::vector<prog
               if (index[static_cast<std::size_t>(q)] >= 0) g.simulated.push_back(index[static_cast<std::size_t>(q)]);
             g.level = level_of(all);
             g.local = local_of(all);
+            std::map<int, int> out_of;  // node -> ring steps leaving it
             for (std::size_t k = 0; k < all.size(); ++k)
-              if (node_of(all[k]) != node_of(all[(k + 1) % all.size()])) g.crossing.push_back(all[k]);
+              if (node_of(all[k]) != node_of(all[(k + 1) % all.size()])) {
+                g.crossing.push_back(all[k]);
+                g.leaving = std::max(g.leaving, ++out_of[node_of(all[k])]);
+              }
             for (int a = 0; a < axis_count; ++a)  // a group without an axis replayed by symmetry stands for one per coordinate
               if (((by_symmetry >> a) & 1u) && !((o.group.bits() >> a) & 1u)) g.copies *= mesh.size(static_cast<axis>(a));
             cached = member_cache.emplace(key, std::move(g)).first;
@@ -257,7 +258,8 @@ inline step_simulation simulate_pass(const model_desc& d, const std::vector<prog
           // measured points are read at the even split of the same buffer (link_time)
           const double bytes = static_cast<double>(std::max({o.slowest_bytes, o.bytes_sent, o.bytes_received}));
           const double even = o.even_bytes > 0 ? std::min(bytes, static_cast<double>(o.even_bytes)) : bytes;
-          const double dur = dev.link_time(cached->second.level, link_of(o), o.group_size, bytes, cached->second.local, even);
+          const double dur = dev.link_time(cached->second.level, link_of(o), o.group_size, bytes, cached->second.local, even,
+                                            cached->second.leaving);
           for (int q : cached->second.crossing) {  // a member left out by symmetry sends as this rank does
             const int iq = index[static_cast<std::size_t>(q)];
             const auto& oq = iq >= 0 ? progs[static_cast<std::size_t>(iq)].ops[next[static_cast<std::size_t>(iq)]] : o;
@@ -341,35 +343,6 @@ inline step_simulation simulate_pass(const model_desc& d, const std::vector<prog
   return sim;
 }
 
-/// Ranks computing at once over [a, b), on average: from every simulated compute
-/// span, each standing for `weight` ranks (the ranks its program stands for).
-class busy_profile {
- public:
-  busy_profile(const op_spans& spans, double weight) {
-    std::vector<std::pair<double, double>> ev;  // (time, +-weight)
-    for (const auto& r : spans)
-      for (const auto& s : r)
-        if (s[1] > s[0]) ev.push_back({s[0], weight}), ev.push_back({s[1], -weight});
-    std::sort(ev.begin(), ev.end());
-    double level = 0, area = 0, last = 0;
-    for (const auto& [t, dw] : ev) {
-      area += level * (t - last);
-      last = t;
-      level += dw;
-      t_.push_back(t), area_.push_back(area), level_.push_back(level);
-    }
-  }
-  double mean(double a, double b) const { return b > a ? (integral(b) - integral(a)) / (b - a) : 0.0; }
-
- private:
-  double integral(double x) const {  // of the busy count from 0 to x
-    const auto it = std::upper_bound(t_.begin(), t_.end(), x);
-    if (it == t_.begin()) return 0.0;
-    const auto k = static_cast<std::size_t>(it - t_.begin()) - 1;
-    return area_[k] + level_[k] * (x - t_[k]);
-  }
-  std::vector<double> t_, area_, level_;
-};
 }  // namespace detail
 
 /// Every rank's program (`progs[r]` for rank r, from lower(d, mesh, r, ...)) replayed

@@ -15,6 +15,8 @@
 #include <cstdio>
 #include <cstring>
 
+#include "whale/comm/failure.hpp"
+
 namespace whale::detail {
 
 /// What the handlers read: async-signal-safe state only (lock-free atomics, fixed buffers).
@@ -46,12 +48,30 @@ inline void set_interrupt_text(const char* text, std::size_t size) {
 inline void end_interrupted(int sig) noexcept {
   auto& s = interrupts();
   if (s.speaks.load()) {
-    const int k = s.current.load();
+    // a peer on another node found dead: say which (mpirun ends a job whose node
+    // died, perhaps before the heartbeat's check names the ranks); else ask now
+    const auto& peers = peer_notes();
+    const int p = peers.current.load();
+    const char* found = peers.text[p];
+    std::size_t m = static_cast<std::size_t>(peers.lengths[p].load());
+    char asked[1024];
+    if (m == 0)
+      if (auto* probe = peer_probe().load()) m = probe(asked, sizeof asked), found = asked;
+    // then the line, in one write (other ranks may be writing theirs)
+    char line[2048];
+    std::size_t at = 0;
+    auto put = [&](const char* t, std::size_t k) {
+      k = std::min(k, sizeof line - at);
+      std::memcpy(line + at, t, k);
+      at += k;
+    };
     const char* name = sig == SIGINT ? "whale: interrupted (SIGINT)" : sig == SIGTERM ? "whale: interrupted (SIGTERM)" : "whale: interrupted";
-    ssize_t ignored = ::write(STDERR_FILENO, name, std::strlen(name));
-    const int n = s.lengths[k].load();
-    ignored = n > 0 ? ::write(STDERR_FILENO, s.lines[k], static_cast<std::size_t>(n)) : 0;
-    ignored = ::write(STDERR_FILENO, "\n", 1);
+    put(name, std::strlen(name));
+    const int k = s.current.load();
+    put(s.lines[k], static_cast<std::size_t>(std::max(0, s.lengths[k].load())));
+    if (m > 0) put("; ", 2), put(found, m);
+    put("\n", 1);
+    ssize_t ignored = ::write(STDERR_FILENO, line, at);
     (void)ignored;
   }
   ::_exit(128 + sig);

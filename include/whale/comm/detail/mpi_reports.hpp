@@ -96,12 +96,21 @@ inline std::string mpi_comm::request::operation() const {
 
 /// The heartbeat check, from the watchdog thread while this rank waits: the
 /// first member of this communicator on this node whose process is gone, or
-/// whose heartbeat is older than heartbeat_timeout(); else the members on
-/// other nodes not heard from for that long (remote_heartbeat), all of them,
+/// whose heartbeat is older than heartbeat_silence_limit(); else the members on
+/// other nodes whose processes are gone (their nodes refused a heartbeat), or
+/// else those not heard from for that long (remote_heartbeat), all of them,
 /// with their hosts; empty if none.
 inline std::string mpi_comm::request::peer_problem() const {
-  const double limit = heartbeat_timeout();
-  if (limit <= 0) return {};
+  const double bound = heartbeat_timeout();
+  if (bound <= 0) return {};
+  const double limit = heartbeat_silence_limit(bound);
+  char bound_text[32];
+  std::snprintf(bound_text, sizeof bound_text, "%g", bound);
+  auto tail = [&] {  // what every report ends with
+    return "; this rank waits in " + operation() + " (collective #" + std::to_string(seq_) +
+           "); this rank's last communication calls, oldest first: " + detail::flight_recorder::instance().dump() +
+           "; aborting the job (WHALE_HEARTBEAT_S=" + std::string(bound_text) + ")";
+  };
   const auto& s = *c_;
   const auto now = detail::monotonic_ms();
   for (int i = 0; i < s.size; ++i) {
@@ -125,9 +134,7 @@ inline std::string mpi_comm::request::peer_problem() const {
     return "heartbeat: rank " + std::to_string(s.world_ranks[static_cast<std::size_t>(i)]) + " (pid " + std::to_string(pid) +
            " on " + host + ") " + what + "; its last collective on '" + s.name + "' is " +
            (seq ? "#" + std::to_string(seq) + ", a " + detail::to_string(last) : std::string("none yet")) +
-           "; this rank waits in " + operation() + " (collective #" + std::to_string(seq_) +
-           "); this rank's last communication calls, oldest first: " + detail::flight_recorder::instance().dump() +
-           "; aborting the job (WHALE_HEARTBEAT_S=" + std::to_string(static_cast<int>(limit)) + ")";
+           tail();
   }
   // members on other nodes: when one has been silent for longer than the limit, every
   // one silent for nearly as long (the same outage: beats come every 0.5 s), with its host
@@ -136,6 +143,10 @@ inline std::string mpi_comm::request::peer_problem() const {
     if (i == s.rank || s.peer_slot[static_cast<std::size_t>(i)]) return -1;
     return remote.silence_ms(s.world_ranks[static_cast<std::size_t>(i)]);
   };
+  std::vector<int> others;  // the members on other nodes
+  for (int i = 0; i < s.size; ++i)
+    if (i != s.rank && !s.peer_slot[static_cast<std::size_t>(i)]) others.push_back(s.world_ranks[static_cast<std::size_t>(i)]);
+  if (const auto m = remote.gone_report(others); !m.empty()) return "heartbeat: " + m + tail();
   bool over = false;
   for (int i = 0; i < s.size && !over; ++i) over = static_cast<double>(quiet_of(i)) > 1000 * limit;
   if (!over) return {};
@@ -147,8 +158,8 @@ inline std::string mpi_comm::request::peer_problem() const {
     const int w = s.world_ranks[static_cast<std::size_t>(i)];
     const auto quiet = quiet_of(i);
     if (quiet < 0 || static_cast<double>(quiet) <= near) continue;
-    silent += std::string(count++ ? ", " : "") + "rank " + std::to_string(w) + " (pid " + std::to_string(remote.pid(w)) +
-              " on " + remote.host(w) + ")";
+    silent += std::string(count++ ? ", " : "") + "rank " + std::to_string(w) + " (pid " + std::to_string(remote.pid(w)) + " on " +
+              remote.host(w) + ")";
     longest = std::max(longest, quiet);
   }
   if (count == 0) return {};
@@ -157,10 +168,7 @@ inline std::string mpi_comm::request::peer_problem() const {
   char host[256] = "this node";
   ::gethostname(host, sizeof host - 1);
   return "heartbeat: " + silent + (count > 1 ? " have" : " has") + " not been heard from " + host + " for up to " + b +
-         " s (stopped, frozen, or " + (count > 1 ? "their nodes" : "its node") + " cannot be reached); this rank waits in " + operation() + " (collective #" +
-         std::to_string(seq_) + "); this rank's last communication calls, oldest first: " +
-         detail::flight_recorder::instance().dump() + "; aborting the job (WHALE_HEARTBEAT_S=" +
-         std::to_string(static_cast<int>(limit)) + ")";
+         " s (stopped, frozen, or " + (count > 1 ? "their nodes" : "its node") + " cannot be reached)" + tail();
 }
 
 }  // namespace whale

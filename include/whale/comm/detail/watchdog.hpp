@@ -1,6 +1,6 @@
 // The watchdog thread: while this rank is blocked in a communication call it
 // holds a deadline; past it, the thread prints the operation's description and
-// ends the process. Until then it asks, once a second, whether a peer has died
+// ends the process. Until then it asks, four times a second, whether a peer has died
 // or frozen (the heartbeat thread below keeps each rank's heartbeat in memory
 // its peers on the node read). Neither thread calls MPI (MPI stays FUNNELED).
 #pragma once
@@ -161,7 +161,7 @@ class watchdog {
       const auto e = epoch_;
       const auto d = deadline_;
       const bool check = cur_.peers && heartbeat_timeout() > 0;
-      cv_.wait_until(l, check ? std::min(d, clock::now() + std::chrono::seconds(1)) : d);
+      cv_.wait_until(l, check ? std::min(d, clock::now() + std::chrono::milliseconds(250)) : d);
       if (stop_ || e != epoch_ || !cur_.what) continue;
       if (clock::now() < d) {  // not yet the deadline: is a peer dead or frozen?
         if (check)
