@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -64,26 +65,21 @@ namespace detail {
 struct peer_note_state {
   std::atomic<int> current{0};
   std::atomic<int> lengths[2] = {0, 0};
+  std::atomic<std::int64_t> at[2] = {0, 0};  ///< when it was learnt (CLOCK_MONOTONIC, ms)
   char text[2][1024] = {};
 };
 inline peer_note_state& peer_notes() noexcept {
   static peer_note_state s;
   return s;
 }
-/// Asks the peers on other nodes, from a signal's handler (async-signal-safe),
-/// which are gone, and writes what it found into `out` (at most `cap` bytes);
-/// the byte count, 0 for nothing. Set by the remote heartbeat when it starts.
-inline std::atomic<std::size_t (*)(char* out, std::size_t cap) noexcept>& peer_probe() noexcept {
-  static std::atomic<std::size_t (*)(char*, std::size_t) noexcept> f{nullptr};
-  return f;
-}
-/// Writes `note` into the buffer not being read (the heartbeat thread only).
-inline void set_peer_note(const std::string& note) noexcept {
+/// Writes `note`, learnt at `at_ms`, into the buffer not being read (the heartbeat thread only).
+inline void set_peer_note(const std::string& note, std::int64_t at_ms) noexcept {
   auto& s = peer_notes();
   const int next = 1 - s.current.load();
   const auto n = std::min(note.size(), sizeof s.text[0]);
   std::memcpy(s.text[next], note.data(), n);
   s.lengths[next].store(static_cast<int>(n));
+  s.at[next].store(at_ms);
   s.current.store(next);
 }
 }  // namespace detail
@@ -91,8 +87,12 @@ inline void set_peer_note(const std::string& note) noexcept {
 /// How long a peer may be silent before the check takes it for frozen: the
 /// bound less the time to notice and end (a beat every 0.5 s, heard at the
 /// next beat on another node; a check every 0.25 s; the abort): `bound` − 2 s,
-/// or half the bound below 4 s.
-constexpr double heartbeat_silence_limit(double bound) noexcept { return bound - (bound / 2 < 2 ? bound / 2 : 2); }
+/// but never under 1.5 s (a live peer's beat may be a second old), or the
+/// bound itself if that is less. Bounds under 3.5 s cannot be kept exactly.
+constexpr double heartbeat_silence_limit(double bound) noexcept {
+  const double floor = bound < 1.5 ? bound : 1.5;
+  return bound - 2 > floor ? bound - 2 : floor;
+}
 
 /// Seconds a blocking operation (or request::wait) may take before the
 /// watchdog reports it and aborts the job. Default 300, or WHALE_WATCHDOG_S

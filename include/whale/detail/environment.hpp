@@ -33,7 +33,7 @@ inline constexpr environment_variable environment_variables[] = {
     {"WHALE_MESH", "a mesh, e.g. data=2,model=2", "the mesh's axes (--mesh overrides)"},
     {"WHALE_THREADS", "a whole number from 1 to 4096", "OpenBLAS threads a process (--threads overrides; default 1)"},
     {"WHALE_WATCHDOG_S", "seconds from 0 to 604800 (0: off)", "how long a rank may wait in one communication call (default 300)"},
-    {"WHALE_HEARTBEAT_S", "seconds from 0 to 3600 (0: off)", "how long a rank on this node may go silent (default 10)"},
+    {"WHALE_HEARTBEAT_S", "seconds from 0 to 3600 (0: off)", "the bound within which a job whose rank froze, died on another node, or was cut off ends (default 10)"},
     {"WHALE_CPU_ISA", "baseline, avx2 or avx512", "caps the CPU kernels' instruction set"},
     {"WHALE_MEMORY_CHECK", "a boolean", "the check that a plan fits the node's memory before it allocates (default on)"},
     {"WHALE_MEMORY_LIMIT_MIB", "MiB above 0", "the node's free memory the check assumes (default: what the node has)"},

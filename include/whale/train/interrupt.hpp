@@ -8,10 +8,12 @@
 #pragma once
 
 #include <signal.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 
@@ -48,15 +50,17 @@ inline void set_interrupt_text(const char* text, std::size_t size) {
 inline void end_interrupted(int sig) noexcept {
   auto& s = interrupts();
   if (s.speaks.load()) {
-    // a peer on another node found dead: say which (mpirun ends a job whose node
-    // died, perhaps before the heartbeat's check names the ranks); else ask now
+    // a peer on another node found dead before this signal: say which (mpirun ends a
+    // job whose node died, perhaps before the heartbeat's check names the ranks);
+    // not those refused within 0.1 s of it, which may end on the same signal
     const auto& peers = peer_notes();
     const int p = peers.current.load();
     const char* found = peers.text[p];
     std::size_t m = static_cast<std::size_t>(peers.lengths[p].load());
-    char asked[1024];
-    if (m == 0)
-      if (auto* probe = peer_probe().load()) m = probe(asked, sizeof asked), found = asked;
+    timespec now{};
+    ::clock_gettime(CLOCK_MONOTONIC, &now);
+    const std::int64_t now_ms = static_cast<std::int64_t>(now.tv_sec) * 1000 + now.tv_nsec / 1000000;
+    if (m > 0 && peers.at[p].load() > now_ms - 100) m = 0;
     // then the line, in one write (other ranks may be writing theirs)
     char line[2048];
     std::size_t at = 0;

@@ -10,12 +10,14 @@
 // channel, as it could a TCP connection or an MPI call.
 //
 // A killed rank's node is still up: its kernel answers the next beat with
-// "port unreachable", which this socket asks to see (IP_RECVERR). A refusal
-// from the address a peer's beats came from, to its port, after its last beat
-// says that its process is gone; the waiting rank then ends the job naming it
-// within about a second, unless mpirun (which notices its daemon's death too,
-// and names only the node) ends it first: then the line whale prints on SIGTERM
-// names the dead ranks (set_peer_note).
+// "port unreachable", which this socket asks to see (IP_RECVERR). Such a
+// refusal, sent by the address a peer's beats came from for its port, after
+// its last beat, and a second of silence since, say that its process is gone;
+// the waiting rank then ends the job naming it, its host and the other ranks
+// of that node. mpirun notices its daemon's death too and may end the job
+// first (naming the node at most): the line whale prints on SIGTERM then names
+// the ranks refused at least 0.1 s before the signal (set_peer_note), not
+// those that end on the same signal.
 //
 // A peer is watched once it has been heard from: where UDP between the nodes
 // is blocked, nothing is ever heard and nothing is reported (the watchdog's
@@ -36,7 +38,9 @@
 #include <sys/syscall.h>
 #endif
 
+#include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -62,6 +66,7 @@ inline constexpr std::uint16_t af_inet = 2;
 inline constexpr int sock_dgram = 2, sock_nonblock = 04000, sock_cloexec = 02000000, msg_dontwait = 0x40;
 inline constexpr int sol_socket = 1, so_rcvbuf = 8;
 inline constexpr int sol_ip = 0, ip_recverr = 11, msg_errqueue = 0x2000, econnrefused = 111;
+inline constexpr std::uint8_t ee_origin_icmp = 2;
 inline constexpr unsigned long siocgifconf = 0x8912, siocgifflags = 0x8913;
 inline constexpr std::int16_t iff_up = 0x1, iff_loopback = 0x8;
 /// struct sockaddr_in: family, port and address in network order, padding.
@@ -147,8 +152,8 @@ class remote_heartbeat {
       std::uint32_t len = sizeof a;
       if (::syscall(SYS_bind, fd_, &a, sizeof a) == 0 && ::syscall(SYS_getsockname, fd_, &a, &len) == 0) {
         mine.port = a.port;
-        const auto own = own_addresses(fd_, max_addresses);
-        for (std::uint32_t x : own) mine.addr[mine.count++] = x;
+        own_ = own_addresses(fd_, max_addresses);
+        for (std::uint32_t x : own_) mine.addr[mine.count++] = x;
       }
     }
 #endif
@@ -160,21 +165,17 @@ class remote_heartbeat {
     MPI_Allgather(&mine, sizeof(entry), MPI_BYTE, peers_.data(), sizeof(entry), MPI_BYTE, MPI_COMM_WORLD);
     heard_ = std::make_unique<std::atomic<std::int64_t>[]>(static_cast<std::size_t>(size_));
     refused_ = std::make_unique<std::atomic<std::int64_t>[]>(static_cast<std::size_t>(size_));
-    heard_from_.assign(static_cast<std::size_t>(size_), 0);
+    heard_from_ = std::make_unique<std::atomic<std::uint32_t>[]>(static_cast<std::size_t>(size_));
     for (int r = 0; r < size_; ++r) {
       heard_[static_cast<std::size_t>(r)].store(0, std::memory_order_relaxed);  // never heard: not watched yet
       refused_[static_cast<std::size_t>(r)].store(0, std::memory_order_relaxed);
+      heard_from_[static_cast<std::size_t>(r)].store(0, std::memory_order_relaxed);
       const auto& p = peers_[static_cast<std::size_t>(r)];
       if (r != rank_ && p.node != mine.node && p.count > 0 && p.port != 0 && mine.count > 0) remote_.push_back(r);
     }
     watched_.assign(static_cast<std::size_t>(size_), 0);
     for (int r : remote_) watched_[static_cast<std::size_t>(r)] = 1;
-    for (int r = 0; r < size_; ++r) {  // for the signal's handler, which cannot format
-      const auto& p = peers_[static_cast<std::size_t>(r)];
-      names_.push_back("rank " + std::to_string(r) + " (pid " + std::to_string(p.pid) + " on " + std::string(p.host) + ")");
-    }
     if (!remote_.empty()) heartbeat::instance().set_tick(&tick_hook);
-    if (!remote_.empty()) peer_probe().store(&probe_hook);
   }
 
   /// Milliseconds since world rank `r` was last heard; -1 if it is not watched
@@ -184,36 +185,44 @@ class remote_heartbeat {
     const auto heard = heard_[static_cast<std::size_t>(r)].load(std::memory_order_relaxed);
     return heard > 0 ? monotonic_ms() - heard : -1;
   }
-  /// Whether world rank `r`'s process is gone: its node refused a beat to its
-  /// port after it was last heard (its socket lives as long as its process).
-  bool gone(int r) const {
+  /// Whether world rank `r`'s node refused a beat to its port after it was last
+  /// heard (its socket lives as long as its process).
+  bool refused(int r) const {
     if (!watched(r)) return false;
     const auto heard = heard_[static_cast<std::size_t>(r)].load(std::memory_order_relaxed);
     return heard > 0 && refused_[static_cast<std::size_t>(r)].load(std::memory_order_relaxed) > heard;
   }
-  /// Of world ranks `among`, those whose processes are gone, with the watched ones
-  /// fallen silent at about the same time (another rank of a dead one's node,
-  /// refused a beat later or not at all, ICMP being rate-limited): "rank 1 (pid 5
-  /// on h1) has died (its node refused its heartbeat: the process is gone, seen
-  /// from h0); rank 3 (pid 6 on h1) has fallen silent with it". Empty if none is gone.
-  std::string gone_report(const std::vector<int>& among) const {
-    std::int64_t first = -1;  // the shortest silence of a dead one
-    for (int w : among)
-      if (gone(w)) first = first < 0 ? silence_ms(w) : std::min(first, silence_ms(w));
-    if (first < 0) return {};
-    std::string dead, with;
-    int dead_count = 0, with_count = 0;
+  /// Whether world rank `r`'s process is gone: refused, and silent for over a
+  /// second (a live peer beats every 0.5 s: a refusal of a live one, by a
+  /// firewall, does not stop its beats; a peer that ends with this rank, on the
+  /// same Ctrl-C, is not silent that long before this rank ends).
+  bool gone(int r) const { return refused(r) && silence_ms(r) > 1000; }
+  /// Of world ranks `among`, those gone (`settled`: by gone(); else by refused()),
+  /// with the other ranks of their nodes: "rank 1 (pid 5 on h1) has died (its
+  /// node refused its heartbeat: the process is gone, seen from h0); the other
+  /// ranks of its node: rank 3 (pid 6 on h1)". Empty if none is gone.
+  std::string gone_report(const std::vector<int>& among, bool settled = true) const {
+    auto dead = [&](int w) { return settled ? gone(w) : refused(w); };
+    std::string named_dead, beside;
+    int dead_count = 0, beside_count = 0;
+    std::vector<int> nodes;  // of the dead ones
     auto named = [&](int w) { return "rank " + std::to_string(w) + " (pid " + std::to_string(pid(w)) + " on " + host(w) + ")"; };
-    for (int w : among) {
-      if (gone(w)) dead += std::string(dead_count++ ? ", " : "") + named(w);
-      else if (const auto quiet = silence_ms(w); quiet >= 0 && quiet >= first - 600) with += std::string(with_count++ ? ", " : "") + named(w);
-    }
+    for (int w : among)
+      if (dead(w)) {
+        named_dead += std::string(dead_count++ ? ", " : "") + named(w);
+        nodes.push_back(peers_[static_cast<std::size_t>(w)].node);
+      }
+    if (dead_count == 0) return {};
+    for (int w : among)
+      if (!dead(w) && std::find(nodes.begin(), nodes.end(), peers_[static_cast<std::size_t>(w)].node) != nodes.end())
+        beside += std::string(beside_count++ ? ", " : "") + named(w);
     char me[256] = "this node";
     ::gethostname(me, sizeof me - 1);
-    return dead + (dead_count > 1 ? " have died (their nodes refused their heartbeats" : " has died (its node refused its heartbeat") +
-           ": the process is gone, seen from " + me + ")" +
-           (with_count ? "; " + with + (with_count > 1 ? " have" : " has") + " fallen silent with " + (dead_count > 1 ? "them" : "it")
-                       : std::string());
+    const bool many = dead_count > 1;
+    return named_dead + (many ? " have died (their nodes refused their heartbeats: the processes are gone"
+                              : " has died (its node refused its heartbeat: the process is gone") +
+           ", seen from " + me + ")" +
+           (beside_count ? std::string("; the other ranks of ") + (many ? "their nodes" : "its node") + ": " + beside : std::string());
   }
   bool watched(int r) const { return r >= 0 && r < static_cast<int>(watched_.size()) && watched_[static_cast<std::size_t>(r)]; }
   /// World rank `r`'s host name and pid, as it said when the job started.
@@ -261,46 +270,6 @@ class remote_heartbeat {
     return out;
   }
   static void tick_hook() { instance().tick(); }
-  static std::size_t probe_hook(char* out, std::size_t cap) noexcept { return instance().probe(out, cap); }
-  // From a signal's handler: one beat to every remote rank, 20 ms for the refusals,
-  // then "heartbeat: rank 1 (pid 5 on h1) has died (its node refused a heartbeat);
-  // the other ranks of that node: rank 3 (pid 6 on h1)" into `out`. System calls
-  // and copies only (async-signal-safe).
-  std::size_t probe([[maybe_unused]] char* out, [[maybe_unused]] std::size_t cap) noexcept {
-    std::size_t n = 0;
-#if WHALE_REMOTE_HEARTBEAT
-    send_beats();
-    const timespec pause{0, 20000000};
-    (void)::nanosleep(&pause, nullptr);
-    refusals(monotonic_ms(), false);
-    auto put = [&](const char* t, std::size_t k) {
-      k = std::min(k, cap - n);
-      std::memcpy(out + n, t, k);
-      n += k;
-    };
-    auto put_name = [&](int r) { put(names_[static_cast<std::size_t>(r)].data(), names_[static_cast<std::size_t>(r)].size()); };
-    int count = 0;
-    for (int r : remote_)
-      if (gone(r)) {
-        const char* start = count++ ? ", " : "heartbeat: ";
-        put(start, std::strlen(start));
-        put_name(r);
-      }
-    if (count == 0) return 0;
-    const char* end = count > 1 ? " have died (their nodes refused a heartbeat)" : " has died (its node refused a heartbeat)";
-    put(end, std::strlen(end));
-    int others = 0;  // the other ranks of those nodes (refusals are rate-limited: one may be all that came)
-    for (int r : remote_) {
-      bool beside = false;
-      for (int q : remote_) beside = beside || (gone(q) && peers_[static_cast<std::size_t>(q)].node == peers_[static_cast<std::size_t>(r)].node);
-      if (!beside || gone(r)) continue;
-      const char* start = others++ ? ", " : "; the other ranks of that node: ";
-      put(start, std::strlen(start));
-      put_name(r);
-    }
-#endif
-    return n;
-  }
   // From the heartbeat thread, twice a second: what arrived, then one beat to every remote rank.
   // A peer's every address gets the beat: those the network cannot carry are
   // dropped, and a beat that reaches another socket is not of this job or rank.
@@ -312,10 +281,12 @@ class remote_heartbeat {
       net::in4 from{};
       std::uint32_t len = sizeof from;
       const long got = ::syscall(SYS_recvfrom, fd_, &b, sizeof b, net::msg_dontwait, &from, &len);
+      // a refusal also leaves an error pending (IP_RECVERR), which one call returns and clears
+      if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) continue;
       if (got < 0) break;
       if (got == static_cast<long>(sizeof b) && b.token == token_ && b.rank >= 0 && b.rank < size_) {
         heard_[static_cast<std::size_t>(b.rank)].store(now, std::memory_order_relaxed);
-        heard_from_[static_cast<std::size_t>(b.rank)] = from.addr;
+        heard_from_[static_cast<std::size_t>(b.rank)].store(from.addr, std::memory_order_relaxed);
       }
     }
     refusals(now);
@@ -335,15 +306,18 @@ class remote_heartbeat {
     for (int r : remote_) {
       const auto& p = peers_[static_cast<std::size_t>(r)];
       for (int k = 0; k < p.count; ++k) {
+        if (std::find(own_.begin(), own_.end(), p.addr[k]) != own_.end()) continue;  // a private address every host has
         const net::in4 to{net::af_inet, p.port, p.addr[k], {}};
-        (void)::syscall(SYS_sendto, fd_, &me, sizeof me, net::msg_dontwait, &to, sizeof to);
+        // a pending error (an earlier refusal) fails one call and is cleared: send again
+        for (int attempt = 0; attempt < 2; ++attempt)
+          if (::syscall(SYS_sendto, fd_, &me, sizeof me, net::msg_dontwait, &to, sizeof to) >= 0 || errno == EAGAIN) break;
       }
     }
 #endif
   }
   // The refusals that arrived (a beat met a closed port): each marks the peer
   // whose beats come from that address and port as gone.
-  void refusals([[maybe_unused]] std::int64_t now, [[maybe_unused]] bool note = true) noexcept {
+  void refusals([[maybe_unused]] std::int64_t now) noexcept {
 #if WHALE_REMOTE_HEARTBEAT
     bool news = false;
     for (;;) {  // the refusals: a beat that met a closed port
@@ -357,12 +331,17 @@ class remote_heartbeat {
         net::cmsghdr h{};
         std::memcpy(&h, control + at, sizeof h);
         if (h.len < sizeof h || at + h.len > m.controllen) break;
-        if (h.level == net::sol_ip && h.type == net::ip_recverr && h.len >= sizeof h + sizeof(net::extended_err)) {
+        if (h.level == net::sol_ip && h.type == net::ip_recverr && h.len >= sizeof h + sizeof(net::extended_err) + sizeof(net::in4)) {
           net::extended_err e{};
+          net::in4 by{};  // the address that sent the ICMP message
           std::memcpy(&e, control + at + sizeof h, sizeof e);
-          if (e.err == static_cast<std::uint32_t>(net::econnrefused))
+          std::memcpy(&by, control + at + sizeof h + sizeof e, sizeof by);
+          // "port unreachable" (ICMP type 3, code 3) from the peer's own address: nothing listens there
+          if (e.err == static_cast<std::uint32_t>(net::econnrefused) && e.origin == net::ee_origin_icmp && e.type == 3 && e.code == 3 &&
+              by.addr == to.addr)
             for (int r : remote_)  // the peer whose beats come from that address and port
-              if (heard_from_[static_cast<std::size_t>(r)] == to.addr && peers_[static_cast<std::size_t>(r)].port == to.port) {
+              if (heard_from_[static_cast<std::size_t>(r)].load(std::memory_order_relaxed) == to.addr &&
+                  peers_[static_cast<std::size_t>(r)].port == to.port) {
                 refused_[static_cast<std::size_t>(r)].store(now, std::memory_order_relaxed);
                 news = true;
               }
@@ -370,8 +349,8 @@ class remote_heartbeat {
         at += (h.len + 7) & ~static_cast<std::size_t>(7);
       }
     }
-    if (news && note) try {  // for the line of a signal's handler, should mpirun end this rank first
-        if (const auto m = gone_report(remote_); !m.empty()) set_peer_note("heartbeat: " + m);
+    if (news) try {  // for the line of a signal's handler, should mpirun end this rank first
+        if (const auto m = gone_report(remote_, false); !m.empty()) set_peer_note("heartbeat: " + m, now);
       } catch (...) {  // no memory for the note: the heartbeat's check still names them
       }
 #endif
@@ -383,10 +362,10 @@ class remote_heartbeat {
   std::vector<entry> peers_;
   std::vector<int> remote_;    // world ranks on other nodes, watched
   std::vector<char> watched_;  // by world rank: in remote_
-  std::vector<std::string> names_;  // by world rank: "rank R (pid P on HOST)"
   std::unique_ptr<std::atomic<std::int64_t>[]> heard_;
   std::unique_ptr<std::atomic<std::int64_t>[]> refused_;  // by world rank: when a beat to it met a closed port (0: never)
-  std::vector<std::uint32_t> heard_from_;                  // by world rank: the address its beats came from (heartbeat thread only)
+  std::unique_ptr<std::atomic<std::uint32_t>[]> heard_from_;  // by world rank: the address its beats came from
+  std::vector<std::uint32_t> own_;                            // this host's addresses
 };
 
 }  // namespace whale::detail

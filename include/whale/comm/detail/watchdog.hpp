@@ -91,7 +91,11 @@ class heartbeat {
     for (;;) {
       const auto now = monotonic_ms();
       for (auto* w : words_) std::atomic_ref<std::int64_t>(*w).store(now, std::memory_order_relaxed);
-      if (tick_) tick_();
+      if (auto* tick = tick_) {  // without the lock: a tick waits a moment for refusals
+        l.unlock();
+        tick();
+        l.lock();
+      }
       cv_.wait_for(l, std::chrono::milliseconds(500));
     }
   }
