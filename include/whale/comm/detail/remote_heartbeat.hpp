@@ -276,14 +276,16 @@ class remote_heartbeat {
   void tick() {
 #if WHALE_REMOTE_HEARTBEAT
     const auto now = monotonic_ms();
-    for (;;) {  // until nothing is left; a datagram of another size or job is skipped
+    for (int errors = 0; errors < 64;) {  // until nothing is left; a datagram of another size or job is skipped
       beat b{};
       net::in4 from{};
       std::uint32_t len = sizeof from;
       const long got = ::syscall(SYS_recvfrom, fd_, &b, sizeof b, net::msg_dontwait, &from, &len);
-      // a refusal also leaves an error pending (IP_RECVERR), which one call returns and clears
-      if (got < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR) continue;
-      if (got < 0) break;
+      if (got < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
+        ++errors;  // a refusal also leaves an error pending (IP_RECVERR), which one call returns and clears
+        continue;
+      }
       if (got == static_cast<long>(sizeof b) && b.token == token_ && b.rank >= 0 && b.rank < size_) {
         heard_[static_cast<std::size_t>(b.rank)].store(now, std::memory_order_relaxed);
         heard_from_[static_cast<std::size_t>(b.rank)].store(from.addr, std::memory_order_relaxed);
