@@ -27,6 +27,7 @@ struct interrupt_state {
   std::atomic<int> saving{0};      ///< saves in progress in this process
   std::atomic<int> current{0};     ///< which of the two lines is whole
   std::atomic<bool> speaks{true};  ///< whether this process prints the line (rank 0)
+  std::atomic<std::int64_t> signalled_ms{0};  ///< when the signal came (CLOCK_MONOTONIC), for a deferred one too
   char lines[2][512] = {};
   std::atomic<int> lengths[2] = {0, 0};
 };
@@ -57,10 +58,7 @@ inline void end_interrupted(int sig) noexcept {
     const int p = peers.current.load();
     const char* found = peers.text[p];
     std::size_t m = static_cast<std::size_t>(peers.lengths[p].load());
-    timespec now{};
-    ::clock_gettime(CLOCK_MONOTONIC, &now);
-    const std::int64_t now_ms = static_cast<std::int64_t>(now.tv_sec) * 1000 + now.tv_nsec / 1000000;
-    if (m > 0 && peers.at[p].load() > now_ms - 100) m = 0;
+    if (m > 0 && peers.at[p].load() > s.signalled_ms.load() - 100) m = 0;
     // then the line, in one write (other ranks may be writing theirs)
     char line[2048];
     std::size_t at = 0;
@@ -83,6 +81,11 @@ inline void end_interrupted(int sig) noexcept {
 
 extern "C" inline void whale_on_interrupt(int sig) {
   auto& s = interrupts();
+  if (s.signalled_ms.load() == 0) {  // the first signal's time
+    timespec now{};
+    ::clock_gettime(CLOCK_MONOTONIC, &now);
+    s.signalled_ms.store(static_cast<std::int64_t>(now.tv_sec) * 1000 + now.tv_nsec / 1000000);
+  }
   if (s.saving.load() > 0) {  // a checkpoint is being written: end right after it
     s.seen.store(sig);
     return;

@@ -12,12 +12,12 @@
 // A killed rank's node is still up: its kernel answers the next beat with
 // "port unreachable", which this socket asks to see (IP_RECVERR). Such a
 // refusal, sent by the address a peer's beats came from for its port, after
-// its last beat, and a second of silence since, say that its process is gone;
+// its last beat, and 1.2 s of silence since, say that its process is gone;
 // the waiting rank then ends the job naming it, its host and the other ranks
 // of that node. mpirun notices its daemon's death too and may end the job
 // first (naming the node at most): the line whale prints on SIGTERM then names
-// the ranks refused at least 0.1 s before the signal (set_peer_note), not
-// those that end on the same signal.
+// the ranks refused and silent for 0.5 s, as learnt at least 0.1 s before the
+// signal (set_peer_note), not those that end on the same signal.
 //
 // A peer is watched once it has been heard from: where UDP between the nodes
 // is blocked, nothing is ever heard and nothing is reported (the watchdog's
@@ -189,20 +189,21 @@ class remote_heartbeat {
   /// heard (its socket lives as long as its process).
   bool refused(int r) const {
     if (!watched(r)) return false;
+    const auto at = refused_[static_cast<std::size_t>(r)].load(std::memory_order_acquire);
     const auto heard = heard_[static_cast<std::size_t>(r)].load(std::memory_order_relaxed);
-    return heard > 0 && refused_[static_cast<std::size_t>(r)].load(std::memory_order_relaxed) > heard;
+    return heard > 0 && at > heard;
   }
-  /// Whether world rank `r`'s process is gone: refused, and silent for over a
-  /// second (a live peer beats every 0.5 s: a refusal of a live one, by a
-  /// firewall, does not stop its beats; a peer that ends with this rank, on the
-  /// same Ctrl-C, is not silent that long before this rank ends).
-  bool gone(int r) const { return refused(r) && silence_ms(r) > 1000; }
-  /// Of world ranks `among`, those gone (`settled`: by gone(); else by refused()),
-  /// with the other ranks of their nodes: "rank 1 (pid 5 on h1) has died (its
-  /// node refused its heartbeat: the process is gone, seen from h0); the other
-  /// ranks of its node: rank 3 (pid 6 on h1)". Empty if none is gone.
-  std::string gone_report(const std::vector<int>& among, bool settled = true) const {
-    auto dead = [&](int w) { return settled ? gone(w) : refused(w); };
+  /// Whether world rank `r`'s process is gone: refused, and silent for `ms`
+  /// (default 1.2 s, over two beats and a late one: a live peer that a firewall
+  /// refuses still beats; a peer that ends with this rank, on the same Ctrl-C,
+  /// is not silent that long before this rank ends).
+  bool gone(int r, std::int64_t ms = 1200) const { return refused(r) && silence_ms(r) > ms; }
+  /// Of world ranks `among`, those gone (gone(w, ms)), with the other ranks of
+  /// their nodes among `among`: "rank 1 (pid 5 on h1) has died (its node refused
+  /// its heartbeat: the process is gone, seen from h0); the other ranks of its
+  /// node: rank 3 (pid 6 on h1)". Empty if none is gone.
+  std::string gone_report(const std::vector<int>& among, std::int64_t ms = 1200) const {
+    auto dead = [&](int w) { return gone(w, ms); };
     std::string named_dead, beside;
     int dead_count = 0, beside_count = 0;
     std::vector<int> nodes;  // of the dead ones
@@ -276,14 +277,14 @@ class remote_heartbeat {
   void tick() {
 #if WHALE_REMOTE_HEARTBEAT
     const auto now = monotonic_ms();
-    for (int errors = 0; errors < 64;) {  // until nothing is left; a datagram of another size or job is skipped
+    for (int errors = 0; errors < 64;) {  // until nothing is left (64 errors at most); a datagram of another size or job is skipped
       beat b{};
       net::in4 from{};
       std::uint32_t len = sizeof from;
       const long got = ::syscall(SYS_recvfrom, fd_, &b, sizeof b, net::msg_dontwait, &from, &len);
       if (got < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) break;
-        ++errors;  // a refusal also leaves an error pending (IP_RECVERR), which one call returns and clears
+        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+        ++errors;  // a refusal also leaves an error pending (IP_RECVERR), which one call returns and clears; or EINTR
         continue;
       }
       if (got == static_cast<long>(sizeof b) && b.token == token_ && b.rank >= 0 && b.rank < size_) {
@@ -298,7 +299,22 @@ class remote_heartbeat {
     // before mpirun, which notices it in a second or two, ends this rank
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
     refusals(monotonic_ms());
+    note(monotonic_ms());
 #endif
+  }
+  // For the line of a signal's handler, should mpirun end this rank first: the
+  // peers refused and silent for a beat (0.5 s), as of when that was first so;
+  // nothing once they are heard again.
+  void note([[maybe_unused]] std::int64_t now) noexcept {
+    try {
+      auto m = gone_report(remote_, 500);
+      if (!m.empty()) m = "heartbeat: " + m;
+      if (m != note_) {
+        note_ = m;
+        set_peer_note(m, now);
+      }
+    } catch (...) {  // no memory for the note: the heartbeat's check still names them
+    }
   }
   void send_beats() noexcept {  // one to every remote rank, each of its addresses
 #if WHALE_REMOTE_HEARTBEAT
@@ -307,7 +323,11 @@ class remote_heartbeat {
     me.rank = rank_;
     for (int r : remote_) {
       const auto& p = peers_[static_cast<std::size_t>(r)];
+      // once heard, only the address its beats come from (the kernel limits the refusals
+      // a host sends: those of addresses that lead elsewhere would use them up)
+      const auto from = heard_from_[static_cast<std::size_t>(r)].load(std::memory_order_relaxed);
       for (int k = 0; k < p.count; ++k) {
+        if (from != 0 && p.addr[k] != from) continue;
         if (std::find(own_.begin(), own_.end(), p.addr[k]) != own_.end()) continue;  // a private address every host has
         const net::in4 to{net::af_inet, p.port, p.addr[k], {}};
         // a pending error (an earlier refusal) fails one call and is cleared: send again
@@ -321,7 +341,6 @@ class remote_heartbeat {
   // whose beats come from that address and port as gone.
   void refusals([[maybe_unused]] std::int64_t now) noexcept {
 #if WHALE_REMOTE_HEARTBEAT
-    bool news = false;
     for (;;) {  // the refusals: a beat that met a closed port
       net::in4 to{};
       char data[sizeof(beat)];
@@ -343,18 +362,12 @@ class remote_heartbeat {
               by.addr == to.addr)
             for (int r : remote_)  // the peer whose beats come from that address and port
               if (heard_from_[static_cast<std::size_t>(r)].load(std::memory_order_relaxed) == to.addr &&
-                  peers_[static_cast<std::size_t>(r)].port == to.port) {
-                refused_[static_cast<std::size_t>(r)].store(now, std::memory_order_relaxed);
-                news = true;
-              }
+                  peers_[static_cast<std::size_t>(r)].port == to.port && !refused(r))
+                refused_[static_cast<std::size_t>(r)].store(now, std::memory_order_release);  // the first since it was heard
         }
         at += (h.len + 7) & ~static_cast<std::size_t>(7);
       }
     }
-    if (news) try {  // for the line of a signal's handler, should mpirun end this rank first
-        if (const auto m = gone_report(remote_, false); !m.empty()) set_peer_note("heartbeat: " + m, now);
-      } catch (...) {  // no memory for the note: the heartbeat's check still names them
-      }
 #endif
   }
 
@@ -368,6 +381,7 @@ class remote_heartbeat {
   std::unique_ptr<std::atomic<std::int64_t>[]> refused_;  // by world rank: when a beat to it met a closed port (0: never)
   std::unique_ptr<std::atomic<std::uint32_t>[]> heard_from_;  // by world rank: the address its beats came from
   std::vector<std::uint32_t> own_;                            // this host's addresses
+  std::string note_;                                          // the last note written (heartbeat thread only)
 };
 
 }  // namespace whale::detail
