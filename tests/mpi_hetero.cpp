@@ -881,6 +881,50 @@ TEST_CASE("wsp on a device (the guarded backend): one worker equals the CPU bit 
   }
 }
 
+namespace {
+/// Optimizer O without the overload that writes its step's change
+/// (DeltaOptimizer): WSP then takes each wave's update from a snapshot.
+template <class O> struct without_delta : O {
+  void update(typename O::state& s, view<float> p, cview<float> g, const backend_ref& be = {},
+              kernels::update_gate gate = {}, float* copy = nullptr) const {
+    O::update(s, p, g, be, gate, copy);
+  }
+};
+}  // namespace
+
+TEST_CASE("wsp: a wave of one minibatch takes its update from the optimizer's pass, the same bits as from a snapshot, on the CPU and a device") {
+  const int n = world_size();
+  static_assert(DeltaOptimizer<sgd> && DeltaOptimizer<adamw> && !DeltaOptimizer<without_delta<sgd>>);
+  auto same = [&]<class P>(const char* what, const std::string& spec, plan_options o, wsp_options w, auto opt) {
+    auto ctx = test::on_mesh(spec);
+    {  // which path each trainer takes
+      auto net = make<P>(ctx, seed{42}, o);
+      CHECK(wsp_trainer(ctx, net, opt, w).update_from_optimizer() == (w.wave == 1 && !w.in_flight));
+      CHECK_FALSE(wsp_trainer(ctx, net, without_delta<decltype(opt)>{opt}, w).update_from_optimizer());
+    }
+    for (bool device : {false, true}) {
+      guarded_backend g;
+      const backend_ref be = device ? backend_ref(g) : backend_ref{};
+      const auto fused = wsp_on<P>(ctx, be, o, w, 4, opt);
+      const auto snapshot = wsp_on<P>(ctx, be, o, w, 4, without_delta<decltype(opt)>{opt});
+      INFO("rank " << ctx.rank() << " of " << n << ", " << what << (device ? ", guarded" : ", CPU"));
+      CHECK(fused.losses == snapshot.losses);
+      CHECK(fused.params == snapshot.params);
+    }
+  };
+  // one worker over every rank: the holders add one update a wave, in one order
+  plan_options two;
+  two.micro_batches = 2;
+  using P = replicate<pipeline<one_f_one_b, small_deep>>;
+  const std::string one = "data=1,pipe=" + std::to_string(n);
+  same.template operator()<P>("sgd with momentum", one, two, wsp_options{.wave = 1}, sgd{.lr = 0.05f, .momentum = 0.9f});
+  same.template operator()<P>("adamw clipped to 0.05", one, two, wsp_options{.wave = 1, .max_grad_norm = 0.05},
+                              adamw{.lr = 1e-2f, .weight_decay = 0.01f});
+  same.template operator()<P>("bf16, adamw", one, two, wsp_options{.wave = 1, .precision = precision::bf16},
+                              adamw{.lr = 1e-2f});
+  same.template operator()<P>("waves of 2 (a snapshot both ways)", one, two, wsp_options{.wave = 2}, sgd{.lr = 0.05f});
+}
+
 TEST_CASE("wsp on a device: a NaN loss is an error on every rank of the worker, before any update is pushed; no stage applies it") {
   const int n = world_size();
   using P = replicate<pipeline<one_f_one_b, small_deep>>;

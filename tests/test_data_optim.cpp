@@ -1,6 +1,7 @@
 // Synthetic data (pure functions of seed, step and sample index) and optimizers.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "whale/optim/adamw.hpp"
@@ -78,4 +79,44 @@ TEST_CASE("clip_grad_norm scales to the maximum norm") {
   CHECK(clip_grad_norm(g, 1.0) == doctest::Approx(5.0));
   CHECK(std::sqrt(g[0] * g[0] + g[1] * g[1]) == doctest::Approx(1.0).epsilon(1e-4));
   CHECK(clip_coefficient(0.5, 1.0) == 1.f);
+}
+
+TEST_CASE("an update that writes its change (update_delta) gives the same weights, and the change a snapshot would give, bit for bit") {
+  // sgd plain, sgd with momentum and adamw, 3 steps each, under a gate that scales
+  // the gradients; one run updates plainly and takes (after - before) x k from a
+  // snapshot (scaled_difference), the other writes the change in the same pass
+  constexpr index_t n = 37;  // not a multiple of any vector width
+  auto run = [&](const auto& opt) {
+    tensor<float> p0({n}), p1({n}), g({n}), snap({n}), want({n}), got({n});
+    for (index_t i = 0; i < n; ++i) {
+      p0[i] = p1[i] = 0.3f * std::sin(0.7f * static_cast<float>(i)) - 0.01f * static_cast<float>(i);
+    }
+    auto s0 = opt.make_state(n);
+    auto s1 = opt.make_state(n);
+    double scale = 1.7, halt = 0;
+    const float k = 0.3125f + 1e-3f;
+    for (int step = 0; step < 4; ++step) {
+      for (index_t i = 0; i < n; ++i) g[i] = std::cos(0.37f * static_cast<float>(i * (step + 2))) * (i % 5 == 0 ? 1e-3f : 1.f);
+      halt = step == 2 ? 3 : 0;  // a halted step changes nothing: its change is 0
+      std::copy_n(p0.data(), n, snap.data());
+      opt.update(s0, p0.v(), g.v(), backend_ref{}, kernels::update_gate{&scale, &halt});
+      cpu::launch(n, kernels::scaled_difference{p0.data(), snap.data(), want.data(), k});
+      opt.update(s1, p1.v(), g.v(), backend_ref{}, kernels::update_gate{&scale, &halt}, nullptr,
+                 kernels::update_delta{got.data(), k});
+      for (index_t i = 0; i < n; ++i) {
+        CHECK(p1[i] == p0[i]);
+        CHECK(got[i] == want[i]);
+        if (step == 2) CHECK(got[i] == 0.f);
+      }
+    }
+  };
+  run(sgd{.lr = 0.05f});
+  run(sgd{.lr = 0.05f, .momentum = 0.9f, .weight_decay = 0.01f});
+  run(adamw{.lr = 1e-2f, .weight_decay = 0.01f});
+  // a change asked for without a gate is an error that names both
+  sgd opt{.lr = 0.05f};
+  tensor<float> p({4}), g({4}), d({4});
+  auto st = opt.make_state(4);
+  CHECK_THROWS_WITH_AS(opt.update(st, p.v(), g.v(), backend_ref{}, {}, nullptr, kernels::update_delta{d.data(), 1.f}),
+                       doctest::Contains("without a gate"), std::invalid_argument);
 }

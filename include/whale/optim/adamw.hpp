@@ -32,15 +32,18 @@ struct adamw {
   /// One step; under `gate` (in the backend's memory) the gradients are scaled
   /// by *gate.scale, and nothing changes while *gate.halt is non-zero. With
   /// `copy` (as many floats as p): p's new values rounded to bf16 go there too.
+  /// With `delta` (under a gate): what the step changed, weighed, goes there.
   void update(state& s, view<float> p, cview<float> g, const backend_ref& be = {}, kernels::update_gate gate = {},
-              float* copy = nullptr) const {
+              float* copy = nullptr, kernels::update_delta delta = {}) const {
+    check_delta(gate, delta);
     ++s.steps;
     const float b1 = beta1, b2 = beta2;
     const float c1 = 1.f - static_cast<float>(std::pow(static_cast<double>(b1), static_cast<double>(s.steps)));
     const float c2 = 1.f - static_cast<float>(std::pow(static_cast<double>(b2), static_cast<double>(s.steps)));
     const kernels::adamw_step rule{p.data(), g.data(), s.m.data(), s.v.data(), b1, b2, lr / c1, 1.f / c2,
                                    1.f - lr * weight_decay, eps, copy};
-    if (gate.set()) be.launch(p.numel(), kernels::gated_update<kernels::adamw_step>{rule, gate.scale, gate.halt});
+    if (delta.set()) be.launch(p.numel(), kernels::gated_delta_update<kernels::adamw_step>{rule, gate.scale, gate.halt, delta});
+    else if (gate.set()) be.launch(p.numel(), kernels::gated_update<kernels::adamw_step>{rule, gate.scale, gate.halt});
     else be.launch(p.numel(), rule);
   }
 };

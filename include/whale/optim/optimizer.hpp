@@ -99,6 +99,31 @@ concept RoundingOptimizer = Optimizer<O> && requires(const O& o, typename O::sta
                                                      const backend_ref& be, kernels::update_gate gate, float* copy) {
   o.update(s, p, g, be, gate, copy);
 };
+/// Run one update of gated rule `o` on backend `be` under `gate` that also
+/// writes what it changed, weighed, into `delta` (DeltaOptimizer).
+template <Optimizer O>
+void update_on(const backend_ref& be, const O& o, typename O::state& s, view<float> p, cview<float> g,
+               kernels::update_gate gate, kernels::update_delta delta) {
+  static_assert(requires { o.update(s, p, g, be, gate, nullptr, delta); },
+                "whale: this optimizer has no update(state, p, g, backend, kernels::update_gate, copy, "
+                "kernels::update_delta), so it cannot write what its step changed; give it one (see sgd, adamw)");
+  o.update(s, p, g, be, gate, nullptr, delta);
+}
+/// The delta of an update pass (kernels::update_delta) is written only under a gate.
+inline void check_delta(kernels::update_gate gate, kernels::update_delta delta) {
+  if (delta.set() && !gate.set())
+    throw std::invalid_argument("whale: an optimizer step asked to write what it changed (kernels::update_delta) "
+                                "without a gate (kernels::update_gate): give both");
+}
+/// Whether rule O can write what its step changed, weighed, in the same pass
+/// (kernels::update_delta; sgd and adamw can): Wave Synchronous Parallel's
+/// update of a wave of one minibatch then needs no snapshot of the weights.
+template <class O>
+concept DeltaOptimizer = Optimizer<O> && requires(const O& o, typename O::state& s, view<float> p, cview<float> g,
+                                                  const backend_ref& be, kernels::update_gate gate,
+                                                  kernels::update_delta delta) {
+  o.update(s, p, g, be, gate, nullptr, delta);
+};
 /// Whether rule O updates under a gate in device memory (kernels::update_gate:
 /// a clipping scale and a halt flag), as a step that keeps its figures on the
 /// device needs (trainer_options::log_every): sgd and adamw do.

@@ -28,20 +28,25 @@ struct sgd {
     if (momentum != 0.f) s.buf = tensor<float>({n}, mem_kind::optimizer);
     return s;
   }
-  template <class K> static void run(const backend_ref& be, index_t n, const K& rule, kernels::update_gate gate) {
-    if (gate.set()) be.launch(n, kernels::gated_update<K>{rule, gate.scale, gate.halt});
+  template <class K>
+  static void run(const backend_ref& be, index_t n, const K& rule, kernels::update_gate gate, kernels::update_delta delta) {
+    if (delta.set()) be.launch(n, kernels::gated_delta_update<K>{rule, gate.scale, gate.halt, delta});
+    else if (gate.set()) be.launch(n, kernels::gated_update<K>{rule, gate.scale, gate.halt});
     else be.launch(n, rule);
   }
   /// One step; under `gate` (in the backend's memory) the gradients are scaled
   /// by *gate.scale, and nothing changes while *gate.halt is non-zero. With
   /// `copy` (as many floats as p): p's new values rounded to bf16 go there too.
+  /// With `delta` (under a gate): what the step changed, weighed, goes there.
   void update(state& s, view<float> p, cview<float> g, const backend_ref& be = {}, kernels::update_gate gate = {},
-              float* copy = nullptr) const {
+              float* copy = nullptr, kernels::update_delta delta = {}) const {
+    check_delta(gate, delta);
     if (momentum == 0.f)
-      run(be, p.numel(), kernels::sgd_plain{p.data(), g.data(), lr, weight_decay, copy}, gate);
+      run(be, p.numel(), kernels::sgd_plain{p.data(), g.data(), lr, weight_decay, copy}, gate, delta);
     else
       run(be, p.numel(),
-          kernels::sgd_momentum{p.data(), g.data(), s.buf.data(), lr, weight_decay, momentum, s.steps == 0, copy}, gate);
+          kernels::sgd_momentum{p.data(), g.data(), s.buf.data(), lr, weight_decay, momentum, s.steps == 0, copy}, gate,
+          delta);
     ++s.steps;
   }
 };

@@ -169,6 +169,17 @@ template <class P> class executor final : public detail::executor_core {
     if constexpr (level > 0 && level < 3) zero_.gather_after_update(params_.data());
     tr_.add(span_kind::optimizer, step_ - 1, -1, t0, tr_.now());
   }
+  /// The same, with ZeRO 0 (this rank updates all it holds), also writing what
+  /// the step changed, weighed, into `delta` (kernels::update_delta: as many
+  /// floats as params()), in the update's own pass.
+  template <class O>
+  void apply_optimizer(const O& opt, typename O::state& st, kernels::update_gate gate, kernels::update_delta delta)
+    requires(level == 0)
+  {
+    const auto t0 = tr_.now();
+    update_on(be_, opt, st, local_params(), local_grads(), gate, delta);
+    tr_.add(span_kind::optimizer, step_ - 1, -1, t0, tr_.now());
+  }
   /// Scale the gradients (clipping), update this rank's range; ZeRO 1–2 then all-gather the parameters.
   template <class O> void apply_optimizer(const O& opt, typename O::state& st, float grad_scale) {
     const auto t0 = tr_.now();

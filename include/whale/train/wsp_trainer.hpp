@@ -88,7 +88,9 @@ template <class Net, class Opt> class wsp_trainer {
       holders_->push(be_.host_readable(cview<float>(net.params()), keep), offset_);
     }
     barrier(ctx.world());
-    wave_ = detail::wsp_wave(be_, mine, o_.wave);
+    // a wave of one minibatch takes its update from the optimizer's pass: no snapshot, no pass after
+    fused_ = fusable && o_.wave == 1 && !o_.in_flight;
+    wave_ = detail::wsp_wave(be_, mine, o_.wave, fused_);
     if (wave_.device()) {
       shares_.assign(static_cast<std::size_t>(o_.wave), 0.0);
       wave_steps_.assign(static_cast<std::size_t>(o_.wave), 0);
@@ -144,6 +146,11 @@ template <class Net, class Opt> class wsp_trainer {
   /// This rank's minibatches so far, with the weights' version each ran on.
   const std::vector<minibatch_record>& minibatches() const noexcept { return minibatches_; }
   std::int64_t clock() const noexcept { return clock_; }
+  /// Whether the optimizer's pass writes each wave's update (a wave of one
+  /// minibatch, not in flight, with sgd, adamw or another DeltaOptimizer), so
+  /// no snapshot of the weights is kept; otherwise the update is the weights
+  /// at the wave's end less a snapshot taken at its start.
+  bool update_from_optimizer() const noexcept { return fused_; }
   /// The optimizer's state (refused after a fault on a device: its step counts
   /// moved on past the updates the fault gated).
   typename Opt::state& optimizer_state() {
@@ -152,6 +159,24 @@ template <class Net, class Opt> class wsp_trainer {
   }
 
  private:
+  /// Whether the optimizer and the plan can write an update's change in its own
+  /// pass (kernels::update_delta: DeltaOptimizer, ZeRO 0).
+  static constexpr bool fusable =
+      DeltaOptimizer<Opt> && requires(Net& n, const Opt& o, typename Opt::state& s) {
+        n.apply_optimizer(o, s, kernels::update_gate{}, kernels::update_delta{});
+      };
+  /// The optimizer's step on the CPU, the gradients scaled by `scale`; with
+  /// fused_, under a gate in host memory, writing the wave's update.
+  void host_update(float scale) {
+    if constexpr (fusable) {
+      if (fused_) {
+        host_scale_ = scale;
+        return net_->apply_optimizer(opt_, state_, kernels::update_gate{&host_scale_, &host_halt_},
+                                     wave_.delta(static_cast<float>(share_)));
+      }
+    }
+    net_->apply_optimizer(opt_, state_, scale);
+  }
   /// Every rank of the worker learns whether one saw a non-finite loss (`step`
   /// >= 0: the first such data step on this rank) and all throw alike, before
   /// any update or push: a pipeline's other stages cannot go on without it.
@@ -202,6 +227,8 @@ template <class Net, class Opt> class wsp_trainer {
   std::vector<std::int64_t> wave_steps_;  // on a device: the data step of each minibatch of the wave
   std::unique_ptr<device_comm> dev_group_;  // on a device, clipping: the worker's ranks' own communicator
   int in_wave_ = 0;
+  bool fused_ = false;                    // the optimizer's pass writes the wave's update (wsp_wave::delta)
+  double host_scale_ = 1, host_halt_ = 0;  // fused_ on the CPU: the gate the update runs under
   index_t offset_ = 0, total_ = 0;
   double share_ = 1.0;  // this worker's rows / the global batch
   std::int64_t clock_ = 0, steps_ = 0, least_ = 0;

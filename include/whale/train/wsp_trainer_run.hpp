@@ -91,7 +91,7 @@ template <class Data> std::vector<double> wsp_trainer<Net, Opt>::wave(Data& data
   for (int k = 0; k < n; ++k) minibatches_.push_back({first + k, clock_, steps_, least_});
   for (int k = 0; k < n; ++k) {  // the wave's updates, in step order
     be_.copy(g.data(), slots_.data() + static_cast<index_t>(k) * np, bytes);
-    net_->apply_optimizer(opt_, state_, clip_scale(static_cast<float>(1.0 / share_), first + k));
+    host_update(clip_scale(static_cast<float>(1.0 / share_), first + k));
     ++steps_;
   }
   in_wave_ = n;
@@ -161,6 +161,9 @@ void wsp_trainer<Net, Opt>::gated_update(int k) {
       }
     }
     const auto gate = wave_.gate(k, shares_[static_cast<std::size_t>(k)], squares, static_cast<float>(1.0 / share_), o_.max_grad_norm);
+    if constexpr (fusable) {
+      if (fused_) return net_->apply_optimizer(opt_, state_, gate, wave_.delta(static_cast<float>(share_)));
+    }
     net_->apply_optimizer(opt_, state_, gate);
   } else {
     (void)k;
@@ -247,7 +250,7 @@ template <class Data> double wsp_trainer<Net, Opt>::step(Data& data, std::int64_
   const double loss = share / share_;
   check_finite(std::isfinite(loss) ? -1 : step);
   minibatches_.push_back({step, clock_, steps_, least_});
-  net_->apply_optimizer(opt_, state_, clip_scale(static_cast<float>(1.0 / share_), step));
+  host_update(clip_scale(static_cast<float>(1.0 / share_), step));
   if (++in_wave_ == o_.wave) end_wave();
   ++steps_;
   return loss;

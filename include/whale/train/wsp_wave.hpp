@@ -24,10 +24,12 @@ class wsp_wave {
  public:
   wsp_wave() = default;
   /// For a rank of `params` weights on `be`, and waves of `minibatches`.
-  wsp_wave(const backend_ref& be, index_t params, int minibatches)
-      : be_(be), n_(minibatches), params_(params), padded_(params + params % 2) {
+  /// `from_optimizer`: the optimizer's pass writes the update (delta(); a wave
+  /// of one minibatch), so no snapshot is kept and none is taken.
+  wsp_wave(const backend_ref& be, index_t params, int minibatches, bool from_optimizer = false)
+      : be_(be), n_(minibatches), params_(params), padded_(params + params % 2), from_optimizer_(from_optimizer) {
     const place_scope on(be_.memory());  // on a device: all of it there
-    snapshot_ = tensor<float>({std::max<index_t>(1, params)}, mem_kind::workspace);
+    if (!from_optimizer_) snapshot_ = tensor<float>({std::max<index_t>(1, params)}, mem_kind::workspace);
     // the update, then (on a device, 8-byte aligned) the figures: one copy brings both to the host
     delta_ = tensor<float>({std::max<index_t>(1, padded_ + (device() ? 2 * figure_count() : 0))}, mem_kind::workspace);
     if (device()) {
@@ -40,7 +42,7 @@ class wsp_wave {
   /// The wave's start: the weights' snapshot, and the figures zeroed (the
   /// losses are added there; the halt flag cleared).
   void begin(cview<float> p) {
-    be_.copy(snapshot_.data(), p.data(), p.bytes());
+    if (!from_optimizer_) be_.copy(snapshot_.data(), p.data(), p.bytes());
     if (device()) be_.fill_zero(figure(0, 0), static_cast<std::size_t>(figure_count()) * sizeof(double));
   }
   /// On a device: where minibatch k's loss share is added (step_ctx::loss_sum;
@@ -67,11 +69,16 @@ class wsp_wave {
     std::vector<double> keep;
     return be_.host_readable(cview<double>(figure(0, k), {1}), keep)[0];
   }
-  /// The wave's end: the update (p - snapshot) x share, readable by the host.
+  /// With `from_optimizer`: where the optimizer's pass writes the wave's
+  /// update, (its new weights - its old) x share.
+  kernels::update_delta delta(float share) const noexcept { return {delta_.data(), share}; }
+  bool from_optimizer() const noexcept { return from_optimizer_; }
+  /// The wave's end: the update (p - snapshot) x share (or, `from_optimizer`,
+  /// as the optimizer wrote it), readable by the host.
   /// On a device it comes up with the figures, in one copy and one wait;
   /// device_loss() and fault() then read them.
   cview<float> update(cview<float> p, float share) {
-    be_.launch(p.numel(), kernels::scaled_difference{p.data(), snapshot_.data(), delta_.data(), share});
+    if (!from_optimizer_) be_.launch(p.numel(), kernels::scaled_difference{p.data(), snapshot_.data(), delta_.data(), share});
     if (!device()) return cview<float>(delta_.data(), {p.numel()});
     const index_t floats = padded_ + 8 * static_cast<index_t>(n_);  // the update and figures 0-3
     uploading_ = false;  // the synchronisation below ends any copy up from host_
@@ -115,6 +122,7 @@ class wsp_wave {
   std::vector<float> host_;       // on a device: the update (and figures) read, and the weights pulled
   std::vector<double> figures_;   // on a device: figures 0-3 of the last read
   bool uploading_ = false;        // on a device: a copy up from host_ may still be queued
+  bool from_optimizer_ = false;   // the optimizer writes the update (no snapshot)
 };
 
 }  // namespace whale::detail

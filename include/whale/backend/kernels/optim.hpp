@@ -192,4 +192,31 @@ template <class K> struct gated_update {
   std::int64_t bytes(index_t n) const noexcept { return rule.bytes(n) + 16; }
 };
 
+/// Where an update pass also writes what it changed, weighed: out[i] =
+/// (p[i] after - p[i] before) x k. Wave Synchronous Parallel's update of a
+/// wave of one minibatch (train/wsp_trainer.hpp), made in the optimizer's
+/// own pass: no snapshot of the weights and no pass over them afterwards.
+struct update_delta {
+  float* out = nullptr;
+  float k = 1.f;
+  bool set() const noexcept { return out != nullptr; }
+};
+
+/// Rule K under a gate, as gated_update, that also writes what it changed
+/// (update_delta): the difference of the same two floats scaled_difference
+/// would take from a snapshot, so the same bits.
+template <class K> struct gated_delta_update {
+  K rule;
+  const double* scale;
+  const double* halt;
+  update_delta delta;
+  WHALE_HD WHALE_INLINE void operator()(index_t i) const noexcept {
+    const bool keep = *halt != 0.0;
+    const float before = rule.p[i];
+    rule.apply(i, rule.g[i] * static_cast<float>(*scale), keep);
+    delta.out[i] = (rule.p[i] - before) * delta.k;
+  }
+  std::int64_t bytes(index_t n) const noexcept { return rule.bytes(n) + 16 + 4 * n; }
+};
+
 }  // namespace whale::kernels

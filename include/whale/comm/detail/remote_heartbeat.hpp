@@ -324,10 +324,12 @@ class remote_heartbeat {
     for (int r : remote_) {
       const auto& p = peers_[static_cast<std::size_t>(r)];
       // once heard, only the address its beats come from (the kernel limits the refusals
-      // a host sends: those of addresses that lead elsewhere would use them up)
+      // a host sends: those of addresses that lead elsewhere would use them up), if
+      // that is one it announced (behind address translation it is not: then all)
       const auto from = heard_from_[static_cast<std::size_t>(r)].load(std::memory_order_relaxed);
+      const bool known = from != 0 && std::find(p.addr, p.addr + p.count, from) != p.addr + p.count;
       for (int k = 0; k < p.count; ++k) {
-        if (from != 0 && p.addr[k] != from) continue;
+        if (known && p.addr[k] != from) continue;
         if (std::find(own_.begin(), own_.end(), p.addr[k]) != own_.end()) continue;  // a private address every host has
         const net::in4 to{net::af_inet, p.port, p.addr[k], {}};
         // a pending error (an earlier refusal) fails one call and is cleared: send again
