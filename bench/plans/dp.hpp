@@ -28,7 +28,8 @@ struct dp {
       "data parallel: replicate<model> over all ranks; --bucket-mib X (default 25), --no-overlap, "
       "--nonblocking, --bf16-reduce (gradient buckets summed in bf16), --micro-batches m (gradient accumulation: m "
       "passes a step, the buckets summed in the last) (xc: 64 samples per rank); time to loss (deep-mlp, or with --target-loss / --speeds): "
-      "--speeds 1,1,2,4, --balance, --target-loss X, --max-steps N, --curve FILE";
+      "--speeds 1,1,2,4, --balance, --memory-caps MiB,... (one a rank), --target-loss X, --max-steps N, --curve FILE; "
+      "with a pipe axis in --mesh (data=2,pipe=2) each replica is a 1F1B pipeline";
   template <class W> static constexpr bool supports = true;
 
   template <class W> static void run(config& c) {
@@ -38,8 +39,9 @@ struct dp {
       ttl_dp<W>(c);
       return;
     } else {
-      if (c.args.flag("--balance") || !c.args.text("--speeds", "").empty() || c.args.value("--target-loss", -1) >= 0)
-        throw usage_error(std::string("bench: --speeds, --balance and --target-loss are for the time-to-loss workload "
+      if (c.args.flag("--balance") || !c.args.text("--speeds", "").empty() || c.args.value("--target-loss", -1) >= 0 ||
+          !c.args.text("--memory-caps", "").empty())
+        throw usage_error(std::string("bench: --speeds, --balance, --memory-caps and --target-loss are for the time-to-loss workload "
                                       "deep-mlp (this is '") + W::name + "')");
       run_steps_plan<W>(c);
     }

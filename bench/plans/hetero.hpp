@@ -41,23 +41,30 @@ struct ttl_options {
   long max_steps = 0;      ///< --max-steps N (default 5000): give up there
   std::string curve;       ///< --curve FILE: "seconds loss" per step, written atomically at the end
   std::vector<double> speeds;  ///< --speeds 1,1,2,4 (one per rank)
+  std::vector<double> caps;    ///< --memory-caps MiB,... (one per rank): each rank's emulated memory
 
   template <class W> static ttl_options read(config& c) {
     ttl_options o;
     o.target = c.args.value("--target-loss", W::default_target);
     o.max_steps = static_cast<long>(c.args.count("--max-steps", 5000, 10, 10000000));
     o.curve = c.args.text("--curve", "");
-    const auto s = c.args.text("--speeds", "");
-    if (!s.empty()) {
+    // a list of one number per rank: parsed whole by `parse`, its length checked
+    auto per_rank = [&](const char* flag, const char* what, auto parse) {
+      std::vector<double> v;
+      const auto text = c.args.text(flag, "");
+      if (text.empty()) return v;
       try {
-        o.speeds = whale::plan_options::parse_speeds(s, "bench: --speeds");
+        v = parse(text, (std::string("bench: ") + flag).c_str());
       } catch (const whale::detail::parse_error& e) {
         throw usage_error(e.what());
       }
-      if (static_cast<int>(o.speeds.size()) != c.ranks())
-        throw usage_error("bench: --speeds gives " + std::to_string(o.speeds.size()) + " factor(s) for " +
-                          std::to_string(c.ranks()) + " rank(s); give one per rank");
-    }
+      if (static_cast<int>(v.size()) != c.ranks())
+        throw usage_error(std::string("bench: ") + flag + " gives " + std::to_string(v.size()) + " " + what +
+                          "(s) for " + std::to_string(c.ranks()) + " rank(s); give one per rank");
+      return v;
+    };
+    o.speeds = per_rank("--speeds", "factor", whale::plan_options::parse_speeds);
+    o.caps = per_rank("--memory-caps", "cap", whale::plan_options::parse_caps);
     if (!(o.target > 0)) throw usage_error("bench: --target-loss must be above 0");
     if (o.max_steps < 10 || o.max_steps > 10000000) throw usage_error("bench: --max-steps must be from 10 to 10000000");
     if (!o.curve.empty()) {  // checked before any work, the same on every rank
@@ -67,14 +74,18 @@ struct ttl_options {
     }
     return o;
   }
-  std::string speeds_text() const {
+  /// "1,1,2,4", or "all 1".
+  std::string speeds_text() const { return speeds.empty() ? "all 1" : joined(speeds); }
+  /// ", memory caps a,b,c,d MiB", or nothing.
+  std::string caps_text() const { return caps.empty() ? "" : ", memory caps " + joined(caps) + " MiB"; }
+  static std::string joined(const std::vector<double>& v) {
     std::string s;
-    for (double f : speeds) {
+    for (double f : v) {
       char b[32];
       std::snprintf(b, sizeof b, s.empty() ? "%g" : ",%g", f);
       s += b;
     }
-    return s.empty() ? "all 1" : s;
+    return s;
   }
 };
 
@@ -110,18 +121,27 @@ template <class Net, class Data> double held_out_loss(Net& net, Data& data) {
   return t.evaluate(data, whale::steps{4}, 1000000);
 }
 
-/// Synchronous data parallelism until the target: replicate<M>, speeds emulated, --balance.
+/// Synchronous data parallelism until the target: replicate<M> (with a pipe
+/// axis in --mesh, replicate<pipeline<1F1B, M>>: replicas too large for one
+/// rank's --memory-caps), speeds emulated, --balance.
+template <class W, class P> void ttl_dp_on(config& c);
 template <class W> void ttl_dp(config& c) {
+  if (c.ctx->mesh().shape().size(whale::axis::pipe) > 1)
+    return ttl_dp_on<W, whale::replicate<whale::pipeline<whale::one_f_one_b, typename W::model>>>(c);
+  ttl_dp_on<W, whale::replicate<typename W::model>>(c);
+}
+template <class W, class P> void ttl_dp_on(config& c) {
   using namespace whale;
   auto o = ttl_options::read<W>(c);
   plan_options po;
   po.speeds = o.speeds;
+  po.memory_caps_mib = o.caps;
   po.balance = c.args.flag("--balance");
   c.args.done("dp");
   auto& ctx = *c.ctx;
   const index_t global = W::global_batch(ctx.size());
   auto data = W::data(global);
-  auto net = make<replicate<typename W::model>>(ctx, seed{42}, po);
+  auto net = make<P>(ctx, seed{42}, po);
   trainer_options to;
   to.progress = false;
   to.check_grad_norm = false;
@@ -145,8 +165,13 @@ template <class W> void ttl_dp(config& c) {
   if (ctx.rank() != 0) return;
   write_curve(o.curve, curve);
   const auto [b0, rows0] = net.local_batch(global);
-  std::string plan = std::string("dp: replicate<") + W::name + "> over data:" + std::to_string(ctx.size()) +
-                     (po.balance ? ", batch split by speed" : ", even batch") + "; emulated slowness " + o.speeds_text();
+  const auto& shape = ctx.mesh().shape();
+  const int pipes = shape.size(axis::pipe);
+  std::string plan = std::string("dp: replicate<") + (pipes > 1 ? "pipeline<1f1b, " : "") + W::name +
+                     (pipes > 1 ? ">" : "") + "> over data:" + std::to_string(shape.size(axis::data)) +
+                     (pipes > 1 ? ",pipe:" + std::to_string(pipes) : "") +
+                     (po.balance ? ", batch split by speed" : ", even batch") + "; emulated slowness " + o.speeds_text() +
+                     o.caps_text();
   (void)b0;
   json_line j;
   head_fields<W>(j, plan, ctx.size(), secs / static_cast<double>(s), global, data.seq());
@@ -165,7 +190,7 @@ struct hetpipe {
       "HetPipe: virtual workers (data replicas, each a 1F1B pipeline over pipe; --mesh data=2,pipe=2) under Wave "
       "Synchronous Parallel: --staleness D (default 0), --wave N (minibatches per wave, default 1), --in-flight (a wave's minibatches in the pipeline together, all on "
       "the weights the wave began with), --worker-cuts (each worker's stages cut for its own ranks), --speeds 1,1,2,4, "
-      "--balance (workers' rows by speed), --policy np|ed|hd (grouping ranks into workers), "
+      "--balance (workers' rows by speed), --memory-caps MiB,... (one a rank), --policy np|ed|hd (grouping ranks into workers), "
       "--micro-batches M, --target-loss X, --max-steps N, --curve FILE (deep-mlp)";
   template <class W> static constexpr bool supports = W::time_to_loss;
 
@@ -179,6 +204,7 @@ struct hetpipe {
     const bool worker_cuts = c.args.flag("--worker-cuts");
     plan_options po;
     po.speeds = o.speeds;
+    po.memory_caps_mib = o.caps;
     po.micro_batches = static_cast<int>(c.args.count("--micro-batches", 0, 0, 16000));
     if (w.in_flight && w.wave > o.max_steps)
       throw usage_error("bench: --wave (" + std::to_string(w.wave) + ") is longer than --max-steps (" +
@@ -201,6 +227,7 @@ struct hetpipe {
       const auto order = detail::worker_order(o.speeds, c.ctx->mesh().shape().size(axis::data), policy);
       regrouped.emplace(c.ctx->with_rank_order(order));
       for (std::size_t i = 0; i < order.size(); ++i) po.speeds[i] = o.speeds[static_cast<std::size_t>(order[i])];
+      for (std::size_t i = 0; i < order.size() && !o.caps.empty(); ++i) po.memory_caps_mib[i] = o.caps[static_cast<std::size_t>(order[i])];
       cp = &*regrouped;
     }
     auto& ctx = *cp;
@@ -279,11 +306,11 @@ struct hetpipe {
     char plan[512];
     std::snprintf(plan, sizeof plan,
                   "hetpipe: %d virtual worker(s) of pipe:%d (policy %s, %s), WSP staleness %d, wave %d minibatch(es)%s, %s; "
-                  "emulated slowness %s (launch order)",
+                  "emulated slowness %s (launch order)%s",
                   shape.size(axis::data), shape.size(axis::pipe), policy_name.c_str(),
                   worker_cuts ? "stages cut per worker" : "one stage cut for all workers", w.staleness, w.wave,
                   w.in_flight ? " in flight" : " one after another",
-                  po.balance ? "rows by worker speed" : "even rows", o.speeds_text().c_str());
+                  po.balance ? "rows by worker speed" : "even rows", o.speeds_text().c_str(), o.caps_text().c_str());
     json_line j;
     head_fields<W>(j, plan, ctx.size(), v[1] / v[2], global, data.seq());
     j.add("emulated", "speeds emulated by sleeping; ranks oversubscribed on this machine's cores");
