@@ -314,7 +314,7 @@ TEST_CASE("the guarded backend runs every kernel in the device's shape, bit-equa
     }
     CHECK(on_cpu.rowd == on_device.rowd);
   });
-  CHECK(cases == 73);
+  CHECK(cases == 76);
 }
 
 TEST_CASE("attention as one call: a plain reference's outputs, log-sum-exps and gradients; the device's bits") {

@@ -189,6 +189,17 @@ template <class F> void for_each_case(F&& f) {
   });
   f("gated_update<sgd_plain> (halted)", N,
     [](buffers p) { return k::gated_update<k::sgd_plain>{{p.a, p.b, 0.01f, 0.1f}, p.rowd, p.rowd + 2}; });
+  // also writing what the step changed, weighed (Wave Synchronous Parallel's update), into f
+  f("gated_delta_update<adamw_step> (a clipping scale)", N, [](buffers p) {
+    return k::gated_delta_update<k::adamw_step>{
+        {p.a, p.b, p.c, p.d, 0.9f, 0.999f, 0.01f, 1.f / 0.002f, 0.9999f, 1e-8f}, p.rowd, p.rowd + 1, {p.f, 0.3f}};
+  });
+  f("gated_delta_update<sgd_momentum> (a clipping scale)", N, [](buffers p) {
+    return k::gated_delta_update<k::sgd_momentum>{{p.a, p.b, p.c, 0.01f, 0.1f, 0.9f, false}, p.rowd, p.rowd + 1, {p.f, 0.3f}};
+  });
+  f("gated_delta_update<sgd_plain> (halted)", N, [](buffers p) {
+    return k::gated_delta_update<k::sgd_plain>{{p.a, p.b, 0.01f, 0.1f}, p.rowd, p.rowd + 2, {p.f, 0.3f}};
+  });
 }
 
 /// Runs a case's body on a backend (cpu_backend, backend_ref): by its shape.

@@ -23,6 +23,7 @@ struct adamw {
     std::vector<state_vector> vectors() { return {{"exp_avg", m.v()}, {"exp_avg_sq", v.v()}}; }
   };
   static constexpr const char* name() { return "adamw"; }
+  static constexpr bool writes_delta = true;  ///< update() writes its change into an update_delta (DeltaOptimizer)
   state make_state(index_t n) const {
     state s;
     s.m = tensor<float>({n}, mem_kind::optimizer);

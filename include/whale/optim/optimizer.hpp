@@ -115,13 +115,17 @@ inline void check_delta(kernels::update_gate gate, kernels::update_delta delta) 
     throw std::invalid_argument("whale: an optimizer step asked to write what it changed (kernels::update_delta) "
                                 "without a gate (kernels::update_gate): give both");
 }
-/// Whether rule O can write what its step changed, weighed, in the same pass
-/// (kernels::update_delta; sgd and adamw can): Wave Synchronous Parallel's
+/// Whether rule O writes what its step changed, weighed, in the same pass
+/// (kernels::update_delta; sgd and adamw do): Wave Synchronous Parallel's
 /// update of a wave of one minibatch then needs no snapshot of the weights.
+/// A rule says so with `static constexpr bool writes_delta = true` beside the
+/// overload, so that an overload that merely accepts the argument is not taken
+/// for one that writes it.
 template <class O>
 concept DeltaOptimizer = Optimizer<O> && requires(const O& o, typename O::state& s, view<float> p, cview<float> g,
                                                   const backend_ref& be, kernels::update_gate gate,
                                                   kernels::update_delta delta) {
+  requires O::writes_delta;
   o.update(s, p, g, be, gate, nullptr, delta);
 };
 /// Whether rule O updates under a gate in device memory (kernels::update_gate:

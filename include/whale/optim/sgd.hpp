@@ -23,6 +23,7 @@ struct sgd {
     }
   };
   static constexpr const char* name() { return "sgd"; }
+  static constexpr bool writes_delta = true;  ///< update() writes its change into an update_delta (DeltaOptimizer)
   state make_state(index_t n) const {
     state s;
     if (momentum != 0.f) s.buf = tensor<float>({n}, mem_kind::optimizer);

@@ -328,14 +328,16 @@ class remote_heartbeat {
       // that is one it announced (behind address translation it is not: then all)
       const auto from = heard_from_[static_cast<std::size_t>(r)].load(std::memory_order_relaxed);
       const bool known = from != 0 && std::find(p.addr, p.addr + p.count, from) != p.addr + p.count;
-      for (int k = 0; k < p.count; ++k) {
-        if (known && p.addr[k] != from) continue;
-        if (std::find(own_.begin(), own_.end(), p.addr[k]) != own_.end()) continue;  // a private address every host has
-        const net::in4 to{net::af_inet, p.port, p.addr[k], {}};
+      auto send = [&](std::uint32_t addr) {
+        if (std::find(own_.begin(), own_.end(), addr) != own_.end()) return;  // a private address every host has
+        const net::in4 to{net::af_inet, p.port, addr, {}};
         // a pending error (an earlier refusal) fails one call and is cleared: send again
         for (int attempt = 0; attempt < 2; ++attempt)
           if (::syscall(SYS_sendto, fd_, &me, sizeof me, net::msg_dontwait, &to, sizeof to) >= 0 || errno == EAGAIN) break;
-      }
+      };
+      for (int k = 0; k < p.count; ++k)
+        if (!known || p.addr[k] == from) send(p.addr[k]);
+      if (from != 0 && !known) send(from);  // heard from an address it did not announce: that one too
     }
 #endif
   }
