@@ -36,15 +36,15 @@ class device_comm {
    public:
     request() = default;
     bool test() {
-      if (!p_) return true;
-      if (!p_->test()) return false;
-      p_.reset();
+      if (!impl_) return true;
+      if (!impl_->test()) return false;
+      impl_.reset();
       return true;
     }
     void wait() {
-      if (!p_) return;
-      p_->wait();
-      p_.reset();
+      if (!impl_) return;
+      impl_->wait();
+      impl_.reset();
     }
     /// The backend's queue waits for the operation, the host does not: on a
     /// GPU its compute stream waits for the operation's event, so the kernels
@@ -52,9 +52,9 @@ class device_comm {
     /// the host is the device) the operation completes here. Not a host wait
     /// (host_waits() does not count it). The request is complete afterwards.
     void join() {
-      if (!p_) return;
-      p_->join();
-      p_.reset();
+      if (!impl_) return;
+      impl_->join();
+      impl_.reset();
     }
 
    private:
@@ -65,7 +65,7 @@ class device_comm {
       virtual void wait() = 0;
       virtual void join() = 0;
     };
-    std::unique_ptr<base> p_;
+    std::unique_ptr<base> impl_;
   };
 
   device_comm() = default;
@@ -205,7 +205,7 @@ class device_comm {
     model(C comm, const backend_ref& b) : c(std::move(comm)), be(b) {}
     template <class Issue> request run(Issue&& issue) {
       request q;
-      q.p_ = std::make_unique<held<typename C::request>>(be, std::forward<Issue>(issue), &this->poll, &this->waits);
+      q.impl_ = std::make_unique<held<typename C::request>>(be, std::forward<Issue>(issue), &this->poll, &this->waits);
       return q;
     }
     // A blocking form without one of its own: the device's queue waits for the operation (on a

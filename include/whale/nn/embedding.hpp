@@ -121,12 +121,12 @@ struct position_embedding {
 
   void bind(param_binder& b) {
     auto t = b.take({MaxSeq, D});
-    p_ = t.value;
-    dp_ = t.grad;
+    table_ = t.value;
+    table_grad_ = t.grad;
   }
   void init(const counter_rng& r) {
     for (index_t i = 0; i < MaxSeq * D; ++i)
-      p_[i] = static_cast<float>(0.02 * r.normal(static_cast<std::uint64_t>(i)));
+      table_[i] = static_cast<float>(0.02 * r.normal(static_cast<std::uint64_t>(i)));
   }
 
   // x: (B*T, D) -> y: (B*T, D)
@@ -135,7 +135,7 @@ struct position_embedding {
     const index_t T = check(c, x.numel());
     auto& s = st_(c.slot);
     auto y = detail::ensure(s.y, {R, D});
-    c.be.launch(R, kernels::add_positions{x.data(), p_.data(), y.data(), T, D, c.bf16});
+    c.be.launch(R, kernels::add_positions{x.data(), table_.data(), y.data(), T, D, c.bf16});
     return y;
   }
   // dy: (B*T, D) -> dx = dy: (B*T, D)
@@ -145,8 +145,8 @@ struct position_embedding {
     auto& s = st_(c.slot);
     // d(positions)[t, :] = the sum over the B sequences of dy[b, t, :]: column
     // sums of dy seen as (B, T*D); rows of the table past T get nothing.
-    if (!c.accumulate && T < MaxSeq) c.be.fill_zero(dp_.data() + T * D, static_cast<std::size_t>((MaxSeq - T) * D) * sizeof(float));
-    c.be.reduce_columns(kernels::column_sums{dy.data(), dp_.data(), R / T, T * D, c.accumulate});
+    if (!c.accumulate && T < MaxSeq) c.be.fill_zero(table_grad_.data() + T * D, static_cast<std::size_t>((MaxSeq - T) * D) * sizeof(float));
+    c.be.reduce_columns(kernels::column_sums{dy.data(), table_grad_.data(), R / T, T * D, c.accumulate});
     if (!c.need_input_grad) return {};
     auto dx = detail::ensure(s.dx, {R, D});
     if (c.bf16) c.be.launch(dy.numel(), kernels::copy_stored{dy.data(), dx.data(), true});
@@ -154,7 +154,7 @@ struct position_embedding {
     return dx;
   }
 
-  view<float> table() const noexcept { return p_; }
+  view<float> table() const noexcept { return table_; }
 
  private:
   static index_t check(const step_ctx& c, index_t n) {
@@ -172,7 +172,7 @@ struct position_embedding {
   struct state {
     tensor<float> y, dx;
   };
-  view<float> p_, dp_;
+  view<float> table_, table_grad_;
   slots<state> st_;
 };
 

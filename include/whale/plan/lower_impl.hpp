@@ -48,73 +48,73 @@ namespace detail {
 class lowering {
  public:
   lowering(const model_desc& d, const mesh_shape& m, int rank, const lower_options& o)
-      : d_(d), o_(o) {
-    p_.plan = d.name;
-    p_.mesh = m;
-    p_.rank = rank;
-    p_.coords = m.coords(rank);
-    p_.global_batch = o.global_batch;
-    p_.seq = o.seq;
-    p_.full_params = d.full_params;
-    p_.optimizer_bytes_per_param = o.optimizer_bytes_per_param;
-    D_ = m.size(axis::data), P_ = m.size(axis::pipe), M_ = m.size(axis::model);
-    dr_ = p_.coords[0], s_ = p_.coords[1], mr_ = p_.coords[2];
+      : desc_(d), o_(o) {
+    prog_.plan = d.name;
+    prog_.mesh = m;
+    prog_.rank = rank;
+    prog_.coords = m.coords(rank);
+    prog_.global_batch = o.global_batch;
+    prog_.seq = o.seq;
+    prog_.full_params = d.full_params;
+    prog_.optimizer_bytes_per_param = o.optimizer_bytes_per_param;
+    data_size_ = m.size(axis::data), pipe_size_ = m.size(axis::pipe), model_size_ = m.size(axis::model);
+    data_rank_ = prog_.coords[0], stage_ = prog_.coords[1], model_rank_ = prog_.coords[2];
     zero_ = o.zero_level >= 0 ? o.zero_level : d.zero_level;
-    p_.zero_level = zero_;
-    p_.bf16_reduce = o.bf16_reduce;
-    p_.bf16 = o.bf16;
-    p_.grad_norm = o.grad_norm;
-    V_ = d.pipeline ? d.chunks : 1;
-    p_.chunks = V_;
+    prog_.zero_level = zero_;
+    prog_.bf16_reduce = o.bf16_reduce;
+    prog_.bf16 = o.bf16;
+    prog_.grad_norm = o.grad_norm;
+    chunks_ = d.pipeline ? d.chunks : 1;
+    prog_.chunks = chunks_;
   }
 
   program run() {
     validate();
     place();
     schedule();
-    const auto acts = p_.order.actions[1];  // a training pass's
-    if (zero_ == 3 && D_ > 1 && o_.zero_prefetch) {  // the order the leaves are used in, for gathers one ahead
+    const auto acts = prog_.order.actions[1];  // a training pass's
+    if (zero_ == 3 && data_size_ > 1 && o_.zero_prefetch) {  // the order the leaves are used in, for gathers one ahead
       lowering dry = *this;
       dry.uses_ = &use_order_;
       dry.passes(acts);
     }
     passes(acts);
     finish();
-    return std::move(p_);
+    return std::move(prog_);
   }
 
  private:
   // ---- checks: the run-time twins of the type's rules ----
-  void validate() { check_plan(d_, p_.mesh, o_, zero_); }
+  void validate() { check_plan(desc_, prog_.mesh, o_, zero_); }
 
   // ---- what this rank holds ----
   // the virtual stage that runs a unit (the pipe rank, without interleaving): chunk c of rank s is c·P + s
   int stage_of(const unit_desc& u) const {
-    if (!d_.pipeline || P_ * V_ == 1) return 0;
-    if (d_.explicit_stages) return u.element;
-    if (u.element < d_.repeat_element) return 0;
-    if (u.element > d_.repeat_element) return P_ * V_ - 1;
+    if (!desc_.pipeline || pipe_size_ * chunks_ == 1) return 0;
+    if (desc_.explicit_stages) return u.element;
+    if (u.element < desc_.repeat_element) return 0;
+    if (u.element > desc_.repeat_element) return pipe_size_ * chunks_ - 1;
     return block_stage_[static_cast<std::size_t>(u.block)];
   }
   void place() {
-    if (d_.pipeline && !d_.explicit_stages && d_.repeat_element >= 0) {
-      const auto blocks = stage_cut(d_, P_ * V_, o_);
-      p_.stage_blocks = blocks;
+    if (desc_.pipeline && !desc_.explicit_stages && desc_.repeat_element >= 0) {
+      const auto blocks = stage_cut(desc_, pipe_size_ * chunks_, o_);
+      prog_.stage_blocks = blocks;
       for (int s = 0; s < static_cast<int>(blocks.size()); ++s)
         for (int k = 0; k < blocks[static_cast<std::size_t>(s)]; ++k) block_stage_.push_back(s);
     }
-    p_.stages = d_.pipeline ? P_ : 1;
-    p_.stage = s_;
+    prog_.stages = desc_.pipeline ? pipe_size_ : 1;
+    prog_.stage = stage_;
     index_t full = 0, local = 0;
-    for (std::size_t i = 0; i < d_.units.size(); ++i) {
-      const auto& u = d_.units[i];
+    for (std::size_t i = 0; i < desc_.units.size(); ++i) {
+      const auto& u = desc_.units[i];
       const int st = stage_of(u);
-      if (st % P_ == s_) {
+      if (st % pipe_size_ == stage_) {
         unit_holding h;
         h.name = u.name;
         h.unit = static_cast<int>(i);
-        h.stage = st % P_;
-        h.chunk = st / P_;
+        h.stage = st % pipe_size_;
+        h.chunk = st / pipe_size_;
         h.full_params = u.full_params;
         h.local_params = u.local_params(degree(u));
         h.full_offset = full;
@@ -128,61 +128,61 @@ class lowering {
         } else if (u.sharded && h.full_params > 0) {
           if (!u.runs)
             throw std::logic_error("whale: lowering: the sharded layer " + u.name + " does not say where its parameters lie (param_runs)");
-          u.runs(p_.coords[static_cast<std::size_t>(u.split_axis)], degree(u), h.runs);
+          u.runs(prog_.coords[static_cast<std::size_t>(u.split_axis)], degree(u), h.runs);
         } else if (h.local_params > 0) {
           h.runs.push_back({0, 0, h.local_params});
         }
-        if (M_ > 1 && !(u.sharded && u.split_axis == static_cast<int>(axis::model))) h.replicated_over = h.replicated_over | axis::model;
+        if (model_size_ > 1 && !(u.sharded && u.split_axis == static_cast<int>(axis::model))) h.replicated_over = h.replicated_over | axis::model;
         const bool data_whole = !(u.sharded && u.split_axis == static_cast<int>(axis::data));
-        if (D_ > 1 && data_whole && zero_ < 3) h.replicated_over = h.replicated_over | axis::data;
-        if (zero_ > 0 && D_ > 1) h.zero_level = zero_;
+        if (data_size_ > 1 && data_whole && zero_ < 3) h.replicated_over = h.replicated_over | axis::data;
+        if (zero_ > 0 && data_size_ > 1) h.zero_level = zero_;
         local += h.local_params;
-        unit_hold_.resize(d_.units.size(), -1);
-        unit_hold_[i] = static_cast<int>(p_.holds.size());
-        p_.holds.push_back(std::move(h));
+        unit_hold_.resize(desc_.units.size(), -1);
+        unit_hold_[i] = static_cast<int>(prog_.holds.size());
+        prog_.holds.push_back(std::move(h));
       }
       full += u.full_params;
     }
-    unit_hold_.resize(d_.units.size(), -1);
+    unit_hold_.resize(desc_.units.size(), -1);
     n_local_ = local;
     // ZeRO: near-even contiguous ranges of the local flat buffer over the data axis
-    zero_counts_ = block_counts(n_local_, D_);
+    zero_counts_ = block_counts(n_local_, data_size_);
     zero_starts_.assign(zero_counts_.size(), 0);
     for (std::size_t r = 1; r < zero_counts_.size(); ++r) zero_starts_[r] = zero_starts_[r - 1] + zero_counts_[r - 1];
-    p_.owned_begin = zero_ > 0 ? zero_starts_[static_cast<std::size_t>(dr_)] : 0;
-    p_.owned_end = zero_ > 0 ? p_.owned_begin + zero_counts_[static_cast<std::size_t>(dr_)] : n_local_;
+    prog_.owned_begin = zero_ > 0 ? zero_starts_[static_cast<std::size_t>(data_rank_)] : 0;
+    prog_.owned_end = zero_ > 0 ? prog_.owned_begin + zero_counts_[static_cast<std::size_t>(data_rank_)] : n_local_;
     // units of this stage in flat order
-    for (std::size_t i = 0; i < d_.units.size(); ++i)
+    for (std::size_t i = 0; i < desc_.units.size(); ++i)
       if (unit_hold_[i] >= 0) mine_.push_back(static_cast<int>(i));
-    chunk_units_.assign(static_cast<std::size_t>(V_), {});
-    for (int i : mine_) chunk_units_[static_cast<std::size_t>(stage_of(d_.units[static_cast<std::size_t>(i)]) / P_)].push_back(i);
-    for (int c = 0; c < V_; ++c) {
+    chunk_units_.assign(static_cast<std::size_t>(chunks_), {});
+    for (int i : mine_) chunk_units_[static_cast<std::size_t>(stage_of(desc_.units[static_cast<std::size_t>(i)]) / pipe_size_)].push_back(i);
+    for (int c = 0; c < chunks_; ++c) {
       const auto& cu = chunk_units_[static_cast<std::size_t>(c)];
       if (cu.empty())
-        lower_fail(d_, "stage " + std::to_string(s_) + (V_ > 1 ? " chunk " + std::to_string(c) : std::string()) + " holds no layer");
+        lower_fail(desc_, "stage " + std::to_string(stage_) + (chunks_ > 1 ? " chunk " + std::to_string(c) : std::string()) + " holds no layer");
       // widths at the chunk's edges
-      in_width_.push_back(d_.units[static_cast<std::size_t>(cu.front())].in_width);
-      out_width_.push_back(d_.units[static_cast<std::size_t>(cu.back())].out_width);
+      in_width_.push_back(desc_.units[static_cast<std::size_t>(cu.front())].in_width);
+      out_width_.push_back(desc_.units[static_cast<std::size_t>(cu.back())].out_width);
     }
   }
   int degree(const unit_desc& u) const {
-    return u.split_axis < 0 ? 1 : p_.mesh.size(static_cast<axis>(u.split_axis));
+    return u.split_axis < 0 ? 1 : prog_.mesh.size(static_cast<axis>(u.split_axis));
   }
 
   void schedule() {
-    const auto [b, n] = D_ > 1 ? weighted_slice(o_.global_batch, D_, dr_, o_.replica_weights, std::max(1, o_.micro_batches)) : std::pair<index_t, index_t>{0, o_.global_batch};
+    const auto [b, n] = data_size_ > 1 ? weighted_slice(o_.global_batch, data_size_, data_rank_, o_.replica_weights, std::max(1, o_.micro_batches)) : std::pair<index_t, index_t>{0, o_.global_batch};
     (void)b;
-    p_.local_sequences = n;
+    prog_.local_sequences = n;
     int m = 1;  // without a pipeline, more than one is gradient accumulation inside one step
     try {
-      m = micro_batch_count(n, o_.micro_batches, d_.pipeline, P_, d_.pipeline ? d_.chunks : 1);
+      m = micro_batch_count(n, o_.micro_batches, desc_.pipeline, pipe_size_, desc_.pipeline ? desc_.chunks : 1);
     } catch (const std::invalid_argument& e) {
-      lower_fail(d_, e.what());
+      lower_fail(desc_, e.what());
     }
-    if (d_.pipeline) p_.schedule = d_.schedule;
+    if (desc_.pipeline) prog_.schedule = desc_.schedule;
     // throws, naming the stages, if the schedule is malformed or deadlocks
-    p_.order = d_.pipeline ? pass_order_of(d_, s_, P_, m) : pass_order_of(d_, 0, 1, m);
-    p_.micro_batches = m;
+    prog_.order = desc_.pipeline ? pass_order_of(desc_, stage_, pipe_size_, m) : pass_order_of(desc_, 0, 1, m);
+    prog_.micro_batches = m;
     micro_seqs_ = n / m;
     per_bucket_ = bucket_elements(o_.bucket_mib);
     make_buckets();
@@ -190,25 +190,25 @@ class lowering {
 
   // Data-parallel buckets (all-reduce over data) of the gradient ranges summed over data.
   void make_buckets() {
-    if (D_ == 1 || zero_ >= 2) return;
+    if (data_size_ == 1 || zero_ >= 2) return;
     std::vector<std::pair<index_t, index_t>> ranges;
     for (int i : mine_) {
-      const auto& h = p_.holds[static_cast<std::size_t>(unit_hold_[static_cast<std::size_t>(i)])];
-      if (h.local_params == 0 || d_.units[static_cast<std::size_t>(i)].all_rows()) continue;
+      const auto& h = prog_.holds[static_cast<std::size_t>(unit_hold_[static_cast<std::size_t>(i)])];
+      if (h.local_params == 0 || desc_.units[static_cast<std::size_t>(i)].all_rows()) continue;
       if (!ranges.empty() && ranges.back().second == h.local_offset) ranges.back().second += h.local_params;
       else ranges.push_back({h.local_offset, h.local_offset + h.local_params});
     }
     buckets_ = bucket_ranges(ranges, per_bucket_);
-    p_.grad_buckets = buckets_;
+    prog_.grad_buckets = buckets_;
   }
 
   // ---- operations ----
   int add(op o) {
-    p_.ops.push_back(std::move(o));
-    return static_cast<int>(p_.ops.size()) - 1;
+    prog_.ops.push_back(std::move(o));
+    return static_cast<int>(prog_.ops.size()) - 1;
   }
   int add_compute(op_kind k, int unit, int micro, index_t rows) {
-    const auto& u = d_.units[static_cast<std::size_t>(unit)];
+    const auto& u = desc_.units[static_cast<std::size_t>(unit)];
     const cost_info c = u.sharded ? shard_of(u.cost, degree(u), u.split_params, u.replicated_params) : u.cost;
     const double seqf = c.seq_flops * static_cast<double>(o_.seq);
     op o;
@@ -219,7 +219,7 @@ class lowering {
     o.rows = rows;
     const double r = static_cast<double>(rows);
     o.flops = k == op_kind::backward ? r * (c.bwd_flops + 2 * seqf) : r * (c.fwd_flops + seqf);
-    if (d_.split_backward && u.defers && (k == op_kind::backward || k == op_kind::weight)) {
+    if (desc_.split_backward && u.defers && (k == op_kind::backward || k == op_kind::weight)) {
       // the weight gradients' GEMMs: 2 FLOPs per parameter per row (biases counted alike)
       const double w = r * 2.0 * static_cast<double>(u.local_params(degree(u)));
       o.flops = k == op_kind::weight ? w : r * (c.bwd_flops + 2 * seqf) - w;
@@ -251,23 +251,23 @@ class lowering {
 
   index_t rows_local() const { return micro_seqs_ * o_.seq; }
   index_t rows_for(const unit_desc& u) const {
-    return u.all_rows() ? o_.global_batch / p_.micro_batches * o_.seq : rows_local();
+    return u.all_rows() ? o_.global_batch / prog_.micro_batches * o_.seq : rows_local();
   }
   // rows of layout l on the data axis for data rank r (global batch split<0> or whole)
   index_t rows_on_data(layout_kind l, int r) const {
     if (l != layout_kind::S0) return o_.global_batch * o_.seq;
-    return weighted_slice(o_.global_batch, D_, r, o_.replica_weights, std::max(1, o_.micro_batches)).second * o_.seq;
+    return weighted_slice(o_.global_batch, data_size_, r, o_.replica_weights, std::max(1, o_.micro_batches)).second * o_.seq;
   }
 
   /// The collective that converts layout `from` into `to` for a tensor of full width `w` on axis `a`.
   void conversion_op(conv_op k, axis a, layout_kind from, layout_kind to, index_t w, const std::string& why, int micro, bool after) {
-    const int p = p_.mesh.size(a), r = p_.coords[static_cast<std::size_t>(a)];
+    const int p = prog_.mesh.size(a), r = prog_.coords[static_cast<std::size_t>(a)];
     const bool data = a == axis::data;
     const auto c = conversion_cost(k, p, r, data ? rows_on_data(from, r) : rows_local(),
                                    data ? rows_on_data(to, r) : rows_local(), w, o_.global_batch, o_.seq);
     if (!c.moves) return;
     const int id = add_coll(c.kind, axes(a), p, c.t, c.elements, why, micro);
-    p_.ops[static_cast<std::size_t>(id)].mine = c.mine;
+    prog_.ops[static_cast<std::size_t>(id)].mine = c.mine;
     if (after) pending_.push_back(id);
   }
 
@@ -285,14 +285,15 @@ class lowering {
   void ready(index_t offset, int after);
   void finish();
 
-  const model_desc& d_;
+  const model_desc& desc_;
   lower_options o_;
-  program p_;
-  int D_ = 1, P_ = 1, M_ = 1, dr_ = 0, s_ = 0, mr_ = 0, zero_ = 0;
+  program prog_;
+  int data_size_ = 1, pipe_size_ = 1, model_size_ = 1;  // the mesh's axes
+  int data_rank_ = 0, stage_ = 0, model_rank_ = 0, zero_ = 0;  // this rank's coordinates; the ZeRO level
   std::vector<int> block_stage_, unit_hold_, mine_;
   std::vector<std::vector<int>> chunk_units_;  // this rank's units of each chunk, in flat order
   std::vector<index_t> in_width_, out_width_;  // per chunk
-  int V_ = 1;
+  int chunks_ = 1;  // interleaved: model chunks a rank holds
   index_t n_local_ = 0, micro_seqs_ = 0, per_bucket_ = 1;
   std::vector<index_t> zero_counts_, zero_starts_;
   std::vector<std::pair<index_t, index_t>> buckets_;
@@ -301,7 +302,7 @@ class lowering {
     int backwards = 0;
     for (const auto& a : acts) {
       if (a.kind == pipe_action::forward) forward(a.chunk, a.micro);
-      else if (a.kind == pipe_action::backward) backward(a.chunk, a.micro, ++backwards == p_.micro_batches * V_);
+      else if (a.kind == pipe_action::backward) backward(a.chunk, a.micro, ++backwards == prog_.micro_batches * chunks_);
       else weight(a.chunk, a.micro);
     }
   }

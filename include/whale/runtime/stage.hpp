@@ -100,7 +100,7 @@ template <class Pipe> class pipe_stage {
   /// is `stage`. `blocks`: the repeat's blocks on each stage, as the program
   /// cut them (program::stage_blocks: given, or balanced by cost).
   void place(int p, int stage, const std::vector<int>& blocks) {
-    p_ = p, stage_ = stage;
+    stages_ = p, stage_ = stage;
     const std::string who = "whale::" + layer_name<Pipe>() + ": ";
     index_t at = 0, fat = 0;
     for_elems([&](auto ic) {
@@ -112,24 +112,24 @@ template <class Pipe> class pipe_stage {
     total_ = at;
     if constexpr (Pipe::explicit_stages) {
       for (std::size_t i = 0; i < n_elems; ++i) elem_stage_[i] = static_cast<int>(i);
-      blocks_.assign(static_cast<std::size_t>(p_), 1);
+      blocks_.assign(static_cast<std::size_t>(stages_), 1);
     } else {
-      for (std::size_t i = 0; i < n_elems; ++i) elem_stage_[i] = i < rep_index ? 0 : (i > rep_index ? p_ - 1 : -1);
+      for (std::size_t i = 0; i < n_elems; ++i) elem_stage_[i] = i < rep_index ? 0 : (i > rep_index ? stages_ - 1 : -1);
       using R = elem_t<rep_index>;
       constexpr int N = static_cast<int>(R::count);
       block_params_ = model_.template get<rep_index>().block(0).param_count();
       int sum = 0;
       for (int b : blocks) sum += b;
-      if (static_cast<int>(blocks.size()) != p_ || sum != N)
+      if (static_cast<int>(blocks.size()) != stages_ || sum != N)
         throw std::logic_error(who + "the program's stage cut has " + std::to_string(blocks.size()) + " stages and " +
-                               std::to_string(sum) + " blocks, not " + std::to_string(p_) + " and " + std::to_string(N));
+                               std::to_string(sum) + " blocks, not " + std::to_string(stages_) + " and " + std::to_string(N));
       blocks_ = blocks;
-      first_block_.assign(static_cast<std::size_t>(p_) + 1, 0);
-      for (int s = 0; s < p_; ++s) first_block_[su(s) + 1] = first_block_[su(s)] + blocks_[su(s)];
+      first_block_.assign(static_cast<std::size_t>(stages_) + 1, 0);
+      for (int s = 0; s < stages_; ++s) first_block_[su(s) + 1] = first_block_[su(s)] + blocks_[su(s)];
     }
     // each stage's contiguous range of the flat parameters
-    stage_begin_.assign(su(p_) + 1, total_);
-    for (int s = p_ - 1; s >= 0; --s) {
+    stage_begin_.assign(su(stages_) + 1, total_);
+    for (int s = stages_ - 1; s >= 0; --s) {
       index_t b = stage_begin_[su(s) + 1];
       for (std::size_t i = n_elems; i-- > 0;) {
         if (i == rep_index) {
@@ -154,9 +154,9 @@ template <class Pipe> class pipe_stage {
     });
     if (full_end_ < full_begin_) full_begin_ = full_end_ = 0;
     // every stage checked on every rank, so that all ranks fail together, before any communication
-    for (int s = 0; s < p_; ++s) {
+    for (int s = 0; s < stages_; ++s) {
       if (describe(s).empty())
-        throw std::invalid_argument(who + "stage " + std::to_string(s) + " of " + std::to_string(p_) +
+        throw std::invalid_argument(who + "stage " + std::to_string(s) + " of " + std::to_string(stages_) +
                                     " holds no layer; give it blocks (--stage-blocks) or use fewer pipe ranks");
       if (s > 0 && stage_in_width(s) == any_features)
         throw std::invalid_argument(who + "the width of the activation between stages " + std::to_string(s - 1) + " and " +
@@ -164,7 +164,7 @@ template <class Pipe> class pipe_stage {
                                     "start each stage with a layer of fixed in_features");
     }
     in_width_ = stage_in_width(stage_);
-    out_width_ = stage_ + 1 < p_ ? stage_in_width(stage_ + 1) : 0;
+    out_width_ = stage_ + 1 < stages_ ? stage_in_width(stage_ + 1) : 0;
   }
   index_t begin() const { return stage_begin_[su(stage_)]; }
   index_t end() const { return stage_begin_[su(stage_) + 1]; }
@@ -346,7 +346,7 @@ template <class Pipe> class pipe_stage {
   }
 
   flat model_;
-  int p_ = 1, stage_ = 0;
+  int stages_ = 1, stage_ = 0;
   std::array<index_t, n_elems> off_{}, full_off_{};
   std::array<int, n_elems> elem_stage_{};
   std::vector<int> blocks_, first_block_;

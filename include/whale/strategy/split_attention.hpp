@@ -67,10 +67,10 @@ class head_attention {
 
   void configure(const split_env& e) {
     comm_ = &e.comm(A);
-    p_ = comm_->size();
-    r_ = comm_->rank();
-    detail::check_divides(causal_self_attention<D, Heads>::name(), "the number of heads", Heads, p_, A);
-    h_ = Heads / p_;
+    parts_ = comm_->size();
+    part_ = comm_->rank();
+    detail::check_divides(causal_self_attention<D, Heads>::name(), "the number of heads", Heads, parts_, A);
+    h_ = Heads / parts_;
     w_ = h_ * hd;
   }
   index_t param_count() const { return 3 * w_ * D + 3 * w_ + D * w_ + D; }
@@ -88,12 +88,12 @@ class head_attention {
     auto u = [&](index_t i) { return static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(i)) - 1) * k); };
     for (index_t q = 0; q < 3; ++q)
       for (index_t j = 0; j < w_; ++j) {
-        const index_t row = q * D + r_ * w_ + j;  // global row of W_qkv
+        const index_t row = q * D + part_ * w_ + j;  // global row of W_qkv
         for (index_t i = 0; i < D; ++i) wqkv_[(q * w_ + j) * D + i] = u(row * D + i);
         bqkv_[q * w_ + j] = u(3 * D * D + row);
       }
     for (index_t o = 0; o < D; ++o)
-      for (index_t j = 0; j < w_; ++j) wo_[o * w_ + j] = u(3 * D * D + 3 * D + o * D + r_ * w_ + j);
+      for (index_t j = 0; j < w_; ++j) wo_[o * w_ + j] = u(3 * D * D + 3 * D + o * D + part_ * w_ + j);
     for (index_t o = 0; o < D; ++o) bo_[o] = u(4 * D * D + 3 * D + o);
   }
   /// Rank r of p holds its heads' rows of each of Q, K, V in W_qkv (3D, D) and
@@ -128,7 +128,7 @@ class head_attention {
     auto y = detail::ensure(s.y, {R, D});
     c.be.gemm_bias(trans::no, trans::yes, R, 3 * w_, D, x.data(), wqkv_.data(), bqkv_.data(), qkv.data());
     c.be.attention_forward(B, T, h_, hd, qkv.data(), att.data(), lse.data(), c.bf16);
-    c.be.gemm_bias(trans::no, trans::yes, R, D, w_, att.data(), wo_.data(), r_ == 0 ? bo_.data() : nullptr, y.data());
+    c.be.gemm_bias(trans::no, trans::yes, R, D, w_, att.data(), wo_.data(), part_ == 0 ? bo_.data() : nullptr, y.data());
     return y;
   }
   // dy: (B*T, D) replicated -> dx: (B*T, D) partial; weight gradients now or in the W pass
@@ -160,7 +160,7 @@ class head_attention {
     tensor<float> qkv, lse, att, y, datt, dqkv, dx;
   };
   world_comm* comm_ = nullptr;
-  int p_ = 1, r_ = 0;
+  int parts_ = 1, part_ = 0;
   index_t h_ = Heads, w_ = D;
   view<float> wqkv_, dwqkv_, bqkv_, dbqkv_, wo_, dwo_, bo_, dbo_;
   slots<state> st_;
@@ -200,11 +200,11 @@ class head_rotary_attention : detail::rotary_attention_body<D, D / Heads> {
   head_rotary_attention() : body(Heads, KVHeads, Theta) {}
   void configure(const split_env& e) {
     comm_ = &e.comm(A);
-    p_ = comm_->size();
-    r_ = comm_->rank();
-    detail::check_divides(unsplit_type::name(), "the number of key/value heads (KVHeads)", KVHeads, p_, A);
-    this->h_ = Heads / p_;
-    this->kv_ = KVHeads / p_;
+    parts_ = comm_->size();
+    part_ = comm_->rank();
+    detail::check_divides(unsplit_type::name(), "the number of key/value heads (KVHeads)", KVHeads, parts_, A);
+    this->h_ = Heads / parts_;
+    this->kv_ = KVHeads / parts_;
   }
   index_t param_count() const { return this->param_count_(); }
   void bind(param_binder& b) { this->bind_(b); }
@@ -221,7 +221,7 @@ class head_rotary_attention : detail::rotary_attention_body<D, D / Heads> {
   // The unsplit layer's values at the same flat indices (rotary_attention::init); W_qkv and W_o lie one after the other.
   void init(const counter_rng& rng) {
     const double k = 1.0 / std::sqrt(static_cast<double>(D));
-    detail::init_runs<head_rotary_attention>(this->wqkv_.data(), r_, p_, rng, [&](index_t) { return k; });
+    detail::init_runs<head_rotary_attention>(this->wqkv_.data(), part_, parts_, rng, [&](index_t) { return k; });
   }
   /// W_q, W_k, W_v (row blocks of every rank) and W_o (column blocks), unsplit.
   void gather_full(const float* local, float* full) {
@@ -241,7 +241,7 @@ class head_rotary_attention : detail::rotary_attention_body<D, D / Heads> {
 
  private:
   world_comm* comm_ = nullptr;
-  int p_ = 1, r_ = 0;
+  int parts_ = 1, part_ = 0;
 };
 
 }  // namespace whale

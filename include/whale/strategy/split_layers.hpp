@@ -49,8 +49,8 @@ class split_softmax_cross_entropy : public stateless_params {
   void configure(const split_env& e) {
     comm_ = &e.comm(A);
     dev_ = e.device(A);
-    p_ = comm_->size();
-    r_ = comm_->rank();
+    parts_ = comm_->size();
+    part_ = comm_->rank();
   }
 
   // logits: (R, C/p) this rank's classes; labels: (R) global class ids
@@ -58,14 +58,14 @@ class split_softmax_cross_entropy : public stateless_params {
     const index_t R = labels.numel();
     if (R == 0) return 0.0;
     const index_t n = logits.numel() / R;  // local classes
-    const index_t c0 = r_ * n;
+    const index_t c0 = part_ * n;
     auto& s = st_(c.slot);
     const auto ys = host_values(c, labels, s.host_labels);  // the labels on the host, when they are on a device
     for (index_t r = 0; r < R; ++r) {
       const index_t y = ys[r];
-      if (y != ignore_index && (y < 0 || y >= n * p_))
+      if (y != ignore_index && (y < 0 || y >= n * parts_))
         throw std::out_of_range("whale::split_softmax_cross_entropy: label " + std::to_string(y) +
-                                " out of range for " + std::to_string(n * p_) + " classes");
+                                " out of range for " + std::to_string(n * parts_) + " classes");
     }
     // its collectives, in order: detail::split_loss_collectives (lowering records the same list)
     constexpr const auto& maxima = detail::split_loss_maxima;
@@ -97,7 +97,7 @@ class split_softmax_cross_entropy : public stateless_params {
                                               ignore_index});
     // added where the rows' losses lie (into step_ctx::loss_sum where it is set: nothing read back); every
     // rank of a data-axis split computes the loss of all rows: share 1/p each
-    return detail::loss_share(c, R, rl.data(), A == axis::data ? inv / p_ : inv, s.total);
+    return detail::loss_share(c, R, rl.data(), A == axis::data ? inv / parts_ : inv, s.total);
   }
   view<float> backward_loss(step_ctx& c) { return st_(c.slot).grad.v(); }
 
@@ -110,7 +110,7 @@ class split_softmax_cross_entropy : public stateless_params {
   };
   world_comm* comm_ = nullptr;
   device_comm* dev_ = nullptr;  // on a device: the communicator that takes its buffers (null: host copies)
-  int p_ = 1, r_ = 0;
+  int parts_ = 1, part_ = 0;
   slots<state> st_;
 };
 
@@ -140,10 +140,10 @@ class vocab_embedding {
 
   void configure(const split_env& e) {
     comm_ = &e.comm(A);
-    p_ = comm_->size();
-    r_ = comm_->rank();
-    detail::check_divides(embedding<Vocab, D>::name(), "the vocabulary", Vocab, p_, A);
-    n_ = Vocab / p_;
+    parts_ = comm_->size();
+    part_ = comm_->rank();
+    detail::check_divides(embedding<Vocab, D>::name(), "the vocabulary", Vocab, parts_, A);
+    n_ = Vocab / parts_;
   }
   /// Rank r of p holds rows [r n, r n + n) of the table (Vocab, D).
   static void param_runs(int r, int p, std::vector<param_run>& out) {
@@ -160,7 +160,7 @@ class vocab_embedding {
   }
   void init(const counter_rng& r) {
     // the same values as embedding<Vocab, D>: N(0, 0.02) at flat index v*D + j
-    const index_t base = r_ * n_ * D;
+    const index_t base = part_ * n_ * D;
     for (index_t i = 0; i < n_ * D; ++i)
       w_[i] = static_cast<float>(0.02 * r.normal(static_cast<std::uint64_t>(base + i)));
   }
@@ -178,13 +178,13 @@ class vocab_embedding {
                                 " is outside the vocabulary of " + std::to_string(Vocab));
     }
     // rows of this rank's slice of the vocabulary; zeros for other tokens
-    c.be.launch(R, kernels::gather_rows{w_.data(), tokens.data(), y.data(), D, r_ * n_, n_});
+    c.be.launch(R, kernels::gather_rows{w_.data(), tokens.data(), y.data(), D, part_ * n_, n_});
     return y;
   }
   view<float> backward(step_ctx& c, cview<float> dy) {
     auto& s = st_(c.slot);
     if (!c.accumulate) c.be.fill_zero(dw_.data(), dw_.bytes());
-    c.be.scatter_add(kernels::scatter_add_rows{dy.data(), s.tokens.data(), dw_.data(), s.tokens.numel(), D, 0, r_ * n_, n_});
+    c.be.scatter_add(kernels::scatter_add_rows{dy.data(), s.tokens.data(), dw_.data(), s.tokens.numel(), D, 0, part_ * n_, n_});
     return {};
   }
 
@@ -195,7 +195,7 @@ class vocab_embedding {
     std::vector<std::int32_t> host_tokens;
   };
   world_comm* comm_ = nullptr;
-  int p_ = 1, r_ = 0;
+  int parts_ = 1, part_ = 0;
   index_t n_ = Vocab;
   view<float> w_, dw_;
   slots<state> st_;
@@ -229,10 +229,10 @@ class hidden_swiglu_mlp : detail::swiglu_body<D> {
   hidden_swiglu_mlp() : detail::swiglu_body<D>(Hidden) {}
   void configure(const split_env& e) {
     comm_ = &e.comm(A);
-    p_ = comm_->size();
-    r_ = comm_->rank();
-    detail::check_divides(unsplit_type::name(), "Hidden", Hidden, p_, A);
-    this->n_ = Hidden / p_;
+    parts_ = comm_->size();
+    part_ = comm_->rank();
+    detail::check_divides(unsplit_type::name(), "Hidden", Hidden, parts_, A);
+    this->n_ = Hidden / parts_;
   }
   index_t param_count() const { return this->param_count_(); }
   void bind(param_binder& b) { this->bind_(b); }
@@ -247,7 +247,7 @@ class hidden_swiglu_mlp : detail::swiglu_body<D> {
   // The unsplit layer's values at the same flat indices (swiglu_mlp::init); gate, up and down lie one after another.
   void init(const counter_rng& rng) {
     const double kin = 1.0 / std::sqrt(static_cast<double>(D)), kh = 1.0 / std::sqrt(static_cast<double>(Hidden));
-    detail::init_runs<hidden_swiglu_mlp>(this->wgu_.data(), r_, p_, rng, [&](index_t f) { return f < 2 * Hidden * D ? kin : kh; });
+    detail::init_runs<hidden_swiglu_mlp>(this->wgu_.data(), part_, parts_, rng, [&](index_t f) { return f < 2 * Hidden * D ? kin : kh; });
   }
   /// gate, up (row blocks of every rank) and down (column blocks), unsplit.
   void gather_full(const float* local, float* full) {
@@ -266,7 +266,7 @@ class hidden_swiglu_mlp : detail::swiglu_body<D> {
 
  private:
   world_comm* comm_ = nullptr;
-  int p_ = 1, r_ = 0;
+  int parts_ = 1, part_ = 0;
 };
 
 }  // namespace whale

@@ -77,10 +77,10 @@ class column_linear {
 
   void configure(const split_env& e) {
     comm_ = &e.comm(A);
-    p_ = comm_->size();
-    r_ = comm_->rank();
-    detail::check_divides(unsplit_type::name(), "out_features", Out, p_, A);
-    n_ = Out / p_;
+    parts_ = comm_->size();
+    part_ = comm_->rank();
+    detail::check_divides(unsplit_type::name(), "out_features", Out, parts_, A);
+    n_ = Out / parts_;
   }
   /// Rank r of p holds rows [r n, r n + n) of W (Out, In) and the same entries of b.
   static void param_runs(int r, int p, std::vector<param_run>& out) {
@@ -106,7 +106,7 @@ class column_linear {
   // Rows o0..o0+n of W (Out, In) and of b: the unsplit layer's values.
   void init(const counter_rng& r) {
     const double k = 1.0 / std::sqrt(static_cast<double>(In));
-    const index_t o0 = r_ * n_;
+    const index_t o0 = part_ * n_;
     for (index_t i = 0; i < n_ * In; ++i)
       w_[i] = static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(o0 * In + i)) - 1) * k);
     if constexpr (has_bias)
@@ -145,7 +145,7 @@ class column_linear {
     tensor<float> y, dx;
   };
   world_comm* comm_ = nullptr;
-  int p_ = 1, r_ = 0;
+  int parts_ = 1, part_ = 0;
   index_t n_ = Out;
   view<float> w_, dw_, b_, db_;
   slots<state> st_;
@@ -179,10 +179,10 @@ class row_linear {
 
   void configure(const split_env& e) {
     comm_ = &e.comm(A);
-    p_ = comm_->size();
-    r_ = comm_->rank();
-    detail::check_divides(unsplit_type::name(), "in_features", In, p_, A);
-    k_ = In / p_;
+    parts_ = comm_->size();
+    part_ = comm_->rank();
+    detail::check_divides(unsplit_type::name(), "in_features", In, parts_, A);
+    k_ = In / parts_;
   }
   /// Rank r of p holds columns [r k, r k + k) of each row of W (Out, In), and the whole bias.
   static void param_runs(int r, int p, std::vector<param_run>& out) {
@@ -208,7 +208,7 @@ class row_linear {
   // Columns i0..i0+k of W (Out, In); the whole bias.
   void init(const counter_rng& r) {
     const double s = 1.0 / std::sqrt(static_cast<double>(In));
-    const index_t i0 = r_ * k_;
+    const index_t i0 = part_ * k_;
     for (index_t o = 0; o < Out; ++o)
       for (index_t j = 0; j < k_; ++j)
         w_[o * k_ + j] = static_cast<float>((2 * r.uniform(static_cast<std::uint64_t>(o * In + i0 + j)) - 1) * s);
@@ -222,7 +222,7 @@ class row_linear {
     const index_t R = x.numel() / k_;
     s.x = x;
     auto y = detail::ensure(s.y, {R, Out});
-    const bool adds_bias = has_bias && r_ == 0;
+    const bool adds_bias = has_bias && part_ == 0;
     c.be.gemm_bias(trans::no, trans::yes, R, Out, k_, x.data(), w_.data(), adds_bias ? b_.data() : nullptr, y.data());
     return y;
   }
@@ -249,7 +249,7 @@ class row_linear {
     tensor<float> y, dx;
   };
   world_comm* comm_ = nullptr;
-  int p_ = 1, r_ = 0;
+  int parts_ = 1, part_ = 0;
   index_t k_ = In;
   view<float> w_, dw_, b_, db_;
   slots<state> st_;

@@ -71,7 +71,7 @@ class shape {
     for (index_t d : dims) {
       if (d < 0)
         throw std::invalid_argument("whale::shape: negative extent " + std::to_string(d));
-      d_[rank_++] = d;
+      dims_[rank_++] = d;
     }
   }
   constexpr int rank() const noexcept { return rank_; }
@@ -79,40 +79,40 @@ class shape {
     if (i < 0 || i >= rank_)
       throw std::out_of_range("whale::shape: dimension " + std::to_string(i) +
                               " out of range for rank " + std::to_string(rank_));
-    return d_[i];
+    return dims_[i];
   }
   constexpr index_t numel() const noexcept {
     index_t n = 1;
-    for (int i = 0; i < rank_; ++i) n *= d_[i];
+    for (int i = 0; i < rank_; ++i) n *= dims_[i];
     return n;
   }
   /// Product of all extents but the first (elements per row).
   constexpr index_t row_size() const noexcept {
     index_t n = 1;
-    for (int i = 1; i < rank_; ++i) n *= d_[i];
+    for (int i = 1; i < rank_; ++i) n *= dims_[i];
     return n;
   }
   /// The same shape with the first extent replaced.
   shape with_rows(index_t rows) const {
     shape s = *this;
     if (s.rank_ == 0) throw std::invalid_argument("whale::shape: a scalar has no rows");
-    s.d_[0] = rows;
+    s.dims_[0] = rows;
     return s;
   }
   friend constexpr bool operator==(const shape& a, const shape& b) noexcept {
     if (a.rank_ != b.rank_) return false;
     for (int i = 0; i < a.rank_; ++i)
-      if (a.d_[i] != b.d_[i]) return false;
+      if (a.dims_[i] != b.dims_[i]) return false;
     return true;
   }
   friend std::ostream& operator<<(std::ostream& os, const shape& s) {
     os << '(';
-    for (int i = 0; i < s.rank_; ++i) os << (i ? ", " : "") << s.d_[i];
+    for (int i = 0; i < s.rank_; ++i) os << (i ? ", " : "") << s.dims_[i];
     return os << ')';
   }
 
  private:
-  std::array<index_t, max_rank> d_{};
+  std::array<index_t, max_rank> dims_{};
   int rank_ = 0;
 };
 
@@ -123,28 +123,28 @@ class view {
   using value_type = T;
   using space = Space;
   constexpr view() = default;
-  view(T* data, shape s) : p_(data), s_(s) {}
+  view(T* data, shape s) : data_(data), s_(s) {}
   /// A view of mutable elements converts to a view of const ones.
   template <class U>
     requires(std::is_same_v<const U, T> && !std::is_same_v<U, T>)
-  view(const view<U, Space>& v) : p_(v.data()), s_(v.shape()) {}
+  view(const view<U, Space>& v) : data_(v.data()), s_(v.shape()) {}
 
-  T* data() const noexcept { return p_; }
+  T* data() const noexcept { return data_; }
   const whale::shape& shape() const noexcept { return s_; }
   index_t numel() const noexcept { return s_.numel(); }
   index_t size(int dim) const { return s_[dim]; }
-  bool empty() const noexcept { return p_ == nullptr || numel() == 0; }
+  bool empty() const noexcept { return data_ == nullptr || numel() == 0; }
   std::size_t bytes() const noexcept { return static_cast<std::size_t>(numel()) * sizeof(T); }
-  T* begin() const noexcept { return p_; }
-  T* end() const noexcept { return p_ + numel(); }
+  T* begin() const noexcept { return data_; }
+  T* end() const noexcept { return data_ + numel(); }
 
-  T& operator[](index_t i) const noexcept { return p_[i]; }
+  T& operator[](index_t i) const noexcept { return data_[i]; }
   /// Element access with bounds checks, for tests and debugging.
   T& at(index_t i) const {
     if (i < 0 || i >= numel())
       throw std::out_of_range("whale::view::at: index " + std::to_string(i) + " out of " +
                               std::to_string(numel()));
-    return p_[i];
+    return data_[i];
   }
   /// Rows [begin, begin + count) of the first dimension.
   view rows(index_t begin, index_t count) const {
@@ -152,16 +152,16 @@ class view {
       throw std::out_of_range("whale::view::rows: rows [" + std::to_string(begin) + ", " +
                               std::to_string(begin + count) + ") out of a tensor of shape " +
                               to_text(s_));
-    return view(p_ + begin * s_.row_size(), s_.with_rows(count));
+    return view(data_ + begin * s_.row_size(), s_.with_rows(count));
   }
   /// The same elements under another shape with the same element count.
   view reshape(whale::shape s) const {
     if (s.numel() != numel())
       throw std::invalid_argument("whale::view::reshape: cannot view " + to_text(s_) + " as " +
                                   to_text(s));
-    return view(p_, s);
+    return view(data_, s);
   }
-  view<const T, Space> as_const() const noexcept { return view<const T, Space>(p_, s_); }
+  view<const T, Space> as_const() const noexcept { return view<const T, Space>(data_, s_); }
 
  private:
   static std::string to_text(const whale::shape& s) {
@@ -169,7 +169,7 @@ class view {
     for (int i = 0; i < s.rank(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
     return r + ")";
   }
-  T* p_ = nullptr;
+  T* data_ = nullptr;
   whale::shape s_{};
 };
 
@@ -212,48 +212,48 @@ class tensor {
     if (n > cap_) {
       release();
       place_ = detail::current_place();
-      p_ = static_cast<T*>(detail::allocate_in(place_, n * sizeof(T), kind_));
+      data_ = static_cast<T*>(detail::allocate_in(place_, n * sizeof(T), kind_));
       cap_ = n;
-      detail::zero_in(place_, p_, n * sizeof(T));
+      detail::zero_in(place_, data_, n * sizeof(T));
     }
     s_ = s;
   }
   void set_kind(mem_kind k) {
-    if (p_) throw std::logic_error("whale::tensor::set_kind: storage already allocated");
+    if (data_) throw std::logic_error("whale::tensor::set_kind: storage already allocated");
     kind_ = k;
   }
-  void zero() { detail::zero_in(place_, p_, static_cast<std::size_t>(numel()) * sizeof(T)); }
+  void zero() { detail::zero_in(place_, data_, static_cast<std::size_t>(numel()) * sizeof(T)); }
   /// Whether the storage is host memory (true when there is none yet).
   bool on_host() const noexcept { return place_ == nullptr; }
   /// Where the storage is: null for host memory.
   const memory_place* place() const noexcept { return place_; }
 
-  T* data() const noexcept { return p_; }
+  T* data() const noexcept { return data_; }
   const whale::shape& shape() const noexcept { return s_; }
   index_t numel() const noexcept { return s_.numel(); }
   std::size_t capacity() const noexcept { return cap_; }
-  T& operator[](index_t i) const noexcept { return p_[i]; }
-  view<T, Space> v() const noexcept { return view<T, Space>(p_, s_); }
+  T& operator[](index_t i) const noexcept { return data_[i]; }
+  view<T, Space> v() const noexcept { return view<T, Space>(data_, s_); }
   operator view<T, Space>() const noexcept { return v(); }
-  operator view<const T, Space>() const noexcept { return view<const T, Space>(p_, s_); }
-  T* begin() const noexcept { return p_; }
-  T* end() const noexcept { return p_ + numel(); }
+  operator view<const T, Space>() const noexcept { return view<const T, Space>(data_, s_); }
+  T* begin() const noexcept { return data_; }
+  T* end() const noexcept { return data_ + numel(); }
 
  private:
   void release() noexcept {
-    detail::free_in(place_, p_, cap_ * sizeof(T), kind_);
-    p_ = nullptr;
+    detail::free_in(place_, data_, cap_ * sizeof(T), kind_);
+    data_ = nullptr;
     cap_ = 0;
     place_ = nullptr;
   }
   void swap(tensor& o) noexcept {
-    std::swap(p_, o.p_);
+    std::swap(data_, o.data_);
     std::swap(s_, o.s_);
     std::swap(cap_, o.cap_);
     std::swap(kind_, o.kind_);
     std::swap(place_, o.place_);
   }
-  T* p_ = nullptr;
+  T* data_ = nullptr;
   whale::shape s_{};
   std::size_t cap_ = 0;
   mem_kind kind_ = mem_kind::workspace;

@@ -19,7 +19,7 @@ namespace whale::detail {
 /// (backend_ref::bf16_products). Under fp32: nothing.
 class bf16_weights {
  public:
-  bf16_weights(bool on, view<float> p, tensor<float>& master, backend_ref be) : p_(p), be_(be) {
+  bf16_weights(bool on, view<float> p, tensor<float>& master, backend_ref be) : weights_(p), be_(be) {
     if (!on) return;
     {
       const place_scope where(be.memory());  // where the weights are: a device's memory, on one
@@ -37,7 +37,7 @@ class bf16_weights {
     if (!master_) return;
     auto* m = std::exchange(master_, nullptr);
     be_.bf16_products(false);
-    be_.copy(p_.data(), m->data(), p_.bytes());
+    be_.copy(weights_.data(), m->data(), weights_.bytes());
   }
   ~bf16_weights() {
     try {
@@ -47,7 +47,7 @@ class bf16_weights {
   }
 
  private:
-  view<float> p_;
+  view<float> weights_;
   backend_ref be_;
   tensor<float>* master_ = nullptr;
 };
