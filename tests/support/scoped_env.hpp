@@ -1,4 +1,5 @@
-// A test's environment variable set for one scope and restored after it.
+// A test's environment variable set for one scope and restored after it
+// (whale::test, the tests' support namespace, as support/plan_check.hpp).
 #pragma once
 
 #include <stdlib.h>
@@ -7,7 +8,7 @@
 #include <optional>
 #include <string>
 
-namespace test {
+namespace whale::test {
 
 /// Sets variable `n` to `v` (nullptr: unsets it) until the end of the scope.
 struct scoped_env {
@@ -26,4 +27,4 @@ struct scoped_env {
   }
 };
 
-}  // namespace test
+}  // namespace whale::test

@@ -155,6 +155,15 @@ inline std::string batch_problem_of(index_t sequences, index_t batch_seq, index_
          " it asked for; a short batch would train on a wrong loss (it is divided by the whole batch). A data source "
          "returns every row asked for: at the end of its data, wrap around, or stop before that step";
 }
+/// The label buffer of batch `b` (layer.hpp): class labels as they are, float
+/// targets as their bits, shaped (rows, targets per row) so that plans slice it by rows.
+template <class In, class T> label_buffer labels_of(const batch_view<In, T>& b) {
+  const auto l = label_bits(b.labels);
+  const index_t rows = b.sequences * b.seq;
+  if (rows > 0 && l.numel() != rows && l.numel() % rows == 0 && !(l.shape().rank() == 2 && l.shape()[0] == rows))
+    return l.reshape({rows, l.numel() / rows});
+  return l;
+}
 /// batch_problem_of for batch `b` and model `M`: the inputs per row where the
 /// model's first layer says, the labels (or targets) per row where its loss says.
 template <class M, class In, class Target>

@@ -65,15 +65,6 @@ template <class N> constexpr bool gives_logits_v = [] {
   if constexpr (requires { N::gives_logits(); }) return N::gives_logits();
   else return true;
 }();
-/// The label buffer of batch `b` (layer.hpp): class labels as they are, float
-/// targets as their bits, shaped (rows, targets per row) so that plans slice it by rows.
-template <class In, class T> label_buffer labels_of(const batch_view<In, T>& b) {
-  const auto l = label_bits(b.labels);
-  const index_t rows = b.sequences * b.seq;
-  if (rows > 0 && l.numel() != rows && l.numel() % rows == 0 && !(l.shape().rank() == 2 && l.shape()[0] == rows))
-    return l.reshape({rows, l.numel() / rows});
-  return l;
-}
 /// A single-process network's first layer (flat order) with a non-finite gradient, named; empty if none.
 template <class Net> std::string first_nonfinite_grad_of(const Net& net) {
   if constexpr (requires { net.grads(); }) {
