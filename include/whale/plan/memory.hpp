@@ -168,19 +168,36 @@ inline memory_estimate predict_memory(const model_desc& d, const program& p, con
     live = p.order.report.peak_live[static_cast<std::size_t>(p.stage)];
   }
   e.live_micro_batches = live;
+  // How many micro-batches' activations each model chunk keeps: the layers of a
+  // chunk hold one buffer per activation slot its passes use. With one chunk a
+  // rank that is the peak alive; an interleaved rank's chunks take their slots
+  // from one pool (keys chunk·m + micro), each chunk only some of them.
+  const int chunks = std::max(1, p.chunks);
+  std::vector<int> uses(static_cast<std::size_t>(chunks), live);
+  if (d.pipeline && chunks > 1) {
+    const auto& slots = p.order.report.slot[static_cast<std::size_t>(p.stage)];
+    for (int c = 0; c < chunks; ++c) {
+      std::vector<int> mine;
+      for (int j = 0; j < m && c * m + j < static_cast<int>(slots.size()); ++j) mine.push_back(slots[static_cast<std::size_t>(c * m + j)]);
+      std::sort(mine.begin(), mine.end());
+      uses[static_cast<std::size_t>(c)] = static_cast<int>(std::unique(mine.begin(), mine.end()) - mine.begin());
+    }
+  }
   auto degree = [&](const unit_desc& u) { return u.split_axis < 0 ? 1 : p.mesh.size(static_cast<axis>(u.split_axis)); };
   std::map<int, double> group;  // recompute group -> its inner buffers for one micro-batch
-  double kept = 0;               // bytes kept per micro-batch in flight
-  double comm_per_micro = 0;     // conversions' staging buffers, per micro-batch in flight
+  std::vector<double> kept(static_cast<std::size_t>(chunks), 0.0);            // per chunk: bytes kept per micro-batch in flight
+  std::vector<double> comm_per_micro(static_cast<std::size_t>(chunks), 0.0);  // conversions' staging buffers, the same
+  auto chunk_of = [&](const unit_holding& h) { return static_cast<std::size_t>(std::clamp(h.chunk, 0, chunks - 1)); };
   for (const auto& h : p.holds) {
     const auto& u = d.units[static_cast<std::size_t>(h.unit)];
+    const auto ch = chunk_of(h);
     const cost_info c = !u.sharded ? u.cost
                         : u.shard_cost ? u.shard_cost(degree(u)).scaled(u.in_width == any_features ? 0.0 : static_cast<double>(u.in_width))
                                        : detail::shard_of(u.cost, degree(u), u.split_params, u.replicated_params);
     if (u.kind == unit_kind::convert) {  // its output and gradient buffers, and a staging buffer for column collectives
-      detail::convert_bytes(u, p.mesh.size(static_cast<axis>(u.split_axis)), e.rows, all_rows, kept, comm_per_micro);
+      detail::convert_bytes(u, p.mesh.size(static_cast<axis>(u.split_axis)), e.rows, all_rows, kept[ch], comm_per_micro[ch]);
       // a split residual ending in its exit conversion keeps its stream buffers there
-      (u.recompute_group < 0 ? kept : group[u.recompute_group]) += u.container_act_bytes * static_cast<double>(e.rows);
+      (u.recompute_group < 0 ? kept[ch] : group[u.recompute_group]) += u.container_act_bytes * static_cast<double>(e.rows);
       continue;
     }
     const double rows = static_cast<double>(u.all_rows() ? all_rows : e.rows);
@@ -189,21 +206,30 @@ inline memory_estimate predict_memory(const model_desc& d, const program& p, con
     // ZeRO 2-3 run the layers under its hooks, and hooks turn the layers' fusions off
     const double fused = p.zero_level >= 2 ? 0.0 : u.fused_act_bytes;
     const double per_row = (c.act_bytes + c.seq_act_bytes * static_cast<double>(p.seq)) * share + u.container_act_bytes + fused;
-    (u.recompute_group < 0 ? kept : group[u.recompute_group]) += per_row * rows;
+    (u.recompute_group < 0 ? kept[ch] : group[u.recompute_group]) += per_row * rows;
   }
   // a recompute<Block> keeps its output and input-gradient copies (rows × (in + out))
-  std::map<int, std::pair<index_t, index_t>> edges;  // group -> (first unit's in width, last unit's out width)
+  struct edge {
+    index_t in = 0, out = 0;
+    std::size_t chunk = 0;
+  };
+  std::map<int, edge> edges;  // group -> its first unit's in width, its last unit's out width, its chunk
   for (const auto& h : p.holds) {
     const auto& u = d.units[static_cast<std::size_t>(h.unit)];
     if (u.recompute_group < 0) continue;
-    auto [it, fresh] = edges.try_emplace(u.recompute_group, u.in_width, u.out_width);
-    if (!fresh) it->second.second = u.out_width;
+    auto [it, fresh] = edges.try_emplace(u.recompute_group, edge{u.in_width, u.out_width, chunk_of(h)});
+    if (!fresh) it->second.out = u.out_width;
   }
-  for (const auto& [g, w] : edges) kept += 4.0 * static_cast<double>(w.first + w.second) * static_cast<double>(e.rows);
+  for (const auto& [g, w] : edges) kept[w.chunk] += 4.0 * static_cast<double>(w.in + w.out) * static_cast<double>(e.rows);
   double pool = 0;  // one block's buffers at a time, reused by every recomputed block
   for (const auto& [g, b] : group) pool = std::max(pool, b);
-  e.activations = static_cast<std::int64_t>(kept * live + pool);
-  e.comm += static_cast<std::int64_t>(comm_per_micro * live);
+  double act = pool, conv = 0;
+  for (std::size_t c = 0; c < kept.size(); ++c) {
+    act += kept[c] * uses[c];
+    conv += comm_per_micro[c] * uses[c];
+  }
+  e.activations = static_cast<std::int64_t>(act);
+  e.comm += static_cast<std::int64_t>(conv);
   // pipeline messages: received activations (activations) and gradients (comm)
   // in one buffer per live slot, and as many pooled outgoing copies
   if (p.stages * p.chunks > 1) {
