@@ -1,16 +1,12 @@
-// doctest's main for single-process tests. A test program runs the cases of
-// its own test file only (whale_test_file, written by tests/CMakeLists.txt):
-// with WHALE_TEST_GROUPS a group's files are compiled into one object, which
-// every program of the group links.
+// doctest's main for single-process tests: the program's own file's cases
+// only, and a failure when none is left to run (support/own_file.hpp).
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 
-#include <string>
-
-extern const char* const whale_test_file;
+#include "own_file.hpp"
 
 int main(int argc, char** argv) {
   doctest::Context ctx(argc, argv);
-  ctx.addFilter("source-file", ("*" + std::string(whale_test_file)).c_str());
-  return ctx.run();
+  whale::test::only_own_file(ctx);
+  return whale::test::fail_if_none_ran(ctx.run());
 }

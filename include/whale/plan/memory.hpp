@@ -175,10 +175,13 @@ inline memory_estimate predict_memory(const model_desc& d, const program& p, con
   const int chunks = std::max(1, p.chunks);
   std::vector<int> uses(static_cast<std::size_t>(chunks), live);
   if (d.pipeline && chunks > 1) {
+    if (static_cast<int>(p.order.report.slot.size()) <= p.stage ||
+        static_cast<int>(p.order.report.slot[static_cast<std::size_t>(p.stage)].size()) < chunks * m)
+      throw std::logic_error("whale::predict_memory: the program of an interleaved pipeline has no activation slot for each of its passes (program::order); lower it with lower()");
     const auto& slots = p.order.report.slot[static_cast<std::size_t>(p.stage)];
     for (int c = 0; c < chunks; ++c) {
       std::vector<int> mine;
-      for (int j = 0; j < m && c * m + j < static_cast<int>(slots.size()); ++j) mine.push_back(slots[static_cast<std::size_t>(c * m + j)]);
+      for (int j = 0; j < m; ++j) mine.push_back(slots[static_cast<std::size_t>(c * m + j)]);
       std::sort(mine.begin(), mine.end());
       uses[static_cast<std::size_t>(c)] = static_cast<int>(std::unique(mine.begin(), mine.end()) - mine.begin());
     }
