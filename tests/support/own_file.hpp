@@ -34,7 +34,8 @@ struct count_cases : doctest::IReporter {
   void test_case_skipped(const doctest::TestCaseData&) override {}
 };
 
-/// Only this program's own file's cases (a filter of the command line narrows them further).
+/// Only this program's own file's cases. A -tc or -ts filter on the command line narrows them;
+/// a -sf filter there adds its files (doctest joins filters of one kind by "or").
 inline void only_own_file(doctest::Context& ctx) { ctx.addFilter("source-file", ("*" + std::string(whale_test_file)).c_str()); }
 
 /// `rc`, or 1 when the run found no case of this program's file to run (saying so on stderr).
