@@ -22,6 +22,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -69,6 +70,40 @@ struct plan_choice {
   bool tie = false;       ///< the choice: predicted within plan_tie of a faster candidate, and simpler or leaving memory free (prefer_simpler)
 };
 
+namespace detail {
+/// A candidate's description as the pricing reads it: with each leaf's kernel
+/// probe where the profile prices a GPU's kernels (`kernels`), else describe<P>().
+using plan_describer = model_desc (*)(bool kernels);
+template <class P> model_desc describe_for_pricing(bool kernels) { return kernels ? describe_kernels<P>() : describe<P>(); }
+template <class... P> constexpr std::array<plan_describer, sizeof...(P)> describers_of(plan_list<P...>) {
+  return {&describe_for_pricing<P>...};
+}
+/// Prices candidate `c` of description `d` on `mesh` with c.micro_batches
+/// micro-batches: lowered for every rank, its memory predicted, its step
+/// replayed on `dev`; c.why says what the plan refused. The same code for
+/// every candidate and model: only the description is the plan's.
+inline void price_plan(plan_choice& c, const model_desc& d, const mesh_shape& mesh, const plan_options& o, const device_profile& dev) {
+  lower_options lo = lowering_of(o, o.plan_batch, o.plan_seq);
+  lo.bf16 = dev.prices_bf16();
+  lo.micro_batches = c.micro_batches;
+  lo.stage_blocks.clear();  // each candidate is cut by cost
+  lo.placement = false;     // priced, not run: the chosen plan lowers its own program
+  std::vector<program> all;
+  std::int64_t mem = 0;
+  for (int r = 0; r < mesh.size(); ++r) {
+    all.push_back(lower(d, mesh, r, lo));
+    mem = std::max(mem, predict_memory(d, all.back()).total());
+  }
+  const auto sim = simulate(d, all, dev, 0);
+  c.valid = true;
+  c.step_s = sim.step_s;
+  c.memory_mib = static_cast<double>(mem) / 1048576.0;
+  c.fits = !(o.memory_limit_mib > 0) || c.memory_mib <= o.memory_limit_mib;
+  for (const auto& r : sim.ranks)
+    if (r.end_s >= c.slowest.end_s) c.slowest = r;
+}
+}  // namespace detail
+
 /// The candidates of auto_plan<M> on `job` (the job's mesh), priced on `dev`, best
 /// first: runnable plans that fit `o.memory_limit_mib` (0: no limit) by predicted
 /// step time — except that the simplest candidate within `o.plan_tie` of the
@@ -82,37 +117,20 @@ struct plan_choice {
 /// state (8 bytes a parameter).
 template <class M, plan_space S = plan_space{}>
 std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_options& o, const device_profile& dev) {
-  using V = detail::auto_variant<detail::auto_candidates<M, S>>;
   std::vector<plan_choice> cs;
   check_plan_tie(o.plan_tie, "whale::" + auto_plan<M, S>::name() + ": plan_options::plan_tie");
-  auto price = [&]<std::size_t I>(std::integral_constant<std::size_t, I>, const mesh_shape& mesh, const std::string& label,
-                                  int micro) {
-    using P = typename V::template at<I>;
+  // each candidate type's description, read once (a GPU profile (`kernels`) prices
+  // each layer's kernels, plan/probe.hpp, in its precision)
+  constexpr auto describers = detail::describers_of(detail::auto_candidates<M, S>{});
+  std::array<std::optional<model_desc>, describers.size()> descs;
+  const bool kernels = !dev.kernel_precision.empty();
+  auto price = [&](std::size_t index, const mesh_shape& mesh, const std::string& label, int micro) {
     plan_choice c;
-    c.label = label, c.index = I, c.micro_batches = micro, c.mesh = mesh.spec();
+    c.label = label, c.index = index, c.micro_batches = micro, c.mesh = mesh.spec();
     c.order = static_cast<int>(cs.size());
     try {
-      // a GPU profile (`kernels`) prices each layer's kernels (plan/probe.hpp), in its precision
-      const bool kernels = !dev.kernel_precision.empty();
-      const auto d = kernels ? describe_kernels<P>() : describe<P>();
-      lower_options lo = lowering_of(o, o.plan_batch, o.plan_seq);
-      lo.bf16 = dev.prices_bf16();
-      lo.micro_batches = micro;
-      lo.stage_blocks.clear();  // each candidate is cut by cost
-      lo.placement = false;  // priced, not run: the chosen plan lowers its own program
-      std::vector<program> all;
-      std::int64_t mem = 0;
-      for (int r = 0; r < mesh.size(); ++r) {
-        all.push_back(lower(d, mesh, r, lo));
-        mem = std::max(mem, predict_memory(d, all.back()).total());
-      }
-      const auto sim = simulate(d, all, dev, 0);
-      c.valid = true;
-      c.step_s = sim.step_s;
-      c.memory_mib = static_cast<double>(mem) / 1048576.0;
-      c.fits = !(o.memory_limit_mib > 0) || c.memory_mib <= o.memory_limit_mib;
-      for (const auto& r : sim.ranks)
-        if (r.end_s >= c.slowest.end_s) c.slowest = r;
+      if (!descs[index]) descs[index] = describers[index](kernels);
+      detail::price_plan(c, *descs[index], mesh, o, dev);
     } catch (const std::exception& e) {
       c.why = e.what();
     }
@@ -122,8 +140,7 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
   using R = detail::variant_r<M, S>;  // M with its blocks recomputed (void: none, or left out by S)
   // prices plan P (void: none) on `mesh`, when P is a candidate
   auto price_if = [&]<class P>(std::type_identity<P>, const mesh_shape& mesh, const std::string& label, int micro) {
-    if constexpr (!std::is_void_v<P> && detail::index_in<P, L>::found)
-      price(std::integral_constant<std::size_t, detail::index_in<P, L>::value>{}, mesh, label, micro);
+    if constexpr (!std::is_void_v<P> && detail::index_in<P, L>::found) price(detail::index_in<P, L>::value, mesh, label, micro);
   };
   // every model variant, plain first: X = M, then R (labels " recompute")
   auto variants = [&](auto&& f) {

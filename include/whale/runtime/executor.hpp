@@ -213,41 +213,8 @@ template <class P> class executor final : public detail::executor_core {
   tensor<float> full_params();
   std::vector<int> stage_blocks() const { return parts_[0].blocks(); }
   auto& model() noexcept { return parts_[0].model(); }
-  friend std::ostream& operator<<(std::ostream& os, const executor& e) {
-    os << "plan: " << layer_name<P>() << " over " << e.ctx_->mesh().shape() << "\n";
-    if (e.stages_ * chunks_per_rank > 1)
-      for (int s = 0; s < e.stages_ * chunks_per_rank; ++s)
-        os << "  stage " << s % e.stages_ << (chunks_per_rank > 1 ? " chunk " + std::to_string(s / e.stages_) : std::string()) << ": "
-           << e.parts_[0].describe(s) << (s % e.stages_ == e.stage_ ? "  <- this rank" : "") << "\n";
-    if (level) os << "  ZeRO-" << level << " over data:" << e.replicas_ << "\n";
-    if (e.replicas_ > 1)
-      os << "  data: " << e.replicas_ << " replica(s); "
-         << (level >= 2 ? std::string("gradients reduce-scattered per leaf") + (e.o_.bf16_reduce ? " in bf16" : "") : "gradients all-reduced in " + std::to_string(e.sync_.size()) + " bucket(s)")
-         << (level ? ", ZeRO-" + std::to_string(level) + " owns [" + std::to_string(e.range().first) + ", " + std::to_string(e.range().second) + ")" : "")
-         << "\n";
-    if (e.stages_ > 1 || e.o_.micro_batches > 1)
-      os << "  schedule " << sched::name() << ", micro-batches "
-         << (e.o_.micro_batches ? std::to_string(e.o_.micro_batches) : std::string(staged ? "auto (<= 4 x stages)" : "1")) << "\n";
-    if (e.replicas_ > 1 && level < 2)
-      os << "  buckets of <= " << e.o_.bucket_mib << " MiB" << (e.blocking_buckets() ? ", blocking" : ", non-blocking")
-         << (e.o_.overlap ? ", during backward" : ", after backward") << (e.o_.bf16_reduce ? ", summed in bf16" : "")
-         << "\n";
-    const auto t = e.prog_.totals();
-    os << "  this rank holds " << t.params_held << " of " << e.prog_.full_params << " parameters ("
-       << static_cast<double>(t.params_held) * 4 / 1048576.0 << " MiB):\n";
-    for (const auto& h : e.prog_.holds) {
-      if (h.full_params == 0 && h.name.front() == '[') {  // an inserted conversion
-        os << "    " << h.name << "\n";
-        continue;
-      }
-      os << "    " << h.name << "  " << h.local_params;
-      if (h.local_params != h.full_params) os << " of " << h.full_params;
-      if (!h.split_over.empty()) os << ", split over " << h.split_over.name() << " (" << layout_kind_name(h.layout_in) << " in)";
-      if (h.recompute) os << ", recomputed";
-      os << "\n";
-    }
-    return os;
-  }
+  /// The plan, its stages, data axis, schedule and what this rank holds (executor_core::print).
+  friend std::ostream& operator<<(std::ostream& os, const executor& e) { return e.print(os), os; }
 
  private:
   static detail::plan_facts facts();
@@ -270,6 +237,7 @@ template <class P> class executor final : public detail::executor_core {
   double chunk_forward_loss(int ch, step_ctx& c, int micro, index_t mb, cview<float> in, cview<std::int32_t> labels) override;
   view<float> chunk_logits(int ch, step_ctx& c, int micro, index_t mb, cview<float> in) override;
   view<float> chunk_backward(int ch, step_ctx& c, cview<float> dy) override;
+  std::string stage_description(int vstage) const override { return parts_[0].describe(vstage); }
   /// The pass's rows of micro-batch `micro` (mb sequences) for chunk `ch`: on the first virtual stage only.
   cview<input_type> first_rows(int ch, int micro, index_t mb) const {
     return ch * stages_ + stage_ == 0 ? x_.rows(micro * mb, mb) : cview<input_type>{};

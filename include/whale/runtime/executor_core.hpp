@@ -16,6 +16,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <ostream>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -54,6 +55,7 @@ struct plan_facts {
   bool split_backward = false;   // the schedule puts weight gradients off to W passes (zb_h1)
   bool explicit_stages = false;  // pipeline<schedule, stage<...>...>
   int fixed_stages = 0;          // the stage count the type fixes; 0: any
+  std::string schedule = "1f1b";  // the schedule's name (a pipeline's; 1f1b without one)
 };
 
 /// What a pass of the schedule does: train (forward and backward) or only
@@ -176,6 +178,9 @@ class executor_core {
     for (int r = 0; r < ctx_->size(); ++r) all.push_back(lower(desc_, ctx_->mesh().shape(), r, step_lowering(global_batch, seq, 4)));
     return all;
   }
+  /// The plan over the mesh, its stages (each virtual stage's layers), the
+  /// data axis, the schedule and what this rank holds: executor<P>'s operator<<.
+  void print(std::ostream& os) const;
   /// The plan's description (plan/describe.hpp), as lowering reads it.
   const model_desc& description() const noexcept { return desc_; }
 
@@ -234,6 +239,10 @@ class executor_core {
   /// Once the split regions have checked their own degrees (executor<P>): the
   /// options that need them checked, an unequal ranks' stage cut, this rank's program.
   void lower_program();
+  /// full_params() from this rank's unsplit parameters `mine`, its chunks' of
+  /// `chunk_sizes` one after another: every rank's chunks gathered over the
+  /// pipe axis and put in virtual-stage order (chunk c of rank r is c·p + r).
+  tensor<float> all_stages_params(tensor<float> mine, const std::vector<index_t>& chunk_sizes) const;
   /// Writes the trace if a path was given and finish_trace() was not called (collective).
   ~executor_core() {
     if (!o_.trace_path.empty() && !trace_written_ && std::uncaught_exceptions() == 0) {
@@ -290,6 +299,8 @@ class executor_core {
   virtual double chunk_forward_loss(int ch, step_ctx& c, int micro, index_t mb, cview<float> in, cview<std::int32_t> labels) = 0;
   virtual view<float> chunk_logits(int ch, step_ctx& c, int micro, index_t mb, cview<float> in) = 0;
   virtual view<float> chunk_backward(int ch, step_ctx& c, cview<float> dy) = 0;
+  /// The layers of virtual stage `vstage` (of stages() x chunks()), for print().
+  virtual std::string stage_description(int vstage) const = 0;
   /// (runtime/pass.hpp) What a pass refuses before it starts: gradients
   /// accumulated across calls where they cannot be, a data-axis sum of worker cuts.
   void check_pass(const step_ctx& c, pass_mode mode) const;

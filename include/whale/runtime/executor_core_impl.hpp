@@ -7,7 +7,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <ostream>
+#include <span>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -274,6 +277,74 @@ WHALE_CORE_INLINE void executor_core::order_for(int m) {
   if (m == order_.micro_batches && programs == order_from_program_) return;
   order_ = programs ? step_order_ : pass_order_of(desc_, facts_.staged ? stage_ : 0, facts_.staged ? stages_ : 1, m);
   order_from_program_ = programs;
+}
+
+WHALE_CORE_INLINE void executor_core::print(std::ostream& os) const {
+  const int chunk_count = facts_.chunks;
+  os << "plan: " << facts_.name << " over " << ctx_->mesh().shape() << "\n";
+  if (stages_ * chunk_count > 1)
+    for (int s = 0; s < stages_ * chunk_count; ++s)
+      os << "  stage " << s % stages_ << (chunk_count > 1 ? " chunk " + std::to_string(s / stages_) : std::string()) << ": "
+         << stage_description(s) << (s % stages_ == stage_ ? "  <- this rank" : "") << "\n";
+  if (level_) os << "  ZeRO-" << level_ << " over data:" << replicas_ << "\n";
+  if (replicas_ > 1)
+    os << "  data: " << replicas_ << " replica(s); "
+       << (level_ >= 2 ? std::string("gradients reduce-scattered per leaf") + (o_.bf16_reduce ? " in bf16" : "")
+                       : "gradients all-reduced in " + std::to_string(sync_.size()) + " bucket(s)")
+       << (level_ ? ", ZeRO-" + std::to_string(level_) + " owns [" + std::to_string(range().first) + ", " + std::to_string(range().second) + ")" : "")
+       << "\n";
+  if (stages_ > 1 || o_.micro_batches > 1)
+    os << "  schedule " << facts_.schedule << ", micro-batches "
+       << (o_.micro_batches ? std::to_string(o_.micro_batches) : std::string(facts_.staged ? "auto (<= 4 x stages)" : "1")) << "\n";
+  if (replicas_ > 1 && level_ < 2)
+    os << "  buckets of <= " << o_.bucket_mib << " MiB" << (blocking_buckets() ? ", blocking" : ", non-blocking")
+       << (o_.overlap ? ", during backward" : ", after backward") << (o_.bf16_reduce ? ", summed in bf16" : "") << "\n";
+  const auto t = prog_.totals();
+  os << "  this rank holds " << t.params_held << " of " << prog_.full_params << " parameters ("
+     << static_cast<double>(t.params_held) * 4 / 1048576.0 << " MiB):\n";
+  for (const auto& h : prog_.holds) {
+    if (h.full_params == 0 && h.name.front() == '[') {  // an inserted conversion
+      os << "    " << h.name << "\n";
+      continue;
+    }
+    os << "    " << h.name << "  " << h.local_params;
+    if (h.local_params != h.full_params) os << " of " << h.full_params;
+    if (!h.split_over.empty()) os << ", split over " << h.split_over.name() << " (" << layout_kind_name(h.layout_in) << " in)";
+    if (h.recompute) os << ", recomputed";
+    os << "\n";
+  }
+}
+
+WHALE_CORE_INLINE tensor<float> executor_core::all_stages_params(tensor<float> mine, const std::vector<index_t>& chunk_sizes) const {
+  if (stages_ == 1) return mine;  // (interleaved on one rank: the chunks are already in flat order)
+  const int chunk_count = facts_.chunks;
+  if (chunk_sizes.size() != static_cast<std::size_t>(chunk_count))
+    throw std::logic_error(who() + "all_stages_params: " + std::to_string(chunk_sizes.size()) + " chunk sizes for " +
+                           std::to_string(chunk_count) + " chunks");
+  // every rank's chunk sizes, then every rank's chunks
+  std::vector<index_t> sizes(chunk_sizes), all_sizes(static_cast<std::size_t>(stages_ * chunk_count)),
+      counts(static_cast<std::size_t>(stages_)), starts(counts.size());
+  all_gather(*pipe_, view<index_t>(sizes.data(), {chunk_count}), view<index_t>(all_sizes.data(), {stages_ * chunk_count}));
+  index_t total = 0;
+  for (int r = 0; r < stages_; ++r) {
+    starts[static_cast<std::size_t>(r)] = total;
+    for (int ch = 0; ch < chunk_count; ++ch) counts[static_cast<std::size_t>(r)] += all_sizes[static_cast<std::size_t>(r * chunk_count + ch)];
+    total += counts[static_cast<std::size_t>(r)];
+  }
+  tensor<float> all({total}, mem_kind::workspace);
+  all_gather_v(*pipe_, cview<float>(mine.v()), all.v(), std::span<const index_t>(counts));
+  if (chunk_count == 1) return all;
+  tensor<float> ordered({total}, mem_kind::workspace);
+  index_t at = 0;
+  for (int vs = 0; vs < stages_ * chunk_count; ++vs) {
+    const int r = vs % stages_, ch = vs / stages_;
+    index_t from = starts[static_cast<std::size_t>(r)];
+    for (int c2 = 0; c2 < ch; ++c2) from += all_sizes[static_cast<std::size_t>(r * chunk_count + c2)];
+    const index_t k = all_sizes[static_cast<std::size_t>(r * chunk_count + ch)];
+    std::memcpy(ordered.data() + at, all.data() + from, static_cast<std::size_t>(k) * sizeof(float));
+    at += k;
+  }
+  return ordered;
 }
 
 }  // namespace whale::detail

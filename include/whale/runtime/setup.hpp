@@ -21,6 +21,7 @@ template <class P> detail::plan_facts executor<P>::facts() {
   f.desc = describe<P>();
   f.zero_level = level, f.chunks = chunks_per_rank, f.staged = staged, f.replicated = replicated;
   f.has_split = has_split, f.splits_data = stage_type::splits_data, f.split_backward = split_backward;
+  f.schedule = sched::name();
   if constexpr (staged) {
     static_assert(X::fixed_stages % chunks_per_rank == 0,
                   "whale::pipeline<interleaved_1f1b<V>, ...>: the stage count must be a multiple of V (each pipe rank "
