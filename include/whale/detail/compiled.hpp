@@ -3,8 +3,8 @@
 // runtime/executor_core_impl.hpp, runtime/executor_memory_impl.hpp and
 // runtime/pass.hpp; zero_engine's, in runtime/zero_impl.hpp; mpi_comm's, in
 // comm/mpi_comm_impl.hpp; the checkpoints' save and load, in
-// train/checkpoint_impl.hpp; the trainer's start, in
-// train/trainer_start_impl.hpp; lower() and pass_order_of, in
+// train/checkpoint_impl.hpp; the trainer's start and its core, in
+// train/trainer_start_impl.hpp and train/trainer_core_impl.hpp; lower() and pass_order_of, in
 // plan/lower_impl.hpp and plan/lower_pass.hpp) are marked WHALE_CORE_INLINE and their
 // definitions sit behind WHALE_CORE_DEFINITIONS:
 // - by default both say "inline, here": every translation unit that uses them

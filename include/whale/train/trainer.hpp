@@ -1,6 +1,8 @@
 // `trainer`: the training loop over any `Trainable` network (single process or
 // a parallel plan) — data slicing, forward/backward, gradient clipping, the
 // optimizer step, NaN/Inf checks and the progress line. It holds no model.
+// trainer<Net, Opt> is a thin typed layer: the work that depends on neither
+// type is detail::trainer_core's (train/trainer_core.hpp), compiled once.
 #pragma once
 
 #include <algorithm>
@@ -32,6 +34,7 @@
 #include "whale/train/metrics.hpp"
 #include "whale/train/progress.hpp"
 #include "whale/train/run_record.hpp"
+#include "whale/train/trainer_core.hpp"
 #include "whale/train/trainer_options.hpp"
 #include "whale/train/trainer_start.hpp"
 
@@ -86,9 +89,12 @@ template <class Net> std::string first_nonfinite_grad_of(const Net& net) {
 }
 }  // namespace detail
 
-/// Drives a Trainable network with an optimizer over a data source.
+/// Drives a Trainable network with an optimizer over a data source. A thin
+/// typed layer over detail::trainer_core (train/trainer_core.hpp), which does
+/// the work that depends on neither: this class feeds the batches to the
+/// network and answers the core's questions about the network and optimizer.
 template <Trainable Net, Optimizer Opt>
-class trainer {
+class trainer final : public detail::trainer_core {
  public:
   /// Whether save(), load() and the checkpoint options work with this network and optimizer.
   static constexpr bool checkpoints = Checkpointable<Net> && CheckpointableState<typename Opt::state>;
@@ -97,8 +103,6 @@ class trainer {
   /// the checkpoint directory and the metrics log before any work (every rank fails alike).
   trainer(Net& net, Opt opt, trainer_options o = {});
 
-  /// The data step run() trains next (first_step, advanced by run() and by load()).
-  std::int64_t next_step() const noexcept { return next_; }
   /// Save a checkpoint of the model, the optimizer state and next_step() under
   /// `dir` (default: checkpoint_dir) as dir/step-<next_step()>/ (collective); returns that directory.
   std::string save(std::string dir = {})
@@ -168,26 +172,8 @@ class trainer {
   /// and nothing else: no progress line, log or hooks. Returns the global mean loss.
   template <class In, class Target>
   double step_on(const batch_view<In, Target>& b, index_t global_batch, std::int64_t step, std::int64_t loss_terms = -1) {
-    step_ctx c = context_of(b, global_batch, loss_terms);
-    double share = 0;
-    {
-      weights_scope w(bf16(), local_params(), master_, backend());  // bf16: compute with rounded weights, update the master
-      share = net_.train_step(c, b.inputs, detail::labels_of(b));
-      w.restore();
-    }
-    const double loss = net_.reduce_loss(share);
-    if (!std::isfinite(loss)) throw loss_error(step, loss);
-    float scale = 1.f;
-    rec_.last_norm = std::numeric_limits<double>::quiet_NaN();
-    if (o_.max_grad_norm > 0 || o_.check_grad_norm) {
-      const double norm = net_.grad_norm();
-      rec_.last_norm = norm;
-      if (!std::isfinite(norm)) throw norm_error(step, norm, loss, true);
-      if (o_.max_grad_norm > 0) scale = clip_coefficient(norm, o_.max_grad_norm);
-    }
-    set_lr(step);
-    net_.apply_optimizer(opt_, state_, scale);
-    return loss;
+    auto pass = [&](step_ctx& c) -> double { return net_.train_step(c, b.inputs, detail::labels_of(b)); };
+    return step_with(context(b.sequences, b.seq, global_batch, loss_terms), step, pass);
   }
 
   /// Train for `n` steps from next_step(); prints progress on rank 0.
@@ -213,11 +199,8 @@ class trainer {
       double sum = 0;
       for (std::int64_t s = 0; s < n.value; ++s) {
         const auto b = fetch(data, first + s);
-        step_ctx c = context_of(b, data.global_batch(), labelled(data, first + s));
-        weights_scope w(bf16(), local_params(), master_, backend());
-        const double share = net_.evaluate(c, b.inputs, detail::labels_of(b));
-        w.restore();
-        sum += net_.reduce_loss(share);
+        auto pass = [&](step_ctx& c) -> double { return net_.evaluate(c, b.inputs, detail::labels_of(b)); };
+        sum += evaluate_with(context(b.sequences, b.seq, data.global_batch(), labelled(data, first + s)), pass);
       }
       return sum / static_cast<double>(n.value);
     } else {
@@ -227,7 +210,7 @@ class trainer {
 
   typename Opt::state& optimizer_state() noexcept { return state_; }
 
-  ~trainer() {
+  ~trainer() override {
     try {
       put_master_back();  // steps queued under bf16 and never read (an error between them): the fp32 weights back
     } catch (...) {
@@ -235,17 +218,68 @@ class trainer {
   }
 
  private:
-  template <class In, class Target>
-  step_ctx context_of(const batch_view<In, Target>& b, index_t global_batch, std::int64_t loss_terms) const {
-    step_ctx c;
-    c.batch = b.sequences;
-    c.seq = b.seq;
-    c.global_rows = global_batch * b.seq;
-    c.loss_terms = loss_terms;
-    c.check_finite = o_.check_finite;
-    c.bf16 = o_.precision == precision::bf16;
-    return c;
+  /// What trainer_core knows of Net and Opt, as values.
+  static detail::trainer_traits traits() {
+    detail::trainer_traits t;
+    t.figures_on_device = figures_on_device;
+    t.writes_rounded = writes_rounded;
+    const auto c = Net::model_type::cost();
+    t.flops_per_row = c.fwd_flops + c.bwd_flops;
+    t.seq_flops_per_token = c.seq_flops;
+    return t;
   }
+  /// Whether this network and optimizer can keep a step's figures where the step runs.
+  static constexpr bool figures_on_device =
+      GatedOptimizer<Opt> && requires(Net& n, const Net& cn, double* d, const Opt& o, typename Opt::state& st,
+                                      kernels::update_gate g) {
+        cn.grad_sum_squares_into(d);
+        n.apply_optimizer(o, st, g);
+        cn.backend();
+      };
+  /// Whether the optimizer's pass can write the rounded weights and the fp32 master together (RoundingOptimizer).
+  static constexpr bool writes_rounded =
+      RoundingOptimizer<Opt> && requires(Net& n, const Opt& o, typename Opt::state& st, view<float> m) {
+        n.apply_optimizer(o, st, kernels::update_gate{}, m);
+      };
+
+  // ---- what trainer_core asks of the network and optimizer ----
+  double net_reduce_loss(double share) override { return net_.reduce_loss(share); }
+  double net_grad_norm() override { return net_.grad_norm(); }
+  std::string net_first_nonfinite_grad() override {
+    if constexpr (requires { net_.first_nonfinite_grad(); }) return net_.first_nonfinite_grad();
+    else return detail::first_nonfinite_grad_of(net_);
+  }
+  int net_rank() const override { return net_.rank(); }
+  int net_world_size() const override { return net_.world_size(); }
+  backend_ref net_backend() const override { return ckpt::backend_of(net_); }
+  view<float> net_params() override {
+    if constexpr (requires { net_.params(); }) return net_.params();
+    else return {};
+  }
+  void update(float grad_scale) override { net_.apply_optimizer(opt_, state_, grad_scale); }
+  void update_gated(kernels::update_gate gate, bool into_master) override {
+    if constexpr (writes_rounded) {
+      if (into_master) return net_.apply_optimizer(opt_, state_, gate, master_.v());
+    }
+    if constexpr (figures_on_device) net_.apply_optimizer(opt_, state_, gate);
+    else throw std::logic_error("whale::trainer: a gated update where the network cannot keep a step's figures");
+  }
+  void net_grad_sum_squares_into(double* out) override {
+    if constexpr (figures_on_device) net_.grad_sum_squares_into(out);
+    else throw std::logic_error("whale::trainer: the gradients' squares asked where the network cannot keep a step's figures");
+  }
+  bool has_lr() const override { return requires { opt_.lr; }; }
+  double lr() const override {
+    if constexpr (requires { opt_.lr; }) return static_cast<double>(opt_.lr);
+    else return 0;
+  }
+  void set_optimizer_lr(double rate) override {
+    if constexpr (requires { opt_.lr; }) opt_.lr = static_cast<decltype(opt_.lr)>(rate);
+  }
+  void rewind_optimizer(std::int64_t k) override {
+    if constexpr (requires { state_.steps -= 1; }) state_.steps -= k;
+  }
+
   /// The plan's memory check of a training step, with the data source's batch
   /// on this rank, before the source allocates it (once; collective).
   template <class Data> void check_memory_first(Data& data) {
@@ -259,85 +293,13 @@ class trainer {
       net_.check_step_memory(c, detail::data_source_bytes<typename Net::model_type>(data, count));
     }
   }
-  std::string at(std::int64_t step) const { return detail::run_record::at(o_, step); }
-  std::runtime_error loss_error(std::int64_t step, double loss) const { return detail::run_record::loss_error(o_, step, loss); }
-  /// `locate`: the gradients are this step's, so the first non-finite layer can be named (collective for a plan).
-  std::runtime_error norm_error(std::int64_t step, double norm, double loss, bool locate) {
-    std::string where;
-    if (locate) {
-      if constexpr (requires { net_.first_nonfinite_grad(); }) where = net_.first_nonfinite_grad();
-      else where = detail::first_nonfinite_grad_of(net_);
+  /// One step queued on the device (trainer_core::queue_with) on data step `step`.
+  template <class Data> void queue_step(Data& data, std::int64_t step) {
+    if constexpr (figures_on_device) {
+      const auto b = fetch(data, step);
+      auto pass = [&](step_ctx& c) -> double { return net_.train_step(c, b.inputs, detail::labels_of(b)); };
+      queue_with(context(b.sequences, b.seq, data.global_batch(), labelled(data, step)), step, pass);
     }
-    return detail::run_record::norm_error(o_, step, norm, loss, where);
-  }
-  /// trainer_options::lr_schedule's rate for data step `step`, set on the optimizer.
-  void set_lr(std::int64_t step) {
-    if constexpr (requires { opt_.lr; }) {
-      if (o_.lr_schedule) {
-        const double lr = o_.lr_schedule(step);
-        if (!std::isfinite(lr) || lr < 0)
-          throw std::invalid_argument(at(step) + "the learning-rate schedule gave " + std::to_string(lr) + "; it must be finite and >= 0");
-        opt_.lr = static_cast<float>(lr);
-      }
-      rec_.last_lr = opt_.lr;
-    }
-  }
-  /// The progress line, the metrics log, on_step and the divergence watch for one step.
-  void report(std::int64_t step, double loss, double dt, index_t rows, index_t seq) {
-    rec_.report(o_, step, loss, dt, rows, seq, model_flops<typename Net::model_type>(rows, seq) / static_cast<double>(net_.world_size()),
-                net_.rank() == 0);
-    rec_.note_progress(o_, next_);
-  }
-
-  // ---- steps whose figures stay in the device's memory (trainer_options::log_every > 1) ----
-
-  /// Whether this network and optimizer can keep a step's figures where the step runs.
-  static constexpr bool figures_on_device =
-      GatedOptimizer<Opt> && requires(Net& n, const Net& cn, double* d, const Opt& o, typename Opt::state& st,
-                                      kernels::update_gate g) {
-        cn.grad_sum_squares_into(d);
-        n.apply_optimizer(o, st, g);
-        cn.backend();
-      };
-  bool deferring() const noexcept { return figures_on_device && o_.log_every > 1 && !o_.check_finite; }
-  /// A queued step, until its figures are read.
-  struct queued {
-    std::int64_t step;
-    double share;  // what the loss layers returned on the host (0 when all of it went to the device)
-    double lr;
-  };
-  kernels::step_figures* figure(std::size_t k) { return reinterpret_cast<kernels::step_figures*>(figures_.data()) + k; }
-  double* halt() { return figures_.data() + 4 * o_.log_every; }
-  /// One step queued on the device: forward and backward with the loss added
-  /// into its record, the gradients' sum of squares there, the check and the
-  /// clipping scale (kernels::check_step), and the update gated by them. The
-  /// host waits for none of it.
-  template <class Data> void queue_step(Data& data, std::int64_t step);
-  /// Read the queued steps' figures (the host's one wait), check them in
-  /// order and report each; a faulty step throws, its updates and those after
-  /// it undone in the host's counts (the device made none).
-  void read_queued(index_t rows, index_t seq, train_result* r);
-  /// Under bf16 with log_every > 1 and an optimizer that writes rounded
-  /// copies (RoundingOptimizer): the queued steps keep the fp32 master weights
-  /// in master_ and the parameters rounded to bf16 from one step to the next,
-  /// the optimizer's pass writing both, until the host reads the steps'
-  /// figures; only the first step of each read rounds and copies, and the
-  /// read puts the master weights back (rounded_ says which holds).
-  bool keeps_rounded() const;
-  /// The first queued step's rounding: the fp32 weights into master_, the parameters rounded in place.
-  void round_weights_once();
-  /// The fp32 master weights back into the parameters, where the queued steps left them rounded.
-  void put_master_back();
-
-  using weights_scope = detail::bf16_weights;  // bf16: the pass computes with rounded weights, the master kept aside
-  backend_ref backend() const { return ckpt::backend_of(net_); }
-  bool bf16() const noexcept { return o_.precision == precision::bf16; }
-  /// The parameters this rank computes with (what bf16 rounds); empty for a network that does not expose them.
-  view<float> local_params() {
-    if constexpr (requires { net_.params(); }) {
-      if (bf16()) return net_.params();
-    }
-    return {};
   }
   /// The labels of step `s`'s global batch that count, if the data says (-1: all).
   template <class Data> static std::int64_t labelled(const Data& data, std::int64_t s) {
@@ -351,20 +313,9 @@ class trainer {
 
   Net& net_;
   Opt opt_;
-  trainer_options o_;
   typename Opt::state state_;
-  tensor<float> master_{shape{0}, mem_kind::params};  // bf16: the fp32 master weights during a step
-  bool rounded_ = false;  // the parameters hold the rounded weights and master_ the fp32 ones (keeps_rounded)
-  std::int64_t next_ = 0;
-  bool resumed_ = false;
-  tensor<double> figures_{shape{0}, mem_kind::workspace};  // log_every > 1: log_every step_figures, then the halt flag
-  std::vector<double> figures_host_;                        // their copy on the host, when read
-  std::vector<queued> queue_;                               // steps queued since the last read
-  std::chrono::steady_clock::time_point queued_since_;
-  detail::run_record rec_;  // the progress line, the metrics log, the divergence watch, the last checkpoint
 };
 
 }  // namespace whale
 
-#include "whale/train/trainer_queue.hpp"  // the queued steps' member definitions
-#include "whale/train/trainer_run.hpp"    // run()'s loop and evaluation
+#include "whale/train/trainer_run.hpp"  // its construction, run() and evaluation

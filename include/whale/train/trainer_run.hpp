@@ -1,9 +1,9 @@
 // The trainer's construction (what its start, train/trainer_start.hpp, needs
-// to know of the network and optimizer) and its loop (run() and run(data,
-// steps, eval)): resuming,
-// checkpoints every save_every steps, evaluation every eval_every steps with
-// its optional metric, and the steps queued on a device. Member definitions
-// of trainer (train/trainer.hpp, which includes this file at its end).
+// to know of the network and optimizer) and run() (run(data, steps) and
+// run(data, steps, eval)): resuming, then trainer_core's loop over the typed
+// step, queued step, save and evaluation; evaluation's optional metric.
+// Member definitions of trainer (train/trainer.hpp, which includes this file
+// at its end).
 #pragma once
 
 #include "whale/train/trainer.hpp"
@@ -12,7 +12,7 @@ namespace whale {
 
 template <Trainable Net, Optimizer Opt>
 trainer<Net, Opt>::trainer(Net& net, Opt opt, trainer_options o)
-    : net_(net), opt_(std::move(opt)), o_(std::move(o)), state_(net.make_optimizer_state(opt_)), next_(o_.first_step) {
+    : detail::trainer_core(std::move(o), traits()), net_(net), opt_(std::move(opt)), state_(net.make_optimizer_state(opt_)) {
   detail::trainer_facts f;  // what the start needs of Net and Opt; the rest is detail::start_trainer's
   f.rank = net_.rank();
   if constexpr (Checkpointable<Net>) f.world = ckpt::world_of(net_);
@@ -23,7 +23,7 @@ trainer<Net, Opt>::trainer(Net& net, Opt opt, trainer_options o)
   f.has_lr = requires { opt_.lr; };
   f.optimizer = Opt::name();
   if constexpr (requires { net.priced_bf16(); }) f.priced_bf16 = net.priced_bf16();
-  if (bf16() && f.has_params) f.params = local_params(), f.backend = backend();
+  if (bf16() && f.has_params) f.params = local_params(), f.backend = net_backend();
   detail::start_trainer(o_, f, rec_, master_, next_);
 }
 
@@ -54,25 +54,19 @@ train_result trainer<Net, Opt>::run_with(Data& data, steps n, Eval* eval) {
     }
     if (n.value > 0) check_memory_first(data);
     rec_.start_line(o_, n.value, data.seq() > 1, net_.rank() == 0);
-    for (std::int64_t s = 0; s < n.value; ++s) {
-      bool save_due = false;
-      if constexpr (checkpoints) save_due = o_.save_every > 0 && (next_ + 1) % o_.save_every == 0;
-      bool eval_due = false;
-      if constexpr (!std::is_void_v<Eval>) eval_due = o_.eval_every > 0 && (next_ + 1) % o_.eval_every == 0;
-      if (deferring()) {
-        queue_step(data, next_);
-        if (static_cast<std::int64_t>(queue_.size()) == o_.log_every || s + 1 == n.value || save_due || eval_due)
-          read_queued(data.global_batch() * data.seq(), data.seq(), &r);
-        if constexpr (checkpoints)
-          if (save_due) save();
-      } else {
-        r.losses.push_back(step(data, next_));
-        r.step_seconds.push_back(rec_.last_dt);
-      }
-      if constexpr (!std::is_void_v<Eval>)
-        if (eval_due) run_eval(*eval);
-    }
-    rec_.line.reset();  // manual steps after run() start a line of their own
+    // the loop is trainer_core's; what it asks of the data and the network, typed here
+    auto one_step = [&](std::int64_t s) { return step(data, s); };
+    auto queue = [&](std::int64_t s) { queue_step(data, s); };
+    auto save_now = [&] {
+      if constexpr (checkpoints) save();
+    };
+    auto eval_now = [&] {
+      if constexpr (!std::is_void_v<Eval>) run_eval(*eval);
+    };
+    const detail::callback<void()> save_cb(save_now), eval_cb(eval_now);
+    detail::trainer_core::loop l{one_step, queue, checkpoints ? &save_cb : nullptr, std::is_void_v<Eval> ? nullptr : &eval_cb,
+                                 data.global_batch() * data.seq(), data.seq()};
+    run_loop(n.value, l, r);
   }
   return r;
 }
@@ -101,8 +95,8 @@ double trainer<Net, Opt>::metric_of(Eval& eval) {
     metric_share m;
     for (std::int64_t s = 0; s < o_.eval_steps; ++s) {
       const auto b = fetch(eval, s);
-      step_ctx c = context_of(b, eval.global_batch(), -1);
-      weights_scope w(bf16(), local_params(), master_, backend());
+      step_ctx c = context(b.sequences, b.seq, eval.global_batch(), -1);
+      detail::bf16_weights w(bf16(), local_params(), master_, net_backend());
       const auto logits = net_.forward(c, b.inputs);
       w.restore();
       const auto share = o_.eval_metric(logits.v(), b.labels);
