@@ -1,5 +1,5 @@
 # Writes one translation unit that compiles several source files together: the
-# test files of a group (tests/CMakeLists.txt, WHALE_TEST_GROUPS) or the
+# test files of a group (tests/CMakeLists.txt, WHALE_COMPILE_GROUPS) or the
 # examples built only to be checked (examples/CMakeLists.txt). The files' plans,
 # layers and trainers are then instantiated once for all of them, and whale's
 # headers are read once.

@@ -80,8 +80,9 @@ template <class... P> constexpr std::array<plan_describer, sizeof...(P)> describ
 }
 /// Prices candidate `c` of description `d` on `mesh` with c.micro_batches
 /// micro-batches: lowered for every rank, its memory predicted, its step
-/// replayed on `dev`; c.why says what the plan refused. The same code for
-/// every candidate and model: only the description is the plan's.
+/// replayed on `dev`; throws what the plan refuses (rank_auto_plans keeps it
+/// in c.why). Not a template: compiled once per program, whatever the
+/// candidates and the model; only the description is the plan's.
 inline void price_plan(plan_choice& c, const model_desc& d, const mesh_shape& mesh, const plan_options& o, const device_profile& dev) {
   lower_options lo = lowering_of(o, o.plan_batch, o.plan_seq);
   lo.bf16 = dev.prices_bf16();

@@ -296,6 +296,7 @@ class trainer final : public detail::trainer_core {
   /// One step queued on the device (trainer_core::queue_with) on data step `step`.
   template <class Data> void queue_step(Data& data, std::int64_t step) {
     if constexpr (figures_on_device) {
+      start_queued_clock();  // the steps' time includes fetching their batches
       const auto b = fetch(data, step);
       auto pass = [&](step_ctx& c) -> double { return net_.train_step(c, b.inputs, detail::labels_of(b)); };
       queue_with(context(b.sequences, b.seq, data.global_batch(), labelled(data, step)), step, pass);

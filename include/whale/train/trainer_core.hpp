@@ -103,7 +103,11 @@ class trainer_core {
   double step_with(step_ctx c, std::int64_t step, callback<double(step_ctx&)> pass);
   /// A forward-only pass (`pass`) under bf16's rounded weights where set: the global mean loss.
   double evaluate_with(step_ctx c, callback<double(step_ctx&)> pass);
-  /// One step queued on the device: forward and backward with the loss added
+  /// Before a queued step fetches its batch: the first of a read's steps starts their clock.
+  void start_queued_clock() {
+    if (queue_.empty()) queued_since_ = std::chrono::steady_clock::now();
+  }
+  /// One step queued on the device (start_queued_clock first): forward and backward with the loss added
   /// into its record, the gradients' sum of squares there, the check and the
   /// clipping scale (kernels::check_step), and the update gated by them. The
   /// host waits for none of it.

@@ -68,7 +68,6 @@ WHALE_CORE_INLINE void trainer_core::queue_with(step_ctx c, std::int64_t step, c
     }
     be.fill_zero(figures_.data(), figures_.v().bytes());
   }
-  if (queue_.empty()) queued_since_ = std::chrono::steady_clock::now();
   auto* rec = figure(queue_.size());
   be.fill_zero(rec, sizeof *rec);
   c.loss_sum = &rec->loss;
