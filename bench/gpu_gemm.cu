@@ -97,13 +97,12 @@ constexpr model_shape gpt2_shape{"gpt2-124m", 50304, 1024, 768, 12, 12};
 template <class Model>
 void train_steps(cuda_backend& gpu, const model_shape& m, const std::string& precision, index_t B, index_t steps,
                  double gemm_rate) {
-  network<Model> net(seed{1}, backend_ref(gpu));
+  network<Model> net(seed{1}, backend_ref(gpu), precision == "bf16" ? whale::precision::bf16 : whale::precision::fp32);
   markov_data data(seed{7}, m.V, m.T, B);
   trainer_options o;
   o.progress = false;
   o.max_grad_norm = 1.0;
   o.log_every = steps;
-  o.precision = precision == "bf16" ? whale::precision::bf16 : whale::precision::fp32;
   trainer t(net, adamw{.lr = 1e-4f}, o);  // under bf16 it turns on the GPU's bf16 products for each step
   const auto warm = t.run(data, whale::steps{2});
   const auto mallocs_warm = gpu.allocator().upstream_allocations;

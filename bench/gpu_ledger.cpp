@@ -74,14 +74,13 @@ template <class Model> std::vector<device_ledger> ledgers(const options& o, inde
   g.set_fused_bias_grads(o.bias_grad_epilogue);
   std::vector<device_ledger> out;
   {
-    network<Model> net(seed{1}, backend_ref(g));
+    network<Model> net(seed{1}, backend_ref(g), o.bf16 ? precision::bf16 : precision::fp32);
     params = net.param_count();
     markov_data data(seed{2}, o.w.V, T, B);
     trainer_options to;
     to.progress = false;
     to.max_grad_norm = 1.0;
     to.log_every = 1000;
-    to.precision = o.bf16 ? precision::bf16 : precision::fp32;
     trainer t(net, adamw{.lr = 1e-4f}, to);
     for (index_t s = 0; s < o.steps; ++s) out.push_back(steady_step_ledger(g, t, data));
   }

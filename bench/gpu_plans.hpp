@@ -105,13 +105,13 @@ inline plan_options options_for(const backend_ref& be, const settings& s) {
   o.backend = be;
   o.micro_batches = s.micro_batches;
   o.blocking = s.blocking;
+  o.precision = s.precision_kind();  // the plan's precision, which the trainer trains in
   return o;
 }
-inline trainer_options trainer_for(const settings& s, int steps) {
+inline trainer_options trainer_for(int steps) {
   trainer_options t;
   t.progress = false;
   t.max_grad_norm = 1.0;
-  t.precision = s.precision_kind();
   t.log_every = steps;
   return t;
 }
@@ -156,7 +156,7 @@ outcome drive(context& ctx, Trainer& t, Data& data, const settings& s, bool time
 template <class P> outcome train_gpt(context& ctx, const backend_ref& be, const settings& s, bool timed, const device_backend* dev) {
   auto p = make<P>(ctx, seed{42}, options_for(be, s));
   markov_data data(seed{7}, V, seq_of(s), global_sequences(ctx, s));
-  trainer t(p, adamw{.lr = 1e-4f}, trainer_for(s, s.steps));
+  trainer t(p, adamw{.lr = 1e-4f}, trainer_for(s.steps));
   return drive(ctx, t, data, s, timed, dev, [&] { return p.device_traffic(); }, [&] { return p.device_host_waits(); });
 }
 

@@ -26,7 +26,7 @@ outcome train_class_split(context& ctx, const backend_ref& be, const settings& s
   auto p = make<class_split>(ctx, seed{42}, options_for(be, s));
   const index_t global = s.sequences > 0 ? s.sequences : xc_rows_per_replica * data_replicas(ctx);
   teacher_data data(seed{7}, xc_in, xc_classes, global);
-  trainer t(p, adamw{.lr = 1e-3f}, trainer_for(s, s.steps));
+  trainer t(p, adamw{.lr = 1e-3f}, trainer_for(s.steps));
   return drive(ctx, t, data, s, timed, dev, [&] { return p.device_traffic(); }, [&] { return p.device_host_waits(); });
 }
 double xc_flops(index_t samples, index_t) {
@@ -39,7 +39,6 @@ outcome train_wsp(context& ctx, const backend_ref& be, const settings& s, bool t
   markov_data data(seed{7}, V, seq_of(s), global_sequences(ctx, s));
   wsp_options w;
   w.staleness = s.staleness;
-  w.precision = s.precision_kind();
   wsp_trainer t(ctx, p, adamw{.lr = 1e-4f}, w);
   outcome r;
   auto steps = [&](int from, int n) {

@@ -10,8 +10,9 @@
 // not touch, so this runs anywhere and would crash with a message if any host
 // code touched device memory. The result equals the same plan on the CPU
 // backend to the bit, on every rank: the example checks that. The trainer
-// works on a device as on the CPU: `--precision bf16` trains in bf16 mixed
-// precision (rounded on the device), and `--save DIR` saves a checkpoint of
+// works on a device as on the CPU: `--precision bf16` makes the plan in bf16
+// mixed precision (plan_options::precision), which the trainer trains in
+// (rounded on the device), and `--save DIR` saves a checkpoint of
 // the device run, which a fresh plan on the CPU then loads (checked: the
 // same parameters).
 //
@@ -50,23 +51,23 @@ struct result {
   std::string saved;          // the checkpoint's step directory, if one was saved
 };
 
-trainer_options options(const settings& f) {
+trainer_options options() {
   trainer_options t;
   t.progress = false;
   t.max_grad_norm = 1.0;
-  t.precision = f.prec;
   return t;
 }
-plan_options on(backend_ref be) {
+plan_options on(backend_ref be, const settings& f) {
   plan_options o;
   o.backend = be;       // on a device: everything of this rank's plan lives there
+  o.precision = f.prec;  // the plan's precision: checked, counted in its memory, trained in
   o.micro_batches = 4;  // per data replica
   return o;
 }
 
 result train(const context& ctx, backend_ref be, const settings& f, bool save) {
-  auto p = make<plan>(ctx, seed{42}, on(be));
-  trainer_options t = options(f);
+  auto p = make<plan>(ctx, seed{42}, on(be, f));
+  trainer_options t = options();
   if (save) t.checkpoint_dir = f.save;  // checked (made, writable) here, before any step
   markov_data data(seed{7}, 64, T, B);
   trainer tr(p, adamw{.lr = 3e-3f}, t);
@@ -81,8 +82,8 @@ result train(const context& ctx, backend_ref be, const settings& f, bool save) {
 
 // A fresh plan on the CPU loads the device run's checkpoint: its whole model, gathered.
 std::vector<float> loaded_on_cpu(const context& ctx, const settings& f, const std::string& dir) {
-  auto p = make<plan>(ctx, seed{1}, on(backend_ref{}));
-  trainer tr(p, adamw{.lr = 3e-3f}, options(f));
+  auto p = make<plan>(ctx, seed{1}, on(backend_ref{}, f));
+  trainer tr(p, adamw{.lr = 3e-3f}, options());
   tr.load(dir);
   const auto whole = p.full_params();
   return {whole.begin(), whole.end()};
@@ -97,9 +98,7 @@ int main(int argc, char** argv) {
       if (a == "--steps" && i + 1 < argc) {
         f.steps = static_cast<int>(detail::parse_int(argv[++i], "--steps", 1, 100000));
       } else if (a == "--precision" && i + 1 < argc) {
-        const std::string v = argv[++i];
-        if (v != "fp32" && v != "bf16") throw std::invalid_argument("--precision must be fp32 or bf16 (got '" + v + "')");
-        f.prec = v == "bf16" ? precision::bf16 : precision::fp32;
+        f.prec = parse_precision(argv[++i], "--precision");
       } else if (a == "--save" && i + 1 < argc) {
         f.save = argv[++i];
         if (f.save.empty()) throw std::invalid_argument("--save needs a directory (got an empty one)");

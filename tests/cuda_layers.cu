@@ -159,11 +159,10 @@ int main() {
   // bf16 mixed precision: the GPU's step against the CPU's emulation, 5 steps through the trainer
   {
     auto bf16_run = [&](backend_ref be, std::vector<double>& losses) {
-      network<tiny_gpt> n(seed{11}, be);
+      network<tiny_gpt> n(seed{11}, be, precision::bf16);
       markov_data data(seed{7}, 32, T, B);
       trainer_options o;
       o.progress = false;
-      o.precision = precision::bf16;
       o.max_grad_norm = 0.05;
       o.log_every = 5;
       trainer t(n, adamw{.lr = 1e-2f}, o);

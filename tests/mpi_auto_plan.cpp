@@ -182,31 +182,55 @@ TEST_CASE("auto_plan without a batch to price, or with a profile it cannot read,
   CHECK_THROWS_AS(make<auto_plan<small_gpt>>(ctx, seed{42}, o), std::exception);
 }
 
-// One precision: auto_plan prices in its profile's (`kernels bf16`: bf16's master
-// weights, and no ZeRO-3, which bf16 refuses), and the trainer trains in it or refuses,
-// naming both, on every rank before any step; an analytic profile prices in none.
-TEST_CASE("auto_plan under a bf16 profile: the trainer trains its choice in bf16, and refuses fp32 naming both") {
+// One precision, the plan's (plan_options::precision): auto_plan prices every candidate
+// in it (bf16's fp32 master weights, and no ZeRO-3, which bf16 refuses), with an analytic
+// profile as with one that times bf16 kernels; a profile that times the other precision's
+// kernels is refused when the plan is made, naming both, on every rank; the trainer trains
+// in the plan's precision without being told.
+TEST_CASE("auto_plan in bf16 (plan_options::precision): every candidate priced in it, ZeRO-3 refused, a profile of the other precision refused, and the trainer trains in bf16") {
   auto ctx = context::init();
-  auto o = auto_options();
-  o.profile = temp_profile(ctx, "bf16-kernels", 10, 10, "kernels bf16 3\n");
-  auto net = make<auto_plan<small_gpt>>(ctx, seed{42}, o);
-  REQUIRE(net.priced_bf16().has_value());
-  CHECK(*net.priced_bf16());
-  CHECK(net.zero_level_now() != 3);
-  for (const auto& c : net.ranking())
-    if (c.label.find("zero3") != std::string::npos) CHECK(c.why.find("bf16 mixed precision with ZeRO-3") != std::string::npos);
-  auto to = test::quiet();
-  CHECK_THROWS_WITH_AS(trainer(net, sgd{.lr = 0.05f}, to),
-                       doctest::Contains("auto_plan chose this plan pricing bf16 kernels (its device profile's 'kernels' line), "
-                                         "but the trainer trains in fp32"),
+  const auto bf16_kernels = temp_profile(ctx, "bf16-kernels", 10, 10, "kernels bf16 3\n");
+  const auto fp32_kernels = temp_profile(ctx, "fp32-kernels", 10, 10, "kernels fp32 3\n");
+  auto in_bf16 = [](plan_options o, const std::string& profile) {
+    o.precision = precision::bf16;
+    o.profile = profile;
+    return o;
+  };
+  const auto fp32_analytic = make<auto_plan<small_gpt>>(ctx, seed{42}, auto_options());
+  CHECK(fp32_analytic.precision() == precision::fp32);
+  CHECK_FALSE(fp32_analytic.priced_bf16().has_value());
+  for (const std::string& profile : {auto_options().profile, bf16_kernels}) {
+    INFO("profile " << profile);
+    auto net = make<auto_plan<small_gpt>>(ctx, seed{42}, in_bf16(auto_options(), profile));
+    CHECK(net.precision() == precision::bf16);
+    CHECK(net.priced_bf16().has_value() == (profile == bf16_kernels));
+    CHECK(net.zero_level_now() != 3);
+    for (const auto& c : net.ranking()) {
+      INFO(c.label);
+      if (c.label.find("zero3") != std::string::npos) {
+        CHECK_FALSE(c.valid);
+        CHECK(c.why.find("bf16 mixed precision with ZeRO-3") != std::string::npos);
+      }
+      if (profile != bf16_kernels && c.valid)  // the same candidate in fp32 needs less: no master weights
+        for (const auto& f : fp32_analytic.ranking())
+          if (f.label == c.label && f.valid) CHECK(c.memory_mib > f.memory_mib);
+    }
+    trainer t(net, sgd{.lr = 0.05f}, test::quiet());  // in the plan's precision: nothing to set
+    auto d = markov_data(seed{7}, small_gpt::vocab, seq, batch);
+    const auto r = t.run(d, steps{2});
+    CHECK(std::isfinite(r.losses.back()));
+  }
+  CHECK_THROWS_WITH_AS(make<auto_plan<small_gpt>>(ctx, seed{42}, in_bf16(auto_options(), fp32_kernels)),
+                       doctest::Contains("the device profile times its kernels in fp32 (its 'kernels' line), but the plan "
+                                         "trains in bf16 (plan_options::precision, --precision)"),
                        std::invalid_argument);
-  to.precision = precision::bf16;
-  trainer t(net, sgd{.lr = 0.05f}, to);
-  auto d = markov_data(seed{7}, small_gpt::vocab, seq, batch);
-  const auto r = t.run(d, steps{2});
-  CHECK(std::isfinite(r.losses.back()));
-  if (ctx.rank() == 0) std::filesystem::remove(o.profile);
-  CHECK_FALSE(make<auto_plan<small_gpt>>(ctx, seed{42}, auto_options()).priced_bf16().has_value());
+  auto fp32_plan = auto_options();
+  fp32_plan.profile = bf16_kernels;
+  CHECK_THROWS_WITH_AS(make<auto_plan<small_gpt>>(ctx, seed{42}, fp32_plan),
+                       doctest::Contains("times its kernels in bf16 (its 'kernels' line), but the plan trains in fp32"),
+                       std::invalid_argument);
+  barrier(ctx.world());
+  if (ctx.rank() == 0) std::filesystem::remove(bf16_kernels), std::filesystem::remove(fp32_kernels);
 }
 
 // plan_options::plan_tie: candidates predicted within that fraction of the

@@ -410,14 +410,13 @@ std::size_t differing(const std::vector<float>& a, const std::vector<float>& b) 
 template <class P, class O, class D = decltype(&tokens)>
 void bf16_same_as_cpu(const context& ctx, const O& opt, double max_norm, const plan_options& o = {}, D make_data = &tokens) {
   trainer_options t;
-  t.precision = precision::bf16;
   t.max_grad_norm = max_norm;
-  trainer_options f;
-  f.max_grad_norm = max_norm;
-  const auto fp32 = trained<P>(ctx, backend_ref{}, opt, f, o, make_data, 0, 5);
-  const auto host = trained<P>(ctx, backend_ref{}, opt, t, o, make_data, 0, 5);
+  plan_options in_bf16 = o;
+  in_bf16.precision = precision::bf16;  // the plan's precision, which the trainer trains in
+  const auto fp32 = trained<P>(ctx, backend_ref{}, opt, t, o, make_data, 0, 5);
+  const auto host = trained<P>(ctx, backend_ref{}, opt, t, in_bf16, make_data, 0, 5);
   guarded_backend g;
-  const auto dev = trained<P>(ctx, backend_ref(g), opt, t, o, make_data, 0, 5);
+  const auto dev = trained<P>(ctx, backend_ref(g), opt, t, in_bf16, make_data, 0, 5);
   INFO("rank " << ctx.rank() << " of " << ctx.size() << ", " << layer_name<P>() << ", bf16");
   CHECK(host.losses == dev.losses);
   const auto n = differing(host.params, dev.params);

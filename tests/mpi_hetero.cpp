@@ -823,19 +823,19 @@ TEST_CASE("wsp on a device (the guarded backend): one worker equals the CPU bit 
       wsp_options{.wave = 3, .in_flight = true, .max_grad_norm = 0.05}, sgd{.lr = 0.05f, .momentum = 0.9f}, 1);
   one_worker.template operator()<replicate<pipeline<one_f_one_b, small_deep>>>(
       "one minibatch a wave, sgd", two, wsp_options{.wave = 1}, sgd{.lr = 0.05f}, 1);
-  // bf16 mixed precision: the weights rounded for each pass, fp32 updates and holders
-  const wsp_options bf16{.wave = 2, .in_flight = true, .max_grad_norm = 0.05, .precision = precision::bf16};
+  // bf16 mixed precision (the plan's): the weights rounded for each pass, fp32 updates and holders
+  const wsp_options flight_of_2{.wave = 2, .in_flight = true, .max_grad_norm = 0.05};
   plan_options two_flight;
   two_flight.in_flight = 2;
+  plan_options two_flight_bf16 = two_flight;
+  two_flight_bf16.precision = precision::bf16;
   one_worker.template operator()<replicate<pipeline<one_f_one_b, small_deep>>>(
-      "bf16, waves of 2 in flight, adamw clipped to 0.05", two_flight, bf16, adamw{.lr = 1e-2f}, 1);
+      "bf16, waves of 2 in flight, adamw clipped to 0.05", two_flight_bf16, flight_of_2, adamw{.lr = 1e-2f}, 1);
   {
     auto ctx = test::on_mesh("data=1,pipe=" + std::to_string(n));
     using P = replicate<pipeline<one_f_one_b, small_deep>>;
-    wsp_options fp32 = bf16;
-    fp32.precision = precision::fp32;
-    const auto a = wsp_on<P>(ctx, backend_ref{}, two_flight, bf16, 2, adamw{.lr = 1e-2f});
-    const auto b = wsp_on<P>(ctx, backend_ref{}, two_flight, fp32, 2, adamw{.lr = 1e-2f});
+    const auto a = wsp_on<P>(ctx, backend_ref{}, two_flight_bf16, flight_of_2, 2, adamw{.lr = 1e-2f});
+    const auto b = wsp_on<P>(ctx, backend_ref{}, two_flight, flight_of_2, 2, adamw{.lr = 1e-2f});
     CHECK(a.params != b.params);  // bf16 is not fp32
     REQUIRE(a.losses.size() == b.losses.size());
     for (std::size_t i = 0; i < a.losses.size(); ++i)  // but its losses are close (AdamW flips the sign of some tiny steps)
@@ -934,8 +934,9 @@ TEST_CASE("wsp: a wave of one minibatch takes its update from the optimizer's pa
   same.template operator()<P>("sgd with momentum", one, two, wsp_options{.wave = 1}, sgd{.lr = 0.05f, .momentum = 0.9f});
   same.template operator()<P>("adamw clipped to 0.05", one, two, wsp_options{.wave = 1, .max_grad_norm = 0.05},
                               adamw{.lr = 1e-2f, .weight_decay = 0.01f});
-  same.template operator()<P>("bf16, adamw", one, two, wsp_options{.wave = 1, .precision = precision::bf16},
-                              adamw{.lr = 1e-2f});
+  plan_options two_bf16 = two;
+  two_bf16.precision = precision::bf16;
+  same.template operator()<P>("bf16, adamw", one, two_bf16, wsp_options{.wave = 1}, adamw{.lr = 1e-2f});
   same.template operator()<P>("waves of 2 (a snapshot both ways)", one, two, wsp_options{.wave = 2}, sgd{.lr = 0.05f});
 }
 

@@ -128,9 +128,8 @@ template <class Opt> const tensor<float>& single_params(precision prec, const Op
   if (it != done.end()) return it->second;
   auto data = markov_data(seed{7}, small_gpt::vocab, small_gpt::max_seq, 8);
   trainer_options o = quiet();
-  o.precision = prec;
   o.max_grad_norm = clip;
-  network<small_gpt> single(seed{42});
+  network<small_gpt> single(seed{42}, prec);
   trainer t(single, opt, o);
   t.run(data, steps{n});
   tensor<float> p({single.param_count()});
@@ -147,9 +146,10 @@ void check_near_single(const context& ctx, const plan_options& po, precision pre
                        double atol, double share, const std::string& what) {
   auto data = [] { return markov_data(seed{7}, small_gpt::vocab, small_gpt::max_seq, 8); };
   trainer_options o = quiet();
-  o.precision = prec;
   o.max_grad_norm = clip;
-  auto dp = make<Plan>(ctx, seed{42}, po);
+  plan_options with = po;
+  with.precision = prec;  // the plan's precision, which the trainer trains in
+  auto dp = make<Plan>(ctx, seed{42}, with);
   {
     auto d = data();
     trainer t(dp, opt, o);
@@ -200,6 +200,29 @@ TEST_CASE("replicate<gpt> in bf16 mixed precision matches single-process bf16 tr
   };
   run(sgd{.lr = 0.01f, .momentum = 0.9f}, 0.0, 1e-3, 0.001);
   run(adamw{.lr = 1e-3f}, 0.5, 2 * 1e-3 * n, 0.05);
+}
+
+// The precision is the plan's (plan_options::precision): a plan bf16 cannot run is refused
+// when it is made, on every rank, and a step in another precision than its plan's is an error.
+TEST_CASE("a plan's precision: bf16 with ZeRO-3 refused when made, a step in another precision refused, the trainer trains in the plan's") {
+  auto ctx = context::init();
+  plan_options o;
+  o.precision = precision::bf16;
+  CHECK_THROWS_WITH_AS((make<shard<replicate<small_gpt>, 3>>(ctx, seed{42}, o)),
+                       doctest::Contains("bf16 mixed precision with ZeRO-3 is not implemented"), std::invalid_argument);
+  auto z2 = make<shard<replicate<small_gpt>, 2>>(ctx, seed{42}, o);
+  CHECK(z2.precision() == precision::bf16);
+  auto data = markov_data(seed{7}, small_gpt::vocab, small_gpt::max_seq, 8);
+  const auto [first, count] = z2.local_batch(8);
+  auto b = data.get(0, first, count);
+  step_ctx c;
+  c.batch = count, c.seq = small_gpt::max_seq, c.global_rows = 8 * small_gpt::max_seq;  // c.bf16 left false: fp32
+  CHECK_THROWS_WITH_AS(z2.train_step(c, b.inputs, b.labels),
+                       doctest::Contains("a training step in fp32 (step_ctx::bf16), but the plan was made for bf16"),
+                       std::invalid_argument);
+  trainer t(z2, sgd{.lr = 0.01f}, quiet());  // nothing to tell it: it trains in bf16
+  const auto r = t.run(data, steps{2});
+  CHECK(std::isfinite(r.losses.back()));
 }
 
 // One step at lr 0 on a fresh copy of `data`: the parameters stay, the

@@ -280,17 +280,16 @@ TEST_CASE("on a device: logits come back to the host, evaluation and --check-fin
 TEST_CASE("the trainer runs a network on a device: the CPU's losses and parameters, in fp32 and bf16, and its checkpoint") {
   const auto dir = (std::filesystem::temp_directory_path() / ("whale-device-trainer-" + std::to_string(::getpid()))).string();
   auto run = [&](backend_ref be, precision p) {
-    network<tiny_gpt> net(seed{9}, be);
+    network<tiny_gpt> net(seed{9}, be, p);  // the network's precision, which the trainer trains in
     markov_data data(seed{7}, 32, 8, 4);
     trainer_options o;
     o.progress = false;
     o.max_grad_norm = 0.1;
-    o.precision = p;
     o.checkpoint_dir = dir;
     trainer t(net, adamw{.lr = 1e-2f}, o);
     const auto r = t.run(data, steps{6});
     const auto saved = t.save();  // from the device's memory, through host copies
-    network<tiny_gpt> back(seed{1});  // a CPU network loads it
+    network<tiny_gpt> back(seed{1}, p);  // a CPU network loads it
     trainer tb(back, adamw{.lr = 1e-2f}, o);
     tb.load(saved);
     CHECK(std::vector<float>(back.params().begin(), back.params().end()) == net.params_on_host());
@@ -309,12 +308,11 @@ TEST_CASE("the trainer runs a network on a device: the CPU's losses and paramete
 
 TEST_CASE("bf16 on a device with fused attention and bias-gradient epilogues (modelled): the CPU's bf16 training within bf16's rounding") {
   auto run = [](backend_ref be) {
-    network<tiny_gpt> net(seed{9}, be);
+    network<tiny_gpt> net(seed{9}, be, precision::bf16);
     markov_data data(seed{7}, 32, 8, 4);
     trainer_options o;
     o.progress = false;
     o.max_grad_norm = 0.5;
-    o.precision = precision::bf16;
     o.log_every = 3;
     trainer t(net, adamw{.lr = 1e-2f}, o);
     const auto r = t.run(data, steps{6});
@@ -342,14 +340,13 @@ TEST_CASE("trainer_options::log_every: steps queue without a host wait, with the
     std::int64_t syncs = -1, reads_d2h = -1, copies = -1;
   };
   auto run = [&](backend_ref be, guarded_backend* g, std::int64_t every, bool use_sgd, precision p) {
-    network<tiny_gpt> net(seed{9}, be);
+    network<tiny_gpt> net(seed{9}, be, p);
     markov_data data(seed{7}, 32, 8, 4);
     outcome out;
     trainer_options o;
     o.progress = false;
     o.max_grad_norm = 0.05;  // clipping acts on most steps
     o.log_every = every;
-    o.precision = p;
     o.on_step = [&](const step_report& r) {
       out.seen.push_back(r.loss);
       out.norms.push_back(r.grad_norm);
@@ -409,12 +406,11 @@ TEST_CASE("trainer_options::log_every: steps queue without a host wait, with the
 
 TEST_CASE("trainer_options::log_every: a non-finite step found later is named, and nothing after it was updated") {
   auto run = [&](backend_ref be, std::int64_t every, precision p) {
-    network<tiny_gpt> net(seed{9}, be);
+    network<tiny_gpt> net(seed{9}, be, p);
     markov_data data(seed{7}, 32, 8, 4);
     trainer_options o;
     o.progress = false;
     o.log_every = every;
-    o.precision = p;
     o.lr_schedule = [](std::int64_t s) { return s == 2 ? 1e30 : 1e-2; };  // step 3 blows the weights up
     trainer t(net, adamw{}, o);
     std::string what;

@@ -721,13 +721,12 @@ template <std::size_t L> device_ledger gpt_step_ledger(bool bf16 = false) {
   g.set_count_only(true);
   g.set_fused_attention(bf16);
   g.set_fused_bias_grads(true);  // cuBLASLt's BGRADB, as the CUDA backend runs the weight gradients
-  network<models::gpt_model<64, 16, 32, 2, 64, L>> net(seed{1}, backend_ref(g));
+  network<models::gpt_model<64, 16, 32, 2, 64, L>> net(seed{1}, backend_ref(g), bf16 ? precision::bf16 : precision::fp32);
   markov_data data(seed{3}, 64, 16, 8);
   trainer_options o;
   o.progress = false;
   o.max_grad_norm = 1.0;
   o.log_every = 100;
-  o.precision = bf16 ? precision::bf16 : precision::fp32;
   trainer t(net, adamw{.lr = 1e-3f}, o);
   return steady_step_ledger(g, t, data);
 }

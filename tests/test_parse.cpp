@@ -51,7 +51,7 @@ TEST_CASE("plan_options: every variable and flag is parsed strictly, naming itse
       {"WHALE_MICRO_BATCHES", "4x"}, {"WHALE_MICRO_BATCHES", "-1"}, {"WHALE_STAGE_BLOCKS", "1,,3"},
       {"WHALE_STAGE_BLOCKS", "1;3"}, {"WHALE_BUCKET_MIB", "nan"},   {"WHALE_BUCKET_MIB", "0"},
       {"WHALE_DP_OVERLAP", "maybe"}, {"WHALE_DP_BLOCKING", "false!"}, {"WHALE_ZERO_PREFETCH", "2"},
-      {"WHALE_CHECK_FINITE", "yes please"}};
+      {"WHALE_CHECK_FINITE", "yes please"}, {"WHALE_PRECISION", "fp16"}, {"WHALE_PRECISION", "BF16"}};
   for (const auto& [var, value] : bad_env) {
     CAPTURE(var);
     CAPTURE(value);
@@ -78,18 +78,23 @@ TEST_CASE("plan_options: every variable and flag is parsed strictly, naming itse
   };
   for (const auto& [flag, value] : std::vector<std::pair<std::string, std::string>>{
            {"--micro-batches", "2x"}, {"--micro-batches", "abc"}, {"--stage-blocks", "3,-1"}, {"--bucket-mib", "-5"},
-           {"--bucket-mib", "nan"}}) {
+           {"--bucket-mib", "nan"}, {"--precision", "bf8"}, {"--precision", "bf16 "}}) {
     CAPTURE(flag);
     CAPTURE(value);
     char** argv = args({"prog", flag, value});
     int argc = 3;
     CHECK_THROWS_WITH_AS(plan_options::from_args(argc, argv), doctest::Contains(flag.c_str()), parse_error);
   }
-  char** argv = args({"prog", "--micro-batches", "4", "--check-finite", "--other", "x"});
-  int argc = 6;
+  ::setenv("WHALE_PRECISION", "bf16", 1);
+  CHECK(plan_options::from_env().precision == precision::bf16);
+  ::unsetenv("WHALE_PRECISION");
+  CHECK(plan_options::from_env().precision == precision::fp32);  // the default
+  char** argv = args({"prog", "--micro-batches", "4", "--check-finite", "--precision", "bf16", "--other", "x"});
+  int argc = 8;
   const auto p = plan_options::from_args(argc, argv);
   CHECK(p.micro_batches == 4);
   CHECK(p.check_finite);
+  CHECK(p.precision == precision::bf16);
   CHECK(argc == 3);  // the flags it took are removed; the rest stays
   CHECK(std::string(argv[1]) == "--other");
   char** missing = args({"prog", "--micro-batches"});

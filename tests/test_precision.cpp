@@ -31,11 +31,10 @@ bool is_bf16(float x) { return (kernels::as_int(x) & 0xffff) == 0; }
 
 // Losses of `steps` steps of small_gpt on 8 sequences of 64 tokens, AdamW with clipping.
 std::vector<double> train_gpt(precision p, int steps) {
-  network<small_gpt> net(seed{42});
+  network<small_gpt> net(seed{42}, p);  // the network's precision, which the trainer trains in
   trainer_options o;
   o.progress = false;
   o.max_grad_norm = 1.0;
-  o.precision = p;
   trainer t(net, adamw{.lr = 3e-3f}, o);
   markov_data data(seed{7}, small_gpt::vocab, 64, 8);
   std::vector<double> losses;
@@ -60,10 +59,9 @@ TEST_CASE("bf16 vs fp32: a GPT trained 200 steps ends within 1% of the fp32 loss
 }
 
 TEST_CASE("bf16: activations are stored as bf16, weights computed with as bf16, master weights stay fp32") {
-  network<gpt> net(seed{42});
+  network<gpt> net(seed{42}, precision::bf16);
   trainer_options o;
   o.progress = false;
-  o.precision = precision::bf16;
   trainer t(net, adamw{.lr = 1e-3f}, o);
   markov_data data(seed{7}, gpt::vocab, 16, 2);
   t.step_on(t.fetch(data, 0), 2, 0);

@@ -32,13 +32,12 @@ device_ledger step_ledger(bool bf16) {
   g.set_count_only(true);
   g.set_fused_attention(true);
   g.set_fused_bias_grads(true);
-  network<model> net(seed{1}, backend_ref(g));
+  network<model> net(seed{1}, backend_ref(g), bf16 ? precision::bf16 : precision::fp32);
   markov_data data(seed{2}, model::vocab, seq, batch);
   trainer_options to;
   to.progress = false;
   to.max_grad_norm = 1.0;
   to.log_every = 1000;
-  to.precision = bf16 ? precision::bf16 : precision::fp32;
   trainer t(net, adamw{.lr = 1e-4f}, to);
   return steady_step_ledger(g, t, data);
 }

@@ -39,8 +39,9 @@ using small_plain = small_gpt<repeat<3, small_block>>;
 using small_rc = small_gpt<repeat<3, recompute<small_block>>>;
 /// The two small models from one seed, each with its own copy of the same data.
 struct small_pair {
-  network<small_plain> a{seed{5}};
-  network<small_rc> b{seed{5}};
+  explicit small_pair(precision p = precision::fp32) : a{seed{5}, p}, b{seed{5}, p} {}
+  network<small_plain> a;
+  network<small_rc> b;
   markov_data da{seed{6}, 32, 16, 4}, db{seed{6}, 32, 16, 4};
   trainer_options o = [] {
     trainer_options t;
@@ -133,8 +134,7 @@ TEST_CASE("recompute under bf16: a residual's sum is never left pending inside i
   // layer norm (step_ctx::sum_taken_after); the recompute copies its block's output, so it runs the block with
   // the flag cleared and the sum stored inside
   static_assert(carries_residual_sum<repeat<3, small_block>>() && !carries_residual_sum<recompute<small_block>>());
-  small_pair p;
-  p.o.precision = precision::bf16;
+  small_pair p(precision::bf16);  // both networks trained in bf16
   p.o.max_grad_norm = 1.0;
   trainer ta(p.a, adamw{.lr = 1e-2f}, p.o);
   trainer tb(p.b, adamw{.lr = 1e-2f}, p.o);

@@ -65,12 +65,12 @@ struct dp {
     const int P = ctx.size();
     const index_t global = W::global_batch(P);
     auto data = W::data(global);
+    o.precision = prec;  // the plan's precision, which the trainer trains in
     auto net = make<M>(ctx, seed{42}, o);
     auto& comm = ctx.mesh().comm(axis::data);
     const sgd opt{.lr = 0.01f, .momentum = 0.9f};
     trainer_options to;
     to.progress = false;
-    to.precision = prec;
     trainer t(net, opt, to);
 
     // ---- the data-parallel steps: 2 warm-up, then timed (slowest rank per step) ----

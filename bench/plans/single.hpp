@@ -31,10 +31,9 @@ struct single {
                         "; use --ranks 1 (or --plan dp)");
     const index_t global = W::global_batch(1);
     auto data = W::data(global);
-    network<M> net(seed{42});
+    network<M> net(seed{42}, prec);  // the network's precision, which the trainer trains in
     trainer_options to;
     to.progress = false;
-    to.precision = prec;
     trainer t(net, sgd{.lr = 0.01f, .momentum = 0.9f}, to);
 
     // The GEMMs of the timed steps (from the third on) are logged with their

@@ -38,6 +38,7 @@ inline constexpr environment_variable environment_variables[] = {
     {"WHALE_MEMORY_CHECK", "a boolean", "the check that a plan fits the node's memory before it allocates (default on)"},
     {"WHALE_MEMORY_LIMIT_MIB", "MiB above 0", "the node's free memory the check assumes (default: what the node has)"},
     // ---- plans (plan_options::from_env; each flag of from_args overrides) ----
+    {"WHALE_PRECISION", "fp32 or bf16", "the number format of a plan's steps (--precision; default fp32)"},
     {"WHALE_MICRO_BATCHES", "a whole number from 0 to 16000", "micro-batches a step (--micro-batches)"},
     {"WHALE_STAGE_BLOCKS", "counts, e.g. 1,3", "blocks of the repeat on each pipeline stage (--stage-blocks)"},
     {"WHALE_TRACE", "a path", "write the merged Chrome trace there (--trace)"},

@@ -23,6 +23,7 @@
 #include "whale/backend/cpu.hpp"
 #include "whale/nn/layer.hpp"
 #include "whale/optim/optimizer.hpp"
+#include "whale/plan/precision_rule.hpp"
 
 namespace whale {
 
@@ -41,6 +42,10 @@ class network {
   /// On backend `be`: a device backend places everything in its memory (the
   /// backend must outlive the network); the CPU, the default, keeps it on the host.
   network(seed s, backend_ref be) : network(s, [](M&) {}, be) {}
+  /// Trained in precision `p` (fp32, or bf16 mixed precision): the trainer
+  /// trains a network in its own precision, fp32 unless given here.
+  network(seed s, whale::precision p) : network(s, [](M&) {}) { precision_ = p; }
+  network(seed s, backend_ref be, whale::precision p) : network(s, [](M&) {}, be) { precision_ = p; }
   /// `configure(model)` runs before parameters are counted: plans use it to
   /// tell sharded layers their degree and communicators.
   template <class F>
@@ -155,6 +160,8 @@ class network {
   index_t param_count() const noexcept { return params_.numel(); }
   /// The backend the network computes on and keeps its memory in.
   const backend_ref& backend() const noexcept { return be_; }
+  /// The number format the trainer trains the network in (its constructor's; fp32 by default).
+  whale::precision precision() const noexcept { return precision_; }
   /// Copies in host memory, wherever the network lives.
   std::vector<float> params_on_host() const { return to_host(params_); }
   std::vector<float> grads_on_host() const { return to_host(grads_); }
@@ -236,6 +243,7 @@ class network {
 
  private:
   backend_ref be_;  // where the network computes and keeps its memory
+  whale::precision precision_ = whale::precision::fp32;  // what the trainer trains it in
   M model_;
   tensor<float> params_, grads_;
   tensor<input_type> in_;       // the step's inputs and labels on a device

@@ -93,7 +93,7 @@ void update_on(const backend_ref& be, const O& o, typename O::state& s, view<flo
 /// Whether rule O writes the bf16-rounded new values beside the fp32 ones in
 /// its update pass (sgd and adamw do): bf16 mixed precision then keeps the
 /// master weights apart from the weights a step computes with, and no pass
-/// rounds or copies them (trainer_options::precision).
+/// rounds or copies them (the network's precision: plan_options::precision).
 template <class O>
 concept RoundingOptimizer = Optimizer<O> && requires(const O& o, typename O::state& s, view<float> p, cview<float> g,
                                                      const backend_ref& be, kernels::update_gate gate, float* copy) {

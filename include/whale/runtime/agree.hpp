@@ -125,6 +125,7 @@ inline std::vector<launch_field> launch_fields(const std::string& plan, const me
       f::integer("the mesh's data axis", m.size(axis::data)),
       f::integer("the mesh's pipe axis", m.size(axis::pipe)),
       f::integer("the mesh's model axis", m.size(axis::model)),
+      f::of_text("precision (--precision, WHALE_PRECISION)", to_string(o.precision)),
       f::integer("micro_batches (--micro-batches, WHALE_MICRO_BATCHES)", o.micro_batches),
       f::of_text("the stage blocks (WHALE_STAGE_BLOCKS)", blocks.empty() ? "balanced" : blocks),
       f::integer("balance_seq", o.balance_seq),

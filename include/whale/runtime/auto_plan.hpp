@@ -84,8 +84,7 @@ template <class... P> constexpr std::array<plan_describer, sizeof...(P)> describ
 /// in c.why). Not a template: compiled once per program, whatever the
 /// candidates and the model; only the description is the plan's.
 inline void price_plan(plan_choice& c, const model_desc& d, const mesh_shape& mesh, const plan_options& o, const device_profile& dev) {
-  lower_options lo = lowering_of(o, o.plan_batch, o.plan_seq);
-  lo.bf16 = dev.prices_bf16();
+  lower_options lo = lowering_of(o, o.plan_batch, o.plan_seq);  // in the plan's precision (plan_options::precision)
   lo.micro_batches = c.micro_batches;
   lo.stage_blocks.clear();  // each candidate is cut by cost
   lo.placement = false;     // priced, not run: the chosen plan lowers its own program
@@ -120,6 +119,12 @@ template <class M, plan_space S = plan_space{}>
 std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_options& o, const device_profile& dev) {
   std::vector<plan_choice> cs;
   check_plan_tie(o.plan_tie, "whale::" + auto_plan<M, S>::name() + ": plan_options::plan_tie");
+  // a profile of a GPU's kernels times them in one precision: the plan's
+  if (!dev.kernel_precision.empty() && dev.prices_bf16() != (o.precision == precision::bf16))
+    throw std::invalid_argument("whale::" + auto_plan<M, S>::name() + ": the device profile times its kernels in " +
+                                dev.kernel_precision + " (its 'kernels' line), but the plan trains in " + to_string(o.precision) +
+                                " (plan_options::precision, --precision); make the plan in " + dev.kernel_precision +
+                                ", or give a profile measured in " + to_string(o.precision));
   // each candidate type's description, read once (a GPU profile (`kernels`) prices
   // each layer's kernels, plan/probe.hpp, in its precision)
   constexpr auto describers = detail::describers_of(detail::auto_candidates<M, S>{});
@@ -277,13 +282,14 @@ class auto_executor {
     if (lo != hi)
       throw std::invalid_argument(who + "the ranks chose different plans (this rank: " + ranking_.front().label +
                                   "); give every rank the same profile file and options");
-    // ... and priced in one precision (the trainer refuses another on every rank alike)
+    // ... and priced in one precision (each rank's profile agreed with the plan's precision)
     std::int64_t prec[2] = {priced_bf16_ ? 1 + static_cast<std::int64_t>(*priced_bf16_) : 0, 0};
     prec[1] = -prec[0];
     all_reduce(ctx.world(), view<std::int64_t>(prec, {2}), reduce_op::max);
     if (prec[0] != -prec[1])
       throw std::invalid_argument(who + "the ranks' device profiles price in different precisions (a 'kernels bf16' line, "
                                   "'kernels fp32', or none); give every rank the same profile file");
+    precision_ = o.precision;
     o.micro_batches = ranking_.front().micro_batches;
     // a reshaped mesh: the chosen plan runs in a context of its own over the same ranks, in their order
     if (ranking_.front().mesh != ctx.mesh().shape().spec())
@@ -297,10 +303,13 @@ class auto_executor {
   /// Where the profile the plans were priced with came from: "the profile file PATH", or
   /// the line rank 0 printed when it was measured at start or loaded from the cache.
   const std::string& profile_origin() const noexcept { return profile_origin_; }
-  /// Whether the plans were priced in bf16 mixed precision (a profile's `kernels bf16`) or
-  /// fp32 (`kernels fp32`); unset: priced from the layers' analytic costs, in no precision.
-  /// The trainer refuses to train in another precision than the one priced.
+  /// Whether the plans' kernels were priced in bf16 (a profile's `kernels bf16`) or fp32
+  /// (`kernels fp32`), which is the plan's precision (make refuses a profile of the other);
+  /// unset: compute priced from the layers' analytic costs (the precision still sets each
+  /// candidate's memory and what it refuses).
   std::optional<bool> priced_bf16() const noexcept { return priced_bf16_; }
+  /// The number format of the chosen plan's steps (plan_options::precision): the trainer trains in it.
+  whale::precision precision() const noexcept { return precision_; }
   /// The ZeRO level of the plan that runs (0 for dp and the pipeline).
   int zero_level_now() const {
     return std::visit([](const auto& e) { return std::remove_cvref_t<decltype(*e)>::zero_level; }, v_);
@@ -377,6 +386,7 @@ class auto_executor {
   std::vector<plan_choice> ranking_;
   std::string profile_origin_;
   std::optional<bool> priced_bf16_;  // the precision the plans were priced in (unset: analytic)
+  whale::precision precision_ = whale::precision::fp32;  // plan_options::precision
   // the chosen plan's context when its mesh is not the job's: on the heap, so that the
   // executor's pointer to it survives a move of this object; destroyed after v_
   std::unique_ptr<context> reshaped_;

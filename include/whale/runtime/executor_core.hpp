@@ -221,6 +221,8 @@ class executor_core {
   /// ZeRO-3: passes whose gather order differed from the one recorded for their kind.
   std::size_t gather_rerecords() const noexcept { return zero_.rerecords(); }
   const plan_options& options() const noexcept { return o_; }
+  /// The number format of the plan's steps (plan_options::precision): the trainer trains in it.
+  whale::precision precision() const noexcept { return o_.precision; }
   const tracer& trace() const noexcept { return tr_; }
   /// The recorder itself, for a loop around the executor that records spans of its own (wsp_trainer).
   tracer& trace_recorder() noexcept { return tr_; }

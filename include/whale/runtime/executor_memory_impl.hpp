@@ -134,7 +134,6 @@ WHALE_CORE_INLINE void executor_core::check_step_memory(const step_ctx& c, std::
   const index_t global = (c.seq > 0 ? c.global_rows / c.seq : c.global_rows) * std::max(1, in_flight_);
   auto lo = step_lowering(global, c.seq, 8);
   if (in_flight_ > 0) lo.micro_batches = in_flight_;
-  lo.bf16 = c.bf16;  // the step's precision: its master weights and bf16's refusals (precision_refusal)
   auto step = lower(desc_, ctx_->mesh().shape(), ctx_->rank(), lo);
   const auto e = predict_memory(desc_, step, o_);
   step_order_ = std::move(step.order);  // the step's passes run in its order (order_for)

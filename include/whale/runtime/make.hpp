@@ -71,7 +71,7 @@ auto make(const context& ctx, seed s, plan_options o = plan_options::from_env())
       throw std::invalid_argument("whale::make: " + layer_name<M>() + " has no parallel strategy, but the job has " +
                                   std::to_string(ctx.size()) +
                                   " ranks; wrap the model in whale::replicate<...> or launch one rank");
-    return network<M>(s, o.backend);
+    return network<M>(s, o.backend, o.precision);
   }
   }
 }

@@ -16,6 +16,7 @@
 #include "whale/backend/backend_ref.hpp"
 #include "whale/detail/environment.hpp"
 #include "whale/detail/parse.hpp"
+#include "whale/plan/precision_rule.hpp"
 #include "whale/plan/zero_options.hpp"
 #include "whale/tensor/tensor.hpp"
 
@@ -38,6 +39,23 @@ struct placement_options {
   /// and pipeline messages through its communicator over the pipe group (in one
   /// order every rank agrees on); false: both through host copies around MPI.
   bool device_collectives = true;
+  /// The number format of the plan's steps: fp32, or bf16 mixed precision
+  /// (emulated on the CPU; docs/precision.md). The one setting: make<P> checks
+  /// the plan with it (bf16 with ZeRO-3 is refused) and counts bf16's fp32
+  /// master weights in its memory checks, auto_plan prices and ranks its
+  /// candidates in it, and the trainer trains in it.
+  whale::precision precision = whale::precision::fp32;
+
+  /// WHALE_PRECISION (fp32 or bf16).
+  void read_env() {
+    if (auto v = env::string("WHALE_PRECISION")) precision = parse_precision(*v, "WHALE_PRECISION");
+  }
+  /// --precision fp32|bf16; false: not this group's flag.
+  template <class Value> bool take_flag(const std::string& a, Value&& value) {
+    if (a != "--precision") return false;
+    precision = parse_precision(value(), "--precision");
+    return true;
+  }
 };
 
 /// Pipelines and gradient accumulation: micro-batches and stage cuts.

@@ -33,6 +33,10 @@ WHALE_CORE_INLINE void executor_core::check_pass(const step_ctx& c, pass_mode mo
                                 "accumulating gradients across train_step calls (step_ctx::accumulate) is not "
                                 "supported with a tied head (tied_head): each call sums its gradients with the table's; "
                                 "accumulate inside one step: plan_options::micro_batches");
+  if (mode.train && c.bf16 != (o_.precision == precision::bf16))
+    throw std::invalid_argument(who() + "a training step in " + (c.bf16 ? "bf16" : "fp32") + " (step_ctx::bf16), but the plan " +
+                                "was made for " + to_string(o_.precision) + " (plan_options::precision, --precision): its " +
+                                "checks and memory are the plan's; make it with the precision it trains in");
   if (mode.train && mode.data_sum && replicas_ > 1 && o_.worker_cuts)
     throw std::invalid_argument(who() +
                                 "plan_options::worker_cuts gave each data replica its own stage cut, so gradients "

@@ -219,8 +219,9 @@ class trainer final : public detail::trainer_core {
 
  private:
   /// What trainer_core knows of Net and Opt, as values.
-  static detail::trainer_traits traits() {
+  static detail::trainer_traits traits(const Net& net) {
     detail::trainer_traits t;
+    if constexpr (requires { { net.precision() } -> std::convertible_to<whale::precision>; }) t.precision = net.precision();
     t.figures_on_device = figures_on_device;
     t.writes_rounded = writes_rounded;
     const auto c = Net::model_type::cost();

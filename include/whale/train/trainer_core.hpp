@@ -48,6 +48,8 @@ template <class R, class... A> class callback<R(A...)> {
 
 /// What trainer_core knows of its network and optimizer, as values (trainer<Net, Opt> fills them).
 struct trainer_traits {
+  /// The network's precision (plan_options::precision, or network<M>'s constructor): the one the trainer trains in.
+  whale::precision precision = whale::precision::fp32;
   /// The network and optimizer can keep a step's figures where the step runs (trainer_options::log_every > 1).
   bool figures_on_device = false;
   /// Under bf16 with queued steps, the optimizer writes the rounded weights and the fp32 master in one pass (RoundingOptimizer).
@@ -137,7 +139,7 @@ class trainer_core {
   /// `locate`: the gradients are this step's, so the first non-finite layer can be named (collective for a plan).
   std::runtime_error norm_error(std::int64_t step, double norm, double loss, bool locate);
 
-  bool bf16() const noexcept { return o_.precision == precision::bf16; }
+  bool bf16() const noexcept { return traits_.precision == precision::bf16; }
   /// Whether steps are queued on the device (their figures read every log_every steps).
   bool deferring() const noexcept { return traits_.figures_on_device && o_.log_every > 1 && !o_.check_finite; }
   /// Under bf16 with queued steps and an optimizer that writes rounded copies:

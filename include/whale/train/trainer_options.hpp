@@ -11,25 +11,10 @@
 #include <string>
 #include <vector>
 
+#include "whale/plan/precision_rule.hpp"
 #include "whale/tensor/tensor.hpp"
 
 namespace whale {
-
-/// The number format of a training step's compute. fp32: everything in fp32.
-/// bf16 (mixed precision): the weights a step computes with and every layer's
-/// output and input gradient are bf16, arithmetic accumulates in fp32, and
-/// the master weights, their gradients and the optimizer state stay fp32. On
-/// the CPU, bf16 is emulated: values are rounded to bf16 (to nearest, ties to
-/// even) where they are stored, and computed in fp32 -- what a GPU's bf16 GEMM
-/// with fp32 accumulation does (docs/precision.md).
-enum class precision { fp32, bf16 };
-inline const char* to_string(precision p) noexcept { return p == precision::bf16 ? "bf16" : "fp32"; }
-/// "fp32" or "bf16", whole; anything else is an error naming `what`.
-inline precision parse_precision(const std::string& text, const std::string& what) {
-  if (text == "fp32") return precision::fp32;
-  if (text == "bf16") return precision::bf16;
-  throw std::invalid_argument(what + " '" + text + "': expected fp32 or bf16");
-}
 
 /// Number of training steps, as users write it: `steps{100}`.
 struct steps {
@@ -100,8 +85,6 @@ struct trainer_options {
   /// Debugging: check every leaf layer's output and input gradient for NaN/Inf
   /// (a pass over every activation; also plan_options::check_finite, --check-finite).
   bool check_finite = false;
-  /// fp32, or bf16 mixed precision (emulated on the CPU); not with ZeRO-3 yet.
-  whale::precision precision = whale::precision::fp32;
   /// Checkpoints (train/checkpoint.hpp): run() saves to `checkpoint_dir` after
   /// every `save_every` data steps (0: never), keeping the newest `keep_last`
   /// (0: all); with `resume`, run() first loads the newest complete checkpoint

@@ -12,7 +12,7 @@ namespace whale {
 
 template <Trainable Net, Optimizer Opt>
 trainer<Net, Opt>::trainer(Net& net, Opt opt, trainer_options o)
-    : detail::trainer_core(std::move(o), traits()), net_(net), opt_(std::move(opt)), state_(net.make_optimizer_state(opt_)) {
+    : detail::trainer_core(std::move(o), traits(net)), net_(net), opt_(std::move(opt)), state_(net.make_optimizer_state(opt_)) {
   detail::trainer_facts f;  // what the start needs of Net and Opt; the rest is detail::start_trainer's
   f.rank = net_.rank();
   if constexpr (Checkpointable<Net>) f.world = ckpt::world_of(net_);
@@ -22,7 +22,7 @@ trainer<Net, Opt>::trainer(Net& net, Opt opt, trainer_options o)
   f.checkpoints = checkpoints;
   f.has_lr = requires { opt_.lr; };
   f.optimizer = Opt::name();
-  if constexpr (requires { net.priced_bf16(); }) f.priced_bf16 = net.priced_bf16();
+  f.precision = bf16() ? precision::bf16 : precision::fp32;
   if (bf16() && f.has_params) f.params = local_params(), f.backend = net_backend();
   detail::start_trainer(o_, f, rec_, master_, next_);
 }

@@ -7,11 +7,11 @@
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <string>
 
 #include "whale/backend/backend_ref.hpp"
 #include "whale/comm/communicator.hpp"
+#include "whale/plan/precision_rule.hpp"
 #include "whale/detail/compiled.hpp"
 #include "whale/tensor/tensor.hpp"
 #include "whale/train/run_record.hpp"
@@ -30,8 +30,7 @@ struct trainer_facts {
   std::string optimizer;        ///< its name, for the message
   view<float> params;           ///< bf16: the parameters the master weights mirror; else empty
   backend_ref backend;          ///< where the parameters live
-  /// auto_plan: whether it priced its choice in bf16 (a profile's `kernels` line); unset: not priced in a precision
-  std::optional<bool> priced_bf16;
+  whale::precision precision = whale::precision::fp32;  ///< the network's, which the trainer trains in
 };
 
 /// The trainer's checks and preparations before any work (std::invalid_argument

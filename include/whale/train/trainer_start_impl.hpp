@@ -23,16 +23,12 @@ namespace whale::detail {
 WHALE_CORE_INLINE void start_trainer(const trainer_options& o, const trainer_facts& f, run_record& rec,
                                      tensor<float>& master, std::int64_t next) {
   check_trainer_options(o);
-  const bool bf16 = o.precision == precision::bf16;
+  const bool bf16 = f.precision == precision::bf16;
   if (bf16 && !f.has_params)
     throw std::invalid_argument("whale::trainer: bf16 mixed precision needs the network's params() (the weights it rounds); "
                                 "this network type does not have it");
+  // make<P> refused it already; a network made otherwise is checked here
   if (const auto why = precision_refusal(bf16, f.zero3 ? 3 : 0); !why.empty()) throw std::invalid_argument("whale::trainer: " + why);
-  if (f.priced_bf16 && *f.priced_bf16 != bf16)  // the same on every rank: auto_plan's ranks agreed on their choice
-    throw std::invalid_argument(std::string("whale::trainer: auto_plan chose this plan pricing ") +
-                                (*f.priced_bf16 ? "bf16" : "fp32") + " kernels (its device profile's 'kernels' line), but the trainer "
-                                "trains in " + to_string(o.precision) + " (trainer_options::precision, --precision); train in " +
-                                (*f.priced_bf16 ? "bf16" : "fp32") + ", or give auto_plan a profile priced in " + to_string(o.precision));
   if (bf16) {  // the fp32 master weights, beside the parameters (on a device, in its memory) for the whole run
     std::string err = ckpt::catching([&] {
       const place_scope where(f.backend.memory());

@@ -28,10 +28,9 @@ struct wsp_options {
   bool in_flight = false;
   /// Clip each minibatch's gradients to this norm over its worker (0: no clipping).
   double max_grad_norm = 0;
-  /// bf16 mixed precision, as trainer_options::precision: each minibatch (each
-  /// wave in flight) computes with the weights rounded to bf16 and the layers
-  /// store bf16 values; the update, the holders and the pushed waves keep fp32.
-  whale::precision precision = whale::precision::fp32;
+  // (bf16 mixed precision is the plan's, plan_options::precision: each minibatch
+  // (each wave in flight) then computes with the weights rounded to bf16 and the
+  // layers store bf16 values; the update, the holders and the pushed waves keep fp32.)
 };
 
 /// What one minibatch ran on: data step `step` of wave `wave` (0-based), on

@@ -200,7 +200,7 @@ template <class Net, class Opt> class wsp_trainer {
     const auto p = net_->params();
     if (p.numel() > 0) wave_.pull_into(p, [&](view<float> to) { holders_->pull(to, offset_); });
   }
-  bool bf16() const noexcept { return o_.precision == whale::precision::bf16; }
+  bool bf16() const noexcept { return net_->precision() == whale::precision::bf16; }  // the plan's (plan_options::precision)
   /// On a device, minibatch k's update (its gradients in grads()): the worker's
   /// squared norm summed over its ranks where clipping needs it, the gate
   /// (kernels::wsp_gate: the host's checks and scale), and the update under it.
