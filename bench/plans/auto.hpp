@@ -41,6 +41,9 @@ struct auto_choice {
                         "'; measure this machine with scripts/profile --ranks " + std::to_string(c.ranks()) +
                         " or give --profile FILE");
     const auto dev = device_profile::load(profile);
+    if (dev.prices_bf16())  // the search prices in the profile's precision; the bench plans it runs train fp32
+      throw usage_error("bench: --plan auto runs its choice in fp32, but the profile '" + profile +
+                        "' times bf16 kernels ('kernels bf16'); give a profile without a kernels line or with 'kernels fp32'");
     const int planned = placed_per_node(c, per_node, dev);
     search::plan_query q;
     q.workload = W::name;

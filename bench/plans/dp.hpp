@@ -16,6 +16,7 @@
 #include "../inter_node.hpp"
 #include "whale/runtime/make.hpp"
 #include "whale/comm/collectives.hpp"
+#include "whale/train/bf16_weights.hpp"
 #include "whale/optim/sgd.hpp"
 #include "whale/strategy/replicate.hpp"
 #include "whale/train/trainer.hpp"
@@ -65,6 +66,9 @@ struct dp {
     const int P = ctx.size();
     const index_t global = W::global_batch(P);
     auto data = W::data(global);
+    if (o.precision != prec && o.precision != precision::fp32)  // --precision is the benchmark's one setting
+      throw usage_error("bench: WHALE_PRECISION says " + std::string(to_string(o.precision)) + " but --precision " +
+                        to_string(prec) + " (default fp32); give the precision with --precision");
     o.precision = prec;  // the plan's precision, which the trainer trains in
     auto net = make<M>(ctx, seed{42}, o);
     auto& comm = ctx.mesh().comm(axis::data);
@@ -107,14 +111,19 @@ struct dp {
     // drift apart from here on, which is why this comes after the timed steps.
     const int reps = std::max(3, std::min(5, timed_steps));
     std::vector<double> comp;
+    tensor<float> master({0}, mem_kind::params);  // bf16: the fp32 master weights while a step computes with rounded ones
     auto b = t.fetch(data, 0);
     for (int r = 0; r <= reps; ++r) {
       step_ctx sc;
       sc.batch = b.sequences;
       sc.seq = b.seq;
       sc.global_rows = global * b.seq;
+      sc.bf16 = prec == precision::bf16;  // the plan's precision, as the trainer's steps
       const double dt = timed(ctx, [&] {
-        net.compute_only_step(sc, b.inputs, b.labels);
+        {
+          whale::detail::bf16_weights w(sc.bf16, net.params(), master, net.backend());  // bf16: computed with rounded weights
+          net.compute_only_step(sc, b.inputs, b.labels);
+        }
         net.apply_optimizer(opt, t.optimizer_state(), 1.f);
       });
       if (r > 0) comp.push_back(dt);  // r == 0: warm-up

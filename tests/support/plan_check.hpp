@@ -123,6 +123,7 @@ class norm_recorder {
   }
   int rank() const { return net_.rank(); }
   int world_size() const { return net_.world_size(); }
+  whale::precision precision() const { return net_.precision(); }  // the trainer trains in the plan's
   template <class O> typename O::state make_optimizer_state(const O& opt) const { return net_.make_optimizer_state(opt); }
   template <class O> void apply_optimizer(const O& opt, typename O::state& s, float scale) {
     net_.apply_optimizer(opt, s, scale);

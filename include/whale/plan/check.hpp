@@ -133,7 +133,7 @@ inline std::vector<int> stage_cut(const model_desc& d, int P, const lower_option
         lower_fail(d, "the stage memory caps list has " + std::to_string(o.stage_memory_caps.size()) + " values for " +
                           std::to_string(P) + " stages");
       // bytes a parameter, and bytes of activations a row, of the elements before and after the repeat and of a block
-      const double per_param = 8.0 + o.optimizer_bytes_per_param;
+      const double per_param = 8.0 + o.optimizer_bytes_per_param + (o.bf16 ? 4.0 : 0.0);  // bf16: the fp32 master weights
       auto act_row = [&](const cost_info& c, index_t width) {
         const auto s = c.scaled(width == any_features ? 0.0 : static_cast<double>(width));
         return s.act_bytes + s.seq_act_bytes * static_cast<double>(o.balance_seq);

@@ -104,7 +104,8 @@ WHALE_CORE_INLINE void executor_core::check_state_memory(const program_totals& h
   // model state and cap, so that all of them fail with the same sentence, naming the first over.
   if (!o_.memory_caps_mib.empty()) {
     const int w = ctx_->size();
-    double mine[2] = {static_cast<double>(held.param_bytes + held.grad_bytes + held.optimizer_bytes),
+    const std::int64_t master = o_.precision == precision::bf16 ? 4 * static_cast<std::int64_t>(held.params_held) : 0;  // bf16's fp32 copy
+    double mine[2] = {static_cast<double>(held.param_bytes + held.grad_bytes + held.optimizer_bytes + master),
                       o_.memory_cap_of(ctx_->rank(), w) * 1048576.0};
     std::vector<double> all(static_cast<std::size_t>(2 * w));
     if (w > 1) all_gather(ctx_->world(), view<double>(mine, {2}), view<double>(all.data(), {2 * static_cast<index_t>(w)}));

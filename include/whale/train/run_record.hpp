@@ -62,7 +62,7 @@ inline void check_trainer_options(const trainer_options& o) {
   at_least(o.log_every, 1, "log_every");
 }
 
-/// The checkpoint options' own checks (after those of precision, in the trainer).
+/// The checkpoint options' own checks (after those of the network's precision, in the trainer).
 inline void check_checkpoint_options(const trainer_options& o) {
   if (o.keep_last < 0) throw std::invalid_argument("whale::trainer: keep_last must be >= 0 (got " + std::to_string(o.keep_last) + ")");
   if ((o.save_every > 0 || o.resume) && o.checkpoint_dir.empty())

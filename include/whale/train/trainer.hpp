@@ -221,6 +221,7 @@ class trainer final : public detail::trainer_core {
   /// What trainer_core knows of Net and Opt, as values.
   static detail::trainer_traits traits(const Net& net) {
     detail::trainer_traits t;
+    // the network's precision (plan_options::precision, network<M>'s constructor); a network type without one trains in fp32
     if constexpr (requires { { net.precision() } -> std::convertible_to<whale::precision>; }) t.precision = net.precision();
     t.figures_on_device = figures_on_device;
     t.writes_rounded = writes_rounded;
