@@ -60,7 +60,7 @@ template <int Level> struct zero {
     c.args.done(name);
     if (o.bucket_mib <= 0) throw usage_error("bench: --bucket-mib must be positive");
     if (o.precision != precision::fp32)  // its line has no precision field, and its compute limit runs fp32 steps
-      throw usage_error("bench: --plan zero measures fp32 (WHALE_PRECISION says " + std::string(to_string(o.precision)) +
+      throw usage_error(std::string("bench: --plan ") + name + " measures fp32 (WHALE_PRECISION says " + to_string(o.precision) +
                         "); bf16 mixed precision is measured with --plan single or dp --precision bf16");
 
     auto& ctx = *c.ctx;
