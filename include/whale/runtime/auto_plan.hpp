@@ -315,7 +315,8 @@ class auto_executor {
     return std::visit([](const auto& e) { return std::remove_cvref_t<decltype(*e)>::zero_level; }, v_);
   }
 
-  std::pair<index_t, index_t> local_batch(index_t g) const { return visit([&](auto& e) { return e.local_batch(g); }); }
+  // what the chosen executor's model-independent core answers (one runtime, whichever candidate runs)
+  std::pair<index_t, index_t> local_batch(index_t g) const { return core_->local_batch(g); }
   double train_step(step_ctx& c, cview<input_type> x, cview<std::int32_t> y) {
     return visit([&](auto& e) { return e.train_step(c, x, y); });
   }
@@ -323,25 +324,21 @@ class auto_executor {
     return visit([&](auto& e) { return e.evaluate(c, x, y); });
   }
   tensor<float> forward(step_ctx& c, cview<input_type> x) { return visit([&](auto& e) { return e.forward(c, x); }); }
-  double reduce_loss(double share) { return visit([&](auto& e) { return e.reduce_loss(share); }); }
-  std::string first_nonfinite_grad() const { return visit([&](auto& e) { return e.first_nonfinite_grad(); }); }
-  double grad_norm() const { return visit([&](auto& e) { return e.grad_norm(); }); }
+  double reduce_loss(double share) { return core_->reduce_loss(share); }
+  std::string first_nonfinite_grad() const { return core_->first_nonfinite_grad(); }
+  double grad_norm() const { return core_->grad_norm(); }
   /// The backend the chosen plan computes on (plan_options::backend).
-  const backend_ref& backend() const { return visit([&](auto& e) -> const backend_ref& { return e.backend(); }); }
-  int rank() const { return visit([&](auto& e) { return e.rank(); }); }
-  int world_size() const { return visit([&](auto& e) { return e.world_size(); }); }
-  template <class O> typename O::state make_optimizer_state(const O& opt) const {
-    return visit([&](auto& e) { return e.make_optimizer_state(opt); });
-  }
-  template <class O> void apply_optimizer(const O& opt, typename O::state& st, float scale) {
-    visit([&](auto& e) { e.apply_optimizer(opt, st, scale); });
-  }
-  view<float> params() const { return visit([&](auto& e) { return e.params(); }); }
-  index_t param_count() const { return visit([&](auto& e) { return e.param_count(); }); }
+  const backend_ref& backend() const { return core_->backend(); }
+  int rank() const { return core_->rank(); }
+  int world_size() const { return core_->world_size(); }
+  template <class O> typename O::state make_optimizer_state(const O& opt) const { return core_->make_optimizer_state(opt); }
+  template <class O> void apply_optimizer(const O& opt, typename O::state& st, float scale) { core_->apply_optimizer(opt, st, scale); }
+  view<float> params() const { return core_->params(); }
+  index_t param_count() const { return core_->param_count(); }
   /// What this rank holds and where (checkpoints save and load through the chosen plan's placement).
-  const program& placement() const { return visit([&](auto& e) -> const program& { return e.placement(); }); }
-  std::pair<index_t, index_t> range() const { return visit([&](auto& e) { return e.range(); }); }
-  world_comm& world() const { return visit([&](auto& e) -> world_comm& { return e.world(); }); }
+  const program& placement() const { return core_->placement(); }
+  std::pair<index_t, index_t> range() const { return core_->range(); }
+  world_comm& world() const { return core_->world(); }
   /// Every parameter of the model, gathered (collective under ZeRO-3 and pipelines).
   tensor<float> full_params() const { return visit([&](auto& e) { return e.full_params(); }); }
 
@@ -371,7 +368,7 @@ class auto_executor {
                       c.step_s, c.slowest.compute_s, c.slowest.comm_s, c.slowest.wait_s, c.memory_mib);
       os << line;
     }
-    a.visit([&](auto& e) { os << e; });
+    a.core_->print(os);  // the chosen plan, as its executor prints itself
     return os;
   }
 
@@ -382,6 +379,7 @@ class auto_executor {
   template <std::size_t... I>
   void build(std::index_sequence<I...>, std::size_t which, const context& ctx, seed s, const plan_options& o) {
     ((which == I ? (v_.template emplace<I>(std::make_unique<executor<typename V::template at<I>>>(ctx, s, o)), 0) : 0), ...);
+    core_ = std::visit([](auto& e) -> detail::executor_core* { return e.get(); }, v_);
   }
   std::vector<plan_choice> ranking_;
   std::string profile_origin_;
@@ -391,6 +389,7 @@ class auto_executor {
   // executor's pointer to it survives a move of this object; destroyed after v_
   std::unique_ptr<context> reshaped_;
   typename V::type v_;
+  detail::executor_core* core_ = nullptr;  // the chosen executor's core (in v_'s executor, on the heap)
 };
 
 }  // namespace whale

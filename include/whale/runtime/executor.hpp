@@ -154,40 +154,16 @@ template <class P> class executor final : public detail::executor_core {
     if (be_.on_cpu()) *out = grad_squares(true);
     else squares_into(detail::owned_ranges(prog_, true), grads_.data(), out);
   }
-  /// Optimizer state for the range this rank updates.
-  template <class O> typename O::state make_optimizer_state(const O& opt) const {
-    const place_scope on(be_.memory());  // in the parameters' memory (a device's, on one)
-    return opt.make_state(local_count());
-  }
-  /// One optimizer step of this rank's range under `gate` (in the backend's
-  /// memory: the gradients scaled by *gate.scale as they are read, nothing
-  /// changed while *gate.halt is set); ZeRO 1–2 then all-gather the parameters.
-  /// The host reads neither.
-  template <class O> void apply_optimizer(const O& opt, typename O::state& st, kernels::update_gate gate) {
-    const auto t0 = tr_.now();
-    update_on(be_, opt, st, local_params(), local_grads(), gate);
-    if constexpr (level > 0 && level < 3) zero_.gather_after_update(params_.data());
-    tr_.add(span_kind::optimizer, step_ - 1, -1, t0, tr_.now());
-  }
-  /// The same, with ZeRO 0 (this rank updates all it holds), also writing what
-  /// the step changed, weighed, into `delta` (kernels::update_delta: as many
-  /// floats as params()), in the update's own pass.
+  // make_optimizer_state and apply_optimizer (one definition for every plan: runtime/executor_update.hpp)
+  using detail::executor_core::apply_optimizer;
+  /// The same as apply_optimizer(opt, st, gate), with ZeRO 0 (this rank updates all
+  /// it holds), also writing what the step changed, weighed, into `delta`
+  /// (kernels::update_delta: as many floats as params()), in the update's own pass.
   template <class O>
   void apply_optimizer(const O& opt, typename O::state& st, kernels::update_gate gate, kernels::update_delta delta)
     requires(level == 0)
   {
-    const auto t0 = tr_.now();
-    update_on(be_, opt, st, local_params(), local_grads(), gate, delta);
-    tr_.add(span_kind::optimizer, step_ - 1, -1, t0, tr_.now());
-  }
-  /// Scale the gradients (clipping), update this rank's range; ZeRO 1–2 then all-gather the parameters.
-  template <class O> void apply_optimizer(const O& opt, typename O::state& st, float grad_scale) {
-    const auto t0 = tr_.now();
-    auto g = local_grads();
-    if (grad_scale != 1.f) be_.launch(g.numel(), kernels::scale{g.data(), grad_scale});
-    update_on(be_, opt, st, local_params(), g);
-    if constexpr (level > 0 && level < 3) zero_.gather_after_update(params_.data());
-    tr_.add(span_kind::optimizer, step_ - 1, -1, t0, tr_.now());
+    apply_optimizer_with_delta(opt, st, gate, delta);
   }
 
   // ---- what this rank holds (more in executor_core) ----

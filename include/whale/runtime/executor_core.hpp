@@ -27,6 +27,7 @@
 #include "whale/comm/device_comm.hpp"
 #include "whale/comm/trace.hpp"
 #include "whale/detail/compiled.hpp"
+#include "whale/optim/optimizer.hpp"
 #include "whale/plan/lower.hpp"
 #include "whale/plan/memory.hpp"
 #include "whale/runtime/agree.hpp"
@@ -184,6 +185,15 @@ class executor_core {
   /// The plan's description (plan/describe.hpp), as lowering reads it.
   const model_desc& description() const noexcept { return desc_; }
 
+  /// Optimizer state for the range this rank updates (runtime/executor_update.hpp, as the three below).
+  template <class O> typename O::state make_optimizer_state(const O& opt) const;
+  /// One optimizer step of this rank's range under `gate` (in the backend's memory: the gradients scaled by
+  /// *gate.scale as they are read, nothing changed while *gate.halt is set); ZeRO 1–2 then all-gather the
+  /// parameters. The host reads neither.
+  template <class O> void apply_optimizer(const O& opt, typename O::state& st, kernels::update_gate gate);
+  /// Scale the gradients (clipping), update this rank's range; ZeRO 1–2 then all-gather the parameters.
+  template <class O> void apply_optimizer(const O& opt, typename O::state& st, float grad_scale);
+
   // ---- what this rank holds ----
   const program& placement() const noexcept { return prog_; }
   /// This rank's parameters and gradients: its stage's flat range [param_begin(), param_end())
@@ -312,6 +322,9 @@ class executor_core {
                   const std::array<step_ctx::host_mirror, 2>& mirrors);
   /// forward(): micro-batch `micro`'s logits `y` into `out` (host memory).
   void keep_logits(tensor<float>& out, cview<float> y, int micro, int m);
+  /// apply_optimizer(opt, st, gate) that also writes the step's change into `delta` (ZeRO 0; executor<P> offers it there).
+  template <class O>
+  void apply_optimizer_with_delta(const O& opt, typename O::state& st, kernels::update_gate gate, kernels::update_delta delta);
   /// The ZeRO engine's settings, from the plan's options.
   zero_engine::options zero_engine_options() const { return {o_.bucket_mib, o_.prefetch, o_.max_pending, o_.bf16_reduce}; }
   /// Rows [first, first + count) of `global_batch` that replica `replica` takes.
@@ -377,6 +390,7 @@ class executor_core {
 
 }  // namespace whale::detail
 
+#include "whale/runtime/executor_update.hpp"
 #if WHALE_CORE_DEFINITIONS  // header-only, or the compiled core's own unit (detail/compiled.hpp)
 #include "whale/runtime/executor_core_impl.hpp"
 #include "whale/runtime/executor_memory_impl.hpp"
