@@ -40,6 +40,9 @@ struct auto_choice {
       throw usage_error("bench: --plan auto: cannot read the device profile '" + profile +
                         "'; measure this machine with scripts/profile --ranks " + std::to_string(c.ranks()) +
                         " or give --profile FILE");
+    if (const auto env = plan_options::from_env().precision; env != precision::fp32)
+      throw usage_error("bench: --plan auto runs its choice in fp32 (WHALE_PRECISION says " + std::string(to_string(env)) +
+                        "); bf16 mixed precision is measured with --plan single or dp --precision bf16");
     const auto dev = device_profile::load(profile);
     if (dev.prices_bf16())  // the search prices in the profile's precision; the bench plans it runs train fp32
       throw usage_error("bench: --plan auto runs its choice in fp32, but the profile '" + profile +

@@ -123,6 +123,7 @@ struct dp {
         {
           whale::detail::bf16_weights w(sc.bf16, net.params(), master, net.backend());  // bf16: computed with rounded weights
           net.compute_only_step(sc, b.inputs, b.labels);
+          w.restore();  // a failed copy back is an error here, not swallowed by the destructor
         }
         net.apply_optimizer(opt, t.optimizer_state(), 1.f);
       });

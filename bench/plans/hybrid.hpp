@@ -78,7 +78,11 @@ struct hybrid {
     const int D = ctx.mesh().size(axis::data);
     const index_t global = W::global_batch(D);
     auto data = W::data(global);
-    auto net = make<M>(ctx, seed{42});
+    const plan_options po = plan_options::from_env();
+    if (po.precision != precision::fp32)  // its line has no precision field, and its compute limit runs fp32 steps
+      throw usage_error(std::string("bench: --plan ") + name + " measures fp32 (WHALE_PRECISION says " + to_string(po.precision) +
+                        "); bf16 mixed precision is measured with --plan single or dp --precision bf16");
+    auto net = make<M>(ctx, seed{42}, po);
     trainer_options to;
     to.progress = false;
     trainer t(net, sgd{.lr = 0.01f, .momentum = 0.9f}, to);

@@ -115,7 +115,8 @@ WHALE_CORE_INLINE void executor_core::check_state_memory(const program_totals& h
       if (cap > 0 && need > cap)
         throw std::invalid_argument(who() + "rank " + std::to_string(r) + "'s memory cap (--memory-caps, "
                                     "WHALE_MEMORY_CAPS) is " + mib_text(static_cast<std::int64_t>(cap)) +
-                                    ", but its parameters, gradients and AdamW state need " +
+                                    ", but its parameters, gradients and AdamW state" +
+                                    std::string(master > 0 ? " (and bf16's fp32 master weights)" : "") + " need " +
                                     mib_text(static_cast<std::int64_t>(need)) +
                                     "; give it fewer layers (a pipeline cuts by the caps), ZeRO, or a larger cap");
     }
