@@ -3,7 +3,7 @@
 // each operation of a step with its bytes) and totals over every rank.
 //   whale_plan --workload mlp|xc|gpt|bert-large|resnet50-100k|gpt-gpu|gpt-7b|gpt-13b --plan P --mesh data=64,pipe=4,model=4 [--rank R]
 //              [--batch B] [--seq T] [--micro-batches M] [--schedule gpipe|1f1b] [--zero 0..3]
-//              [--recompute] [--no-grad-norm] [--bucket-mib X] [--stage-blocks 1,2,..] [--summary] [--json]
+//              [--recompute] [--no-grad-norm] [--bucket-mib X] [--stage-blocks 1,2,..] [--precision fp32|bf16] [--summary] [--json]
 // scripts/plan builds and runs it.
 #include <algorithm>
 #include <chrono>
@@ -48,7 +48,7 @@ struct args : bench::search::plan_query {
       why + "\nusage: whale_plan --workload mlp|xc|gpt|bert-large|resnet50-100k|gpt-gpu|gpt-7b|gpt-13b --plan single|dp|hybrid|pipeline|zero1|zero2|zero3|3d "
             "--mesh data=D,pipe=P,model=M [--rank R] [--batch B] [--seq T] [--micro-batches M] "
             "[--schedule gpipe|1f1b] [--zero 0..3] [--recompute] [--no-grad-norm] [--bucket-mib X] "
-            "[--stage-blocks 1,2,...] [--summary] [--json] [--optimizer-bytes 8|4|0] [--simulate PROFILE [--ranks-per-node K] [--stages-across-nodes] [--trace FILE]] "
+            "[--stage-blocks 1,2,...] [--precision fp32|bf16] [--summary] [--json] [--optimizer-bytes 8|4|0] [--simulate PROFILE [--ranks-per-node K] [--stages-across-nodes] [--trace FILE]] "
             "[--search N --simulate PROFILE [--memory-limit-mib X] [--plan-tie F]] (with --search, --plan and --mesh are chosen)");
 }
 
@@ -90,6 +90,7 @@ args parse(int argc, char** argv) {
     else if (f == "--trace") a.trace = value();
     else if (f == "--stages-across-nodes") a.pipe_outer = true;
     else if (f == "--ranks-per-node") a.per_node = static_cast<int>(detail::parse_int(value(), "--ranks-per-node", 1, 1 << 20));
+    else if (f == "--precision") a.trains_in = parse_precision(value(), "whale_plan: --precision");
     else if (f == "--summary") a.summary = true;
     else if (f == "--json") a.json = true;
     else if (f == "--help" || f == "-h") usage("whale_plan: lowers a reference workload's plan for a mesh");
@@ -186,7 +187,7 @@ int run(int argc, char** argv) {
   program mine;
   const bool simulating = !a.profile.empty();
   const device_profile dev = simulating ? device_profile::load(a.profile) : device_profile{};
-  a.o.bf16 = dev.prices_bf16();  // a GPU profile's precision: its master weights, its refusals
+  a.o.bf16 = bench::search::prices_bf16(a, dev, "whale_plan");  // the job's precision: its master weights, its refusals
   if (!a.trace.empty()) {
     if (const auto why = detail::output_path_problem(a.trace); !why.empty()) usage("whale_plan: --trace '" + a.trace + "': " + why);
   }
@@ -213,11 +214,11 @@ int run(int argc, char** argv) {
     const double mfu = dev.peak_flops > 0 ? flops / sim.step_s / (dev.peak_flops * mesh.size()) : 0.0;
     if (a.json) {
       std::printf("{\"workload\": \"%s\", \"plan\": \"%s\", \"mesh\": \"%s\", \"ranks\": %d, \"profile\": \"%s\", "
-                  "\"precision\": \"%s\", \"predicted_step_s\": %.6f, \"predicted_bubble\": %.4f, \"rank\": %d, \"compute_s\": %.6f, "
+                  "\"precision\": \"%s\", \"trains_in\": \"%s\", \"predicted_step_s\": %.6f, \"predicted_bubble\": %.4f, \"rank\": %d, \"compute_s\": %.6f, "
                   "\"comm_s\": %.6f, \"wait_s\": %.6f, \"max_predicted_memory_mib_per_rank\": %.2f, \"tokens_per_step\": %.0f, "
                   "\"predicted_tokens_per_s\": %.1f, \"model_flops_per_step\": %.6g%s}\n",
                   a.workload.c_str(), a.plan.c_str(), mesh.spec().c_str(), mesh.size(), dev.name.c_str(),
-                  dev.kernel_precision.empty() ? "analytic" : dev.kernel_precision.c_str(), sim.step_s, sim.bubble(), a.rank,
+                  dev.kernel_precision.empty() ? "analytic" : dev.kernel_precision.c_str(), a.o.bf16 ? "bf16" : "fp32", sim.step_s, sim.bubble(), a.rank,
                   rt.compute_s, rt.comm_s, rt.wait_s, static_cast<double>(max_memory) / 1048576.0, tokens, tokens / sim.step_s, flops,
                   mfu > 0 ? (", \"predicted_mfu\": " + std::to_string(mfu)).c_str() : "");
       return 0;
@@ -238,15 +239,15 @@ int run(int argc, char** argv) {
     std::printf("{\"workload\": \"%s\", \"plan\": \"%s\", \"mesh\": \"%s\", \"ranks\": %d, \"zero\": %d, "
                 "\"micro_batches\": %d, \"schedule\": \"%s\", \"lower_s\": %.4f, \"max_bytes_sent_per_rank_per_step\": %lld, "
                 "\"total_bytes_sent_per_step\": %lld, \"max_params_per_rank\": %lld, \"max_model_state_bytes_per_rank\": %lld, "
-                "\"max_gflop_per_rank_per_step\": %.4f, \"max_predicted_memory_mib_per_rank\": %.2f}\n",
+                "\"max_gflop_per_rank_per_step\": %.4f, \"max_predicted_memory_mib_per_rank\": %.2f, \"trains_in\": \"%s\"}\n",
                 a.workload.c_str(), a.plan.c_str(), mesh.spec().c_str(), mesh.size(), mine.zero_level,
                 mine.micro_batches, mine.schedule.c_str(), secs, static_cast<long long>(max_sent),
                 static_cast<long long>(sum_sent), static_cast<long long>(max_held), static_cast<long long>(max_state),
-                max_flops / 1e9, static_cast<double>(max_memory) / 1048576.0);
+                max_flops / 1e9, static_cast<double>(max_memory) / 1048576.0, a.o.bf16 ? "bf16" : "fp32");
     return 0;
   }
   if (!a.summary) std::cout << mine << "  predicted memory: " << predict_memory(d, mine) << "\n";
-  std::cout << "all " << mesh.size() << " ranks lowered in " << secs << " s: at most " << max_sent
+  std::cout << "all " << mesh.size() << " ranks lowered (training in " << (a.o.bf16 ? "bf16" : "fp32") << ") in " << secs << " s: at most " << max_sent
             << " B sent per rank per step (" << sum_sent << " B in all), at most " << max_held
             << " parameters and " << max_state << " B of model state per rank, at most " << max_flops / 1e9
             << " GFLOP per rank per step, at most " << static_cast<double>(max_memory) / 1048576.0

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "whale/nn/recompute.hpp"
 #include "whale/plan/lower.hpp"
 #include "whale/plan/memory.hpp"
+#include "whale/plan/precision_rule.hpp"
 #include "whale/plan/probe.hpp"
 #include "whale/plan/simulate.hpp"
 #include "whale/plan/tie.hpp"
@@ -34,7 +36,20 @@ struct plan_query {
   int per_node = 0;       ///< ranks per node for the simulation (0: one node)
   lower_options o;        ///< global_batch / seq < 0: the workload's
   double plan_tie = 0.02; ///< the search: near-ties within this fraction go to the simpler plan (plan/tie.hpp)
+  /// The precision the job trains in (--precision); unset: the profile's
+  /// `kernels` line's, fp32 without one.
+  std::optional<precision> trains_in;
 };
+
+/// Whether plans of `q` are priced in bf16 on `dev`: the job's precision, which
+/// a profile timing its kernels in the other one cannot price (refused, naming both).
+/// `who` begins the message.
+inline bool prices_bf16(const plan_query& q, const device_profile& dev, const std::string& who = "plan search") {
+  if (!q.trains_in) return dev.prices_bf16();
+  if (const auto why = profile_precision_refusal(dev.kernel_precision, *q.trains_in, "--precision"); !why.empty())
+    throw std::invalid_argument(who + ": " + why);
+  return *q.trains_in == precision::bf16;
+}
 
 [[noreturn]] inline void plan_error(const std::string& why) { throw std::invalid_argument(why); }
 
@@ -207,6 +222,7 @@ struct candidate {
 /// Throws when none runs and fits.
 inline std::vector<candidate> rank_plans(const plan_query& base, int n, const device_profile& dev, double memory_limit_mib) {
   check_plan_tie(base.plan_tie, "plan search: the tie band (--plan-tie)");
+  const bool bf16 = prices_bf16(base, dev);
   std::vector<candidate> cs;
   auto add = [&](const std::string& plan, const std::string& mesh, const std::string& sched = "1f1b", int micro = 0,
                  bool rec = false, int zero = -1) {
@@ -295,7 +311,7 @@ inline std::vector<candidate> rank_plans(const plan_query& base, int n, const de
       if (o.seq < 0) o.seq = w.seq;
       o.balance_seq = o.seq;  // the stage balancer prices attention at the context it runs
       o.zero_level = c.a.zero;
-      o.bf16 = dev.prices_bf16();  // a GPU profile's precision: its master weights, its refusals
+      o.bf16 = bf16;  // the job's precision: its master weights, its refusals
       o.placement = false;  // priced, not run
       std::vector<program> all;
       std::int64_t mem = 0;

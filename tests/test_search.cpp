@@ -144,3 +144,43 @@ TEST_CASE("the plan search prices a 3-D plan with ZeRO level L where level L - 1
     limit = least(tight, z) - 0.001;
   }
 }
+
+TEST_CASE("the plan search prices the job's precision (--precision), and refuses a profile that times the other one") {
+  bench::search::plan_query q;
+  q.workload = "gpt";
+  q.o.global_batch = -1, q.o.seq = -1;
+  const auto vm = device_profile::load(std::string(WHALE_PROFILES_DIR) + "/vm-4.txt");  // no kernels line
+  REQUIRE(vm.kernel_precision.empty());
+  // the profile's precision when none is given (fp32 without a kernels line)
+  CHECK_FALSE(bench::search::prices_bf16(q, vm));
+  std::map<std::string, double> fp32_memory;
+  for (const auto& c : bench::search::rank_plans(q, 4, vm, 0))
+    if (c.valid) fp32_memory[c.label()] = c.memory_mib;
+  q.trains_in = precision::bf16;
+  CHECK(bench::search::prices_bf16(q, vm));
+  int compared = 0, zero3 = 0;
+  for (const auto& c : bench::search::rank_plans(q, 4, vm, 0)) {
+    INFO(c.label() << ": " << c.why);
+    if (c.a.plan == "zero3" || c.a.zero == 3) {  // the one rule refuses bf16 with ZeRO-3
+      CHECK_FALSE(c.valid);
+      CHECK(c.why.find("bf16 mixed precision with ZeRO-3 is not implemented") != std::string::npos);
+      ++zero3;
+      continue;
+    }
+    if (!c.valid || !fp32_memory.count(c.label())) continue;
+    CHECK(c.memory_mib > fp32_memory.at(c.label()));  // the fp32 master weights beside the bf16 parameters
+    ++compared;
+  }
+  CHECK(zero3 > 0);
+  CHECK(compared > 0);
+  // a profile of bf16 kernels prices a bf16 job, and refuses an fp32 one, naming both
+  const auto h200 = device_profile::load(std::string(WHALE_PROFILES_DIR) + "/datasheet-h200-8x-ib400-bf16.txt");
+  CHECK(bench::search::prices_bf16(q, h200));
+  q.trains_in = precision::fp32;
+  CHECK_THROWS_WITH_AS(bench::search::rank_plans(q, 8, h200, 0),
+                       doctest::Contains("plan search: the device profile times its kernels in bf16 (its 'kernels' line), but "
+                                         "the plan trains in fp32 (--precision)"),
+                       std::invalid_argument);
+  q.trains_in.reset();
+  CHECK(bench::search::prices_bf16(q, h200));
+}

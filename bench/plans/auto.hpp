@@ -44,9 +44,9 @@ struct auto_choice {
       throw usage_error("bench: --plan auto runs its choice in fp32 (WHALE_PRECISION says " + std::string(to_string(env)) +
                         "); bf16 mixed precision is measured with --plan single or dp --precision bf16");
     const auto dev = device_profile::load(profile);
-    if (dev.prices_bf16())  // the search prices in the profile's precision; the bench plans it runs train fp32
-      throw usage_error("bench: --plan auto runs its choice in fp32, but the profile '" + profile +
-                        "' times bf16 kernels ('kernels bf16'); give a profile without a kernels line or with 'kernels fp32'");
+    if (const auto why = profile_precision_refusal(dev.kernel_precision, precision::fp32, "bench --plan auto trains its choice in fp32");
+        !why.empty())
+      throw usage_error("bench: --plan auto: " + profile + ": " + why);
     const int planned = placed_per_node(c, per_node, dev);
     search::plan_query q;
     q.workload = W::name;
@@ -55,6 +55,7 @@ struct auto_choice {
     q.o.optimizer_bytes_per_param = 4;  // the benchmarks' SGD with momentum
     q.per_node = planned;               // 0: the profile's node line, else one node
     q.plan_tie = tie;
+    q.trains_in = precision::fp32;  // the plans the bench runs train in fp32
     const auto cs = search::rank_plans(q, c.ranks(), dev, limit);
     const auto& best = cs.front();
 

@@ -120,11 +120,9 @@ std::vector<plan_choice> rank_auto_plans(const mesh_shape& job, const plan_optio
   std::vector<plan_choice> cs;
   check_plan_tie(o.plan_tie, "whale::" + auto_plan<M, S>::name() + ": plan_options::plan_tie");
   // a profile of a GPU's kernels times them in one precision: the plan's
-  if (!dev.kernel_precision.empty() && dev.prices_bf16() != (o.precision == precision::bf16))
-    throw std::invalid_argument("whale::" + auto_plan<M, S>::name() + ": the device profile times its kernels in " +
-                                dev.kernel_precision + " (its 'kernels' line), but the plan trains in " + to_string(o.precision) +
-                                " (plan_options::precision, --precision); make the plan in " + dev.kernel_precision +
-                                ", or give a profile measured in " + to_string(o.precision));
+  if (const auto why = profile_precision_refusal(dev.kernel_precision, o.precision, "plan_options::precision, --precision");
+      !why.empty())
+    throw std::invalid_argument("whale::" + auto_plan<M, S>::name() + ": " + why);
   // each candidate type's description, read once (a GPU profile (`kernels`) prices
   // each layer's kernels, plan/probe.hpp, in its precision)
   constexpr auto describers = detail::describers_of(detail::auto_candidates<M, S>{});
