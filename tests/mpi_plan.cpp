@@ -47,6 +47,7 @@ struct measured {
   std::int64_t sent = 0, received = 0;
   memory_stats memory;  ///< peaks by category over the run, less what was live before it
   std::array<std::vector<std::string>, 8> calls;  ///< by group (axes' bits): the operations issued, in order
+  std::vector<std::string> collectives;  ///< every group's collectives, "group: said", in the order issued across groups
   pass_order order;          ///< the order the step's passes ran in
   bool program_order = false;  ///< taken from the step's program
 };
@@ -105,14 +106,20 @@ template <class P, class Data> std::pair<measured, index_t> run(const context& c
   t.step(data, 2);
   const auto after = stats();
   measured m;
+  std::vector<std::pair<std::uint64_t, std::string>> across;  // (place among the process's calls, "group: said")
   for (unsigned b = 1; b < 8; ++b) {  // the world's calls are the group of every axis
     for (auto* c : {&group_comm(b), b == 7 ? &ctx.world() : nullptr}) {
       if (!c) continue;
       if (c->size() > 1)
-        for (const auto& call : c->recorded_calls()) m.calls[b].push_back(said(call, c->size()));
+        for (const auto& call : c->recorded_calls()) {
+          m.calls[b].push_back(said(call, c->size()));
+          if (call.peer < 0) across.emplace_back(call.order, axes::from_bits(b).name() + ": " + m.calls[b].back());
+        }
       c->record_calls(false);
     }
   }
+  std::sort(across.begin(), across.end());
+  for (auto& [order, what] : across) m.collectives.push_back(std::move(what));
   auto mem = memory_snapshot();
   for (int k = 0; k < mem_kind_count; ++k) mem.peak[static_cast<std::size_t>(k)] -= start.live[static_cast<std::size_t>(k)];
   m.order = net.pass_order_run(), m.program_order = net.runs_program_order();
@@ -124,6 +131,8 @@ template <class P, class Data>
 void check_plan(const std::string& spec, Data make_data, index_t batch, index_t seq, lower_options o = {}) {
   auto po = plan_options::from_env();  // as make<P>(ctx, seed) takes them, with the lowering's micro-batches
   if (o.micro_batches > 0) po.micro_batches = o.micro_batches;
+  po.bucket_mib = o.bucket_mib;      // the lowering's buckets are the run's
+  po.overlap = o.overlap_buckets;
   auto ctx = test::on_mesh(spec);
   o.global_batch = batch;
   o.seq = seq;
@@ -180,6 +189,19 @@ void check_plan(const std::string& spec, Data make_data, index_t batch, index_t 
       std::size_t counted = 0;
       for (const auto& x : m.calls[b]) counted += std::find(streams.begin(), streams.end(), stream_of(x)) != streams.end();
       CHECK(counted == m.calls[b].size());
+    }
+    // the collectives of every group in one order, as the program's operations and their
+    // dependencies order them: a bucket's all-reduce right after the backward it waits for,
+    // before the model group's collectives of the layers before it
+    {
+      std::vector<std::string> want;
+      for (const auto& o : prog.ops)
+        if (o.kind == op_kind::collective && o.group_size > 1) want.push_back(o.group.name() + ": " + said(o));
+      std::ostringstream ws, gs;
+      for (const auto& x : want) ws << "\n  " << x;
+      for (const auto& x : m.collectives) gs << "\n  " << x;
+      INFO("every group's collectives: the program's" << ws.str() << "\nissued" << gs.str());
+      CHECK(m.collectives == want);
     }
     // the predicted memory (plan/memory.hpp) against the tracker's peaks: model
     // state exactly, activations within 5% (and 4 KiB), buffers within bounds
@@ -311,4 +333,23 @@ TEST_CASE("program operations equal the issued ones: ZeRO with tensor parallelis
     check_plan<replicate<pipeline<interleaved_1f1b<2>, small_gpt>>>("data=2,pipe=2", tokens, 8, 16);
     check_plan<shard<pipeline<interleaved_1f1b<2>, small_gpt>, 1>>("data=2,pipe=2", tokens, 8, 16);
   }
+}
+
+TEST_CASE("program operations equal the issued ones: small buckets summed as the backward that finishes each ends, and after backward without overlap") {
+  // many buckets: each all-reduce over data goes right after the leaf whose backward finishes it, among the
+  // model group's collectives of the layers before it (the order across groups); without overlap, all at the end
+  const int n = world_size();
+  const auto tokens = [] { return markov_data(seed{7}, 64, 16, 8); };
+  lower_options small;
+  small.bucket_mib = 4096.0 / 1048576.0;  // 1,024 floats a bucket
+  check_plan<replicate<small_gpt>>(data_mesh(n), tokens, 8, 16, small);
+  if (n == 4) {
+    check_plan<tp_gpt>("data=2,model=2", tokens, 8, 16, small);
+    check_plan<megatron>("data=2,model=2", [] { return teacher_data(seed{7}, 16, 8, 8); }, 8, 1, small);
+    check_plan<replicate<pipeline<one_f_one_b, small_gpt>>>("data=2,pipe=2", tokens, 8, 16, small);
+  }
+  lower_options late = small;
+  late.overlap_buckets = false;
+  check_plan<replicate<small_gpt>>(data_mesh(n), tokens, 8, 16, late);
+  if (n == 4) check_plan<tp_gpt>("data=2,model=2", tokens, 8, 16, late);
 }

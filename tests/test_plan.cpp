@@ -18,6 +18,7 @@
 #include "whale/plan/memory.hpp"
 #include "whale/plan/simulate.hpp"
 #include "whale/nn/residual.hpp"
+#include "whale/runtime/options.hpp"
 
 using namespace whale;
 
@@ -1014,4 +1015,45 @@ TEST_CASE("the program's gradient buckets cover what is summed over data, from t
   CHECK(detail::merged_ranges(p.grad_buckets) == std::vector<std::pair<index_t, index_t>>{{0, n}});
   CHECK(lower<shard<mlp, 2>>(mesh_shape(2, 1, 1), 0, batch(8)).grad_buckets.empty());  // ZeRO 2-3 reduce-scatter instead
   CHECK(lower<mlp>(mesh_shape(1, 1, 1), 0, batch(8)).grad_buckets.empty());
+}
+
+TEST_CASE("each gradient bucket's all-reduce waits for the backward that finishes it, or for the whole backward without overlap") {
+  auto o = batch(8);
+  o.bucket_mib = 128.0 / 1048576.0;  // 32 floats a bucket
+  o.micro_batches = 2;
+  const auto p = lower<replicate<mlp>>(mesh_shape(2, 1, 1), 0, o);
+  const auto at = p.bucket_launches();
+  REQUIRE(at.size() == p.grad_buckets.size());
+  REQUIRE(at.size() > 2);
+  for (std::size_t i = 0, k = 0; i < p.ops.size(); ++i) {
+    const auto& b = p.ops[i];
+    if (b.bucket < 0) continue;
+    INFO("bucket " << k << " [" << p.grad_buckets[k].first << ", " << p.grad_buckets[k].second << ") at op " << i);
+    CHECK(b.bucket == static_cast<int>(k));
+    // the unit whose backward finishes it: the last (in flat order) that starts at or before it
+    index_t finisher = -1;
+    for (const auto& h : p.holds)
+      if (h.local_params > 0 && h.local_offset <= p.grad_buckets[k].first) finisher = std::max(finisher, h.local_offset);
+    CHECK(at[k] == finisher);
+    REQUIRE(b.deps.size() == 1);
+    const auto& d = p.ops[static_cast<std::size_t>(b.deps[0])];
+    CHECK(d.kind == op_kind::backward);
+    CHECK(d.micro == 1);  // the step's last micro-batch
+    CHECK(b.deps[0] < static_cast<int>(i));
+    ++k;
+  }
+  CHECK(at.front() > at.back());  // the first bucket goes during the backward, the last at its end
+  o.overlap_buckets = false;      // plan_options::overlap off: every bucket after the step's backward
+  const auto late = lower<replicate<mlp>>(mesh_shape(2, 1, 1), 0, o);
+  CHECK(late.grad_buckets == p.grad_buckets);
+  for (const auto l : late.bucket_launches()) CHECK(l == program::after_backward);
+  int late_backward = -1;
+  for (std::size_t i = 0; i < late.ops.size(); ++i)
+    if (late.ops[i].kind == op_kind::backward) late_backward = static_cast<int>(i);
+  for (std::size_t i = 0; i < late.ops.size(); ++i)
+    if (late.ops[i].bucket >= 0) CHECK(static_cast<int>(i) > late_backward);
+  CHECK(lowering_of(plan_options{}, 8).overlap_buckets);
+  plan_options off;
+  off.overlap = false;
+  CHECK_FALSE(lowering_of(off, 8).overlap_buckets);
 }

@@ -50,7 +50,7 @@ WHALE_CORE_INLINE mpi_comm::request mpi_comm::start(detail::coll op, index_t n, 
   r.type_ = t;
   r.seq_ = s_->enter(op);
   r.flight_ = detail::flight_recorder::instance().begin(detail::to_string(op), s_->name, r.seq_, n, whale::to_string(t));
-  if (s_->recording) s_->calls.push_back({op, n, 0, -1});
+  if (s_->recording) s_->calls.push_back({op, n, 0, -1, detail::mpi_comm_state::next_recorded()});
   return r;
 }
 
@@ -65,7 +65,8 @@ WHALE_CORE_INLINE mpi_comm::request mpi_comm::p2p(detail::coll op, index_t n, dt
   r.tag_ = tag;
   r.flight_ = detail::flight_recorder::instance().begin(detail::to_string(op), s_->name, 0, n, whale::to_string(t));
   if (s_->recording)  // the peer in world numbering, as the program names it
-    s_->calls.push_back({op, n, 0, peer >= 0 && peer < s_->size ? s_->world_ranks[static_cast<std::size_t>(peer)] : peer});
+    s_->calls.push_back({op, n, 0, peer >= 0 && peer < s_->size ? s_->world_ranks[static_cast<std::size_t>(peer)] : peer,
+                         detail::mpi_comm_state::next_recorded()});
   return r;
 }
 

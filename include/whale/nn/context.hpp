@@ -105,8 +105,12 @@ struct step_ctx {
   int slot = 0;             ///< activation slot: which in-flight micro-batch this is
   bool accumulate = false;  ///< add to parameter gradients instead of overwriting them
   bool need_input_grad = true;  ///< whether the caller needs d(input) from backward
-  /// Called during backward when every gradient at flat offset >= `offset` is final.
-  std::function<void(index_t offset)> grads_ready;
+  /// Called after each leaf layer's backward with the leaf's flat offset:
+  /// that unit's backward operation of the program has ended, and every
+  /// gradient at flat offset >= `offset` is final (backward runs the leaves
+  /// in reverse flat order). The executor issues the operations that wait for
+  /// it (program::bucket_launches); null: nobody waits.
+  std::function<void(index_t offset)> leaf_backward_done;
   /// Called around every leaf layer (not containers); null: none.
   layer_hooks* hooks = nullptr;
   /// Split backward (schedules with weight passes): while non-null, a layer

@@ -149,7 +149,8 @@ template <class L, class X> view<float> run_forward(L& l, step_ctx& c, X x, inde
     return y;
   }
 }
-/// Run element `l` backward, with hooks around leaves. `next_rounds`: the
+/// Run element `l` backward, with hooks around leaves, and tell
+/// step_ctx::leaf_backward_done when a leaf's has ended. `next_rounds`: the
 /// element that reads the result rounds it as it reads (rounds_grad_on_read),
 /// so no rounding pass follows a leaf's backward (where no hook or
 /// finiteness check looks at the value between them).
@@ -157,13 +158,17 @@ template <bool next_rounds = false, class L> view<float> run_backward(L& l, step
   if constexpr (is_container<L>) {
     return detail::stored<rounds_input_grad<L>()>(c, l.backward(c, dy));
   } else {
-    if (!c.hooks && !c.check_finite)
-      return detail::stored<rounds_input_grad<L>() || next_rounds>(c, l.backward(c, dy));
+    if (!c.hooks && !c.check_finite) {
+      auto dx = detail::stored<rounds_input_grad<L>() || next_rounds>(c, l.backward(c, dy));
+      if (c.leaf_backward_done) c.leaf_backward_done(offset);
+      return dx;
+    }
     const auto ref = make_leaf_ref(l, offset);
     if (c.hooks) c.hooks->before_backward(ref);
     auto dx = detail::stored<rounds_input_grad<L>()>(c, l.backward(c, dy));
     if (c.hooks) c.hooks->after_backward(ref);
     if (c.check_finite) detail::check_finite_values(dx, layer_name<L>(), "input gradient", c);
+    if (c.leaf_backward_done) c.leaf_backward_done(offset);
     return dx;
   }
 }
@@ -184,17 +189,22 @@ double run_forward_loss(L& l, step_ctx& c, X x, label_buffer labels, index_t off
     return v;
   }
 }
-/// The loss's backward, with hooks when it is a leaf.
+/// The loss's backward, with hooks when it is a leaf (and leaf_backward_done after it).
 template <class L> view<float> run_backward_loss(L& l, step_ctx& c, index_t offset) {
   if constexpr (is_container<L>) {
     return detail::stored(c, l.backward_loss(c));
   } else {
-    if (!c.hooks && !c.check_finite) return detail::stored<rounds_input_grad<L>()>(c, l.backward_loss(c));
+    if (!c.hooks && !c.check_finite) {
+      auto d = detail::stored<rounds_input_grad<L>()>(c, l.backward_loss(c));
+      if (c.leaf_backward_done) c.leaf_backward_done(offset);
+      return d;
+    }
     const auto ref = make_leaf_ref(l, offset);
     if (c.hooks) c.hooks->before_backward(ref);
     auto d = detail::stored<rounds_input_grad<L>()>(c, l.backward_loss(c));
     if (c.hooks) c.hooks->after_backward(ref);
     if (c.check_finite) detail::check_finite_values(d, layer_name<L>(), "input gradient", c);
+    if (c.leaf_backward_done) c.leaf_backward_done(offset);
     return d;
   }
 }

@@ -89,7 +89,7 @@ class repeat {
     c.sum_taken_after = false;
     return y;
   }
-  // dy: (R, F) -> dx: (R, F), through copies N-1..0; reports grads_ready after each copy
+  // dy: (R, F) -> dx: (R, F), through copies N-1..0
   view<float> backward(step_ctx& c, cview<float> dy) {
     const bool outer = c.need_input_grad;
     view<float> d;
@@ -98,7 +98,6 @@ class repeat {
       c.need_input_grad = k > 0 || outer;
       d = run_backward(blocks_[k], c, g, offset_[k]);
       c.need_input_grad = outer;
-      if (c.grads_ready) c.grads_ready(offset_[k]);
       g = d;
     }
     return d;

@@ -114,8 +114,7 @@ view<float> forward_through(Tuple& layers, const Offsets& offset, step_ctx& c, X
     return forward_through<I + 1, N, LastReadRounded>(layers, offset, c, cview<float>(y), last_takes);
   else return y;
 }
-/// Elements I..0 backward, reporting each element's gradients final as it goes;
-/// d(input) of element 0 only if the caller asked for it.
+/// Elements I..0 backward; d(input) of element 0 only if the caller asked for it.
 /// A residual's gradient addend (step_ctx::residual_grad) is shown to element 0
 /// only, where it accepts it; hidden from the others and put back after.
 template <std::size_t I, class Tuple, class Offsets>
@@ -137,7 +136,6 @@ view<float> backward_through(Tuple& layers, const Offsets& offset, step_ctx& c, 
   c.dgelu_pre = {};
   c.need_input_grad = outer;
   if constexpr (!shown) c.residual_grad = held;
-  if (c.grads_ready) c.grads_ready(offset[I]);
   if constexpr (I > 0) return backward_through<I - 1>(layers, offset, c, cview<float>(dx));
   else return dx;
 }
@@ -150,7 +148,6 @@ view<float> backward_from_loss(Tuple& layers, const Offsets& offset, step_ctx& c
   c.need_input_grad = N > 1 || outer;
   auto d = run_backward_loss(std::get<N - 1>(layers), c, offset[N - 1]);
   c.need_input_grad = outer;
-  if (c.grads_ready) c.grads_ready(offset[N - 1]);
   if constexpr (N == 1) return d;
   else return backward_through<N - 2>(layers, offset, c, cview<float>(d));
 }

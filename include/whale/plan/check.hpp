@@ -23,6 +23,9 @@ struct lower_options {
   std::vector<int> stage_blocks;  ///< pipelines of a repeat: blocks per stage (empty: balanced)
   index_t balance_seq = 128;    ///< context length the stage balancer assumes
   double bucket_mib = 25.0;     ///< gradient bucket size
+  /// Each gradient bucket all-reduced as soon as the backward that finishes it
+  /// ends (plan_options::overlap); false: every bucket after the step's backward.
+  bool overlap_buckets = true;
   bool bf16_reduce = false;     ///< gradient buckets summed in bf16 (2 bytes an element; plan_options::bf16_reduce)
   bool zero_prefetch = true;    ///< ZeRO-3: each gather issued one leaf ahead (plan_options::prefetch)
   /// bf16 mixed precision (precision::bf16): fp32 master weights beside the parameters, 4 bytes a

@@ -282,7 +282,7 @@ class lowering {
   void backward(int c, int j, bool last_micro);
   void weight(int c, int j);
   void zero_scatter(const unit_holding& h, int after, int micro);
-  void ready(index_t offset, int after);
+  void ready(index_t offset, int after, bool at_end);
   void finish();
 
   const model_desc& desc_;

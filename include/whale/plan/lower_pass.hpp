@@ -172,7 +172,8 @@ inline void lowering::backward(int c, int j, bool last_micro) {
     const auto& h = prog_.holds[static_cast<std::size_t>(unit_hold_[static_cast<std::size_t>(i)])];
     if (h.local_params == 0) continue;
     if (zero_ >= 2 && data_size_ > 1) zero_scatter(h, b, j);
-    if (last_micro && !desc_.split_backward && chunks_ == 1) ready(h.local_offset, b);  // split, interleaved: all at the end
+    // each bucket as the backward that finishes it ends (split, interleaved, or without overlap: all at the end)
+    if (last_micro && o_.overlap_buckets && !desc_.split_backward && chunks_ == 1) ready(h.local_offset, b, false);
   }
   if (v > 0 && j >= 0) p2p(op_kind::send, (v - 1) % pipe_size_, in_width_[cu], j, "gradient to the previous stage");
 }
@@ -197,8 +198,8 @@ inline void lowering::zero_scatter(const unit_holding& h, int after, int micro) 
     sync_.push_back(id);
   }
 }
-// Gradients at local offsets >= `offset` are final: the buckets they complete.
-inline void lowering::ready(index_t offset, int after) {
+// Gradients at local offsets >= `offset` are final (`at_end`: the backward has ended): the buckets they complete.
+inline void lowering::ready(index_t offset, int after, bool at_end) {
   while (next_bucket_ < buckets_.size() && buckets_[next_bucket_].first >= offset) {
     const auto [b, e] = buckets_[next_bucket_];
     const index_t bytes = o_.bf16_reduce ? 2 : 4;
@@ -208,13 +209,15 @@ inline void lowering::ready(index_t offset, int after) {
                                 (o_.bf16_reduce ? " in bf16" : ""),
                             -1);
     prog_.ops[static_cast<std::size_t>(id)].deps = {after};
+    prog_.ops[static_cast<std::size_t>(id)].bucket = static_cast<int>(next_bucket_);
+    prog_.bucket_launch.push_back(at_end ? program::after_backward : offset);
     sync_.push_back(id);
     ++next_bucket_;
   }
 }
 
 inline void lowering::finish() {
-  ready(0, last_);
+  ready(0, last_, true);
   // the global loss
   const axes lg = axes::from_bits(7u);  // shares summed over the world, once per model group
   const int lsize = prog_.mesh.size();

@@ -9,6 +9,7 @@
 #include <iomanip>
 #include <ostream>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -74,6 +75,7 @@ struct op {
   std::int64_t mine = 0;            ///< reduce-scatter: the elements this rank keeps of them
   double flops = 0;          ///< compute and optimizer operations
   index_t rows = 0;          ///< compute: rows (samples, or tokens) it runs on
+  int bucket = -1;           ///< a data-parallel gradient bucket's all-reduce: its index in program::grad_buckets
   std::string what;          ///< the layer, or why the communication happens
   std::vector<int> deps;     ///< indices of operations that must be done first
 };
@@ -126,6 +128,15 @@ struct program {
   /// axis, in the order they are issued (from the buffer's end, as backward
   /// finishes them). Empty without data parallelism, and at ZeRO 2-3.
   std::vector<std::pair<index_t, index_t>> grad_buckets;
+  /// When each is launched, as its all-reduce's dependency says: the local
+  /// offset of the unit whose backward (in the step's last micro-batch) it
+  /// waits for (every gradient from there on is final by then), or
+  /// `after_backward` when it waits for the step's backward to end (without
+  /// overlap, split schedules, interleaved chunks). The executor launches
+  /// bucket k once the stage reports its gradients final from that offset on
+  /// (runtime/grad_sync.hpp).
+  std::vector<index_t> bucket_launch;
+  static constexpr index_t after_backward = -1;
   std::vector<unit_holding> holds;
   /// The order of the step's passes (ops below lists their operations in it).
   pass_order order;
@@ -148,6 +159,19 @@ struct program {
     t.grad_bytes = 4 * (zero_level >= 2 ? owned : n);
     t.optimizer_bytes = static_cast<std::int64_t>(optimizer_bytes_per_param) * owned;
     return t;
+  }
+  /// When each data-parallel gradient bucket is summed: the launch points
+  /// of grad_buckets (bucket_launch), checked against their all-reduces.
+  std::vector<index_t> bucket_launches() const {
+    std::size_t k = 0;
+    for (const auto& o : ops)
+      if (o.bucket >= 0 && o.bucket != static_cast<int>(k++))
+        throw std::logic_error("whale::program: gradient bucket " + std::to_string(o.bucket) + " is issued out of order");
+    if (k != grad_buckets.size() || bucket_launch.size() != grad_buckets.size())
+      throw std::logic_error("whale::program: " + std::to_string(grad_buckets.size()) + " gradient bucket(s), " +
+                             std::to_string(bucket_launch.size()) + " launch point(s) and " + std::to_string(k) +
+                             " all-reduce(s) of them");
+    return bucket_launch;
   }
   /// Bytes this rank sends in one step over the given axes (collectives whose
   /// group is exactly `a`, and point-to-point messages when `a` is pipe).

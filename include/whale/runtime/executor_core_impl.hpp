@@ -177,7 +177,7 @@ WHALE_CORE_INLINE void executor_core::finish_setup() {
     // the program's buckets; binding found which ranges are summed over data, and they must be the same
     if (merged_ranges(prog_.grad_buckets) != complement(no_sync_, n))
       throw std::logic_error(who() + "the program's gradient buckets do not cover the ranges summed over the data axis");
-    sync_.plan(prog_.grad_buckets, blocking_buckets(), o_.bf16_reduce, be_, dev_data_.get());
+    sync_.plan(prog_.grad_buckets, prog_.bucket_launches(), blocking_buckets(), o_.bf16_reduce, be_, dev_data_.get());
   }
   msg_.bind(*pipe_, be_);
   // on a device, pipeline messages take the device's own channels (collective over the pipe group, on every rank alike)

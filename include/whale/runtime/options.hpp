@@ -62,7 +62,7 @@ struct plan_options : placement_options,
 
 /// The options lowering takes, from a plan's options: the one place where
 /// plan_options meets lower_options (micro-batches, stage blocks, the
-/// balancer's context length, buckets and their precision, the steps' precision). The caller sets
+/// balancer's context length, buckets, when and in what precision they are summed, the steps' precision). The caller sets
 /// the rows (`global_batch`, `seq`) and whatever it prices differently.
 inline lower_options lowering_of(const plan_options& o, index_t global_batch, index_t seq = 1) {
   lower_options lo;
@@ -72,6 +72,7 @@ inline lower_options lowering_of(const plan_options& o, index_t global_batch, in
   lo.stage_blocks = o.blocks;
   lo.balance_seq = o.balance_seq;
   lo.bucket_mib = o.bucket_mib;
+  lo.overlap_buckets = o.overlap;
   lo.bf16_reduce = o.bf16_reduce;
   lo.zero_prefetch = o.prefetch;
   lo.bf16 = o.precision == precision::bf16;

@@ -169,8 +169,9 @@ WHALE_CORE_INLINE double executor_core::run_pass(step_ctx& c, int m, cview<std::
       }
       const bool final_backward = ++backwards == m;
       const index_t base = chunk_begin(ch);
-      if (final_backward && sum_data && o_.overlap && !facts_.split_backward && chunk_count == 1)
-        mc.grads_ready = [this, base](index_t off) { sync_.ready(*data_, grads_.data(), off - base); };
+      // the buckets the program sums during backward go as the stage reports their gradients final
+      if (final_backward && sum_data && sync_.during_backward())
+        mc.leaf_backward_done = [this, base](index_t off) { sync_.ready(*data_, grads_.data(), off - base); };
       const auto t0 = tr_.now();
       auto dx = chunk_backward(ch, mc, dy);
       tr_.add(span_kind::backward, step_, a.micro, t0, tr_.now());

@@ -254,7 +254,7 @@ template <class Pipe> class pipe_stage {
     if (!any_layer) return view<float>(const_cast<float*>(in.data()), in.shape());
     return forward(c, x0, in);
   }
-  /// One micro-batch backward; c.grads_ready(offset) after each element (global flat offsets).
+  /// One micro-batch backward (each leaf tells c.leaf_backward_done its global flat offset).
   view<float> backward(step_ctx& c, cview<float> dy) {
     const bool upstream = stage_ > 0;
     cview<float> g = dy;
@@ -266,17 +266,14 @@ template <class Pipe> class pipe_stage {
       if constexpr (I == loss_index) {
         c.need_input_grad = upstream || !is_first_unit(I, 0);
         g = d = run_backward_loss(e, c, off_[I]);
-        if (c.grads_ready) c.grads_ready(off_[I]);
       } else if constexpr (I == rep_index) {
         for (int k = first_block_[su(stage_) + 1]; k-- > first_block_[su(stage_)];) {
           c.need_input_grad = upstream || !is_first_unit(I, k);
           g = d = run_backward(e.block(static_cast<std::size_t>(k)), c, g, block_offset(k));
-          if (c.grads_ready) c.grads_ready(block_offset(k));
         }
       } else {
         c.need_input_grad = upstream || !is_first_unit(I, 0);
         g = d = run_backward(e, c, g, off_[I]);
-        if (c.grads_ready) c.grads_ready(off_[I]);
       }
     });
     return d;

@@ -145,14 +145,21 @@ struct mpi_comm_state {
   comm_stats stats{};
   /// An operation as issued: what, how many elements (as the call was given
   /// them: an all-gather's per rank, a reduce-scatter's kept), the whole buffer's
-  /// of an uneven gather or scatter, and a message's peer in world numbering (-1
-  /// for collectives). Kept only while `recording` (mpi_comm::record_calls).
+  /// of an uneven gather or scatter, a message's peer in world numbering (-1
+  /// for collectives), and its place among every recorded call of this process
+  /// (the order across communicators). Kept only while `recording` (mpi_comm::record_calls).
   struct call {
     coll op = coll::none;
     std::int64_t count = 0;
     std::int64_t total = 0;
     int peer = -1;
+    std::uint64_t order = 0;
   };
+  /// The next place among this process's recorded calls (every communicator's).
+  static std::uint64_t next_recorded() noexcept {
+    static std::uint64_t n = 0;  // the main thread's alone: only it issues communication
+    return ++n;
+  }
   bool recording = false;
   std::vector<call> calls;
 
