@@ -61,7 +61,10 @@ namespace detail {
 /// first — or, when gradients are reduce-scattered in bf16, a packed bf16 copy
 /// of each bucket and a bf16 piece instead, the gradient buffer going back as
 /// soon as the leaf is packed — and at level 3 the gathered
-/// parameters of the running leaf and of the prefetched one.
+/// parameters of the running leaf and of the prefetched one. One engine pass
+/// spans the step's micro-batches and prefetches across them: a micro-batch's
+/// end gives no gathered buffer back (the next micro-batch's first leaf is
+/// already on its way).
 inline std::int64_t zero_pool_bytes(const program& p, const zero_options& o) {
   struct size_pool {  // buffers taken by exact size: size -> (buffers, free), as the engine's pools
     std::map<std::int64_t, std::pair<int, int>> by;
@@ -85,17 +88,8 @@ inline std::int64_t zero_pool_bytes(const program& p, const zero_options& o) {
   const int D = p.mesh.size(axis::data);
   const bool in_bf16 = p.bf16_reduce && D > 1;
   const int keep = o.prefetch ? 2 : 1;
-  int micro = -1;
   for (std::size_t i = 0; i < p.ops.size(); ++i) {
     const auto& op = p.ops[i];
-    // a micro-batch ends: its gathered parameters go back to the pool; the
-    // reduce-scatters in flight do not (one engine pass spans the step's
-    // micro-batches, and at most max_pending leaves are in flight in it)
-    if (op.micro >= 0 && op.micro != micro) {
-      for (auto n : gathered) pool.give(n);
-      gathered.clear();
-      micro = op.micro;
-    }
     if (op.kind == op_kind::collective && op.coll == coll_kind::all_gather && op.what.starts_with("ZeRO-3 gather")) {
       while (static_cast<int>(gathered.size()) >= keep) pool.give(gathered.front()), gathered.erase(gathered.begin());
       pool.take(op.elements), gathered.push_back(op.elements);

@@ -96,6 +96,14 @@ struct pass_order {
   std::array<std::vector<detail::pipe_op>, 2> messages;     ///< [training] this rank's messages in the order every rank issues them
 };
 
+/// One use of a leaf's parameters in a step: its local range, forward
+/// (or recompute) or backward. ZeRO-3 gathers each use's parameters.
+struct leaf_use {
+  index_t local_offset = 0, params = 0;
+  bool backward = false;
+  friend bool operator==(const leaf_use&, const leaf_use&) = default;
+};
+
 /// Totals of a program (per step, this rank).
 struct program_totals {
   double flops = 0;
@@ -172,6 +180,25 @@ struct program {
                              std::to_string(bucket_launch.size()) + " launch point(s) and " + std::to_string(k) +
                              " all-reduce(s) of them");
     return bucket_launch;
+  }
+  /// The uses of this rank's leaves with parameters, in the order the step's
+  /// compute operations run them: the order ZeRO-3 gathers in (one leaf
+  /// ahead, with prefetch), which its engine follows from the first step.
+  std::vector<leaf_use> leaf_uses() const {
+    std::vector<const unit_holding*> of;  // by unit
+    for (const auto& h : holds) {
+      if (h.unit >= static_cast<int>(of.size())) of.resize(static_cast<std::size_t>(h.unit) + 1, nullptr);
+      of[static_cast<std::size_t>(h.unit)] = &h;
+    }
+    std::vector<leaf_use> uses;
+    for (const auto& o : ops) {
+      if (o.unit < 0 || o.unit >= static_cast<int>(of.size()) ||
+          (o.kind != op_kind::forward && o.kind != op_kind::recompute && o.kind != op_kind::backward))
+        continue;
+      const auto* h = of[static_cast<std::size_t>(o.unit)];
+      if (h && h->local_params > 0) uses.push_back({h->local_offset, h->local_params, o.kind == op_kind::backward});
+    }
+    return uses;
   }
   /// Bytes this rank sends in one step over the given axes (collectives whose
   /// group is exactly `a`, and point-to-point messages when `a` is pipe).

@@ -139,6 +139,7 @@ WHALE_CORE_INLINE void executor_core::check_step_memory(const step_ctx& c, std::
   auto step = lower(desc_, ctx_->mesh().shape(), ctx_->rank(), lo);
   const auto e = predict_memory(desc_, step, o_);
   step_order_ = std::move(step.order);  // the step's passes run in its order (order_for)
+  if (level_ == 3) zero_.follow(zero_engine::pass_kind::training, step.leaf_uses());  // and gather in its order, from the first
   std::ostringstream what;
   what << "the activations of its step (" << mib_text(e.activations) << ": " << e.live_micro_batches
        << " micro-batch(es) of " << e.rows << " rows kept) and its communication buffers (" << mib_text(e.comm) << ")";

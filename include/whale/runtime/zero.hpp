@@ -2,8 +2,9 @@
 // model types): each data rank owns a near-even contiguous range of the
 // range; level 2 reduce-scatters each leaf's gradients into the owners as its
 // backward ends, level 3 also all-gathers each leaf's parameters just before
-// it runs (prefetching the next one, in the order recorded on the first pass)
-// and frees them after. Levels 1–2 all-gather the parameters after the update.
+// it runs (prefetching the next one, in the order of the step's program, or
+// for passes it does not describe in the order recorded on their first) and
+// frees them after. Levels 1–2 all-gather the parameters after the update.
 // The executor binds the layers and owns the full buffers of levels 1–2. With
 // the stage in a device's memory (set_backend), the owned shards and the
 // buffers layers bind are there. With the device's own communicator (NCCL on
@@ -33,6 +34,7 @@
 #include "whale/comm/context.hpp"
 #include "whale/detail/compiled.hpp"
 #include "whale/nn/layer.hpp"
+#include "whale/plan/program.hpp"
 
 namespace whale::detail {
 
@@ -57,7 +59,7 @@ class zero_engine {
   view<float> shard_grads() const noexcept { return shard_grads_.v(); }
   std::size_t comm_buffers() const noexcept { return pool_.size() + pool16_.size(); }
   /// Level 3: how often a pass asked for parameters in an order other than the
-  /// one recorded for its kind (each such pass prefetches nothing from there on).
+  /// one known for its kind (each such pass prefetches nothing from there on).
   std::size_t rerecords() const noexcept { return rerecords_; }
   /// Levels 1–2: where leaves find their parameters between uses.
   void set_full_params(float* p) noexcept { full_params_ = p; }
@@ -66,6 +68,12 @@ class zero_engine {
   /// ask in different orders; each kind keeps its own recorded order, so
   /// alternating them prefetches.
   enum class pass_kind { training, forward_only };
+  /// Level 3: the order a pass of `kind` uses the leaves in, as the step's
+  /// program lists them (program::leaf_uses; offsets relative to the range's
+  /// base): passes of that kind prefetch from it from their first, and the
+  /// pool takes every buffer they need now. A pass that asks otherwise
+  /// records its own order (rerecords()).
+  void follow(pass_kind kind, const std::vector<leaf_use>& uses);
   /// Put the engine's hooks around `c.hooks` for one pass (levels 2–3). Its
   /// first backward starts the owned gradients; set_accumulate(true) makes
   /// later ones (micro-batches) add to them.
@@ -177,8 +185,8 @@ class zero_engine {
   void start_gather(gathered& g, const leaf_info& l);
   void drop(gathered& g);
 
-  // The order in which leaves ask for their parameters, recorded in the first
-  // pass of each kind and used to prefetch in later ones (a change of order re-records).
+  // The order in which leaves ask for their parameters: the program's (follow), or
+  // recorded in the first pass of its kind; used to prefetch (a change of order re-records).
   struct event {
     index_t offset;
     bool backward;

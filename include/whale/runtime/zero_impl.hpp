@@ -286,6 +286,32 @@ WHALE_CORE_INLINE void zero_engine::finish_pass() {
   if (level_ == 3 && recorded && o_.prefetch && !dry_) rehearse();
   }
 
+WHALE_CORE_INLINE void zero_engine::follow(pass_kind kind, const std::vector<leaf_use>& uses) {
+  if (level_ < 3 || uses.empty()) return;
+  const int k = kind == pass_kind::training ? 0 : 1;
+  if (!recordings_[k] && traces_[k].size() == uses.size()) {  // the same order again: nothing to do
+    bool same = true;
+    for (std::size_t i = 0; i < uses.size() && same; ++i) same = traces_[k][i] == event{uses[i].local_offset, uses[i].backward};
+    if (same) return;
+  }
+  std::vector<event> order;
+  order.reserve(uses.size());
+  for (const auto& u : uses) {
+    const auto& l = info(base_ + u.local_offset, u.params);
+    if (l.count != u.params)
+      throw std::logic_error("whale::shard: the program's leaf at " + std::to_string(u.local_offset) + " holds " +
+                             std::to_string(u.params) + " parameters, the engine's " + std::to_string(l.count));
+    order.push_back({l.offset, u.backward});
+  }
+  const int saved = kind_;
+  kind_ = k;
+  trace() = std::move(order);
+  recording() = false;
+  pos_ = 0;
+  if (o_.prefetch) rehearse();  // the buffers its passes take, now
+  kind_ = saved;
+}
+
 WHALE_CORE_INLINE void zero_engine::rehearse() {
   dry_ = true;
   const auto order = trace();
