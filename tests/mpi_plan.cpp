@@ -1,8 +1,10 @@
 // The lowered program against the run: for each plan, the bytes one training
 // step sends and receives on this rank, as the communicators count them, equal
 // the program's totals; the operations it issues on each communicator equal the
-// program's over that group in kind, size, peer and order; and what the rank
-// holds equals the program's holdings — on every rank, at 1, 2 and 4 ranks.
+// program's over that group in kind, size, peer and order, and its collectives
+// the program's in order across groups, from the first step on; its leaves run
+// in the order of the program's compute operations; and what the rank holds
+// equals the program's holdings — on every rank, at 1, 2 and 4 ranks.
 // This ties plan/lower.hpp to the runtimes: a collective the program forgets,
 // invents, or orders otherwise fails here.
 #include <doctest/doctest.h>
@@ -49,6 +51,7 @@ struct measured {
   std::array<std::vector<std::string>, 8> calls;  ///< by group (axes' bits): the operations issued, in order
   std::vector<std::string> collectives;  ///< every group's collectives, "group: said", in the order issued across groups
   std::array<std::vector<std::string>, 8> first_calls;  ///< the same as `calls`, of the first step
+  std::vector<leaf_use> uses;  ///< the leaves with parameters as a step ran them (their flat offsets)
   pass_order order;          ///< the order the step's passes ran in
   bool program_order = false;  ///< taken from the step's program
 };
@@ -83,9 +86,34 @@ std::string said(const detail::mpi_comm_state::call& c, int size) {
   }
 }
 
+/// Uses with each offset replaced by its place among the offsets used: the hooks see the
+/// model's flat offsets, the program this rank's buffer's (a stage's, or interleaved
+/// chunks back to back), both in the model's order.
+std::vector<leaf_use> ranked(std::vector<leaf_use> uses) {
+  std::vector<index_t> at;
+  for (const auto& u : uses) at.push_back(u.local_offset);
+  std::sort(at.begin(), at.end());
+  at.erase(std::unique(at.begin(), at.end()), at.end());
+  for (auto& u : uses) u.local_offset = std::lower_bound(at.begin(), at.end(), u.local_offset) - at.begin();
+  return uses;
+}
+
+/// Every leaf with parameters a pass runs, as layer hooks see them: its flat offset and
+/// count, forward (or recompute) or backward.
+struct use_recorder final : layer_hooks {
+  std::vector<leaf_use> uses;
+  void before_forward(const leaf_ref& r) override {
+    if (r.count) uses.push_back({r.offset, r.count, false});
+  }
+  void before_backward(const leaf_ref& r) override {
+    if (r.count) uses.push_back({r.offset, r.count, true});
+  }
+};
+
 /// Train plan P for 3 steps on `spec`; the traffic of the third step on this rank,
-/// and the parameters this rank holds.
-template <class P, class Data> std::pair<measured, index_t> run(const context& ctx, Data data, plan_options po) {
+/// and the parameters this rank holds; then one more training step, its leaves recorded.
+template <class P, class Data>
+std::pair<measured, index_t> run(const context& ctx, Data data, plan_options po, index_t batch, index_t seq) {
   // the process's activation pool keeps the buffers of plans run before (recompute<...>
   // takes its blocks' buffers from it): returned to the heap, so this plan's peak is its own
   detail::activation_pool::instance().trim();
@@ -131,6 +159,16 @@ template <class P, class Data> std::pair<measured, index_t> run(const context& c
   auto mem = memory_snapshot();
   for (int k = 0; k < mem_kind_count; ++k) mem.peak[static_cast<std::size_t>(k)] -= start.live[static_cast<std::size_t>(k)];
   m.order = net.pass_order_run(), m.program_order = net.runs_program_order();
+  {  // the compute: one more training step's leaves, in the order they ran
+    use_recorder rec;
+    const auto [first, count] = net.local_batch(batch);
+    auto b = data.get(3, first, count);
+    step_ctx c;
+    c.batch = count, c.seq = seq, c.global_rows = batch * seq;
+    c.hooks = &rec;
+    (void)net.train_step(c, b.inputs, b.labels);
+    m.uses = std::move(rec.uses);
+  }
   m.sent = after.bytes_sent - before.bytes_sent, m.received = after.bytes_received - before.bytes_received, m.memory = mem;
   return {m, net.param_count()};
 }
@@ -147,7 +185,7 @@ void check_plan(const std::string& spec, Data make_data, index_t batch, index_t 
   o.optimizer_bytes_per_param = 4;  // SGD with momentum
   try {  // a plan error is the same on every rank: report it here, before the context goes
     const auto prog = lower<P>(ctx.mesh().shape(), ctx.rank(), o);
-    const auto [m, held] = run<P>(ctx, make_data(), po);
+    const auto [m, held] = run<P>(ctx, make_data(), po, batch, seq);
     const auto t = prog.totals();
     INFO("plan " << layer_name<P>() << " on " << spec << ", rank " << ctx.rank() << "\n" << prog);
     CHECK(t.bytes_sent == m.sent);
@@ -197,6 +235,17 @@ void check_plan(const std::string& spec, Data make_data, index_t batch, index_t 
       std::size_t counted = 0;
       for (const auto& x : m.calls[b]) counted += std::find(streams.begin(), streams.end(), stream_of(x)) != streams.end();
       CHECK(counted == m.calls[b].size());
+    }
+    // the compute ran as the program lists it: every leaf with parameters, forward, recomputed
+    // and backward, in the program's order (the order ZeRO-3 gathers in)
+    {
+      const auto want = ranked(prog.leaf_uses());
+      const auto ran = ranked(m.uses);
+      std::ostringstream ws, gs;
+      for (const auto& u : want) ws << " " << (u.backward ? "b" : "f") << u.local_offset;
+      for (const auto& u : ran) gs << " " << (u.backward ? "b" : "f") << u.local_offset;
+      INFO("the leaves' uses (each leaf by its place in this rank's order): the program's" << ws.str() << "\nran" << gs.str());
+      CHECK(ran == want);
     }
     // the first step issues what later steps do (ZeRO-3 gathers in the program's order from
     // the first, prefetching: nothing is recorded first); the world aside

@@ -34,6 +34,7 @@
 #include "whale/comm/context.hpp"
 #include "whale/detail/compiled.hpp"
 #include "whale/nn/layer.hpp"
+#include "whale/plan/partition.hpp"
 #include "whale/plan/program.hpp"
 
 namespace whale::detail {

@@ -212,7 +212,7 @@ WHALE_CORE_INLINE void zero_engine::before_backward(const leaf_ref& r) {
   }
 
 WHALE_CORE_INLINE void zero_engine::scatter_grads(const leaf_info& l) {
-  const auto per = std::max<index_t>(1, static_cast<index_t>(o_.bucket_mib * 1048576.0 / sizeof(float)));
+  const auto per = bucket_elements(o_.bucket_mib);  // the lowering's cut (plan/partition.hpp)
   const int p = comm_->size();
   for (index_t a = 0; a < l.count; a += per) {
     const index_t b = std::min(l.count, a + per);
