@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "whale/comm/context.hpp"
@@ -52,6 +53,9 @@ struct measured {
   std::vector<std::string> collectives;  ///< every group's collectives, "group: said", in the order issued across groups
   std::array<std::vector<std::string>, 8> first_calls;  ///< the same as `calls`, of the first step
   std::vector<leaf_use> uses;  ///< the leaves with parameters as a step ran them (their flat offsets)
+  /// In that step, in the order they happened: each leaf's backward ending ("b" and its flat
+  /// offset) and each all-reduce over data ("a" and its count), from the process's call counter.
+  std::vector<std::pair<char, index_t>> data_timeline;
   pass_order order;          ///< the order the step's passes ran in
   bool program_order = false;  ///< taken from the step's program
 };
@@ -102,6 +106,10 @@ std::vector<leaf_use> ranked(std::vector<leaf_use> uses) {
 /// count, forward (or recompute) or backward.
 struct use_recorder final : layer_hooks {
   std::vector<leaf_use> uses;
+  std::vector<std::pair<std::uint64_t, index_t>> backward_ends;  // (place among the recorded calls, flat offset)
+  void after_backward(const leaf_ref& r) override {
+    if (r.count) backward_ends.push_back({detail::mpi_comm_state::next_recorded(), r.offset});
+  }
   void before_forward(const leaf_ref& r) override {
     if (r.count) uses.push_back({r.offset, r.count, false});
   }
@@ -166,7 +174,17 @@ std::pair<measured, index_t> run(const context& ctx, Data data, plan_options po,
     step_ctx c;
     c.batch = count, c.seq = seq, c.global_rows = batch * seq;
     c.hooks = &rec;
+    auto& data_comm = group_comm(1);
+    data_comm.record_calls(true);
     (void)net.train_step(c, b.inputs, b.labels);
+    std::vector<std::tuple<std::uint64_t, char, index_t>> timeline;
+    for (const auto& [order, offset] : rec.backward_ends) timeline.emplace_back(order, 'b', offset);
+    if (data_comm.size() > 1)
+      for (const auto& call : data_comm.recorded_calls())
+        if (call.op == detail::coll::all_reduce) timeline.emplace_back(call.order, 'a', call.count);
+    data_comm.record_calls(false);
+    std::sort(timeline.begin(), timeline.end());
+    for (const auto& [order, what, n] : timeline) m.data_timeline.push_back({what, n});
     m.uses = std::move(rec.uses);
   }
   m.sent = after.bytes_sent - before.bytes_sent, m.received = after.bytes_received - before.bytes_received, m.memory = mem;
@@ -246,6 +264,39 @@ void check_plan(const std::string& spec, Data make_data, index_t batch, index_t 
       for (const auto& u : ran) gs << " " << (u.backward ? "b" : "f") << u.local_offset;
       INFO("the leaves' uses (each leaf by its place in this rank's order): the program's" << ws.str() << "\nran" << gs.str());
       CHECK(ran == want);
+    }
+    // each gradient bucket's all-reduce went right after the backward its launch point names
+    // (or after the last backward): the latest backward to end before it is that leaf's
+    if (!prog.grad_buckets.empty()) {
+      const auto at = prog.bucket_launches();
+      std::vector<index_t> offsets;  // the program's leaves with parameters, and the flat offsets the hooks saw, by place
+      for (const auto& u : prog.leaf_uses()) offsets.push_back(u.local_offset);
+      std::vector<index_t> seen;
+      for (const auto& u : m.uses) seen.push_back(u.local_offset);
+      for (auto* v : {&offsets, &seen}) {
+        std::sort(v->begin(), v->end());
+        v->erase(std::unique(v->begin(), v->end()), v->end());
+      }
+      REQUIRE(offsets.size() == seen.size());
+      std::size_t k = 0, backwards = 0;
+      index_t last = -1;  // the flat offset of the latest backward to end
+      for (const auto& [what, n] : m.data_timeline) {
+        if (what == 'b') {
+          last = n, ++backwards;
+          continue;
+        }
+        if (k >= at.size() || n != prog.grad_buckets[k].second - prog.grad_buckets[k].first) continue;  // not a bucket
+        INFO("bucket " << k << " [" << prog.grad_buckets[k].first << ", " << prog.grad_buckets[k].second << "), launch point "
+                       << at[k] << ", after the backward of the leaf at flat offset " << last);
+        if (at[k] == program::after_backward) {
+          CHECK(backwards == m.uses.size() - static_cast<std::size_t>(std::count_if(m.uses.begin(), m.uses.end(), [](const leaf_use& u) { return !u.backward; })));
+        } else {
+          const auto place = std::lower_bound(offsets.begin(), offsets.end(), at[k]) - offsets.begin();
+          CHECK(last == seen[static_cast<std::size_t>(place)]);
+        }
+        ++k;
+      }
+      CHECK(k == at.size());
     }
     // the first step issues what later steps do (ZeRO-3 gathers in the program's order from
     // the first, prefetching: nothing is recorded first); the world aside

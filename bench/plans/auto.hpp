@@ -44,7 +44,7 @@ struct auto_choice {
       throw usage_error("bench: --plan auto runs its choice in fp32 (WHALE_PRECISION says " + std::string(to_string(env)) +
                         "); bf16 mixed precision is measured with --plan single or dp --precision bf16");
     const auto dev = device_profile::load(profile);
-    if (const auto why = profile_precision_refusal(dev.kernel_precision, precision::fp32, "bench --plan auto trains its choice in fp32");
+    if (const auto why = profile_precision_refusal(dev.kernel_precision, precision::fp32, "bench --plan auto trains its choice in fp32", true);
         !why.empty())
       throw usage_error("bench: --plan auto: " + profile + ": " + why);
     const int planned = placed_per_node(c, per_node, dev);

@@ -37,13 +37,14 @@ inline std::string precision_refusal(bool bf16, int zero) {
 /// Whether a device profile whose `kernels` line times its kernels in
 /// `kernels` ("bf16", "fp32"; empty: no such line, analytic compute) can
 /// price a plan that trains in `p`: empty if it can, else why not, naming
-/// where the plan's precision was set (`set_by`). The one rule for
+/// where the plan's precision was set (`set_by`); `fixed`: the caller cannot
+/// train in another precision (no advice to change it). The one rule for
 /// auto_plan's profile and the planning tools' --precision.
-inline std::string profile_precision_refusal(const std::string& kernels, precision p, const std::string& set_by) {
+inline std::string profile_precision_refusal(const std::string& kernels, precision p, const std::string& set_by, bool fixed = false) {
   if (kernels.empty() || kernels == to_string(p)) return {};
   return "the device profile times its kernels in " + kernels + " (its 'kernels' line), but the plan trains in " +
-         to_string(p) + " (" + set_by + "); make the plan in " + kernels + ", or give a profile measured in " +
-         to_string(p) + " or one without a kernels line";
+         to_string(p) + " (" + set_by + "); " + (fixed ? std::string("give") : "make the plan in " + kernels + ", or give") +
+         " a profile measured in " + to_string(p) + " or one without a kernels line";
 }
 
 }  // namespace whale

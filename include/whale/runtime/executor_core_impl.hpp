@@ -298,7 +298,7 @@ WHALE_CORE_INLINE void executor_core::print(std::ostream& os) const {
        << (o_.micro_batches ? std::to_string(o_.micro_batches) : std::string(facts_.staged ? "auto (<= 4 x stages)" : "1")) << "\n";
   if (replicas_ > 1 && level_ < 2)
     os << "  buckets of <= " << o_.bucket_mib << " MiB" << (blocking_buckets() ? ", blocking" : ", non-blocking")
-       << (o_.overlap ? ", during backward" : ", after backward") << (o_.bf16_reduce ? ", summed in bf16" : "") << "\n";
+       << (sync_.during_backward() ? ", during backward" : ", after backward") << (o_.bf16_reduce ? ", summed in bf16" : "") << "\n";
   const auto t = prog_.totals();
   os << "  this rank holds " << t.params_held << " of " << prog_.full_params << " parameters ("
      << static_cast<double>(t.params_held) * 4 / 1048576.0 << " MiB):\n";

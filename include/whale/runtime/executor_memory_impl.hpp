@@ -139,7 +139,6 @@ WHALE_CORE_INLINE void executor_core::check_step_memory(const step_ctx& c, std::
   auto step = lower(desc_, ctx_->mesh().shape(), ctx_->rank(), lo);
   const auto e = predict_memory(desc_, step, o_);
   step_order_ = std::move(step.order);  // the step's passes run in its order (order_for)
-  if (level_ == 3) zero_.follow(zero_engine::pass_kind::training, step.leaf_uses());  // and gather in its order, from the first
   std::ostringstream what;
   what << "the activations of its step (" << mib_text(e.activations) << ": " << e.live_micro_batches
        << " micro-batch(es) of " << e.rows << " rows kept) and its communication buffers (" << mib_text(e.comm) << ")";
@@ -148,6 +147,8 @@ WHALE_CORE_INLINE void executor_core::check_step_memory(const step_ctx& c, std::
                     "use a smaller batch, more micro-batches" + std::string(facts_.staged ? " (fewer kept under 1f1b)" : "") +
                         ", recompute<Block>, or more ranks",
                     be_);
+  // ZeRO-3 gathers in the step's order from the first step; its pool (counted in e.comm above) is taken now
+  if (level_ == 3) zero_.follow(zero_engine::pass_kind::training, step.leaf_uses());
 }
 
 }  // namespace whale::detail

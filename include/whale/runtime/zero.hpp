@@ -72,7 +72,7 @@ class zero_engine {
   /// Level 3: the order a pass of `kind` uses the leaves in, as the step's
   /// program lists them (program::leaf_uses; offsets relative to the range's
   /// base): passes of that kind prefetch from it from their first, and the
-  /// pool takes every buffer they need now. A pass that asks otherwise
+  /// pool takes the buffers of their gathers and gradients now. A pass that asks otherwise
   /// records its own order (rerecords()).
   void follow(pass_kind kind, const std::vector<leaf_use>& uses);
   /// Put the engine's hooks around `c.hooks` for one pass (levels 2–3). Its

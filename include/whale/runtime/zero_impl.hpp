@@ -71,7 +71,12 @@ WHALE_CORE_INLINE void zero_engine::gather_params(view<float> out) const {
 WHALE_CORE_INLINE const zero_engine::leaf_info& zero_engine::info(index_t global_offset, index_t count) {
   const index_t offset = global_offset - base_;
   auto it = leaves_.find(offset);
-  if (it != leaves_.end()) return it->second;
+  if (it != leaves_.end()) {
+    if (it->second.count != count)
+      throw std::logic_error("whale::shard: the leaf at " + std::to_string(offset) + " has " + std::to_string(count) +
+                             " parameters, but " + std::to_string(it->second.count) + " were known for it (the step's program)");
+    return it->second;
+  }
   leaf_info l;
   l.offset = offset;
   l.count = count;
@@ -296,13 +301,7 @@ WHALE_CORE_INLINE void zero_engine::follow(pass_kind kind, const std::vector<lea
   }
   std::vector<event> order;
   order.reserve(uses.size());
-  for (const auto& u : uses) {
-    const auto& l = info(base_ + u.local_offset, u.params);
-    if (l.count != u.params)
-      throw std::logic_error("whale::shard: the program's leaf at " + std::to_string(u.local_offset) + " holds " +
-                             std::to_string(u.params) + " parameters, the engine's " + std::to_string(l.count));
-    order.push_back({l.offset, u.backward});
-  }
+  for (const auto& u : uses) order.push_back({info(base_ + u.local_offset, u.params).offset, u.backward});  // info() checks the sizes
   const int saved = kind_;
   kind_ = k;
   trace() = std::move(order);
